@@ -1,0 +1,252 @@
+"""Configuration: TOML files loaded into nested frozen structs, validated on load.
+
+Every section is a frozen ``msgspec.Struct`` that rejects unknown keys; each component receives only its own
+section. Errors name the file, the key and (for unknown keys) the valid ones. ``--section.key=value``
+overrides are applied before validation, with the value parsed as TOML (``--server.port=6000``,
+``--scheduler.mode="serial"``; a bare word is taken as a string).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names the file and the key."""
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class LayoutConfig(_Section):
+    """Which rank holds which role. Roles may share a rank; every rank must hold at least one role."""
+
+    name: str = "cpu-tiny"
+    world_size: int = 7
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL when CUDA is available, else gloo
+    coordinator: int = 0  # the ZeroMQ server, sessions and scheduler (rank 0 by convention)
+    condition: int = 0  # text encode + VAE encode of the condition chunks
+    decode: int = 1  # VAE decode
+    dit: list[int] = msgspec.field(default_factory=lambda: [2, 3, 4, 5, 6])  # the Ulysses group; first = leader
+
+    @property
+    def dit_leader(self) -> int:
+        return self.dit[0]
+
+    def roles_of(self, rank: int) -> list[str]:
+        roles = []
+        if rank == self.coordinator:
+            roles.append("coordinator")
+        if rank == self.condition:
+            roles.append("condition")
+        if rank == self.decode:
+            roles.append("decode")
+        if rank in self.dit:
+            roles.append("dit")
+        return roles
+
+
+class ServerConfig(_Section):
+    """The client-facing ZeroMQ server on the coordinator rank and its limits."""
+
+    host: str = "127.0.0.1"  # loopback unless you mean to expose it
+    port: int = 5555  # 0 picks a free port (written to the log and to WORLDSTREAM_PORT_FILE if set)
+    max_sessions: int = 4  # a new session beyond this is refused with a retry hint
+    max_message_bytes: int = 16 * 1024 * 1024  # larger client messages are rejected before decoding
+    max_image_pixels: int = 4096 * 4096  # decoded start images larger than this are rejected
+    max_chunks: int = 100_000  # maximum session length in chunks
+    client_timeout_s: float = 10.0  # a session whose client sent nothing (not even a heartbeat) this long is closed
+    send_hwm: int = 64  # ZeroMQ high-water mark per client; a client that does not read is dropped, never buffered
+
+
+class StreamConfig(_Section):
+    """Geometry of the video stream."""
+
+    height: int = 160  # video frame height
+    width: int = 256  # video frame width
+    chunk_latent_frames: int = 3  # latent frames per chunk (v1: 3, v2: 4)
+    fps: float = 16.0  # media frame rate, used for the real-time factor and the mp4
+
+
+class SchedulerConfig(_Section):
+    """The coordinator's scheduler. The prefetch depth (2) is an internal constant, not a setting."""
+
+    mode: Literal["prefetch", "serial"] = "prefetch"  # serial is the old design, kept for the A/B benchmark
+    control_capacity: int = 2  # accepted controls per session whose denoise has not started
+    latent_capacity: int = 1  # latents per session waiting for or in decode
+    output_capacity: int = 2  # decoded chunks per session not yet emitted
+
+
+class SyntheticConfig(_Section):
+    """Stage costs of the synthetic backend (seconds per chunk)."""
+
+    encode_s: float = 0.025
+    denoise_s: float = 0.06
+    decode_s: float = 0.03
+
+
+class ModelConfig(_Section):
+    """Which backend runs the stages and where its weights come from."""
+
+    kind: Literal["synthetic", "lingbot-fast"] = "synthetic"
+    preset: str = "tiny"  # model size preset (lingbot-fast): tiny, v1, v2, ...
+    checkpoint_dir: str = ""  # empty: seeded random weights (tiny presets only)
+    attention: Literal["auto", "sdpa", "sage"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA (VAE stays fp32), fp32 on CPU
+    weights_seed: int = 0  # seed of random weights when no checkpoint is given
+
+
+class TimeoutsConfig(_Section):
+    """Deadlines: nothing blocks forever."""
+
+    collective_s: float = 60.0  # every process group's timeout (tensor transfers, Ulysses all-to-all)
+    heartbeat_s: float = 0.5  # rank -> coordinator heartbeat period
+    rank_dead_s: float = 5.0  # a rank silent this long is dead: the job ends with a non-zero exit
+    startup_s: float = 120.0  # every rank must have reported in by then
+    stage_s: float = 120.0  # one stage task (encode, denoise, decode, init, release) must finish within this
+
+
+class MetricsConfig(_Section):
+    warmup_chunks: int = 2  # first chunks of a session excluded from compute FPS (reported separately)
+    prometheus_port: int = 0  # >0: serve counters on 127.0.0.1:PORT if prometheus-client is installed
+
+
+class Config(_Section):
+    layout: LayoutConfig = msgspec.field(default_factory=LayoutConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    stream: StreamConfig = msgspec.field(default_factory=StreamConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    synthetic: SyntheticConfig = msgspec.field(default_factory=SyntheticConfig)
+    timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+
+
+_SECTIONS: dict[str, type[_Section]] = {f: type(getattr(Config(), f)) for f in Config.__struct_fields__}
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if not text.startswith("--") or "=" not in text:
+        raise ConfigError(f"override {text!r} must look like --section.key=value")
+    path, raw = text[2:].split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path.split("."), value
+
+
+def _apply(tree: dict[str, Any], path: list[str], value: Any, where: str) -> None:
+    node = tree
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{where}: {'.'.join(path)} does not name a section key")
+    node[path[-1]] = value
+
+
+def _explain(error: msgspec.ValidationError, where: str) -> ConfigError:
+    text = str(error)
+    message = f"{where}: {text}"
+    if "unknown field" in text and "$." in text:
+        section = text.rsplit("$.", 1)[1].strip("`").split(".")[0].split("[")[0]
+        if section in _SECTIONS:
+            message += f" (valid keys of [{section}]: {', '.join(_SECTIONS[section].__struct_fields__)})"
+    elif "unknown field" in text:
+        message += f" (valid sections: {', '.join(_SECTIONS)})"
+    return ConfigError(message)
+
+
+def validate(config: Config, where: str) -> Config:
+    """Cross-field checks that a struct's types cannot express."""
+    lay = config.layout
+    n = lay.world_size
+    if n < 1:
+        raise ConfigError(f"{where}: layout.world_size must be >= 1, got {n}")
+    for key in ("coordinator", "condition", "decode"):
+        rank = getattr(lay, key)
+        if not 0 <= rank < n:
+            raise ConfigError(f"{where}: layout.{key} = {rank} is not a rank of world_size {n}")
+    if not lay.dit:
+        raise ConfigError(f"{where}: layout.dit must list at least one rank")
+    if len(set(lay.dit)) != len(lay.dit) or any(not 0 <= r < n for r in lay.dit):
+        raise ConfigError(f"{where}: layout.dit = {lay.dit} must be distinct ranks of world_size {n}")
+    idle = [r for r in range(n) if not lay.roles_of(r)]
+    if idle:
+        raise ConfigError(f"{where}: layout does not give ranks {idle} any role (world_size {n})")
+    if lay.coordinator != 0:
+        raise ConfigError(f"{where}: layout.coordinator must be rank 0 (got {lay.coordinator})")
+    heads = model_heads(config.model)
+    if heads is not None and heads % len(lay.dit) != 0:
+        raise ConfigError(
+            f"{where}: model preset {config.model.preset!r} has num_heads = {heads}, not divisible by the "
+            f"{len(lay.dit)} DiT ranks of layout.dit = {lay.dit}"
+        )
+    st = config.stream
+    if st.height % 16 or st.width % 16:
+        raise ConfigError(
+            f"{where}: stream.height and stream.width must be multiples of 16, got {st.height}x{st.width}"
+        )
+    if st.chunk_latent_frames < 1:
+        raise ConfigError(f"{where}: stream.chunk_latent_frames must be >= 1")
+    sch = config.scheduler
+    for key in ("control_capacity", "latent_capacity", "output_capacity"):
+        if getattr(sch, key) < 1:
+            raise ConfigError(f"{where}: scheduler.{key} must be >= 1")
+    return config
+
+
+# Head counts of the model presets, so a layout is checked without importing torch.
+PRESET_HEADS = {"tiny": 5, "tiny2": 10, "small": 10, "v1": 40, "v2": 40}
+
+
+def model_heads(model: ModelConfig) -> int | None:
+    if model.kind != "lingbot-fast":
+        return None
+    return PRESET_HEADS.get(model.preset)
+
+
+def resolve_path(name: str | Path) -> Path:
+    """A config given by path, or by bare name from ``configs/`` (``cpu-tiny`` -> ``configs/cpu-tiny.toml``)."""
+    path = Path(name)
+    if path.exists():
+        return path
+    candidate = CONFIG_DIR / (path.name if path.suffix == ".toml" else f"{path.name}.toml")
+    if candidate.exists():
+        return candidate
+    raise ConfigError(f"config {name!s} not found (looked in . and {CONFIG_DIR})")
+
+
+def load(name: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Load, override and validate a config file."""
+    path = resolve_path(name)
+    where = str(path)
+    try:
+        tree = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{where}: not valid TOML: {error}") from None
+    for text in overrides:
+        keys, value = _parse_override(text)
+        _apply(tree, keys, value, f"{where} (override {text})")
+    try:
+        config = msgspec.convert(tree, Config)
+    except msgspec.ValidationError as error:
+        raise _explain(error, where) from None
+    return validate(config, where)
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    return msgspec.to_builtins(config)
