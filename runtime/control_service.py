@@ -1,0 +1,205 @@
+"""The live control service: a client's held-key state in, immutable per-chunk snapshots out.
+
+Sans-io: no sockets, threads or clocks. The coordinator feeds ``update`` with each ``control_state`` message of a
+live session and calls ``cut`` whenever the scheduler could accept the session's next control right now (the
+non-blocking path); whatever ``cut`` returns it submits through the scheduler's normal admission.
+
+Rules (each one is enforced here and nowhere else):
+
+1. **Revisions are strictly increasing per client.** A state whose revision is not greater than the last one
+   folded in raises ``ControlStateError(reason="stale_revision")`` and changes nothing. Revisions are >= 0; a
+   snapshot cut before any state arrived carries revision -1 ("no client state yet").
+2. **Snapshots are cut in chunk order, only on demand.** ``cut(index, current)`` requires ``index`` to be the next
+   index not yet cut (anything else is a coordinator bug: ``CutOrderError``). A snapshot exists only from the
+   moment it is cut, and a cut snapshot is final: it is what the scheduler receives and what the model sees.
+   Hence a release, reset or new state always "replaces" the snapshots not yet submitted (they do not exist
+   yet) and can never alter one already submitted (``ChunkControl`` is immutable and never re-cut).
+3. **At most one chunk ahead.** ``cut`` returns ``None`` when ``index > current_chunk_index + 1``, where
+   ``current_chunk_index`` is the chunk being produced (the lowest index not yet emitted). So at most two
+   controls of the session are in the scheduler: the chunk being produced and the next one.
+4. **A tap is consumed by exactly one chunk**: the next one cut after the state carrying it was folded in, even
+   if the key was already released. A tap acts as a held key for that whole chunk (several taps folded in
+   before one cut all land in that chunk).
+5. **Mouse motion is accumulated between cuts and goes into the next snapshot only**, then the accumulator is
+   zeroed: across all snapshots the motion sums to the motion received (never lost, never counted twice).
+6. **Idle.** With no key held the world keeps running with a still camera (an empty snapshot). With
+   ``pause_when_idle`` the service is paused while idle (no key held, no pending tap, no pending mouse motion):
+   ``cut`` returns ``None`` until the next input makes it non-idle.
+7. ``reset`` drops held keys, pending taps and pending mouse motion (e.g. window focus lost); it keeps the
+   revision floor and the chunk cursor, and like any new state it only affects snapshots cut afterwards.
+
+Every cut snapshot carries ``revision`` = the revision of the latest state folded in; the service also keeps a
+bounded record of the snapshot given to each recent index (``applied``), so an emitted chunk can report exactly
+what the model saw and which client revision it came from.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from models.controls import KEYS, ChunkControl
+
+NO_REVISION = -1  # revision of snapshots cut before any client state arrived
+APPLIED_HISTORY = 64  # how many recent (index -> snapshot) records are kept
+
+
+class ControlStateError(ValueError):
+    """Bad live input from a client; the service state is unchanged. ``reason`` is a short machine-readable tag."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # "malformed" | "unknown_keys" | "stale_revision"
+
+
+class CutOrderError(RuntimeError):
+    """The coordinator asked for a snapshot out of chunk order (a bug on the caller's side); nothing changed."""
+
+
+def _keys(value: object, field: str, lower: bool = False) -> tuple[str, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise ControlStateError("malformed", f"control_state.{field} must be a list of key names, got {value!r}")
+    if not all(isinstance(k, str) for k in value):
+        raise ControlStateError("malformed", f"control_state.{field} must hold strings, got {value!r}")
+    out = tuple(k.lower() for k in value) if lower else tuple(value)
+    unknown = sorted(set(out) - KEYS)
+    if unknown:
+        raise ControlStateError("unknown_keys", f"control_state.{field}: unknown keys {unknown}; valid {sorted(KEYS)}")
+    return out
+
+
+def _number(value: object, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ControlStateError("malformed", f"control_state.{field} must be a finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ControlState:
+    """One ``control_state`` message of a live client: its whole input state at the moment it changed."""
+
+    keys: frozenset[str]  # every key held now
+    mouse: tuple[float, float] = (0.0, 0.0)  # yaw, pitch degrees accumulated since the client's previous message
+    taps: tuple[str, ...] = ()  # keys pressed and released since the previous message
+    revision: int = 0  # client revision, strictly increasing per client
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keys, frozenset):
+            raise ControlStateError("malformed", f"control_state.keys must be a frozenset, got {self.keys!r}")
+        _keys(tuple(self.keys), "keys")
+        _keys(self.taps, "taps")
+        if not isinstance(self.mouse, tuple) or len(self.mouse) != 2:
+            raise ControlStateError("malformed", f"control_state.mouse must be (dx, dy), got {self.mouse!r}")
+        _number(self.mouse[0], "mouse[0]")
+        _number(self.mouse[1], "mouse[1]")
+        if isinstance(self.revision, bool) or not isinstance(self.revision, int) or self.revision < 0:
+            raise ControlStateError("malformed", f"control_state.revision must be an int >= 0, got {self.revision!r}")
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, object]) -> ControlState:
+        """Validate a decoded ``control_state`` body. ``keys`` and ``revision`` are required; ``mouse`` and
+        ``taps`` default to none. Key names are case-insensitive. Other fields (the envelope: type, session,
+        version) are the protocol module's business and are ignored here."""
+        if not isinstance(data, Mapping):
+            raise ControlStateError("malformed", f"control_state must be a map, got {type(data).__name__}")
+        missing = [f for f in ("keys", "revision") if f not in data]
+        if missing:
+            raise ControlStateError("malformed", f"control_state is missing {missing}")
+        mouse = data.get("mouse", (0.0, 0.0))
+        if isinstance(mouse, (str, bytes)) or not isinstance(mouse, (list, tuple)) or len(mouse) != 2:
+            raise ControlStateError("malformed", f"control_state.mouse must be [dx, dy], got {mouse!r}")
+        return cls(
+            keys=frozenset(_keys(data["keys"], "keys", lower=True)),
+            mouse=(_number(mouse[0], "mouse[0]"), _number(mouse[1], "mouse[1]")),
+            taps=_keys(data.get("taps", ()), "taps", lower=True),
+            revision=data["revision"],  # type: ignore[arg-type]  # checked in __post_init__
+        )
+
+
+class LiveControls:
+    """Per-session live control state; see the module docstring for the rules."""
+
+    def __init__(self, pause_when_idle: bool = False) -> None:
+        self.pause_when_idle = pause_when_idle
+        self._held: frozenset[str] = frozenset()
+        self._taps: set[str] = set()  # taps folded in since the last cut
+        self._mouse = (0.0, 0.0)  # motion folded in since the last cut
+        self._revision = NO_REVISION  # latest revision folded in
+        self._next_index = 0  # next chunk index to cut
+        self._applied: OrderedDict[int, ChunkControl] = OrderedDict()  # bounded: APPLIED_HISTORY entries
+
+    @property
+    def next_index(self) -> int:
+        """The next chunk index a snapshot will be cut for (= number of snapshots cut so far)."""
+        return self._next_index
+
+    @property
+    def revision(self) -> int:
+        """The latest client revision folded in (``NO_REVISION`` before the first state)."""
+        return self._revision
+
+    @property
+    def idle(self) -> bool:
+        """No key held, no pending tap, no pending mouse motion."""
+        return not self._held and not self._taps and self._mouse == (0.0, 0.0)
+
+    def update(self, state: ControlState) -> None:
+        """Fold in a client's new input state. Raises ``ControlStateError`` (state unchanged) on a stale revision."""
+        if state.revision <= self._revision:
+            raise ControlStateError(
+                "stale_revision", f"control_state revision {state.revision} is not newer than {self._revision}"
+            )
+        self._held = state.keys
+        self._taps.update(state.taps)
+        self._mouse = (self._mouse[0] + state.mouse[0], self._mouse[1] + state.mouse[1])
+        self._revision = state.revision
+
+    def reset(self) -> None:
+        """Forget held keys, pending taps and pending mouse motion; affects only snapshots cut afterwards."""
+        self._held = frozenset()
+        self._taps.clear()
+        self._mouse = (0.0, 0.0)
+
+    def may_cut(self, index: int, current_chunk_index: int) -> bool:
+        """Whether ``cut(index, current_chunk_index)`` would return a snapshot now (a pure query)."""
+        self._check_order(index, current_chunk_index)
+        if index > current_chunk_index + 1:
+            return False
+        return not (self.pause_when_idle and self.idle)
+
+    def cut(self, index: int, current_chunk_index: int) -> ChunkControl | None:
+        """Cut the snapshot for chunk ``index`` now, or return ``None`` when it may not be cut yet.
+
+        Call it only when the scheduler can accept control[index] right now; a returned snapshot is final and
+        must be submitted. ``current_chunk_index`` is the chunk being produced (lowest index not yet emitted).
+        """
+        if not self.may_cut(index, current_chunk_index):
+            return None
+        snapshot = ChunkControl(keys=self._held | self._taps, mouse=self._mouse, revision=self._revision)
+        # Consumed: taps and motion belong to this snapshot only (rules 4 and 5).
+        self._taps.clear()
+        self._mouse = (0.0, 0.0)
+        self._next_index += 1
+        self._applied[index] = snapshot
+        if len(self._applied) > APPLIED_HISTORY:
+            self._applied.popitem(last=False)
+        return snapshot
+
+    def applied(self, index: int) -> ChunkControl | None:
+        """The snapshot cut for ``index`` if it is among the last ``APPLIED_HISTORY`` cut, else ``None``."""
+        return self._applied.get(index)
+
+    def revision_of(self, index: int) -> int | None:
+        """The client revision the snapshot of ``index`` came from (same bounded record as ``applied``)."""
+        snapshot = self._applied.get(index)
+        return None if snapshot is None else snapshot.revision
+
+    def _check_order(self, index: int, current_chunk_index: int) -> None:
+        if index != self._next_index:
+            raise CutOrderError(f"cut of chunk {index} out of order: the next chunk to cut is {self._next_index}")
+        if current_chunk_index > index:
+            raise CutOrderError(
+                f"chunk {current_chunk_index} is being produced but chunk {index} has no control yet"
+            )
