@@ -1,0 +1,215 @@
+"""The real model's condition and decode stages (``models.stages`` protocols) on the Wan2.1 VAE and umT5.
+
+``LingbotConditionStage``: ``open`` encodes the prompt (cached by prompt hash) and starts the session's streaming
+condition encoder; ``encode(session, k)`` returns ``y_k = [mask (4), normalised latent (16)]`` of shape
+``[20, cs, h, w]``, the mask being 1 only in latent frame 0 of the stream.
+``LingbotDecodeStage``: ``decode(session, k, latent)`` returns uint8 ``[n, H, W, 3]`` frames.
+
+Memory per session is bounded for endless sessions: the decoder cache holds two frames per temporal layer, and
+the condition encoder drops its cache once the black tail reaches its fixed point (``models.vae_stream``).
+Factories at the bottom build both stages from a checkpoint directory, a golden fixture or tiny random weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.checkpoints import CheckpointNames, load_t5, load_vae, resolve_checkpoint_dir
+from models.stages import SessionSpec
+from models.t5 import T5Config, T5Encoder
+from models.tokenizer import ByteFallbackTokenizer, SentencePieceTokenizer, Tokenizer
+from models.vae import VAEConfig, WanVAE
+from models.vae_stream import ConditionEncoder, FrameDecoder, SessionTable, frames_to_uint8, image_from_uint8
+
+
+class PromptCache:
+    """Bounded LRU of prompt contexts keyed by the SHA-256 of the prompt."""
+
+    def __init__(self, max_entries: int = 64) -> None:
+        assert max_entries >= 1
+        self.max_entries = max_entries
+        self.misses = 0
+        self._items: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    @staticmethod
+    def key(prompt: str) -> str:
+        return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
+
+    def get_or_compute(self, prompt: str, compute: object) -> torch.Tensor:
+        key = self.key(prompt)
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key]
+        self.misses += 1
+        value = compute()  # type: ignore[operator]
+        self._items[key] = value
+        if len(self._items) > self.max_entries:
+            self._items.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class LingbotConditionStage:
+    """ConditionStage of LingBot-World-Fast: umT5 prompt context + streaming VAE condition ``y``."""
+
+    def __init__(
+        self,
+        vae: WanVAE,
+        t5: T5Encoder,
+        tokenize: Tokenizer,
+        chunk_latent_frames: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        constant_tail: bool = True,
+        prompt_cache_size: int = 64,
+    ) -> None:
+        self.vae = vae.eval()
+        self.t5 = t5.eval()
+        self.tokenize = tokenize
+        self.cs = chunk_latent_frames
+        self.dtype = dtype  # dtype of context and condition on the wire
+        self.constant_tail = constant_tail
+        self.prompts = PromptCache(prompt_cache_size)
+        self._sessions: SessionTable[ConditionEncoder] = SessionTable("condition")
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.vae.parameters()).device
+
+    @torch.no_grad()
+    def context(self, prompt: str) -> torch.Tensor:
+        """``[text_len, text_dim]``: the first L encoder rows of the prompt, then zero rows (cached)."""
+        return self.prompts.get_or_compute(prompt, lambda: self._encode_prompt(prompt))
+
+    def _encode_prompt(self, prompt: str) -> torch.Tensor:
+        ids, mask = self.tokenize(prompt)  # [T], [T]
+        t5_device = next(self.t5.parameters()).device
+        valid = self.t5.context(ids.to(t5_device), mask.to(t5_device))  # [L, dim]
+        out = torch.zeros(ids.shape[0], valid.shape[1], dtype=self.dtype, device=self.device)
+        out[: valid.shape[0]] = valid.to(out)
+        return out
+
+    def open(self, spec: SessionSpec) -> torch.Tensor:
+        assert spec.image is not None, "the condition stage needs the session's start image"
+        s = self.vae.cfg.spatial_stride
+        assert spec.image.shape[0] % s == 0 and spec.image.shape[1] % s == 0, f"image H, W must be multiples of {s}"
+        context = self.context(spec.prompt)
+        image = image_from_uint8(spec.image).to(self.device)  # [3, H, W] in [-1, 1]
+        self._sessions.open(spec.session, lambda: ConditionEncoder(self.vae, image, self.cs,
+                                                                     constant_tail=self.constant_tail))  # fmt: skip
+        return context
+
+    def encode(self, session: str, index: int) -> torch.Tensor:
+        enc = self._sessions.get(session)
+        if index != enc.index:
+            raise ValueError(f"condition session {session!r}: chunk {index} requested, next is {enc.index}")
+        latent = enc.next_chunk()  # [z, cs, h, w]
+        mask = torch.zeros(self.vae.cfg.temporal_stride, *latent.shape[1:], dtype=latent.dtype, device=latent.device)
+        if index == 0:
+            mask[:, 0] = 1.0  # only latent frame 0 of the stream carries the image
+        return torch.cat([mask, latent], 0).to(self.dtype)  # [4 + z, cs, h, w]
+
+    def release(self, session: str) -> None:
+        self._sessions.release(session)
+
+    def session_nbytes(self, session: str) -> int:
+        return self._sessions.get(session).nbytes()
+
+    def __contains__(self, session: str) -> bool:
+        return session in self._sessions
+
+
+class LingbotDecodeStage:
+    """DecodeStage of LingBot-World-Fast: per-session causal VAE decoding to uint8 RGB."""
+
+    def __init__(self, vae: WanVAE, *, max_latent_frames_per_call: int | None = None) -> None:
+        self.vae = vae.eval()
+        self.max_latent_frames_per_call = max_latent_frames_per_call
+        self._sessions: SessionTable[FrameDecoder] = SessionTable("decode")
+
+    def open(self, session: str) -> None:
+        limit = self.max_latent_frames_per_call
+        self._sessions.open(session, lambda: FrameDecoder(self.vae, max_latent_frames_per_call=limit))
+
+    def decode_float(self, session: str, index: int, latent: torch.Tensor) -> torch.Tensor:
+        """Frames ``[3, n, H, W]`` in [-1, 1] (the exact decoder output, for conformance checks)."""
+        dec = self._sessions.get(session)
+        if index != dec.index:
+            raise ValueError(f"decode session {session!r}: chunk {index} arrived, next is {dec.index}")
+        return dec.decode(latent)
+
+    def decode(self, session: str, index: int, latent: torch.Tensor) -> torch.Tensor:
+        return frames_to_uint8(self.decode_float(session, index, latent))
+
+    def release(self, session: str) -> None:
+        self._sessions.release(session)
+
+    def session_nbytes(self, session: str) -> int:
+        return self._sessions.get(session).nbytes()
+
+    def __contains__(self, session: str) -> bool:
+        return session in self._sessions
+
+
+@dataclass(frozen=True)
+class VaeT5Stages:
+    condition: LingbotConditionStage
+    decode: LingbotDecodeStage
+
+
+def stages_from_checkpoint(
+    root: str | Path,
+    chunk_latent_frames: int,
+    *,
+    text_len: int = 512,
+    names: CheckpointNames | None = None,
+    device: torch.device | str = "cuda",
+    dtype: torch.dtype = torch.float32,
+) -> VaeT5Stages:
+    """Real weights: VAE in float32, T5 in bfloat16 on GPU, tokenizer from the checkpoint's tokenizer folder."""
+    paths = resolve_checkpoint_dir(root, names)
+    vae = load_vae(paths.vae_file, VAEConfig.preset("wan2.1"), device=device)
+    t5 = load_t5(paths.t5_file, T5Config.preset("umt5-xxl"), device=device)
+    tokenize = SentencePieceTokenizer.from_dir(paths.tokenizer_dir, text_len)
+    return VaeT5Stages(LingbotConditionStage(vae, t5, tokenize, chunk_latent_frames, dtype=dtype),
+                       LingbotDecodeStage(vae))  # fmt: skip
+
+
+def stages_from_fixture(fixture_dir: str | Path, tokenize: Tokenizer | None = None,
+                        device: torch.device | str = "cpu") -> VaeT5Stages:  # fmt: skip
+    """A golden fixture's weights and sizes; without ``tokenize`` the byte-level test tokenizer is used."""
+    folder = Path(fixture_dir)
+    cfg = json.loads((folder / "config.json").read_text())
+    t5_cfg = T5Config.from_fixture(cfg["t5"])
+    vae = load_vae(folder / "vae.safetensors", VAEConfig.from_fixture(cfg["vae"]), device=device)
+    t5 = load_t5(folder / "t5.safetensors", t5_cfg, device=device, dtype=torch.float32)
+    text_len = int(cfg["stream"]["text_len"])
+    tokenize = tokenize or ByteFallbackTokenizer(t5_cfg.vocab, text_len)
+    cond = LingbotConditionStage(vae, t5, tokenize, int(cfg["stream"]["chunk_size"]))
+    return VaeT5Stages(cond, LingbotDecodeStage(vae))
+
+
+def random_stages(
+    vae_cfg: VAEConfig,
+    t5_cfg: T5Config,
+    chunk_latent_frames: int,
+    *,
+    text_len: int = 16,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> VaeT5Stages:
+    """Seeded random weights (e.g. ``VAEConfig.preset('tiny')``, ``T5Config.preset('tiny')``) and the byte tokenizer."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = WanVAE(vae_cfg).to(device).eval()
+        t5 = T5Encoder(t5_cfg).to(device).eval()
+    tokenize = ByteFallbackTokenizer(t5_cfg.vocab, text_len)
+    return VaeT5Stages(LingbotConditionStage(vae, t5, tokenize, chunk_latent_frames), LingbotDecodeStage(vae))
