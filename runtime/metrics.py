@@ -1,0 +1,456 @@
+"""Per-chunk records, per-session summaries and server counters: the metrics contract of DESIGN.md section 8.
+
+Pure and clock-free: every time is given in as rank-0 seconds (worker timestamps are converted with
+``runtime.clock.ClockSync`` before they get here). The coordinator feeds, per session, one ``ChunkRecord`` per
+emitted chunk (in emission order), the DiT idle intervals and the ranks' peak memory; ``to_dict`` gives the
+JSON-able summary returned on close and in a live ``stats`` reply.
+
+Rules:
+
+- **Latency anchor.** Control-to-output latency of chunk i = ``emitted - control_accepted``: the clock starts
+  when control[i] was accepted, never at a condition-only ingress. A chunk without ``control_accepted`` adds no
+  latency sample.
+- **Warm-up.** Chunks with ``index < warmup_chunks`` are warm-up: they are excluded from the steady statistics
+  (latency, period, compute FPS, prefetch wait) and reported on their own under ``warmup``. Time to first frame
+  covers the cold start. The period of the first steady chunk is measured from the last warm-up emission.
+- **Compute seconds of a chunk** = sum over encode, denoise, decode of the stage's extent (latest span end minus
+  earliest span start of that stage, so the lockstep spans of a DiT group count once, not once per rank); a stage
+  with no span falls back to its ``*_start``/``*_end`` times when given. Transfers are not compute.
+  Compute FPS (weighted) = sum of frames / sum of compute seconds.
+- **Real-time factor** = p95 chunk period / chunk media duration, the media duration being the mean frames per
+  steady chunk divided by ``fps``; below 1 the stream keeps up.
+- **Condition prefetch wait** of chunk i = ``max(0, condition_ready - max(control_accepted, denoise_end of
+  chunk i-1))``: how long the DiT, free and holding the control, still waited for the condition.
+- **DiT idle** intervals carry a cause (``IdleCause``); totals, counts and fraction of the elapsed time by cause.
+- **Bounded memory.** Nothing grows with session length: each distribution is a ``StreamStat`` (exact count,
+  sum, min, max; percentiles from a log-bucketed histogram with at most ``StreamStat.MAX_BUCKETS`` buckets), the
+  last ``keep_last`` chunk records are kept, counters by reason are capped at ``max_reasons`` distinct names.
+
+Percentile error: percentiles use the nearest-rank definition (the ceil(q/100 * n)-th smallest sample). The
+histogram returns that sample within a relative error of ``StreamStat.RELATIVE_ERROR`` (1%) for values in
+[1 microsecond, 1e5 s]; smaller values (including negatives from clock-offset noise) read as 0, values above
+1e5 s read as at most 1e5 s. Every reported percentile is further clamped into the exact [min, max].
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+COMPUTE_STAGES = ("encode", "denoise", "decode")
+REPORTED_PERCENTILES = (50, 90, 99)
+
+
+class IdleCause(str, Enum):
+    """Why the DiT sat idle."""
+
+    CONDITION = "condition"  # the control was there, the condition was not
+    CONTROL = "control"  # waiting for the client's control
+    EDGE = "edge"  # no room downstream (latent/output edge full)
+    NO_SESSION = "no_session"  # nothing open to serve
+
+
+class StreamStat:
+    """Exact count/sum/min/max plus a log-bucketed histogram for percentiles, in constant memory.
+
+    A positive value v lands in bucket ``ceil(log_gamma(v))`` with ``gamma = (1 + a) / (1 - a)``; the bucket's
+    representative ``2 gamma^i / (gamma + 1)`` is within relative error ``a`` of every value in the bucket.
+    """
+
+    RELATIVE_ERROR = 0.01
+    MIN_VALUE = 1e-6  # values at or below read as 0
+    MAX_VALUE = 1e5  # values above share the top bucket
+    _GAMMA = (1 + RELATIVE_ERROR) / (1 - RELATIVE_ERROR)
+    _LOG_GAMMA = math.log(_GAMMA)
+    _LOW = math.ceil(math.log(MIN_VALUE) / _LOG_GAMMA)
+    _HIGH = math.ceil(math.log(MAX_VALUE) / _LOG_GAMMA)
+    MAX_BUCKETS = _HIGH - _LOW + 1
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.min = math.inf
+        self.max = -math.inf
+        self._zero = 0  # values <= MIN_VALUE
+        self._buckets: dict[int, int] = {}
+
+    def add(self, value: float) -> None:
+        if not math.isfinite(value):
+            raise ValueError(f"metric sample must be finite, got {value}")
+        self.count += 1
+        self.total += value
+        self.min = min(self.min, value)
+        self.max = max(self.max, value)
+        if value <= self.MIN_VALUE:
+            self._zero += 1
+            return
+        index = min(max(math.ceil(math.log(value) / self._LOG_GAMMA), self._LOW), self._HIGH)
+        self._buckets[index] = self._buckets.get(index, 0) + 1
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+    def percentile(self, q: float) -> float | None:
+        """The nearest-rank q-th percentile (0 < q <= 100) within the documented error; None when empty."""
+        if not 0 < q <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {q}")
+        if not self.count:
+            return None
+        rank = max(1, math.ceil(q / 100 * self.count))
+        if rank <= self._zero:
+            estimate = 0.0
+        else:
+            seen = self._zero
+            estimate = self.max
+            for index in sorted(self._buckets):
+                seen += self._buckets[index]
+                if seen >= rank:
+                    estimate = 2 * self._GAMMA**index / (self._GAMMA + 1)
+                    break
+        return min(max(estimate, self.min), self.max)
+
+    def state_size(self) -> int:
+        """Number of stored histogram buckets (bounded by ``MAX_BUCKETS + 1``)."""
+        return len(self._buckets) + 1
+
+    def to_dict(self, percentiles: tuple[int, ...] = REPORTED_PERCENTILES) -> dict[str, float | int | None]:
+        out: dict[str, float | int | None] = {
+            "count": self.count,
+            "mean": self.mean,
+            "min": self.min if self.count else None,
+            "max": self.max if self.count else None,
+        }
+        for q in percentiles:
+            out[f"p{q}"] = self.percentile(q)
+        return out
+
+
+@dataclass(frozen=True)
+class Span:
+    """One stage or transfer of one chunk on one rank, in rank-0 seconds."""
+
+    name: str  # "encode" | "denoise" | "decode" | "transfer:<edge>" (e.g. "transfer:latent")
+    rank: int
+    role: str  # "coordinator" | "condition" | "dit" | "decode" (or any role name of the layout)
+    queued: float  # when the work was handed to the rank
+    start: float
+    end: float
+
+    def __post_init__(self) -> None:
+        if not self.queued <= self.start <= self.end:
+            raise ValueError(f"span {self.name} on rank {self.rank} needs queued <= start <= end, got "
+                             f"{self.queued}, {self.start}, {self.end}")
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """What the coordinator knows about one emitted chunk (all times rank-0 seconds; None when not applicable)."""
+
+    index: int
+    frames: int  # video frames emitted
+    emitted: float
+    control_accepted: float | None = None  # the latency anchor
+    condition_submitted: float | None = None
+    condition_ready: float | None = None
+    denoise_start: float | None = None
+    denoise_end: float | None = None
+    decode_start: float | None = None
+    decode_end: float | None = None
+    control: Mapping[str, object] = field(default_factory=dict)  # the applied control, ChunkControl.to_wire()
+    spans: tuple[Span, ...] = ()
+
+    def stage_seconds(self, stage: str) -> float:
+        """Extent of one stage (see the module rules); 0 when unknown."""
+        spans = [s for s in self.spans if s.name == stage]
+        if spans:
+            return max(s.end for s in spans) - min(s.start for s in spans)
+        bounds = {"denoise": (self.denoise_start, self.denoise_end), "decode": (self.decode_start, self.decode_end)}
+        start, end = bounds.get(stage, (None, None))
+        return end - start if start is not None and end is not None else 0.0
+
+    def compute_seconds(self) -> float:
+        return sum(self.stage_seconds(stage) for stage in COMPUTE_STAGES)
+
+    def window(self) -> tuple[float, float]:
+        """The chunk's lifetime: from the earlier of control accepted / condition submitted to emission."""
+        starts = [t for t in (self.control_accepted, self.condition_submitted) if t is not None]
+        return (min(starts) if starts else self.emitted, self.emitted)
+
+    def latency(self) -> float | None:
+        return None if self.control_accepted is None else self.emitted - self.control_accepted
+
+    def brief(self) -> dict[str, object]:
+        return {
+            "index": self.index,
+            "emitted": self.emitted,
+            "frames": self.frames,
+            "latency_s": self.latency(),
+            "compute_s": self.compute_seconds(),
+            "control": dict(self.control),
+        }
+
+
+class _IdleTotals:
+    def __init__(self) -> None:
+        self.count = {c: 0 for c in IdleCause}
+        self.seconds = {c: 0.0 for c in IdleCause}
+
+    def add(self, start: float, end: float, cause: IdleCause | str) -> None:
+        cause = IdleCause(cause)
+        if end < start:
+            raise ValueError(f"idle interval ends before it starts: {start} > {end}")
+        self.count[cause] += 1
+        self.seconds[cause] += end - start
+
+    def to_dict(self, elapsed: float | None) -> dict[str, object]:
+        total = sum(self.seconds.values())
+
+        def fraction(seconds: float) -> float | None:
+            return seconds / elapsed if elapsed else None
+
+        return {
+            "total_s": total,
+            "fraction": fraction(total),
+            "by_cause": {
+                c.value: {"count": self.count[c], "total_s": self.seconds[c], "fraction": fraction(self.seconds[c])}
+                for c in IdleCause
+            },
+        }
+
+
+class _Compute:
+    def __init__(self) -> None:
+        self.chunks = 0
+        self.frames = 0
+        self.seconds = 0.0
+
+    def add(self, record: ChunkRecord) -> None:
+        self.chunks += 1
+        self.frames += record.frames
+        self.seconds += record.compute_seconds()
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "chunks": self.chunks,
+            "frames": self.frames,
+            "compute_s": self.seconds,
+            "fps_weighted": self.frames / self.seconds if self.seconds > 0 else None,
+        }
+
+
+class SessionMetrics:
+    """Streaming metrics of one session; feed ``on_chunk`` in emission order. See the module rules."""
+
+    def __init__(self, session: str, opened_at: float, fps: float, warmup_chunks: int = 2, keep_last: int = 16):
+        if fps <= 0 or warmup_chunks < 0 or keep_last < 0:
+            raise ValueError(f"need fps > 0, warmup_chunks >= 0, keep_last >= 0; got {fps}, {warmup_chunks}, "
+                             f"{keep_last}")
+        self.session = session
+        self.opened_at = opened_at
+        self.fps = fps
+        self.warmup_chunks = warmup_chunks
+        self.closed_at: float | None = None
+        self.latency = StreamStat()
+        self.period = StreamStat()
+        self.prefetch_wait = StreamStat()
+        self.steady = _Compute()
+        self.warmup = _Compute()
+        self.idle = _IdleTotals()
+        self.peak_memory: dict[int, int] = {}  # rank -> bytes (bounded by the world size)
+        self._warmup_latencies: list[float | None] = []  # at most warmup_chunks entries
+        self._recent: deque[ChunkRecord] = deque(maxlen=keep_last)
+        self._last_index = -1
+        self._last_emitted: float | None = None
+        self._last_denoise_end: float | None = None
+        self._first_emitted: float | None = None
+        self._first_control: float | None = None
+
+    def on_chunk(self, record: ChunkRecord) -> None:
+        """Fold in one emitted chunk. Chunks must come in increasing index order (ordered emission)."""
+        if record.index <= self._last_index:
+            raise ValueError(f"session {self.session}: chunk {record.index} after chunk {self._last_index}")
+        if self._last_emitted is not None and record.emitted < self._last_emitted:
+            raise ValueError(f"session {self.session}: chunk {record.index} emitted before chunk {self._last_index}")
+        warm = record.index < self.warmup_chunks
+        latency = record.latency()
+        if warm:
+            self.warmup.add(record)
+            self._warmup_latencies.append(latency)
+        else:
+            self.steady.add(record)
+            if latency is not None:
+                self.latency.add(latency)
+            if self._last_emitted is not None:
+                self.period.add(record.emitted - self._last_emitted)
+            wait = self._prefetch_wait(record)
+            if wait is not None:
+                self.prefetch_wait.add(wait)
+        if record.control_accepted is not None and self._first_control is None:
+            self._first_control = record.control_accepted
+        if self._first_emitted is None:
+            self._first_emitted = record.emitted
+        self._last_index = record.index
+        self._last_emitted = record.emitted
+        if record.denoise_end is not None:
+            self._last_denoise_end = record.denoise_end
+        self._recent.append(record)
+
+    def _prefetch_wait(self, record: ChunkRecord) -> float | None:
+        anchors = [t for t in (record.control_accepted, self._last_denoise_end) if t is not None]
+        if record.condition_ready is None or not anchors:
+            return None
+        return max(0.0, record.condition_ready - max(anchors))
+
+    def on_idle(self, start: float, end: float, cause: IdleCause | str) -> None:
+        """A DiT idle interval attributed to this session."""
+        self.idle.add(start, end, cause)
+
+    def on_memory(self, rank: int, peak_bytes: int) -> None:
+        """A rank's peak memory (the maximum reported is kept)."""
+        self.peak_memory[rank] = max(self.peak_memory.get(rank, 0), peak_bytes)
+
+    def close(self, at: float) -> None:
+        self.closed_at = at
+
+    def recent(self) -> Iterator[ChunkRecord]:
+        """The last ``keep_last`` chunk records, oldest first (for traces and debugging)."""
+        return iter(tuple(self._recent))
+
+    def state_size(self) -> int:
+        """Stored items: histogram buckets, recent records, warm-up latencies, memory entries (all bounded)."""
+        stats = (self.latency, self.period, self.prefetch_wait)
+        return sum(s.state_size() for s in stats) + len(self._recent) + len(self._warmup_latencies) + len(
+            self.peak_memory
+        )
+
+    def real_time_factor(self) -> float | None:
+        p95 = self.period.percentile(95)
+        compute = self.steady if self.steady.chunks else self.warmup
+        if p95 is None or not compute.chunks or not compute.frames:
+            return None
+        return p95 / (compute.frames / compute.chunks / self.fps)
+
+    def to_dict(self, now: float | None = None) -> dict[str, object]:
+        """JSON-able summary. ``now`` (rank-0 seconds) bounds the elapsed time of a session still open."""
+        end = self.closed_at if self.closed_at is not None else now if now is not None else self._last_emitted
+        elapsed = None if end is None else max(0.0, end - self.opened_at)
+        first = self._first_emitted
+        period = self.period.to_dict((*REPORTED_PERCENTILES, 95))
+        compute = self.steady if self.steady.chunks else self.warmup
+        return {
+            "session": self.session,
+            "opened_at": self.opened_at,
+            "closed_at": self.closed_at,
+            "elapsed_s": elapsed,
+            "chunks": self.steady.chunks + self.warmup.chunks,
+            "frames": self.steady.frames + self.warmup.frames,
+            "time_to_first_frame_s": {
+                "from_open": None if first is None else first - self.opened_at,
+                "from_first_control": None if first is None or self._first_control is None
+                else first - self._first_control,
+            },
+            "latency_s": self.latency.to_dict(),
+            "chunk_period_s": period,
+            "compute": self.steady.to_dict(),
+            "warmup": {**self.warmup.to_dict(), "latency_s": list(self._warmup_latencies)},
+            "chunk_media_s": compute.frames / compute.chunks / self.fps if compute.chunks else None,
+            "real_time_factor": self.real_time_factor(),
+            "dit_idle": self.idle.to_dict(elapsed),
+            "condition_prefetch_wait_s": {**self.prefetch_wait.to_dict(), "total": self.prefetch_wait.total},
+            "peak_memory_bytes": {str(rank): b for rank, b in sorted(self.peak_memory.items())},
+            "percentile_relative_error": StreamStat.RELATIVE_ERROR,
+            "recent_chunks": [r.brief() for r in self._recent],
+        }
+
+
+OTHER_REASON = "other"
+
+
+class _Counter:
+    """Counts by name, at most ``limit`` distinct names; further names count under ``OTHER_REASON``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.counts: dict[str, int] = {}
+
+    def add(self, name: str) -> None:
+        if name not in self.counts and len(self.counts) >= self.limit - 1:
+            name = OTHER_REASON
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+
+class ServerMetrics:
+    """Server-wide counters and the open sessions' metrics, for the live ``stats`` request."""
+
+    def __init__(self, started_at: float, max_reasons: int = 32) -> None:
+        if max_reasons < 2:
+            raise ValueError(f"max_reasons must be >= 2, got {max_reasons}")
+        self.started_at = started_at
+        self.sessions: dict[str, SessionMetrics] = {}  # open sessions only
+        self.sessions_total = 0
+        self.chunks_emitted = 0
+        self.frames_emitted = 0
+        self.rejects = _Counter(max_reasons)
+        self.errors = _Counter(max_reasons)
+        self.idle = _IdleTotals()
+
+    def open_session(
+        self, session: str, opened_at: float, fps: float, warmup_chunks: int = 2, keep_last: int = 16
+    ) -> SessionMetrics:
+        if session in self.sessions:
+            raise ValueError(f"session {session} is already open")
+        metrics = SessionMetrics(session, opened_at, fps, warmup_chunks, keep_last)
+        self.sessions[session] = metrics
+        self.sessions_total += 1
+        return metrics
+
+    def on_chunk(self, session: str, record: ChunkRecord) -> None:
+        self._get(session).on_chunk(record)
+        self.chunks_emitted += 1
+        self.frames_emitted += record.frames
+
+    def on_idle(self, start: float, end: float, cause: IdleCause | str, session: str | None = None) -> None:
+        """A DiT idle interval: always counted server-wide, and also for ``session`` when one is named."""
+        if session is not None:
+            self._get(session).on_idle(start, end, cause)
+        self.idle.add(start, end, cause)
+
+    def on_reject(self, reason: str) -> None:
+        self.rejects.add(reason)
+
+    def on_error(self, kind: str) -> None:
+        self.errors.add(kind)
+
+    def close_session(self, session: str, at: float) -> dict[str, object]:
+        """Close a session's metrics and return its final summary (what the client gets on close)."""
+        metrics = self._get(session)
+        metrics.close(at)
+        del self.sessions[session]
+        return metrics.to_dict()
+
+    def to_dict(self, now: float) -> dict[str, object]:
+        uptime = max(0.0, now - self.started_at)
+        return {
+            "uptime_s": uptime,
+            "sessions": {"open": len(self.sessions), "total": self.sessions_total},
+            "chunks_emitted": self.chunks_emitted,
+            "frames_emitted": self.frames_emitted,
+            "rejects": dict(self.rejects.counts),
+            "errors": dict(self.errors.counts),
+            "dit_idle": self.idle.to_dict(uptime),
+            "per_session": {sid: m.to_dict(now) for sid, m in self.sessions.items()},
+        }
+
+    def _get(self, session: str) -> SessionMetrics:
+        try:
+            return self.sessions[session]
+        except KeyError:
+            raise KeyError(f"no open session {session!r} in metrics") from None
