@@ -344,9 +344,17 @@ class WanVAE(nn.Module):
         self.conv1 = CausalConv3d(cfg.z_dim * 2, cfg.z_dim * 2, 1)
         self.conv2 = CausalConv3d(cfg.z_dim, cfg.z_dim, 1)
         self.decoder = Decoder3d(cfg)
-        std = torch.tensor(cfg.latent_std, dtype=torch.float32)
-        self.register_buffer("latent_mean", torch.tensor(cfg.latent_mean, dtype=torch.float32), persistent=False)
-        self.register_buffer("latent_inv_std", 1.0 / std, persistent=False)  # float32 reciprocal, as the reference
+        self.latent_mean: torch.Tensor
+        self.latent_inv_std: torch.Tensor
+        self.reset_latent_stats()
+
+    def reset_latent_stats(self) -> None:
+        """(Re)build the fixed normalisation buffers from the config, next to the weights (after meta loading)."""
+        device = self.conv2.weight.device
+        mean = torch.tensor(self.cfg.latent_mean, dtype=torch.float32, device=device)
+        inv_std = 1.0 / torch.tensor(self.cfg.latent_std, dtype=torch.float32, device=device)  # float32 reciprocal
+        self.register_buffer("latent_mean", mean, persistent=False)
+        self.register_buffer("latent_inv_std", inv_std, persistent=False)
 
     def encode(self, video: torch.Tensor, cache: TemporalCache | None = None) -> torch.Tensor:
         """Normalised latent mean ``[B, z, t, h, w]`` of ``video [B, 3, T, H, W]`` in [-1, 1]."""
