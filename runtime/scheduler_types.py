@@ -1,0 +1,213 @@
+"""Vocabulary of the scheduler (runtime/scheduler.py): modes, stages, capacities, errors, actions, times.
+
+Plain data, no rules: every frozen dataclass here is a value the scheduler returns or takes. The rules (cursors,
+windows, admission, join, emission, close) live in ``runtime.scheduler``, which re-exports every name below.
+
+Invariants of the values: ``Capacities`` fields are ints >= 1; actions are immutable; ``ChunkTimes`` are rank-0
+times passed in with the events, never read from a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Final
+
+
+class Mode(str, Enum):
+    PREFETCH = "prefetch"  # the pipeline: conditions prefetched, joined with controls as they arrive
+    SERIAL = "serial"  # the old design: condition and control together, one chunk at a time
+
+
+class Stage(str, Enum):
+    ENCODE = "encode"  # the condition role (VAE encode)
+    DENOISE = "denoise"  # the DiT role
+    DECODE = "decode"  # the VAE decode role
+
+
+INIT_ORDER: Final = (Stage.ENCODE, Stage.DECODE, Stage.DENOISE)
+RELEASE_ORDER: Final = (Stage.DECODE, Stage.DENOISE, Stage.ENCODE)
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """Per-session edge capacities (the condition edge is bounded by ``PREFETCH_DEPTH``)."""
+
+    control: int = 2  # accepted controls whose denoise has not started
+    latent: int = 1  # latents not yet taken by decode, counting the one a running denoise will produce
+    output: int = 2  # decoded frames not yet emitted, counting the one a running decode will produce
+
+    def __post_init__(self) -> None:
+        for name in ("control", "latent", "output"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Capacities.{name} must be an int >= 1, got {value!r}")
+
+
+class SchedulerError(Exception):
+    """Base of every error the scheduler raises; when one is raised, nothing changed."""
+
+
+class UnknownSession(SchedulerError):
+    def __init__(self, session: str) -> None:
+        self.session = session
+        super().__init__(f"unknown session {session!r} (never opened, or closed and forgotten)")
+
+
+class SessionIdTaken(SchedulerError):
+    """``open`` of an id that is live, or poisoned (a poisoned id is never reused)."""
+
+
+class IllegalEvent(SchedulerError):
+    """An event not legal in the session's state, or a completion for a task that is not running."""
+
+
+_RETRYABLE: Final = frozenset({"not_ready", "serial", "control_edge_full", "condition_window_full"})
+
+
+class AdmissionError(SchedulerError):
+    """control[index] was not accepted. ``kind`` says why; ``retryable`` kinds may succeed later unchanged."""
+
+    def __init__(self, session: str, index: int, expected_index: int, kind: str, detail: str) -> None:
+        self.session = session
+        self.index = index
+        self.expected_index = expected_index
+        self.kind = kind
+        super().__init__(
+            f"session {session!r}: control[{index}] rejected ({kind}): {detail}; expected index {expected_index}"
+        )
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind in _RETRYABLE
+
+
+@dataclass(frozen=True)
+class ChunkTimes:
+    """Rank-0 times of one chunk, as passed in with the events. Emitted with the chunk."""
+
+    control_accepted: float | None  # the latency anchor; None only if no control was accepted
+    condition_submitted: float
+    condition_ready: float
+    denoise_start: float
+    denoise_end: float
+    decode_start: float
+    decode_end: float
+    emitted: float
+    encode_start: float | None = None  # when the encode role started condition[i] (its queue wait ends)
+    cached: bool = False  # the denoise was a world-cache hit
+
+    @property
+    def control_to_output(self) -> float | None:
+        return None if self.control_accepted is None else self.emitted - self.control_accepted
+
+    @property
+    def condition_wait(self) -> float:
+        """How long the join waited for the condition after the control was accepted (0 if it was prefetched)."""
+        anchor = self.condition_submitted if self.control_accepted is None else self.control_accepted
+        return max(0.0, self.condition_ready - anchor)
+
+
+# ---- actions (what the coordinator must do, in list order) ----
+
+
+@dataclass(frozen=True)
+class InitCache:
+    session: str
+    stage: Stage
+
+
+@dataclass(frozen=True)
+class RunEncode:
+    session: str
+    index: int
+
+
+@dataclass(frozen=True)
+class RunDenoise:
+    session: str
+    index: int
+    cached: bool  # world-cache hit: only advance the noise cursor and return the cached latent
+
+
+@dataclass(frozen=True)
+class RunDecode:
+    session: str
+    index: int
+
+
+@dataclass(frozen=True)
+class Emit:
+    session: str
+    index: int
+    times: ChunkTimes
+
+
+@dataclass(frozen=True)
+class SessionReady:
+    session: str
+
+
+@dataclass(frozen=True)
+class Release:
+    session: str
+    stage: Stage
+
+
+@dataclass(frozen=True)
+class SessionClosed:
+    session: str
+    reason: str
+    error: str | None  # set if a stage failed
+    leaked: tuple[Stage, ...]  # releases given up after the retries
+    poisoned: bool = False  # a release failed at least once: the id is never reused
+
+
+@dataclass(frozen=True)
+class SessionFailed:
+    session: str
+    error: str
+
+
+@dataclass(frozen=True)
+class DitIdle:
+    start: float
+    end: float
+    cause: str  # "condition", "control", "edge" or "no_session"
+
+
+Action = (
+    InitCache
+    | RunEncode
+    | RunDenoise
+    | RunDecode
+    | Emit
+    | SessionReady
+    | Release
+    | SessionClosed
+    | SessionFailed
+    | DitIdle
+)
+
+
+class TaskKind(str, Enum):
+    INIT = "init"
+    RUN = "run"
+    RELEASE = "release"
+
+
+@dataclass(frozen=True)
+class RoleTask:
+    """The one task a role is running."""
+
+    session: str
+    kind: TaskKind
+    index: int | None = None  # the chunk, for RUN tasks
+
+
+@dataclass(frozen=True)
+class EdgeOccupancy:
+    condition: int
+    control: int
+    latent: int
+    output: int
