@@ -249,7 +249,9 @@ class _Compute:
 class SessionMetrics:
     """Streaming metrics of one session; feed ``on_chunk`` in emission order. See the module rules."""
 
-    def __init__(self, session: str, opened_at: float, fps: float, warmup_chunks: int = 2, keep_last: int = 16):
+    def __init__(
+        self, session: str, opened_at: float, fps: float, warmup_chunks: int = 2, keep_last: int = 16
+    ) -> None:
         if fps <= 0 or warmup_chunks < 0 or keep_last < 0:
             raise ValueError(f"need fps > 0, warmup_chunks >= 0, keep_last >= 0; got {fps}, {warmup_chunks}, "
                              f"{keep_last}")
