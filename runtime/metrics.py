@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 COMPUTE_STAGES = ("encode", "denoise", "decode")
 REPORTED_PERCENTILES = (50, 90, 99)
@@ -150,6 +151,19 @@ class Span:
         return self.end - self.start
 
 
+class HasChunkTimes(Protocol):
+    """Any object with the rank-0 times of a chunk (e.g. the scheduler's ``ChunkTimes``)."""
+
+    control_accepted: float | None
+    condition_submitted: float
+    condition_ready: float
+    denoise_start: float
+    denoise_end: float
+    decode_start: float
+    decode_end: float
+    emitted: float
+
+
 @dataclass(frozen=True)
 class ChunkRecord:
     """What the coordinator knows about one emitted chunk (all times rank-0 seconds; None when not applicable)."""
@@ -166,6 +180,31 @@ class ChunkRecord:
     decode_end: float | None = None
     control: Mapping[str, object] = field(default_factory=dict)  # the applied control, ChunkControl.to_wire()
     spans: tuple[Span, ...] = ()
+
+    @classmethod
+    def from_times(
+        cls,
+        index: int,
+        frames: int,
+        times: HasChunkTimes,
+        control: Mapping[str, object] | None = None,
+        spans: tuple[Span, ...] = (),
+    ) -> ChunkRecord:
+        """Build a record from the scheduler's emitted ``ChunkTimes`` (or anything with the same fields)."""
+        return cls(
+            index=index,
+            frames=frames,
+            emitted=times.emitted,
+            control_accepted=times.control_accepted,
+            condition_submitted=times.condition_submitted,
+            condition_ready=times.condition_ready,
+            denoise_start=times.denoise_start,
+            denoise_end=times.denoise_end,
+            decode_start=times.decode_start,
+            decode_end=times.decode_end,
+            control={} if control is None else control,
+            spans=spans,
+        )
 
     def stage_seconds(self, stage: str) -> float:
         """Extent of one stage (see the module rules); 0 when unknown."""

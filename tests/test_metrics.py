@@ -124,6 +124,18 @@ def test_compute_falls_back_to_stage_times_without_spans() -> None:
     assert r.compute_seconds() == pytest.approx(0.2 + 0.1)  # denoise and decode times; encode unknown
 
 
+def test_record_built_from_scheduler_times_keeps_every_time() -> None:
+    from runtime.scheduler_types import ChunkTimes
+
+    times = ChunkTimes(control_accepted=1.0, condition_submitted=0.5, condition_ready=0.9, denoise_start=1.1,
+                       denoise_end=1.3, decode_start=1.35, decode_end=1.45, emitted=1.5)
+    got = ChunkRecord.from_times(4, 12, times, {"keys": []})
+    assert got == ChunkRecord(index=4, frames=12, emitted=1.5, control_accepted=1.0, condition_submitted=0.5,
+                              condition_ready=0.9, denoise_start=1.1, denoise_end=1.3, decode_start=1.35,
+                              decode_end=1.45, control={"keys": []})
+    assert got.latency() == pytest.approx(0.5) and got.window() == (0.5, 1.5)
+
+
 def test_real_time_factor_is_p95_period_over_chunk_media_duration() -> None:
     m = session()
     for i in range(100):
