@@ -1,0 +1,57 @@
+"""Golden conformance of umT5, the VAE condition and the streaming decode on every fixture directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.lingbot_vae_stages import LingbotDecodeStage
+from models.vae_stream import frames_to_uint8
+from scripts.golden_vae_t5 import checks, tolerance
+
+torch.set_num_threads(1)
+
+GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "golden"
+FIXTURES = sorted(p for p in GOLDEN.iterdir() if (p / "config.json").is_file()) if GOLDEN.is_dir() else []
+REQUIRED = {"t5_encoder_out_full", "t5_context", "vae_cond_latent", "y"}
+
+
+@pytest.mark.skipif(not FIXTURES, reason=f"no golden fixture directories under {GOLDEN}")
+@pytest.mark.parametrize("fixture", FIXTURES, ids=[p.name for p in FIXTURES])
+def test_fixture_tensors_are_reproduced_within_tolerance(fixture: Path) -> None:
+    num_chunks = json.loads((fixture / "config.json").read_text())["stream"]["num_chunks"]
+    seen, failures = set(), []
+    for name, actual, expected in checks(fixture):
+        seen.add(name)
+        if tuple(actual.shape) != tuple(expected.shape):
+            failures.append(f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+            continue
+        err = float((actual - expected).abs().max())
+        if err > tolerance(expected):
+            failures.append(f"{name}: max error {err:.3e} > {tolerance(expected):.3e}")
+    assert not failures, failures
+    assert REQUIRED | {f"frames_c{k}" for k in range(num_chunks)} <= seen
+
+
+@pytest.mark.skipif(not FIXTURES, reason=f"no golden fixture directories under {GOLDEN}")
+@pytest.mark.parametrize("fixture", FIXTURES, ids=[p.name for p in FIXTURES])
+def test_uint8_frames_match_the_quantised_expected_frames(fixture: Path) -> None:
+    from models.checkpoints import load_vae
+    from models.vae import VAEConfig
+
+    cfg = json.loads((fixture / "config.json").read_text())
+    cs, num_chunks = cfg["stream"]["chunk_size"], cfg["stream"]["num_chunks"]
+    expected = load_file(str(fixture / "expected.safetensors"))
+    stage = LingbotDecodeStage(load_vae(fixture / "vae.safetensors", VAEConfig.from_fixture(cfg["vae"])))
+    stage.open("s")
+    for k in range(num_chunks):
+        got = stage.decode("s", k, expected["latents_all"][:, k * cs : (k + 1) * cs])
+        want = frames_to_uint8(expected[f"frames_c{k}"])
+        height, width = cfg["stream"]["image_height"], cfg["stream"]["image_width"]
+        assert got.shape == want.shape == (want.shape[0], height, width, 3)
+        diff = (got.int() - want.int()).abs()
+        assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3  # only .5-boundary rounding flips
