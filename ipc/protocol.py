@@ -167,25 +167,28 @@ class Done(_Msg, tag="done"):
     info: dict[str, Any] = {}  # e.g. peak memory, released caches
 
 
+class Ping(_Msg, tag="ping"):
+    """Coordinator -> each rank's heartbeat thread, periodically: liveness both ways and a clock sample."""
+
+    seq: int
+    sent: float  # coordinator clock when sent (t0)
+
+
 class Beat(_Msg, tag="beat"):
+    """A rank's answer to a ping: its liveness, its memory, and the worker side of an NTP-style sample."""
+
     rank: int
     seq: int
-    sent: float  # worker clock when sent
-    offset: float | None = None  # worker's best estimate of (worker clock - coordinator clock)
-    rtt: float | None = None
-    rss: int = 0  # resident memory of the rank, bytes
-    peak_rss: int = 0
-    cuda_peak: int = 0
-
-
-class BeatAck(_Msg, tag="beat_ack"):
-    seq: int
-    echo: float  # the worker's `sent`
-    received: float  # coordinator clock on receipt
+    echo: float  # the ping's `sent` (t0, coordinator clock)
+    received: float  # worker clock when the ping arrived (t1)
+    sent: float  # worker clock when this reply left (t2)
+    rss: int = 0  # resident memory of the rank now, bytes
+    peak_rss: int = 0  # peak resident memory, bytes
+    cuda_peak: int = 0  # torch.cuda.max_memory_allocated, bytes (0 without CUDA)
 
 
 WorkerMessage = Union[Hello, Done, Beat]  # noqa: UP007
-CoordinatorMessage = Union[Task, BeatAck]  # noqa: UP007
+CoordinatorMessage = Union[Task, Ping]  # noqa: UP007
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {

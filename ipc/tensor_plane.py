@@ -1,0 +1,121 @@
+"""The tensor plane: torch.distributed process groups, one per logical edge, and the moves along them.
+
+All groups are created once at start-up by every rank, in one fixed order, each with an explicit timeout
+(``new_group``'s default is 30 minutes, not the world's). Each group is used from one thread per rank only:
+
+- ``dit``: the DiT ranks (Ulysses all-to-all), used by the DiT worker thread;
+- ``condition``: the condition rank plus the DiT ranks; the condition rank broadcasts the session's prompt
+  context and each chunk's condition. Used by the DiT worker thread on DiT ranks, else by the condition
+  sender thread;
+- ``latent``: DiT leader -> decode rank (absent when they are the same rank: local hand-off);
+- ``frames``: decode rank -> coordinator rank (absent when the same rank);
+- ``control``: every rank, gloo, for start-up agreement (endpoint exchange) only.
+
+A gloo send waits for its matching receive; each edge has exactly one sender, so two ranks never both send
+first. Every transfer is announced on the control plane before it happens, so the receiver knows shape and
+dtype; only contiguous tensors travel.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.config import LayoutConfig
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups this rank belongs to (None where it is not a member or the edge is local)."""
+
+    rank: int
+    device: torch.device
+    control: Any
+    dit: Any | None
+    condition: Any | None
+    latent: Any | None
+    frames: Any | None
+
+
+def _members(layout: LayoutConfig) -> list[tuple[str, list[int]]]:
+    """The edges in their fixed creation order, with their ranks; single-rank edges are local hand-offs."""
+    condition = sorted({layout.condition, *layout.dit})
+    latent = sorted({layout.dit_leader, layout.decode})
+    frames = sorted({layout.decode, layout.coordinator})
+    return [("dit", sorted(layout.dit)), ("condition", condition), ("latent", latent), ("frames", frames)]
+
+
+def build_groups(layout: LayoutConfig, backend: str, timeout_s: float, device: torch.device) -> Groups:
+    """Create every group, in the same order on every rank. Call once, after ``init_process_group``."""
+    rank = dist.get_rank()
+    timeout = timedelta(seconds=timeout_s)
+    control = dist.new_group(list(range(layout.world_size)), timeout=timeout, backend="gloo")
+    made: dict[str, Any] = {}
+    for name, ranks in _members(layout):
+        if len(ranks) == 1 and name != "dit":
+            made[name] = None  # local hand-off; every rank skips it alike, so the order stays the same
+            continue
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        made[name] = group if rank in ranks else None
+    return Groups(rank=rank, device=device, control=control, **made)
+
+
+def broadcast(tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, src: int, groups: Groups,
+              group: Any) -> torch.Tensor:
+    """Broadcast from global rank ``src``; ``tensor`` is given on the source, allocated elsewhere."""
+    if groups.rank == src:
+        assert tensor is not None and tuple(tensor.shape) == shape, (None if tensor is None else tensor.shape, shape)
+        buffer = tensor.to(groups.device, dtype).contiguous()
+    else:
+        buffer = torch.empty(shape, dtype=dtype, device=groups.device)
+    dist.broadcast(buffer, src=src, group=group)
+    return buffer
+
+
+def send(tensor: torch.Tensor, dst: int, groups: Groups, group: Any) -> None:
+    dist.send(tensor.to(groups.device).contiguous(), dst=dst, group=group)
+
+
+def recv(shape: tuple[int, ...], dtype: torch.dtype, src: int, groups: Groups, group: Any) -> torch.Tensor:
+    buffer = torch.empty(shape, dtype=dtype, device=groups.device)
+    dist.recv(buffer, src=src, group=group)
+    return buffer
+
+
+class Mailbox:
+    """A thread-safe keyed hand-off between two threads of one rank, with deadlines on the taking side."""
+
+    def __init__(self) -> None:
+        self._items: dict[tuple[str, int], Any] = {}
+        self._cond = threading.Condition()
+
+    def put(self, key: tuple[str, int], value: Any) -> None:
+        with self._cond:
+            self._items[key] = value
+            self._cond.notify_all()
+
+    def take(self, key: tuple[str, int], timeout_s: float) -> Any:
+        with self._cond:
+            if not self._cond.wait_for(lambda: key in self._items, timeout=timeout_s):
+                raise TimeoutError(f"no tensor for session {key[0]!r} chunk {key[1]} within {timeout_s:.0f} s")
+            return self._items.pop(key)
+
+    def peek(self, key: tuple[str, int]) -> Any:
+        with self._cond:
+            return self._items[key]
+
+    def drop_session(self, session: str) -> int:
+        with self._cond:
+            keys = [k for k in self._items if k[0] == session]
+            for k in keys:
+                del self._items[k]
+            return len(keys)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)

@@ -1,0 +1,80 @@
+"""ZeroMQ sockets of the control plane. One thread owns each socket; nothing here is shared across threads.
+
+- ``client_router``: the coordinator's client-facing ROUTER, loopback by default, ``ROUTER_MANDATORY`` set so a
+  message to a vanished or full peer raises instead of vanishing, and a bounded send queue per peer.
+- ``worker_router``: the coordinator's ROUTER for the role workers of every rank.
+- ``WorkerLink``: one worker thread's DEALER to the coordinator, identity ``"<rank>:<role>"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from ipc import protocol
+
+LINGER_MS = 200  # pending messages get this long to leave at close; never block shutdown
+
+
+def client_router(context: zmq.Context, host: str, port: int, send_hwm: int) -> tuple[zmq.Socket, int]:
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.SNDHWM, send_hwm)
+    sock.setsockopt(zmq.RCVHWM, 1000)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    if port == 0:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    else:
+        sock.bind(f"tcp://{host}:{port}")
+    return sock, port
+
+
+def worker_router(context: zmq.Context, host: str) -> tuple[zmq.Socket, str]:
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.SNDHWM, 10_000)  # bounded; commands are small and few per chunk
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    return sock, f"tcp://{host}:{port}"
+
+
+def send_to(sock: zmq.Socket, identity: bytes, message: Any) -> bool:
+    """Send to one ROUTER peer; False when the peer is gone or its queue is full (the message is not queued)."""
+    try:
+        sock.send_multipart([identity, protocol.encode(message)], flags=zmq.NOBLOCK)
+        return True
+    except zmq.ZMQError as error:
+        if error.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+            return False
+        raise
+
+
+class WorkerLink:
+    """A worker thread's connection to the coordinator. Create and use it in the owning thread only."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, rank: int, role: str) -> None:
+        self.rank = rank
+        self.role = role
+        self.sock = context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"{rank}:{role}".encode())
+        self.sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self.sock.connect(endpoint)
+        self.send(protocol.Hello(rank=rank, role=role))
+
+    def send(self, message: Any) -> None:
+        self.sock.send(protocol.encode(message))
+
+    def recv(self, timeout_s: float) -> Any | None:
+        """The next coordinator message, or None when nothing came within ``timeout_s``."""
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return protocol.decode(self.sock.recv(), "coordinator", max_bytes=1 << 30)
+
+    def done(self, op: str, session: str = "", index: int = -1, *, ok: bool = True, error: str = "",
+             spans: list[list[Any]] | None = None, info: dict[str, Any] | None = None) -> None:
+        self.send(protocol.Done(rank=self.rank, role=self.role, op=op, session=session, index=index, ok=ok,
+                                error=error, spans=spans or [], info=info or {}))
+
+    def close(self) -> None:
+        self.sock.close()

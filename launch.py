@@ -1,0 +1,193 @@
+"""Entry point: ``torchrun --nproc-per-node N launch.py --config configs/X.toml [--section.key=value ...]``.
+
+Run without a torchrun (or ``srun``) environment, ``python launch.py --config X`` starts a local torchrun with
+the layout's world size itself and forwards SIGINT/SIGTERM to rank 0, which shuts every rank down cleanly.
+Under torchrun, each rank reads RANK/WORLD_SIZE/LOCAL_RANK (or SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID for a
+direct ``srun`` launch), joins the process group (NCCL with CUDA, else gloo), creates every process group in a
+fixed order and runs the loops of its roles. Exit codes: 0 after a clean shutdown, non-zero when any rank
+died or hung (so Slurm can requeue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from runtime import config as config_mod
+
+log = logging.getLogger("worldstream")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="a TOML file, or a name from configs/ (cpu-tiny, ...)")
+    parser.add_argument("--log-level", default=os.environ.get("WORLDSTREAM_LOG", "INFO"))
+    args, overrides = parser.parse_known_args(argv)
+    return args, overrides
+
+
+def distributed_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) from torchrun, or from Slurm for a direct ``srun``; None when neither."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        env.setdefault("MASTER_PORT", "29512")
+        if "MASTER_ADDR" not in env:
+            nodes = env.get("SLURM_JOB_NODELIST", "127.0.0.1")
+            env["MASTER_ADDR"] = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
+                                                text=True).stdout.split()[0] if "[" in nodes else nodes.split(",")[0]
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0"))
+    return None
+
+
+def self_launch(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Start a local torchrun with the layout's world size; forward SIGINT/SIGTERM to rank 0."""
+    cfg = config_mod.load(args.config, overrides)
+    with tempfile.TemporaryDirectory(prefix="worldstream-") as run_dir:
+        pid_file = Path(run_dir) / "rank0.pid"
+        env = {**os.environ, "WORLDSTREAM_PIDFILE": str(pid_file)}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={cfg.layout.world_size}", "--monitor-interval=0.2",
+                   str(Path(__file__).resolve()), "--config", args.config, "--log-level", args.log_level, *overrides]
+        child = subprocess.Popen(command, env=env, start_new_session=True)
+        stop_requested = False
+
+        def forward(signum: int, _frame: object) -> None:
+            nonlocal stop_requested
+            stop_requested = True
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+            except (OSError, ValueError):
+                os.killpg(child.pid, signal.SIGTERM)  # rank 0 not up yet: stop everything
+
+        signal.signal(signal.SIGINT, forward)
+        signal.signal(signal.SIGTERM, forward)
+        code = child.wait()
+        if stop_requested and code != 0:
+            log.warning("torchrun exited with %d after the stop request", code)
+        return code
+
+
+def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: int, local_rank: int) -> int:
+    import torch
+    import torch.distributed as dist
+    import zmq
+
+    from ipc import transport
+    from ipc.tensor_plane import build_groups
+    from ranks import backend as backend_mod
+    from ranks import roles
+    from ranks.worker import RankContext, heartbeat, run_thread
+
+    cfg = config_mod.load(args.config, overrides)
+    lay = cfg.layout
+    if world != lay.world_size:
+        raise config_mod.ConfigError(f"{args.config}: layout.world_size is {lay.world_size} but the launcher "
+                                     f"started {world} ranks (torchrun --nproc-per-node / srun --ntasks)")
+    use_cuda = torch.cuda.is_available() and lay.backend != "gloo"
+    backend = "nccl" if (lay.backend == "nccl" or (lay.backend == "auto" and use_cuda)) else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        torch.set_num_threads(1)  # seven ranks on two cores: one thread each
+        device = torch.device("cpu")
+    timeout = timedelta(seconds=cfg.timeouts.collective_s)
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
+    groups = build_groups(lay, backend, cfg.timeouts.collective_s, device)
+    context = zmq.Context()
+    clients = workers = None
+    port = 0
+    if rank == lay.coordinator:
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        workers, endpoint = transport.worker_router(context, "127.0.0.1" if host == "localhost" else host)
+        clients, port = transport.client_router(context, cfg.server.host, cfg.server.port, cfg.server.send_hwm)
+        shared = [endpoint]
+    else:
+        shared = [None]
+    dist.broadcast_object_list(shared, src=lay.coordinator, group=groups.control)
+    rank_roles = lay.roles_of(rank)
+    built = backend_mod.build(cfg, rank_roles, device, groups.dit)
+    ctx = RankContext(config=cfg, rank=rank, roles=rank_roles, endpoint=shared[0], zmq=context, groups=groups,
+                      backend=built)
+    threads = []
+    if "condition" in rank_roles:
+        threads.append(run_thread("condition", lambda: roles.condition_worker(ctx)))
+        if rank not in lay.dit:
+            threads.append(run_thread("condition_sender", lambda: roles.condition_sender(ctx)))
+    if "dit" in rank_roles:
+        threads.append(run_thread("dit", lambda: roles.dit_worker(ctx)))
+    if "decode" in rank_roles:
+        threads.append(run_thread("decode", lambda: roles.decode_worker(ctx)))
+        if rank != lay.dit_leader:
+            threads.append(run_thread("latent_receiver", lambda: roles.latent_receiver(ctx)))
+    if rank == lay.coordinator:
+        if lay.decode != rank:
+            threads.append(run_thread("frames", lambda: roles.frames_receiver(ctx)))
+        return run_coordinator(ctx, clients, workers, port)
+    threads.append(run_thread("heartbeat", lambda: heartbeat(ctx)))
+    stop_on_signal(ctx)
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(timeout=0.5)
+    log.info("rank %d: clean exit", rank)
+    return 0
+
+
+def stop_on_signal(ctx: object) -> None:
+    """Workers ignore SIGINT/SIGTERM: rank 0 orders the shutdown (a Ctrl-C reaches every rank at once)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def run_coordinator(ctx: object, clients: object, workers: object, port: int) -> int:
+    from ranks.coordinator import Coordinator
+
+    coordinator = Coordinator(ctx, clients, workers)  # type: ignore[arg-type]
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: shutting down", signum)
+        coordinator.stopping = True  # the loop wakes within its poll interval
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    pid_file = os.environ.get("WORLDSTREAM_PIDFILE")
+    if pid_file:
+        Path(pid_file).write_text(str(os.getpid()))
+    log.info("client port tcp://%s:%d (serving once every rank reported in)", ctx.config.server.host, port)  # type: ignore[attr-defined]
+    code = coordinator.run(port)
+    ctx.stop.set()  # type: ignore[attr-defined]
+    time.sleep(0.2)  # let the last messages to clients leave
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    env = distributed_env()
+    rank = env[0] if env else None
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {'launcher' if rank is None else f'rank{rank}'} %(levelname)s "
+                               "%(name)s: %(message)s")
+    try:
+        if env is None:
+            return self_launch(args, overrides)
+        code = run_rank(args, overrides, *env)
+    except config_mod.ConfigError as error:
+        log.error("%s", error)
+        return 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # never wait on a peer at interpreter exit: the job's fate is decided
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,492 @@
+"""The coordinator loop on rank 0: the I/O shell around the scheduler, the control service and the metrics.
+
+One thread owns both ROUTER sockets (clients, role workers). Each turn it drains what arrived, feeds the events
+to the pure ``runtime`` state machines with the rank-0 time, and carries out the actions they return:
+commands to role workers (the tensor plane moves what they announce), chunks and errors to clients. Timers in
+the same loop ping every rank (liveness both ways and clock offsets), close sessions whose clients went silent,
+and end the job with a non-zero exit when a rank is dead or a task overran its deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+from PIL import Image
+
+from ipc import protocol
+from ipc.transport import send_to
+from models.controls import ChunkControl
+from ranks import workers_of
+from ranks.client_sessions import ClientSession, facts_of, spans_from_worker
+from ranks.worker import RankContext
+from runtime import scheduler as sch
+from runtime.clock import ClockSync
+from runtime.control_service import ControlState, ControlStateError, LiveControls
+from runtime.metrics import ChunkRecord, ServerMetrics
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+POLL_MS = 5
+BACKPRESSURE_RETRY_S = 0.002  # hint to clients whose control met a full edge
+
+
+class JobFailed(Exception):
+    """A rank died or hung: the job must end with a non-zero exit."""
+
+
+class Coordinator:
+    def __init__(self, ctx: RankContext, clients: zmq.Socket, workers: zmq.Socket) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.clients = clients
+        self.workers = workers
+        self.geometry = ctx.backend.geometry
+        self.ids = workers_of(self.config.layout)
+        cfg = self.config.scheduler
+        self.scheduler = sch.Scheduler(
+            mode=sch.Mode(cfg.mode),
+            capacities=sch.Capacities(control=cfg.control_capacity, latent=cfg.latent_capacity,
+                                      output=cfg.output_capacity),
+        )
+        now = time.monotonic()
+        self.metrics = ServerMetrics(started_at=now)
+        self.clock = ClockSync()
+        self.sessions: dict[str, ClientSession] = {}
+        self.last_beat: dict[int, float] = {}
+        self.memory: dict[int, dict[str, int]] = {}
+        self.outstanding: dict[tuple[bytes, str, str, int], float] = {}  # task -> when sent, for deadlines
+        self.peers: dict[bytes, float] = {}  # client identity -> last heard (for fatal notices)
+        self.ping_seq = 0
+        self.next_ping = now
+        self.stopping = False
+
+    # ---------------------------------------------------------------------------------------------- main loop
+
+    def run(self, port: int) -> int:
+        """Serve until shutdown; returns the process exit code."""
+        try:
+            self._await_workers()
+            port_file = os.environ.get("WORLDSTREAM_PORT_FILE")  # written once serving: tests and scripts wait on it
+            if port_file:
+                tmp = f"{port_file}.tmp"
+                with open(tmp, "w") as f:
+                    f.write(str(port))
+                os.replace(tmp, port_file)
+            log.info("serving on tcp://%s:%d: %d ranks, layout %s", self.config.server.host, port,
+                     self.config.layout.world_size, self.config.layout.name)
+            poller = zmq.Poller()
+            poller.register(self.clients, zmq.POLLIN)
+            poller.register(self.workers, zmq.POLLIN)
+            while not self.stopping:
+                events = dict(poller.poll(POLL_MS))
+                if self.workers in events:
+                    self._drain_workers()
+                if self.clients in events:
+                    self._drain_clients()
+                self._timers(time.monotonic())
+            self._shutdown("shutdown", "the server is shutting down")
+            return EXIT_OK
+        except JobFailed as error:
+            log.error("job failed: %s", error)
+            self._notify_all("rank_failed", str(error))
+            return EXIT_FAILED
+
+    def _await_workers(self) -> None:
+        expected = set(self.ids.all)
+        deadline = time.monotonic() + self.config.timeouts.startup_s
+        while expected:
+            if time.monotonic() > deadline:
+                raise JobFailed(f"workers {sorted(i.decode() for i in expected)} did not report in within "
+                                f"{self.config.timeouts.startup_s:.0f} s")
+            if self.workers.poll(100):
+                identity, data = self.workers.recv_multipart()
+                message = protocol.decode(data, "worker", max_bytes=1 << 20)
+                if isinstance(message, protocol.Hello):
+                    expected.discard(identity)
+        now = time.monotonic()
+        for rank in self.ids.heartbeat_ranks:
+            self.last_beat[rank] = now
+
+    def _timers(self, now: float) -> None:
+        if now >= self.next_ping:
+            self.next_ping = now + self.config.timeouts.heartbeat_s
+            for rank in self.ids.heartbeat_ranks:
+                self._send_worker(self.ids.heartbeat(rank), protocol.Ping(seq=self.ping_seq, sent=now))
+            self.ping_seq += 1
+        dead_after = self.config.timeouts.rank_dead_s
+        for rank, seen in self.last_beat.items():
+            if now - seen > dead_after:
+                raise JobFailed(f"rank {rank} stopped answering (silent for {now - seen:.1f} s)")
+        stage_s = self.config.timeouts.stage_s
+        for (identity, op, session, index), sent in self.outstanding.items():
+            if now - sent > stage_s:
+                raise JobFailed(f"{identity.decode()} did not finish {op} of {session}/{index} within {stage_s:.0f} s")
+        timeout = self.config.server.client_timeout_s
+        for sid, session in list(self.sessions.items()):
+            if not session.closing and now - session.last_heard > timeout:
+                log.info("session %s: client silent for %.1f s, closing", sid, now - session.last_heard)
+                self._close(sid, "disconnect", now)
+
+    # ---------------------------------------------------------------------------------------------- workers
+
+    def _send_worker(self, identity: bytes, message: Any, track: bool = False) -> None:
+        if not send_to(self.workers, identity, message):
+            raise JobFailed(f"worker {identity.decode()} is unreachable")
+        if track and isinstance(message, protocol.Task):
+            self.outstanding[(identity, message.op, message.session, message.index)] = time.monotonic()
+
+    def _task(self, identity: bytes, op: str, session: str = "", index: int = -1, track: bool = True,
+              **fields: Any) -> None:
+        self._send_worker(identity, protocol.Task(op=op, session=session, index=index, **fields), track=track)
+        if session in self.sessions:
+            self.sessions[session].queued[(op, index)] = time.monotonic()
+
+    def _drain_workers(self) -> None:
+        while True:
+            try:
+                identity, data = self.workers.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            message = protocol.decode(data, "worker", max_bytes=1 << 20)
+            now = time.monotonic()
+            if isinstance(message, protocol.Beat):
+                self.last_beat[message.rank] = now
+                with contextlib.suppress(ValueError):  # an impossible sample (clock step): keep the estimate
+                    self.clock.add(message.rank, message.echo, message.received, message.sent, now)
+                self.memory[message.rank] = {"rss": message.rss, "peak_rss": message.peak_rss,
+                                             "cuda_peak": message.cuda_peak}
+            elif isinstance(message, protocol.Done):
+                self.outstanding.pop((identity, message.op, message.session, message.index), None)
+                self._on_done(message, now)
+
+    def _on_done(self, done: protocol.Done, now: float) -> None:
+        if done.info.get("fatal"):
+            raise JobFailed(f"rank {done.rank} {done.role}: {done.error}")
+        session = self.sessions.get(done.session)
+        if session is None:
+            return  # a late answer for a session already gone
+        for span in spans_from_worker(done, self.clock, session.queued.get((done.op, done.index), now)):
+            session.add_span(done.index, span)
+        stage = {"condition": sch.Stage.ENCODE, "dit": sch.Stage.DENOISE, "decode": sch.Stage.DECODE}.get(done.role)
+        try:
+            if done.op == "release" and stage is not None:
+                self._execute(self.scheduler.release_done(done.session, stage, done.ok, now, done.error or None))
+            elif not done.ok:
+                index = None if done.op == "init" else done.index
+                self._execute(self.scheduler.stage_failed(done.session, stage or sch.Stage.DECODE, index,
+                                                          f"{done.role} {done.op}: {done.error}", now))
+            elif done.op == "init" and stage is not None:
+                self._execute(self.scheduler.init_done(done.session, stage, now))
+            elif done.op == "encode":
+                self._execute(self.scheduler.encode_done(done.session, done.index, now))
+            elif done.op == "denoise":
+                self._execute(self.scheduler.denoise_done(done.session, done.index, now))
+            elif done.op in ("decode", "expect_frames") and session.decode_joined(
+                done.index, done.op, frames_remote=self.ids.frames is not None
+            ):
+                    self._execute(self.scheduler.decode_done(done.session, done.index, now))
+        except sch.SchedulerError as error:
+            log.warning("ignored %s/%s from rank %d for %s: %s", done.role, done.op, done.rank, done.session, error)
+
+    # ---------------------------------------------------------------------------------------------- actions
+
+    def _execute(self, actions: list[sch.Action]) -> None:
+        for action in actions:
+            self._act(action)
+        self._cut_live_controls()
+
+    def _act(self, action: sch.Action) -> None:
+        ids = self.ids
+        if isinstance(action, sch.DitIdle):
+            self.metrics.on_idle(action.start, action.end, action.cause)
+            for session in self.sessions.values():
+                session.metrics.on_idle(action.start, action.end, action.cause)
+            return
+        session = self.sessions[action.session]
+        sid = action.session
+        if isinstance(action, sch.InitCache):
+            if action.stage is sch.Stage.ENCODE:
+                self._task(ids.condition, "init", sid, seed=session.seed, prompt=session.prompt, image=session.image)
+            elif action.stage is sch.Stage.DECODE:
+                self._task(ids.decode, "init", sid)
+            else:
+                if ids.condition_sender is not None:
+                    self._task(ids.condition_sender, "send_context", sid, track=False)
+                for i, identity in enumerate(ids.dit):
+                    self._task(identity, "init", sid, seed=session.seed, prompt=session.prompt, track=i == 0)
+        elif isinstance(action, sch.RunEncode):
+            self._task(ids.condition, "encode", sid, action.index)
+        elif isinstance(action, sch.RunDenoise):
+            control = session.controls[action.index].to_wire()
+            if ids.condition_sender is not None:
+                self._task(ids.condition_sender, "send_condition", sid, action.index, track=False)
+            if ids.latent_receiver is not None:
+                self._task(ids.latent_receiver, "expect_latent", sid, action.index, track=False)
+            for i, identity in enumerate(ids.dit):
+                self._task(identity, "denoise", sid, action.index, control=control, cached=action.cached,
+                           track=i == 0)
+        elif isinstance(action, sch.RunDecode):
+            if ids.frames is not None:
+                self._task(ids.frames, "expect_frames", sid, action.index)
+            self._task(ids.decode, "decode", sid, action.index)
+        elif isinstance(action, sch.Emit):
+            self._emit(session, action)
+        elif isinstance(action, sch.SessionReady):
+            g = self.geometry
+            self._to_client(session, protocol.Opened(
+                req=session.open_req, session=sid, height=g.height, width=g.width, fps=self.config.stream.fps,
+                frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
+                num_chunks=session.num_chunks))
+        elif isinstance(action, sch.Release):
+            if action.stage is sch.Stage.ENCODE:
+                self._task(ids.condition, "release", sid)
+            elif action.stage is sch.Stage.DECODE:
+                self._task(ids.decode, "release", sid)
+            else:
+                for i, identity in enumerate(ids.dit):
+                    self._task(identity, "release", sid, track=i == 0)
+        elif isinstance(action, sch.SessionFailed):
+            self.metrics.on_error("stage_failed")
+            self._to_client(session, protocol.Error(session=sid, code="failed", message=action.error))
+        elif isinstance(action, sch.SessionClosed):
+            now = time.monotonic()
+            summary = self.metrics.close_session(sid, now)
+            summary["clock_offsets"] = self.clock.to_dict()
+            if action.leaked:
+                summary["leaked_caches"] = [s.value for s in action.leaked]
+            self._to_client(session, protocol.Closed(session=sid, reason=action.reason, error=action.error,
+                                                     summary=summary))
+            self.ctx.frames.drop_session(sid)
+            del self.sessions[sid]
+            log.info("session %s closed (%s)", sid, action.reason)
+
+    def _emit(self, session: ClientSession, action: sch.Emit) -> None:
+        frames = self.ctx.frames.take((action.session, action.index), self.config.timeouts.stage_s)
+        control = session.controls.pop(action.index)
+        for rank, mem in self.memory.items():
+            session.metrics.on_memory(rank, max(mem["peak_rss"], mem["cuda_peak"]))
+        record = ChunkRecord.from_times(action.index, frames.shape[0], action.times, control.to_wire(),
+                                        session.take_spans(action.index))
+        self.metrics.on_chunk(action.session, record)
+        message = protocol.Chunk(session=action.session, index=action.index, frames=frames.numpy().tobytes(),
+                                 shape=tuple(frames.shape), control=control.to_wire(),
+                                 facts=facts_of(action.times, record))
+        self._to_client(session, message)
+
+    def _to_client(self, session: ClientSession, message: Any) -> None:
+        if session.gone:
+            return
+        if not send_to(self.clients, session.client, message):
+            # ROUTER_MANDATORY: the client vanished or stopped reading; never buffer without bound
+            session.gone = True
+            log.info("session %s: client unreachable, closing", session.id)
+            self._close(session.id, "disconnect", time.monotonic())
+
+    def _close(self, sid: str, reason: str, now: float) -> None:
+        session = self.sessions.get(sid)
+        if session is None:
+            return
+        session.closing = True
+        try:
+            self._execute(self.scheduler.close(sid, reason, now))
+        except sch.SchedulerError as error:
+            log.warning("close of %s: %s", sid, error)
+
+    def _cut_live_controls(self) -> None:
+        """The non-blocking path of live sessions: cut a snapshot whenever the scheduler can take one now."""
+        for sid, session in list(self.sessions.items()):
+            if session.live is None or session.closing or sid not in self.scheduler.sessions:
+                continue
+            while True:
+                index = self.scheduler.next_control_index(sid)
+                if not self.scheduler.can_submit(sid, index):
+                    break
+                snapshot = session.live.cut(index, self.scheduler.next_emit_index(sid))
+                if snapshot is None:
+                    break
+                self._accept(session, index, snapshot)
+
+    def _accept(self, session: ClientSession, index: int, control: ChunkControl) -> list[sch.Action]:
+        actions = self.scheduler.submit_control(session.id, index, time.monotonic(), payload=control)
+        session.controls[index] = control
+        for action in actions:
+            self._act(action)
+        return actions
+
+    # ---------------------------------------------------------------------------------------------- clients
+
+    def _drain_clients(self) -> None:
+        limit = self.config.server.max_message_bytes
+        for _ in range(256):  # bounded per turn, so workers and timers are served too
+            try:
+                identity, data = self.clients.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # a frame count we do not speak: not a DEALER client
+            now = time.monotonic()
+            self._remember_peer(identity, now)
+            try:
+                message = protocol.decode(data, "client", max_bytes=limit)
+            except protocol.ProtocolViolation as error:
+                self.metrics.on_reject("bad_message")
+                send_to(self.clients, identity, protocol.Error(code="bad_message", message=str(error)))
+                continue
+            try:
+                self._on_client(identity, message, now)
+            except ClientError as error:
+                self.metrics.on_reject(error.code)
+                send_to(self.clients, identity, protocol.Error(req=getattr(message, "req", None),
+                                                               session=getattr(message, "session", None),
+                                                               code=error.code, message=str(error),
+                                                               retry_after_s=error.retry_after_s))
+            self._cut_live_controls()
+
+    def _remember_peer(self, identity: bytes, now: float) -> None:
+        self.peers[identity] = now
+        if len(self.peers) > 1024:  # bounded: forget the longest-silent peers
+            for old in sorted(self.peers, key=self.peers.__getitem__)[:256]:
+                del self.peers[old]
+
+    def _owned(self, identity: bytes, sid: str) -> ClientSession:
+        session = self.sessions.get(sid)
+        if session is None or session.client != identity:
+            raise ClientError("unknown_session", f"no session {sid!r} for this client")
+        return session
+
+    def _on_client(self, identity: bytes, message: Any, now: float) -> None:
+        for session in self.sessions.values():
+            if session.client == identity:
+                session.last_heard = now
+        if isinstance(message, protocol.Open):
+            self._open(identity, message, now)
+        elif isinstance(message, protocol.Control):
+            session = self._owned(identity, message.session)
+            if session.live is not None:
+                raise ClientError("bad_control", "this session is live: send control_state, not indexed controls")
+            try:
+                control = ChunkControl(keys=frozenset(k.lower() for k in message.keys), mouse=message.mouse,
+                                       poses=None if message.poses is None else tuple(map(tuple, message.poses)))
+            except ValueError as error:
+                raise ClientError("bad_control", str(error)) from None
+            if message.poses is not None and len(message.poses) != self.geometry.frames_in_chunk(message.index):
+                raise ClientError("bad_control", f"chunk {message.index} has "
+                                  f"{self.geometry.frames_in_chunk(message.index)} video frames, got "
+                                  f"{len(message.poses)} poses")
+            try:
+                self._accept(session, message.index, control)
+            except sch.AdmissionError as error:
+                if error.retryable:  # edge capacity: the same control will be accepted once work moves on
+                    raise ClientError("control_backpressure", str(error), retry_after_s=BACKPRESSURE_RETRY_S) from None
+                raise ClientError("rejected_control", str(error)) from None
+            except sch.SchedulerError as error:
+                raise ClientError("rejected_control", str(error)) from None
+            send_to(self.clients, identity, protocol.Accepted(req=message.req, session=session.id,
+                                                              index=message.index))
+        elif isinstance(message, protocol.ControlState):
+            session = self._owned(identity, message.session)
+            if session.live is None:
+                raise ClientError("bad_control", "this session takes indexed controls; open it with live=true")
+            try:
+                session.live.update(ControlState.from_wire(msgspec.structs.asdict(message)))
+            except ControlStateError as error:
+                raise ClientError(error.reason, str(error)) from None
+        elif isinstance(message, protocol.Close):
+            self._owned(identity, message.session)
+            self._close(message.session, "client", now)
+        elif isinstance(message, protocol.Stats):
+            send_to(self.clients, identity, protocol.StatsReply(req=message.req, stats=self.stats(now)))
+        elif isinstance(message, protocol.Heartbeat):
+            if message.session is not None:
+                session = self.sessions.get(message.session)
+                if session is None or (session.owner_token != identity and session.client != identity):
+                    raise ClientError("unknown_session", f"no session {message.session!r} to resume")
+                session.client, session.gone, session.last_heard = identity, False, now
+            send_to(self.clients, identity, protocol.HeartbeatAck(req=message.req, session=message.session))
+
+    def _open(self, identity: bytes, message: protocol.Open, now: float) -> None:
+        server = self.config.server
+        if len(self.sessions) >= server.max_sessions:
+            raise ClientError("busy", f"the server is at its limit of {server.max_sessions} sessions",
+                              retry_after_s=5.0)
+        if message.num_chunks is not None and not 1 <= message.num_chunks <= server.max_chunks:
+            raise ClientError("bad_request", f"num_chunks must be in 1..{server.max_chunks}, got {message.num_chunks}")
+        image = decode_image(message.image, server.max_image_pixels, self.geometry.width, self.geometry.height)
+        sid = uuid.uuid4().hex[:12]
+        live = LiveControls(pause_when_idle=message.pause_when_idle) if message.live else None
+        metrics = self.metrics.open_session(sid, now, self.config.stream.fps, self.config.metrics.warmup_chunks)
+        self.sessions[sid] = ClientSession(
+            id=sid, client=identity, owner_token=identity, open_req=message.req, seed=message.seed,
+            prompt=message.prompt, image=image, num_chunks=message.num_chunks, live=live, metrics=metrics,
+            last_heard=now)
+        self._execute(self.scheduler.open(sid, message.num_chunks or server.max_chunks, now))
+
+    def stats(self, now: float) -> dict[str, Any]:
+        return {
+            **self.metrics.to_dict(now),
+            "open_sessions": len(self.sessions),
+            "ranks": {str(r): m for r, m in sorted(self.memory.items())},
+            "clock_offsets": self.clock.to_dict(),
+            "layout": self.config.layout.name,
+            "schedule": self.config.scheduler.mode,
+        }
+
+    # ---------------------------------------------------------------------------------------------- ending
+
+    def _notify_all(self, code: str, message: str) -> None:
+        """Tell every client we know of, sessions or not, before the job ends."""
+        for identity in list(self.peers):
+            session = next((s.id for s in self.sessions.values() if s.client == identity), None)
+            send_to(self.clients, identity, protocol.Error(session=session, code=code, message=message))
+
+    def _shutdown(self, code: str, message: str) -> None:
+        for sid, session in self.sessions.items():
+            self._to_client(session, protocol.Closed(session=sid, reason="shutdown", error=message,
+                                                     summary=self.metrics.close_session(sid, time.monotonic())))
+        for identity in self.ids.all:
+            send_to(self.workers, identity, protocol.Task(op="shutdown"))
+        waiting = set(self.ids.all)
+        deadline = time.monotonic() + 5.0
+        while waiting and time.monotonic() < deadline:
+            if self.workers.poll(50):
+                identity, data = self.workers.recv_multipart()
+                done = protocol.decode(data, "worker", max_bytes=1 << 20)
+                if isinstance(done, protocol.Done) and done.op == "shutdown":
+                    waiting.discard(identity)
+        if waiting:
+            log.warning("workers %s did not acknowledge shutdown", sorted(i.decode() for i in waiting))
+
+
+class ClientError(Exception):
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
+def decode_image(data: bytes, max_pixels: int, width: int, height: int) -> bytes:
+    """PNG/JPEG bytes -> raw uint8 RGB ``[height, width, 3]`` bytes, bicubic-resized to the stream geometry."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.width * img.height > max_pixels:
+                raise ClientError("bad_image", f"image of {img.width}x{img.height} pixels exceeds the limit of "
+                                  f"{max_pixels} pixels")
+            rgb = img.convert("RGB")
+            if rgb.size != (width, height):
+                rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
+            return np.asarray(rgb, dtype=np.uint8).tobytes()
+    except ClientError:
+        raise
+    except Exception as error:
+        raise ClientError("bad_image", f"the start image could not be decoded as PNG or JPEG: {error}") from None
