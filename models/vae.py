@@ -379,12 +379,15 @@ def _per_channel(v: torch.Tensor) -> torch.Tensor:
     return v.view(1, -1, 1, 1, 1)
 
 
-def decode_flops(cfg: VAEConfig, latent_frames: int, height: int, width: int) -> float:
-    """Multiply-accumulate FLOPs (2 per MAC) of decoding ``latent_frames`` latent frames to H x W frames."""
+def decode_flops(cfg: VAEConfig, latent_frames: int, height: int, width: int, first: bool = True) -> float:
+    """FLOPs (2 per multiply-accumulate) of decoding ``latent_frames`` latent frames to H x W frames, as the
+    first piece of a stream or as a continuation (counted on the meta device: no memory, no compute)."""
     vae = _meta_model(cfg)
-    z = torch.empty(1, cfg.z_dim, latent_frames, height // cfg.spatial_stride, width // cfg.spatial_stride,
-                    device="meta")  # fmt: skip
-    return _count_flops(lambda: vae.decode(z, TemporalCache()))
+    h, w = height // cfg.spatial_stride, width // cfg.spatial_stride
+    cache = TemporalCache()
+    if not first:  # prime the per-layer state so the layers take their steady-state path
+        vae.decode(torch.empty(1, cfg.z_dim, 1, h, w, device="meta"), cache)
+    return _count_flops(lambda: vae.decode(torch.empty(1, cfg.z_dim, latent_frames, h, w, device="meta"), cache))
 
 
 def encode_flops(cfg: VAEConfig, video_frames: int, height: int, width: int, first: bool) -> float:
