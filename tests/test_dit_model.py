@@ -1,0 +1,144 @@
+"""The DiT model, its caches, RoPE, attention selection and schedule behave as specified."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from models.attention import select_attention
+from models.dit import DiTConfig, WanModelFast
+from models.kv_cache import KVCache, new_kv_caches
+from models.rope import apply_rope, rope_angles, rope_cos_sin
+from models.schedule import FlowMatchSchedule
+
+torch.set_num_threads(1)
+H, W = 4, 6  # latent grid: 6 tokens per latent frame
+
+
+def _model(**overrides: object) -> WanModelFast:
+    torch.manual_seed(0)
+    cfg = DiTConfig.from_name("tiny", attention="sdpa", **overrides)
+    model = WanModelFast(cfg).eval()
+    with torch.no_grad():  # non-zero biases everywhere, so nothing is exercised by accident as zero
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return model
+
+
+def test_full_size_model_on_meta_has_the_released_tensor_and_parameter_counts() -> None:
+    with torch.device("meta"):
+        model = WanModelFast(DiTConfig.from_name("lingbot-world-fast-v1"))
+    sd = model.state_dict()
+    assert len(sd) == 1421
+    assert sum(t.numel() for t in sd.values()) == 18_544_332_864
+
+
+def test_cached_chunk_by_chunk_path_equals_one_block_causal_full_sequence_forward() -> None:
+    model = _model(local_attn_size=12, sink_size=2)  # 9 frames fit: no eviction
+    cfg, cs, fs = model.cfg, 3, (H // 2) * (W // 2)
+    g = torch.Generator().manual_seed(1)
+    clean = [torch.randn(16, cs, H, W, generator=g) for _ in range(2)]
+    noisy = torch.randn(16, cs, H, W, generator=g)
+    y = torch.randn(20, 3 * cs, H, W, generator=g)
+    control = torch.randn(1, 384, 3 * cs, H, W, generator=g)
+    context = torch.randn(7, cfg.text_dim, generator=g)
+    with torch.no_grad():
+        text = model.text_cache(context)
+        caches = new_kv_caches(cfg.num_layers, 12, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32)
+        outs = []
+        for k in range(3):
+            sl = slice(k * cs, (k + 1) * cs)
+            cam = model.camera_modulation(control[:, :, sl])
+            if k < 2:  # a noisy pass first, then the t = 0 refresh that rewrites the chunk's K/V
+                model(torch.randn(16, cs, H, W, generator=g), y[:, sl], 900.0, k * cs, text, cam, caches)
+                outs.append(model(clean[k], y[:, sl], 0.0, k * cs, text, cam, caches))
+            else:
+                outs.append(model(noisy, y[:, sl], 500.0, k * cs, text, cam, caches))
+        chunk_of = torch.arange(3 * cs * fs) // (cs * fs)
+        mask = chunk_of[:, None] >= chunk_of[None, :]  # block-causal: a chunk sees itself and the past
+        full = model(
+            torch.cat([*clean, noisy], dim=1), y, [0.0] * 2 * cs + [500.0] * cs, 0, text,
+            model.camera_modulation(control), None, mask,
+        )  # fmt: skip
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_timestep_embedding_is_computed_once_per_distinct_t_and_not_per_token() -> None:
+    model = _model()
+    calls = []
+    model.time_embedding.register_forward_hook(lambda m, i, o: calls.append(tuple(o.shape)))
+    cfg, fs = model.cfg, 6
+    with torch.no_grad():
+        text = model.text_cache(torch.zeros(3, cfg.text_dim))
+        cam = model.camera_modulation(torch.zeros(1, 384, 3, H, W))
+        caches = new_kv_caches(cfg.num_layers, 8, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32)
+        for t in (999.0, 978.0, 999.0, 0.0, 0.0):
+            model(torch.zeros(16, 3, H, W), torch.zeros(20, 3, H, W), t, 0, text, cam, caches)
+    assert calls == [(1, cfg.dim)] * 3
+
+
+def _frame_cache(cs: int, window: int, sink: int, chunks: int, fs: int = 2) -> KVCache:
+    """A cache whose keys carry the absolute latent frame they were written for."""
+    cache = KVCache(window * fs, sink * fs, heads=1, head_dim=1, device="cpu", dtype=torch.float32)
+    for k in range(chunks):
+        frames = torch.arange(k * cs, (k + 1) * cs, dtype=torch.float32).repeat_interleave(fs)
+        for _ in range(3):  # first call appends; the rewrites of the same chunk must not move anything
+            cache.update(frames.view(1, -1, 1), frames.view(1, -1, 1), k * cs * fs)
+    return cache
+
+
+def _cached_frames(cache: KVCache, fs: int = 2) -> list[int]:
+    return [int(v) for v in cache.k[0, : cache.local_end : fs, 0]]
+
+
+def test_rolling_eviction_matches_the_fixture_trace_and_keeps_the_sink() -> None:
+    assert _cached_frames(_frame_cache(3, 8, 2, 3)) == [0, 1, 3, 4, 5, 6, 7, 8]
+    assert _cached_frames(_frame_cache(3, 8, 2, 4)) == [0, 1, 6, 7, 8, 9, 10, 11]
+
+
+@settings(max_examples=40, deadline=None)
+@given(cs=st.integers(1, 4), extra=st.integers(0, 6), sink=st.integers(0, 4), chunks=st.integers(1, 12))
+def test_cache_always_holds_the_sink_frames_then_the_most_recent_frames(
+    cs: int, extra: int, sink: int, chunks: int
+) -> None:
+    window = sink + cs + extra
+    total = cs * chunks
+    frames = _cached_frames(_frame_cache(cs, window, sink, chunks))
+    if total <= window:
+        assert frames == list(range(total))
+    else:
+        assert frames == list(range(sink)) + list(range(total - (window - sink), total))
+
+
+def test_rope_keeps_working_past_the_reference_table_and_depends_only_on_frame_distance() -> None:
+    hd = 12
+    q, k = torch.randn(6, 2, hd, dtype=torch.float64), torch.randn(6, 2, hd, dtype=torch.float64)
+
+    def score(qf: int, kf: int) -> torch.Tensor:
+        rq = apply_rope(q, *rope_cos_sin(rope_angles(hd, 1, 2, 3, qf), "cpu"))
+        rk = apply_rope(k, *rope_cos_sin(rope_angles(hd, 1, 2, 3, kf), "cpu"))
+        return (rq * rk).sum(-1)
+
+    torch.testing.assert_close(score(5000, 4990), score(15, 5), rtol=0, atol=1e-9)
+
+
+def test_sage_without_cuda_is_an_error_and_auto_falls_back_to_sdpa() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: sage may be usable")
+    with pytest.raises(RuntimeError, match="sage"):
+        select_attention("sage")
+    q = torch.randn(2, 5, 4)
+    torch.testing.assert_close(select_attention("auto")(q, q, q), select_attention("sdpa")(q, q, q))
+    with pytest.raises(ValueError, match="attention"):
+        select_attention("flash")
+
+
+def test_schedule_uses_first_occurrence_sigma_for_x0_and_second_for_renoise() -> None:
+    sched = FlowMatchSchedule.build(shift=10.0)
+    step = sched.step(179)
+    assert step.timestep == 978 and (step.sigma_x0_index, step.sigma_renoise_index) == (176, 177)
+    assert sched.timesteps[176] == sched.timesteps[177] == 978 != sched.timesteps[175]
+    single = next(i for i in range(1, 999) if (sched.timesteps == sched.timesteps[i]).sum() == 1)
+    assert sched.step(single).sigma_x0_index == sched.step(single).sigma_renoise_index == single
