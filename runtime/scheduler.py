@@ -532,6 +532,7 @@ class Scheduler:
         s.latents.clear()
         s.outputs.clear()
         s.chunks.clear()
+        self._maybe_drained(s, out)
 
     def _maybe_drained(self, s: _Session, out: list[Action]) -> None:
         if s.state is not SessionState.CLOSING or any(self._running(s, stage) for stage in Stage):
