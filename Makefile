@@ -1,0 +1,43 @@
+# Two commands for a new user: `make demo` and `make test`. Both create .venv if missing and install what is
+# needed first. torch is pinned and installed before anything else, so a CPU machine gets the CPU wheel and
+# never pulls a multi-GB CUDA build through an open version range; on GPU nodes pip's index serves the CUDA
+# build of the same version.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+
+.PHONY: demo demo-model test test-fast lint bench golden clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[video,plot,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+demo-model: $(STAMP)
+	$(PY) scripts/demo.py --config cpu-tiny-model --out out/demo-model.mp4 --json out/demo-model.json
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not multiprocess"
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+golden: $(STAMP)
+	$(PY) scripts/check_golden.py --all
+
+bench: $(STAMP)
+	$(PY) scripts/bench_schedule.py
+
+clean:
+	rm -rf out .pytest_cache
