@@ -1,0 +1,103 @@
+"""Controls -> poses -> relative poses -> Plücker: the reference clip rule and the streaming rule."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from models.camera import (
+    StreamingCamera,
+    clip_control,
+    latent_frame_poses,
+    relative_poses,
+    resample_poses,
+    scale_intrinsics,
+)
+from models.controls import ChunkControl, integrate_stream
+
+H, W, CS = 32, 48, 3
+INTRINSICS = torch.tensor([[520.0, 480.0, 410.0, 245.0]])
+
+
+def _frames(chunks: int) -> list[int]:
+    return [1 + 4 * (CS - 1)] + [4 * CS] * (chunks - 1)
+
+
+def _stream(controls: list[ChunkControl]) -> tuple[np.ndarray, torch.Tensor]:
+    """Whole-clip video poses and the streaming control tensor of every chunk concatenated in time."""
+    frames = _frames(len(controls))
+    poses = integrate_stream(controls, frames)
+    cam = StreamingCamera(INTRINSICS, H, W)
+    out, start = [], 0
+    for k, n in enumerate(frames):
+        out.append(cam.control(poses[start : start + n], first_chunk=k == 0))
+        start += n
+    return poses, torch.cat(out, dim=2)
+
+
+def test_streaming_rule_equals_the_whole_clip_reference_at_constant_camera_speed() -> None:
+    poses, streamed = _stream([ChunkControl(keys=frozenset("wdl"))] * 4)  # same motion every frame
+    reference = clip_control(poses, INTRINSICS, H, W, 4 * CS)["plucker_from_poses"]
+    torch.testing.assert_close(streamed, reference, rtol=0, atol=2e-5)
+
+
+def test_streaming_rule_scales_each_chunk_by_its_own_fastest_step_where_the_reference_uses_the_clip() -> None:
+    slow, fast = ChunkControl(keys=frozenset("w")), ChunkControl(keys=frozenset("wd"))  # sqrt(2) faster
+    poses, streamed = _stream([fast, slow, slow])
+    reference = clip_control(poses, INTRINSICS, H, W, 3 * CS)["plucker_from_poses"]
+
+    def origin_norm(control: torch.Tensor, frame: int) -> float:
+        return float(torch.linalg.vector_norm(control[0, [0, 64, 128], frame, 0, 0]))
+
+    assert math.isclose(origin_norm(streamed, 4), 1.0, rel_tol=1e-5)  # slow chunk, streaming: unit step
+    assert math.isclose(origin_norm(reference, 4), 1 / math.sqrt(2), rel_tol=1e-4)  # reference: relative to clip
+    torch.testing.assert_close(streamed[:, :, :CS], reference[:, :, :CS], rtol=0, atol=2e-5)
+
+
+def test_rotation_only_stream_has_zero_ray_origins_instead_of_amplified_rounding_noise() -> None:
+    _, streamed = _stream([ChunkControl(keys=frozenset("l"), mouse=(5.0, 1.0))] * 3)
+    origins = streamed[0, :192]  # channels 0..2 of every pixel
+    assert origins.abs().max() < 1e-5
+    directions = streamed[0, 192:].reshape(3, 64, -1)
+    torch.testing.assert_close(directions.norm(dim=0), torch.ones(64, directions.shape[-1]), rtol=0, atol=1e-5)
+
+
+def test_latent_frames_of_each_chunk_are_every_fourth_video_frame_of_the_stream() -> None:
+    frames = _frames(4)
+    poses = integrate_stream([ChunkControl(keys=frozenset("wj"))] * 4, frames)
+    starts = np.cumsum([0, *frames[:-1]])
+    picked = [latent_frame_poses(poses[s : s + n], k == 0) for k, (s, n) in enumerate(zip(starts, frames))]
+    np.testing.assert_array_equal(np.concatenate(picked), poses[::4])
+
+
+def _yaw(degrees: float, t: tuple[float, float, float]) -> np.ndarray:
+    a = math.radians(degrees)
+    p = np.eye(4)
+    p[:3, :3] = [[math.cos(a), 0, math.sin(a)], [0, 1, 0], [-math.sin(a), 0, math.cos(a)]]
+    p[:3, 3] = t
+    return p
+
+
+def test_resampling_between_video_frames_slerps_rotation_and_lerps_translation() -> None:
+    poses = np.stack([_yaw(0, (0, 0, 0)), _yaw(40, (2, 0, 4)), _yaw(80, (4, 0, 0))])
+    out = resample_poses(poses, 5)  # positions 0, 0.5, 1, 1.5, 2
+    torch.testing.assert_close(out[1], torch.from_numpy(_yaw(20, (1, 0, 2))).float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[3], torch.from_numpy(_yaw(60, (3, 0, 2))).float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[::2], torch.from_numpy(poses).float(), rtol=0, atol=0)
+
+
+def test_relative_poses_start_at_identity_and_chain_back_to_the_absolute_poses() -> None:
+    poses = torch.from_numpy(integrate_stream([ChunkControl(keys=frozenset("wi"))], [9])[::4].copy()).float()
+    rel = relative_poses(poses)
+    torch.testing.assert_close(rel[0], torch.eye(4))
+    chained = poses[0]
+    for i in range(1, len(poses)):
+        chained = chained @ rel[i]
+        torch.testing.assert_close(chained, poses[i], rtol=0, atol=1e-5)
+
+
+def test_intrinsics_are_rescaled_from_the_480x832_reference_frame() -> None:
+    k = scale_intrinsics(torch.tensor([[832.0, 480.0, 416.0, 240.0], [1.0, 1.0, 1.0, 1.0]]), 240, 416)
+    torch.testing.assert_close(k, torch.tensor([416.0, 240.0, 208.0, 120.0]))

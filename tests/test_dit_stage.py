@@ -1,0 +1,107 @@
+"""The real-model DenoiseStage: golden loop through the stage, seeded noise, skip, ordering errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.controls import ChunkControl
+from models.dit import DiTConfig
+from models.lingbot_denoise import LingbotDenoiseStage
+from models.stages import SessionSpec, StreamGeometry
+from scripts.golden_dit import FixtureNoise, load_model
+
+torch.set_num_threads(1)
+GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "golden"
+FIXTURE = GOLDEN / "tiny-a"
+GEOMETRY = StreamGeometry(
+    height=32, width=48, chunk_latent_frames=3, context_shape=(16, 32), condition_shape=(20, 3, 4, 6),
+    latent_shape=(16, 3, 4, 6),
+)  # fmt: skip
+MOVE = ChunkControl(keys=frozenset("wl"))
+
+
+def _stage(**kw: object) -> LingbotDenoiseStage:
+    return LingbotDenoiseStage(DiTConfig.from_name("tiny", attention="sdpa"), GEOMETRY, init_seed=5, **kw)
+
+
+def _conditions(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randn(20, 3, 4, 6, generator=g) for _ in range(n)]
+
+
+@pytest.mark.skipif(not FIXTURE.is_dir(), reason=f"golden fixture {FIXTURE} absent")
+def test_stage_reproduces_the_golden_stream_with_the_fixture_noise_and_controls() -> None:
+    config = json.loads((FIXTURE / "config.json").read_text())
+    stream = config["stream"]
+    inputs, expected = load_file(str(FIXTURE / "inputs.safetensors")), load_file(str(FIXTURE / "expected.safetensors"))
+    cs, h, w = stream["chunk_size"], stream["lat_h"], stream["lat_w"]
+    geometry = StreamGeometry(
+        height=stream["image_height"], width=stream["image_width"], chunk_latent_frames=cs,
+        context_shape=(stream["text_len"], config["dit"]["constructor"]["text_dim"]),
+        condition_shape=(20, cs, h, w), latent_shape=(16, cs, h, w),
+    )  # fmt: skip
+    cfg = load_model(FIXTURE).cfg
+    stage = LingbotDenoiseStage(cfg, geometry, weights=load_file(str(FIXTURE / "dit.safetensors")))
+    context = torch.zeros(geometry.context_shape)
+    context[: inputs["dit_context"].shape[0]] = inputs["dit_context"]  # the runtime hands the padded context
+    stage.open(SessionSpec(session="g", seed=0, prompt=""), context)
+    session = stage.sessions["g"]
+    session.noise = FixtureNoise(inputs, cs)  # type: ignore[assignment]
+    controls = iter(inputs[f"control_c{k}"] for k in range(stream["num_chunks"]))
+    session.camera.control = lambda poses, first: next(controls)  # type: ignore[method-assign]
+    for k in range(stream["num_chunks"]):
+        latent = stage.denoise("g", k, inputs["dit_y"][:, k * cs : (k + 1) * cs], ChunkControl())
+        torch.testing.assert_close(latent, expected[f"x0_c{k}"], rtol=0, atol=1e-4)
+
+
+def test_same_seed_gives_the_same_stream_and_another_seed_does_not() -> None:
+    stage = _stage()
+    conds = _conditions(2)
+    context = torch.randn(16, 32)
+    runs = {}
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        stage.open(SessionSpec(session=name, seed=seed, prompt=""), context)
+        runs[name] = torch.stack([stage.denoise(name, k, conds[k], MOVE) for k in range(2)])
+        stage.release(name)
+    assert torch.equal(runs["a"], runs["b"])
+    assert not torch.allclose(runs["a"], runs["c"], atol=1e-3)
+
+
+def test_skip_with_the_cached_latent_leaves_the_session_exactly_as_denoise_would() -> None:
+    stage = _stage()
+    conds, context = _conditions(3), torch.randn(16, 32)
+    for name in ("full", "skipped"):
+        stage.open(SessionSpec(session=name, seed=9, prompt=""), context)
+    full = [stage.denoise("full", k, conds[k], MOVE) for k in range(3)]
+    stage.denoise("skipped", 0, conds[0], MOVE)
+    stage.skip("skipped", 1, MOVE, latent=full[1], condition=conds[1])
+    assert torch.equal(stage.denoise("skipped", 2, conds[2], MOVE), full[2])
+
+
+def test_bare_skip_advances_noise_and_camera_so_later_chunks_keep_their_draws() -> None:
+    stage = _stage()
+    context = torch.randn(16, 32)
+    for name in ("a", "b"):
+        stage.open(SessionSpec(session=name, seed=4, prompt=""), context)
+    stage.skip("a", 0, MOVE)
+    stage.denoise("b", 0, _conditions(1)[0], MOVE)
+    a, b = stage.sessions["a"], stage.sessions["b"]
+    assert torch.equal(a.noise.generator.get_state(), b.noise.generator.get_state())  # type: ignore[attr-defined]
+    assert torch.equal(a.camera.prev_latent_pose, b.camera.prev_latent_pose)  # type: ignore[arg-type]
+
+
+def test_out_of_order_chunks_and_unknown_sessions_are_errors_and_release_is_idempotent() -> None:
+    stage = _stage()
+    stage.open(SessionSpec(session="s", seed=0, prompt=""), torch.zeros(16, 32))
+    with pytest.raises(ValueError, match="expects chunk 0"):
+        stage.denoise("s", 1, _conditions(1)[0], MOVE)
+    with pytest.raises(KeyError, match="unknown session"):
+        stage.denoise("nope", 0, _conditions(1)[0], MOVE)
+    stage.release("s")
+    stage.release("s")
+    assert "s" not in stage.sessions
