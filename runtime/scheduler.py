@@ -27,6 +27,8 @@ Per session (``s``), with ``d`` the next chunk whose denoise has not started:
   served on that role), so no session starves.
 - Emission. Frames and their ``ChunkTimes`` leave strictly in index order per session, exactly once. The
   control-to-output clock of chunk i starts when control[i] is accepted; condition-only ingress never starts it.
+- Failure. ``stage_failed`` fails that session only: ``SessionFailed`` (once, while it was live), then the close
+  path with reason "failed"; the first error is reported again in ``SessionClosed.error``.
 - Close (client, disconnect, failure, or by itself after the last chunk is emitted, reason "complete"): stop
   accepting; queued-but-not-started work is dropped; running tasks finish (their results are discarded, nothing is
   emitted after close); then the caches whose init was issued are released decode -> denoise -> encode, one after
@@ -42,7 +44,9 @@ sessions that still have a chunk to denoise, each blocked by its first missing d
 -> "control"; condition[d] not encoded -> "condition"; latent edge full -> "edge"). Across sessions the most
 internal blocker wins: "edge" over "condition" over "control"; with no such session the cause is "no_session". An
 idle interval is split at the events where its cause changes; each segment is emitted as soon as it ends (at the
-change, or just before the action that makes the DiT busy again). Zero-length segments are not emitted.
+change, or just before the action that makes the DiT busy again: any DiT task, cache init and release included).
+Zero-length segments are not emitted. Time starts with the first event: the DiT is idle from then until its first
+task.
 """
 
 from __future__ import annotations
