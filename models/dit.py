@@ -340,3 +340,28 @@ def apply_sequence_parallel(model: WanModelFast, group: dist.ProcessGroup | None
     for block in model.blocks:
         block.self_attn.sp = sp
     return model
+
+
+def chunk_flops(cfg: DiTConfig, lat_h: int, lat_w: int, kv_frames: int | None = None) -> dict[str, float]:
+    """Matmul FLOPs (2 per multiply-add) of one chunk at steady state, for utilisation reports.
+
+    ``kv_frames`` is the number of latent frames attended (default: the full window). A chunk is
+    ``len(timestep_indices)`` denoising passes plus the refresh pass; the camera modulation runs once per
+    chunk and the text keys/values once per session (not counted here).
+    """
+    d, ffn, text = cfg.dim, cfg.ffn_dim, cfg.text_len
+    fs = (lat_h // 2) * (lat_w // 2)
+    n = cfg.chunk_size * fs
+    kv = (kv_frames if kv_frames is not None else cfg.local_attn_size) * fs
+    per_block = (
+        2 * n * d * d * 4  # self-attention q, k, v, o
+        + 2 * n * kv * d * 2  # q k^T and attn v over the window
+        + 2 * n * d * d * 2  # cross-attention q, o
+        + 2 * n * text * d * 2  # cross-attention over text_len rows
+        + 2 * n * d * ffn * 2  # MLP
+    )
+    embed = 2 * n * cfg.in_dim * math.prod(cfg.patch_size) * d + 2 * n * d * cfg.out_dim * math.prod(cfg.patch_size)
+    per_pass = cfg.num_layers * per_block + embed
+    camera = 2 * n * cfg.control_features * d + 2 * n * d * d * 2 + cfg.num_layers * 2 * n * d * d * 4
+    passes = len(cfg.timestep_indices) + 1
+    return {"per_pass": float(per_pass), "camera": float(camera), "per_chunk": float(passes * per_pass + camera)}
