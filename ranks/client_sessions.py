@@ -45,6 +45,7 @@ class ClientSession:
     queued: dict[tuple[str, int], float] = field(default_factory=dict)  # (op, index) -> when handed to a role
     spans: dict[int, list[Span]] = field(default_factory=dict)  # in-flight chunks only
     decode_parts: dict[int, set[str]] = field(default_factory=dict)
+    released: dict[str, list[int]] = field(default_factory=dict)  # stage -> ranks that confirmed the release
     closing: bool = False
     gone: bool = False  # the client can no longer be reached
 
@@ -56,6 +57,13 @@ class ClientSession:
         for key in [k for k in self.queued if k[1] == index]:
             del self.queued[key]
         return tuple(self.spans.pop(index, ()))
+
+    def release_joined(self, stage: str, rank: int, ranks: int) -> bool:
+        """A stage's release is complete when every rank holding its caches confirmed it."""
+        confirmed = self.released.setdefault(stage, [])
+        if rank not in confirmed:
+            confirmed.append(rank)
+        return len(confirmed) == ranks
 
     def decode_joined(self, index: int, part: str, frames_remote: bool) -> bool:
         """Decode of a chunk is complete when the decode rank is done and (if remote) its frames arrived."""

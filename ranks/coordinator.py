@@ -181,7 +181,9 @@ class Coordinator:
         stage = {"condition": sch.Stage.ENCODE, "dit": sch.Stage.DENOISE, "decode": sch.Stage.DECODE}.get(done.role)
         try:
             if done.op == "release" and stage is not None:
-                self._execute(self.scheduler.release_done(done.session, stage, done.ok, now, done.error or None))
+                ranks = len(self.ids.dit) if stage is sch.Stage.DENOISE else 1
+                if not done.ok or session.release_joined(stage.value, done.rank, ranks):
+                    self._execute(self.scheduler.release_done(done.session, stage, done.ok, now, done.error or None))
             elif not done.ok:
                 index = None if done.op == "init" else done.index
                 self._execute(self.scheduler.stage_failed(done.session, stage or sch.Stage.DECODE, index,
@@ -254,8 +256,9 @@ class Coordinator:
             elif action.stage is sch.Stage.DECODE:
                 self._task(ids.decode, "release", sid)
             else:
-                for i, identity in enumerate(ids.dit):
-                    self._task(identity, "release", sid, track=i == 0)
+                session.released.pop(sch.Stage.DENOISE.value, None)  # a retry counts confirmations afresh
+                for identity in ids.dit:
+                    self._task(identity, "release", sid)
         elif isinstance(action, sch.SessionFailed):
             self.metrics.on_error("stage_failed")
             self._to_client(session, protocol.Error(session=sid, code="failed", message=action.error))
@@ -263,8 +266,9 @@ class Coordinator:
             now = time.monotonic()
             summary = self.metrics.close_session(sid, now)
             summary["clock_offsets"] = self.clock.to_dict()
-            if action.leaked:
-                summary["leaked_caches"] = [s.value for s in action.leaked]
+            summary["released"] = session.released  # stage -> ranks that confirmed, in release order
+            summary["leaked_caches"] = [s.value for s in action.leaked]
+            summary["poisoned"] = action.poisoned
             self._to_client(session, protocol.Closed(session=sid, reason=action.reason, error=action.error,
                                                      summary=summary))
             self.ctx.frames.drop_session(sid)

@@ -126,7 +126,7 @@ def dit_worker(ctx: RankContext) -> None:
     def release(task: protocol.Task, spans: Spans) -> dict[str, object]:
         with spans.span("denoise.release"):
             stage.release(task.session)
-        return {"released": "denoise"} if leader else {"silent": True}
+        return {"released": "denoise"}  # every DiT rank answers: each holds its own shard of the caches
 
     serve(ctx, "dit", {"init": init, "denoise": denoise, "release": release})
 
