@@ -86,8 +86,8 @@ def load_state_dict_strict(
             f"DiT checkpoint does not match the model: {len(missing)} missing {missing[:10]}, "
             f"{len(unexpected)} unexpected {unexpected[:10]}"
         )
+    model.to(dtype)  # cast while still on meta (free), so the target dtype is the only allocation
     model.to_empty(device=device)
-    model.to(dtype)
     params = dict(model.state_dict(keep_vars=True))
     with torch.no_grad():
         if directory is not None:

@@ -68,20 +68,20 @@ def denoise_chunk(
     _, cs, h, w = y.shape
     shape = (model.cfg.out_dim, cs, h, w)
     start = chunk * cs
-    x = noise.draw(shape, "init", chunk, 0)
+    x = noise.draw(shape, "init", chunk, 0).to(y.device)  # the sampler state stays float32
     x0 = x
     for s, step in enumerate(steps):
         if s > 0:
-            x = renoise(x0, noise.draw(shape, "renoise", chunk, s), step.sigma_renoise)
-        v = model(x.to(y.device), y, float(step.timestep), start, text, cam, caches).float().cpu()
+            x = renoise(x0, noise.draw(shape, "renoise", chunk, s).to(y.device), step.sigma_renoise)
+        v = model(x, y, float(step.timestep), start, text, cam, caches).float()
         x0 = x0_from_velocity(x, v, step.sigma_x0)
         if trace is not None:
-            trace(f"dit_xt_c{chunk}_s{s}", x)
-            trace(f"dit_v_c{chunk}_s{s}", v)
-            trace(f"x0pred_c{chunk}_s{s}", x0)
-    v_refresh = model(x0.to(y.device), y, 0.0, start, text, cam, caches)
+            trace(f"dit_xt_c{chunk}_s{s}", x.cpu())
+            trace(f"dit_v_c{chunk}_s{s}", v.cpu())
+            trace(f"x0pred_c{chunk}_s{s}", x0.cpu())
+    v_refresh = model(x0, y, 0.0, start, text, cam, caches)
     if trace is not None:
-        trace(f"x0_c{chunk}", x0)
+        trace(f"x0_c{chunk}", x0.cpu())
         trace(f"dit_v_refresh_c{chunk}", v_refresh.float().cpu())
     return x0
 
@@ -121,8 +121,9 @@ class LingbotDenoiseStage:
             self.model = load_dit(weights, device, dtype, chunk_size=args.chunk_size, attention=args.attention)
         else:
             if weights is None:
-                torch.manual_seed(init_seed)
-                self.model = WanModelFast(args)
+                with torch.random.fork_rng(devices=[]):  # same weights on every rank, global RNG untouched
+                    torch.manual_seed(init_seed)
+                    self.model = WanModelFast(args)
             else:
                 with torch.device("meta"):
                     self.model = WanModelFast(args)
@@ -169,7 +170,7 @@ class LingbotDenoiseStage:
 
     @torch.no_grad()
     def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl) -> torch.Tensor:
-        """Clean latent ``[16, cs, h, w]`` (float32, CPU) of chunk ``index``; identical on every rank."""
+        """Clean latent ``[16, cs, h, w]`` (float32, on the stage's device) of chunk ``index``; same on every rank."""
         assert tuple(condition.shape) == tuple(self.geometry.condition_shape), f"condition {tuple(condition.shape)}"
         st, ctrl = self._advance(session, index, control)
         cam = self.model.camera_modulation(ctrl.to(self.device))

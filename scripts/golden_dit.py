@@ -44,17 +44,19 @@ def load_model(fixture_dir: Path) -> WanModelFast:
     """The fixture's DiT in float32 on CPU, loaded strictly from ``dit.safetensors``."""
     config = json.loads((fixture_dir / "config.json").read_text())
     stream = config["stream"]
-    cfg = config_from_dict(config["dit"]["constructor"])
-    cfg = config_from_dict(
-        {
-            "chunk_size": stream["chunk_size"],
-            "shift": stream["shift"],
-            "num_train_timesteps": stream["num_train_timesteps"],
-            "timestep_indices": stream["timestep_indices"],
-            "attention": "sdpa",
-        },
-        base=cfg,
-    )
+    fs = stream["tokens_per_latent_frame"]
+    raw = {
+        **config["dit"]["constructor"],
+        # The cache size as the reference ran it (local_attn_size = -1 means "the whole clip").
+        "local_attn_size": stream["kv_cache_size_tokens"] // fs,
+        "sink_size": stream.get("sink_size", config["dit"]["constructor"]["sink_size"]),
+        "chunk_size": stream["chunk_size"],
+        "shift": stream["shift"],
+        "num_train_timesteps": stream["num_train_timesteps"],
+        "timestep_indices": stream["timestep_indices"],
+        "attention": "sdpa",
+    }
+    cfg = config_from_dict(raw)
     with torch.device("meta"):
         model = WanModelFast(cfg)
     return load_state_dict_strict(model, load_file(str(fixture_dir / "dit.safetensors")), None, "cpu", torch.float32)
@@ -108,9 +110,10 @@ def checks(fixture_dir: Path) -> Iterator[Check]:
     cs, h, w, chunks = stream["chunk_size"], stream["lat_h"], stream["lat_w"], stream["num_chunks"]
     fs = stream["tokens_per_latent_frame"]
     assert fs == (h // 2) * (w // 2), "tokens_per_latent_frame disagrees with the latent grid"
+    window = config["dit"]["constructor"]["local_attn_size"]
     yield (
         "kv_cache_size_tokens",
-        torch.tensor(cfg.local_attn_size * fs),
+        torch.tensor((window if window > 0 else stream["lat_f"]) * fs),
         torch.tensor(stream["kv_cache_size_tokens"]),
     )
     steps = FlowMatchSchedule.build(cfg.shift, cfg.num_train_timesteps).steps(cfg.timestep_indices)
