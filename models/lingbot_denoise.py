@@ -22,7 +22,7 @@ A world-cache hit (``skip``) draws exactly the same numbers and advances the cam
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -93,7 +93,6 @@ class _Session:
     caches: list[KVCache]
     camera: StreamingCamera
     next_index: int = 0
-    extra: dict[str, object] = field(default_factory=dict)
 
 
 class LingbotDenoiseStage:
