@@ -455,6 +455,8 @@ class Coordinator:
             send_to(self.clients, identity, protocol.Error(session=session, code=code, message=message))
 
     def _shutdown(self, code: str, message: str) -> None:
+        # Under torchrun a dead rank reaches rank 0 as a SIGTERM too: every client hears it as an error first.
+        self._notify_all(code, message)
         for sid, session in self.sessions.items():
             self._to_client(session, protocol.Closed(session=sid, reason="shutdown", error=message,
                                                      summary=self.metrics.close_session(sid, time.monotonic())))
