@@ -78,8 +78,10 @@ class DenoiseStage(Protocol):
     def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl) -> torch.Tensor:
         """Latent of chunk ``index`` (``latent_shape``); chunks arrive in order."""
 
-    def skip(self, session: str, index: int, control: ChunkControl) -> None:
-        """World-cache hit: advance the noise cursor and camera state exactly as ``denoise`` would."""
+    def skip(self, session: str, index: int, control: ChunkControl, latent: torch.Tensor | None = None,
+             condition: torch.Tensor | None = None) -> None:
+        """World-cache hit: advance the noise cursor and camera state exactly as ``denoise`` would; given the
+        cached ``latent`` and its ``condition``, also leave the chunk's keys in the cache as ``denoise`` does."""
 
     def release(self, session: str) -> None:
         """Free the session's caches; idempotent."""

@@ -137,7 +137,8 @@ class SyntheticDenoise:
         _spend(self.cost_s - (time.monotonic() - started))
         return latent
 
-    def skip(self, session: str, index: int, control: ChunkControl) -> None:
+    def skip(self, session: str, index: int, control: ChunkControl, latent: torch.Tensor | None = None,
+             condition: torch.Tensor | None = None) -> None:
         self._advance(session, index, control)
 
     def release(self, session: str) -> None:

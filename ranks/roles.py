@@ -108,8 +108,8 @@ def dit_worker(ctx: RankContext) -> None:
         control = ChunkControl.from_wire(task.control)
         if task.cached:
             with spans.span("denoise.cached"):
-                stage.skip(task.session, task.index, control)
                 latent = cached_latents.pop((task.session, task.index))
+                stage.skip(task.session, task.index, control, latent=latent, condition=condition)
         else:
             with spans.span("denoise"):
                 latent = stage.denoise(task.session, task.index, condition, control)

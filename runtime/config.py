@@ -210,7 +210,7 @@ def validate(config: Config, where: str) -> Config:
 
 
 # Head counts of the model presets, so a layout is checked without importing torch.
-PRESET_HEADS = {"tiny": 5, "tiny2": 10, "small": 10, "v1": 40, "v2": 40}
+PRESET_HEADS = {"tiny": 5, "small": 10, "v1": 40, "v2": 40}
 
 
 def model_heads(model: ModelConfig) -> int | None:
