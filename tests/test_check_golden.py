@@ -1,0 +1,31 @@
+"""scripts/check_golden.py: passes on every published fixture, and its comparison really rejects errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scripts import check_golden
+
+
+def test_check_golden_passes_on_every_fixture_directory(capsys: pytest.CaptureFixture[str]) -> None:
+    fixtures = check_golden.fixture_dirs()
+    if not fixtures:
+        pytest.skip(f"no golden fixtures at {check_golden.GOLDEN_DIR} (../shared is absent)")
+    assert check_golden.main(["--all"]) == 0
+    out = capsys.readouterr().out
+    names = ("t5_context", "y", "plucker_from_poses", "dit_v_c0_s0", "x0_c3", "frames_c3", "kv_cache_evicted_tokens")
+    for name in names:
+        assert f"ok   {name} " in out
+
+
+def test_a_float_error_beyond_the_bound_fails_and_within_passes() -> None:
+    expected = torch.tensor([5.0, -2.0])
+    assert check_golden.compare("x", expected + 4e-4, expected)[0]  # bound = 1e-4 * 5
+    assert not check_golden.compare("x", expected + 6e-4, expected)[0]
+
+
+def test_integer_facts_must_match_exactly_and_shapes_must_agree() -> None:
+    assert not check_golden.compare("t", torch.tensor([999, 978]), torch.tensor([999, 977]))[0]
+    assert check_golden.compare("t", torch.tensor([999, 978]), torch.tensor([999, 978]))[0]
+    assert not check_golden.compare("x", torch.zeros(2, 3), torch.zeros(3, 2))[0]
