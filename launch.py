@@ -20,8 +20,14 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runtime import config as config_mod
+
+if TYPE_CHECKING:  # torch and zmq load only in the ranks, not in the self-launching parent
+    import zmq
+
+    from ranks.worker import RankContext
 
 log = logging.getLogger("worldstream")
 
@@ -40,11 +46,8 @@ def distributed_env() -> tuple[int, int, int] | None:
     if "RANK" in env and "WORLD_SIZE" in env:
         return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        env.setdefault("MASTER_ADDR", "127.0.0.1")  # the batch file sets the first node of the allocation
         env.setdefault("MASTER_PORT", "29512")
-        if "MASTER_ADDR" not in env:
-            nodes = env.get("SLURM_JOB_NODELIST", "127.0.0.1")
-            env["MASTER_ADDR"] = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
-                                                text=True).stdout.split()[0] if "[" in nodes else nodes.split(",")[0]
         return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0"))
     return None
 
@@ -96,8 +99,9 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     use_cuda = torch.cuda.is_available() and lay.backend != "gloo"
     backend = "nccl" if (lay.backend == "nccl" or (lay.backend == "auto" and use_cuda)) else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        index = local_rank % torch.cuda.device_count()  # srun --gpus-per-task=1 shows each task one GPU
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         torch.set_num_threads(1)  # seven ranks on two cores: one thread each
         device = torch.device("cpu")
@@ -135,7 +139,7 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
             threads.append(run_thread("frames", lambda: roles.frames_receiver(ctx)))
         return run_coordinator(ctx, clients, workers, port)
     threads.append(run_thread("heartbeat", lambda: heartbeat(ctx)))
-    stop_on_signal(ctx)
+    ignore_stop_signals()
     for thread in threads:
         while thread.is_alive():
             thread.join(timeout=0.5)
@@ -143,16 +147,16 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     return 0
 
 
-def stop_on_signal(ctx: object) -> None:
+def ignore_stop_signals() -> None:
     """Workers ignore SIGINT/SIGTERM: rank 0 orders the shutdown (a Ctrl-C reaches every rank at once)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def run_coordinator(ctx: object, clients: object, workers: object, port: int) -> int:
+def run_coordinator(ctx: RankContext, clients: zmq.Socket, workers: zmq.Socket, port: int) -> int:
     from ranks.coordinator import Coordinator
 
-    coordinator = Coordinator(ctx, clients, workers)  # type: ignore[arg-type]
+    coordinator = Coordinator(ctx, clients, workers)
 
     def stop(signum: int, _frame: object) -> None:
         log.info("signal %d: shutting down", signum)
@@ -163,9 +167,9 @@ def run_coordinator(ctx: object, clients: object, workers: object, port: int) ->
     pid_file = os.environ.get("WORLDSTREAM_PIDFILE")
     if pid_file:
         Path(pid_file).write_text(str(os.getpid()))
-    log.info("client port tcp://%s:%d (serving once every rank reported in)", ctx.config.server.host, port)  # type: ignore[attr-defined]
+    log.info("client port tcp://%s:%d (serving once every rank reported in)", ctx.config.server.host, port)
     code = coordinator.run(port)
-    ctx.stop.set()  # type: ignore[attr-defined]
+    ctx.stop.set()
     time.sleep(0.2)  # let the last messages to clients leave
     return code
 

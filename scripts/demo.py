@@ -1,7 +1,8 @@
-"""`make demo`: serve the cpu-tiny layout, play the bundled trace on the bundled image, write the video.
+"""`make demo`: serve a layout, play the bundled trace on the bundled image, write the video and the facts.
 
-Writes ``out/demo.mp4`` and ``out/demo.json`` and prints a short summary. ``--config`` picks another layout
-(e.g. ``cpu-tiny-model`` for the real model path with tiny random weights, whose frames are noise).
+Writes ``out/demo.mp4`` and ``out/demo.json`` (or ``--out``/``--json``) and prints a short summary.
+``--config cpu-tiny-model`` runs the real LingBot-World-Fast code path with tiny random weights (its frames are
+noise); ``--config cpu-tiny`` the synthetic backend, whose frames follow the camera keys.
 """
 
 from __future__ import annotations
@@ -15,19 +16,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import Client
+from runtime import config
 from scripts.client import load_trace, play, report, write_video
 from scripts.local_server import ROOT, LocalServer
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="cpu-tiny")
+    parser.add_argument("--config", default="cpu-tiny-model")
     parser.add_argument("--image", type=Path, default=ROOT / "assets" / "start.png")
     parser.add_argument("--trace", type=Path, default=ROOT / "assets" / "demo_trace.json")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "demo.mp4")
     parser.add_argument("--json", type=Path, default=ROOT / "out" / "demo.json")
     args, overrides = parser.parse_known_args(argv)
     began = time.monotonic()
+    cfg = config.load(args.config, overrides)
+    if cfg.model.kind == "lingbot-fast" and not cfg.model.checkpoint_dir:
+        print(f"NOTE: {args.config} runs the real model code with tiny RANDOM weights: the video is noise. For real "
+              "video set [model] checkpoint_dir (and a GPU layout such as configs/split7-h100.toml).")
+    elif cfg.model.kind == "synthetic":
+        print(f"NOTE: {args.config} uses the synthetic backend: the start image panned/zoomed by the camera keys.")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     server = LocalServer(args.config, overrides, log_path=args.out.parent / "demo-server.log")
     with server:
