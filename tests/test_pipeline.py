@@ -6,6 +6,7 @@ and checks every rank exits 0. Failure tests start their own jobs.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -59,7 +60,7 @@ def test_two_concurrent_sessions_get_every_chunk_once_in_order_moving_with_their
         assert [c.frames.shape for c in chunks] == [(9, 160, 256, 3)] + [(12, 160, 256, 3)] * 5
         assert all(c.control["keys"] == [keys] for c in chunks)
         frames = np.concatenate([c.frames for c in chunks])
-        shifts = [horizontal_shift(a, b) for a, b in zip(frames[:-1], frames[1:])]
+        shifts = [horizontal_shift(a, b) for a, b in itertools.pairwise(frames)]
         # strafing right slides the scene left, frame after frame (and strafing left slides it right)
         assert all(s < 0 for s in shifts) if keys == "d" else all(s > 0 for s in shifts), (keys, shifts)
         assert summary["reason"] == "complete"
@@ -115,7 +116,7 @@ def test_bad_messages_get_clear_errors_while_another_session_keeps_streaming(ser
         for data, code, text in cases:
             reply = ask(data)
             assert reply.code == code and text in reply.message, (code, reply)
-        with pytest.raises(ServerError, match="rejected_control.*expected index"):
+        with pytest.raises(ServerError, match=r"rejected_control.*expected index"):
             good.control(info.id, 40, keys="w")  # a skip is refused, nothing changes
         chunks = list(good.chunks(info.id, timeout_s=60))
         sender.join(timeout=30)
@@ -127,7 +128,7 @@ def test_duplicate_control_is_rejected_and_changes_nothing(server: LocalServer) 
     with Client(server.endpoint) as client:
         info = client.open(IMAGE, num_chunks=2)
         client.control(info.id, 0, keys="w")
-        with pytest.raises(ServerError, match="control\\[0\\] rejected.*expected index 1"):
+        with pytest.raises(ServerError, match=r"control\[0\] rejected.*expected index 1"):
             client.control(info.id, 0, keys="w")
         client.control(info.id, 1, keys="s")
         chunks = list(client.chunks(info.id, timeout_s=60))
