@@ -46,6 +46,7 @@ class ClientSession:
     spans: dict[int, list[Span]] = field(default_factory=dict)  # in-flight chunks only
     decode_parts: dict[int, set[str]] = field(default_factory=dict)
     released: dict[str, list[int]] = field(default_factory=dict)  # stage -> ranks that confirmed the release
+    last_emitted: float | None = None  # for the chunk period histogram
     closing: bool = False
     gone: bool = False  # the client can no longer be reached
 

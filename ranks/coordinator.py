@@ -25,7 +25,7 @@ from PIL import Image
 from ipc import protocol
 from ipc.transport import send_to
 from models.controls import ChunkControl
-from ranks import workers_of
+from ranks import prometheus, workers_of
 from ranks.client_sessions import ClientSession, facts_of, spans_from_worker
 from ranks.worker import RankContext
 from runtime import scheduler as sch
@@ -70,6 +70,7 @@ class Coordinator:
         self.ping_seq = 0
         self.next_ping = now
         self.stopping = False
+        self.exporter = prometheus.start(self.config.metrics.prometheus_port)
 
     # ---------------------------------------------------------------------------------------------- main loop
 
@@ -124,6 +125,8 @@ class Coordinator:
             for rank in self.ids.heartbeat_ranks:
                 self._send_worker(self.ids.heartbeat(rank), protocol.Ping(seq=self.ping_seq, sent=now))
             self.ping_seq += 1
+            if self.exporter is not None:
+                self.exporter.update(len(self.sessions), self.memory)
         dead_after = self.config.timeouts.rank_dead_s
         for rank, seen in self.last_beat.items():
             if now - seen > dead_after:
@@ -212,6 +215,8 @@ class Coordinator:
         ids = self.ids
         if isinstance(action, sch.DitIdle):
             self.metrics.on_idle(action.start, action.end, action.cause)
+            if self.exporter is not None:
+                self.exporter.on_idle(action.end - action.start, action.cause)
             for session in self.sessions.values():
                 session.metrics.on_idle(action.start, action.end, action.cause)
             return
@@ -245,6 +250,8 @@ class Coordinator:
         elif isinstance(action, sch.Emit):
             self._emit(session, action)
         elif isinstance(action, sch.SessionReady):
+            if self.exporter is not None:
+                self.exporter.on_open()
             g = self.geometry
             self._to_client(session, protocol.Opened(
                 req=session.open_req, session=sid, height=g.height, width=g.width, fps=self.config.stream.fps,
@@ -283,6 +290,10 @@ class Coordinator:
         record = ChunkRecord.from_times(action.index, frames.shape[0], action.times, control.to_wire(),
                                         session.take_spans(action.index))
         self.metrics.on_chunk(action.session, record)
+        if self.exporter is not None:
+            period = None if session.last_emitted is None else action.times.emitted - session.last_emitted
+            self.exporter.on_chunk(record.frames, action.times.control_to_output, period)
+        session.last_emitted = action.times.emitted
         message = protocol.Chunk(session=action.session, index=action.index, frames=frames.numpy().tobytes(),
                                  shape=tuple(frames.shape), control=control.to_wire(),
                                  facts=facts_of(action.times, record))
@@ -344,18 +355,23 @@ class Coordinator:
             try:
                 message = protocol.decode(data, "client", max_bytes=limit)
             except protocol.ProtocolViolation as error:
-                self.metrics.on_reject("bad_message")
+                self._reject("bad_message")
                 send_to(self.clients, identity, protocol.Error(code="bad_message", message=str(error)))
                 continue
             try:
                 self._on_client(identity, message, now)
             except ClientError as error:
-                self.metrics.on_reject(error.code)
+                self._reject(error.code)
                 send_to(self.clients, identity, protocol.Error(req=getattr(message, "req", None),
                                                                session=getattr(message, "session", None),
                                                                code=error.code, message=str(error),
                                                                retry_after_s=error.retry_after_s))
             self._cut_live_controls()
+
+    def _reject(self, reason: str) -> None:
+        self.metrics.on_reject(reason)
+        if self.exporter is not None:
+            self.exporter.on_reject(reason)
 
     def _remember_peer(self, identity: bytes, now: float) -> None:
         self.peers[identity] = now

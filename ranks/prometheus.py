@@ -1,0 +1,74 @@
+"""Optional Prometheus endpoint on the coordinator: the server's counters and latency histograms over HTTP.
+
+Enabled by ``metrics.prometheus_port > 0`` when ``prometheus-client`` is installed (the ``metrics`` extra); it
+binds to 127.0.0.1 only. The coordinator thread records into the (thread-safe) metric objects; the HTTP
+server thread only reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+class Exporter:
+    def __init__(self, port: int) -> None:
+        import prometheus_client as prom
+
+        self.registry = prom.CollectorRegistry()
+        r = self.registry
+        self.chunks = prom.Counter("worldstream_chunks_emitted", "Chunks emitted to clients", registry=r)
+        self.frames = prom.Counter("worldstream_frames_emitted", "Video frames emitted to clients", registry=r)
+        self.rejects = prom.Counter("worldstream_rejects", "Client messages rejected", ["reason"], registry=r)
+        self.sessions_opened = prom.Counter("worldstream_sessions_opened", "Sessions opened", registry=r)
+        self.open_sessions = prom.Gauge("worldstream_open_sessions", "Sessions open now", registry=r)
+        self.rank_rss = prom.Gauge("worldstream_rank_rss_bytes", "Resident memory per rank", ["rank"], registry=r)
+        self.dit_idle = prom.Counter("worldstream_dit_idle_seconds", "DiT idle time by cause", ["cause"], registry=r)
+        self.latency = prom.Histogram("worldstream_control_to_output_seconds",
+                                      "Control accepted -> frames emitted, per chunk", buckets=LATENCY_BUCKETS,
+                                      registry=r)
+        self.period = prom.Histogram("worldstream_chunk_period_seconds", "Interval between emissions of a session",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.server, self.thread = prom.start_http_server(port, addr="127.0.0.1", registry=r)
+        log.info("prometheus metrics on http://127.0.0.1:%d/metrics", port)
+
+    def on_chunk(self, frames: int, latency: float | None, period: float | None) -> None:
+        self.chunks.inc()
+        self.frames.inc(frames)
+        if latency is not None:
+            self.latency.observe(latency)
+        if period is not None:
+            self.period.observe(period)
+
+    def on_reject(self, reason: str) -> None:
+        self.rejects.labels(reason=reason).inc()
+
+    def on_idle(self, seconds: float, cause: str) -> None:
+        self.dit_idle.labels(cause=cause).inc(max(0.0, seconds))
+
+    def on_open(self) -> None:
+        self.sessions_opened.inc()
+
+    def update(self, open_sessions: int, memory: dict[int, dict[str, int]]) -> None:
+        self.open_sessions.set(open_sessions)
+        for rank, facts in memory.items():
+            self.rank_rss.labels(rank=str(rank)).set(facts["rss"])
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def start(port: int) -> Any | None:
+    """The exporter, or None when disabled or ``prometheus-client`` is missing (logged once)."""
+    if port <= 0:
+        return None
+    try:
+        return Exporter(port)
+    except ImportError:
+        log.warning("metrics.prometheus_port=%d but prometheus-client is not installed (pip install -e '.[metrics]')",
+                    port)
+        return None
