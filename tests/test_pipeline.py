@@ -7,8 +7,10 @@ and checks every rank exits 0. Failure tests start their own jobs.
 from __future__ import annotations
 
 import itertools
+import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,9 +30,18 @@ IMAGE = (ROOT / "assets" / "start.png").read_bytes()
 FAST = ["--synthetic.encode_s=0.01", "--synthetic.denoise_s=0.03", "--synthetic.decode_s=0.015"]
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+PROMETHEUS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[LocalServer]:
-    with LocalServer("cpu-tiny", FAST) as running:
+    with LocalServer("cpu-tiny", [*FAST, f"--metrics.prometheus_port={PROMETHEUS_PORT}"]) as running:
         yield running
 
 
@@ -150,6 +161,15 @@ def test_stats_reports_sessions_ranks_and_clock_offsets(server: LocalServer) -> 
     assert sorted(stats["ranks"]) == ["1", "2", "3", "4", "5", "6"]
     assert all(m["rss"] > 0 for m in stats["ranks"].values())
     assert all(abs(o["offset_s"]) < 0.05 for o in stats["clock_offsets"].values())  # one machine, one clock
+
+
+def test_prometheus_endpoint_serves_counters_and_latency_histograms(server: LocalServer) -> None:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{PROMETHEUS_PORT}/metrics", timeout=10).read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["worldstream_chunks_emitted_total"] >= 6
+    assert values["worldstream_control_to_output_seconds_count"] == values["worldstream_chunks_emitted_total"]
+    assert values['worldstream_rejects_total{reason="bad_message"}'] >= 1
 
 
 def test_zz_sigterm_shuts_every_rank_down_with_exit_0(server: LocalServer) -> None:
