@@ -195,7 +195,7 @@ class Coordinator:
                 self._execute(self.scheduler.init_done(done.session, stage, now))
             elif done.op == "encode":
                 self._execute(self.scheduler.encode_done(done.session, done.index, now))
-            elif done.op == "denoise":
+            elif done.op == "denoise" and done.rank == self.config.layout.dit_leader:
                 self._execute(self.scheduler.denoise_done(done.session, done.index, now))
             elif done.op in ("decode", "expect_frames") and session.decode_joined(
                 done.index, done.op, frames_remote=self.ids.frames is not None

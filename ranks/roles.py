@@ -114,7 +114,7 @@ def dit_worker(ctx: RankContext) -> None:
             with spans.span("denoise"):
                 latent = stage.denoise(task.session, task.index, condition, control)
         if not leader:
-            return {"silent": True}
+            return {}  # its spans put every DiT rank on the timeline; only the leader's answer moves the schedule
         latent = latent.to(geometry.dtype)
         if lay.decode == ctx.rank:
             ctx.latents.put((task.session, task.index), latent)

@@ -7,6 +7,7 @@ and checks every rank exits 0. Failure tests start their own jobs.
 from __future__ import annotations
 
 import itertools
+import json
 import socket
 import threading
 import time
@@ -163,11 +164,43 @@ def test_stats_reports_sessions_ranks_and_clock_offsets(server: LocalServer) -> 
     assert all(abs(o["offset_s"]) < 0.05 for o in stats["clock_offsets"].values())  # one machine, one clock
 
 
+def test_a_session_summary_is_complete_and_its_trace_puts_every_span_inside_its_chunk(server: LocalServer,
+                                                                                    tmp_path: Path) -> None:
+    from scripts.client import load_trace, play, write_chrome_trace
+
+    with Client(server.endpoint) as client:
+        played = play(client, IMAGE, load_trace(ROOT / "assets" / "demo_trace.json"), num_chunks=5)
+    summary = played.summary
+    assert summary["chunks"] == 5 and summary["frames"] == 9 + 4 * 12
+    assert summary["latency_s"]["count"] == 3 and summary["warmup"]["chunks"] == 2  # two warm-up chunks
+    for key in ("p50", "p90", "p99", "mean"):
+        assert summary["latency_s"][key] > 0 and summary["chunk_period_s"][key] > 0
+    assert summary["compute"]["fps_weighted"] > 0 and summary["real_time_factor"] > 0
+    assert summary["time_to_first_frame_s"]["from_open"] >= summary["time_to_first_frame_s"]["from_first_control"]
+    assert sorted(summary["peak_memory_bytes"]) == ["1", "2", "3", "4", "5", "6"]
+    assert set(summary["dit_idle"]["by_cause"]) == {"condition", "control", "edge", "no_session"}
+    path = tmp_path / "trace.json"
+    write_chrome_trace(played, path)
+    events = json.loads(path.read_text())["traceEvents"]
+    windows = {e["args"]["chunk"]: e for e in events if e["ph"] == "X" and e["cat"] == "chunk"}
+    spans = [e for e in events if e["ph"] == "X" and e["cat"] != "chunk"]
+    assert sorted(windows) == list(range(5)) and {e["pid"] for e in spans} == set(range(7))
+    for span in spans:
+        window = windows[span["args"]["chunk"]]
+        slack_us = 2000  # clock offsets between ranks are estimated within a ping's half round trip
+        assert window["ts"] - slack_us <= span["ts"], span
+        assert span["ts"] + span["dur"] <= window["ts"] + window["dur"] + slack_us, span
+
+
 def test_prometheus_endpoint_serves_counters_and_latency_histograms(server: LocalServer) -> None:
+    with Client(server.endpoint) as client:
+        stream(client, "w", chunks=2)
+        client.send_raw(b"not msgpack")
+        assert client.error(timeout_s=10) is not None
     text = urllib.request.urlopen(f"http://127.0.0.1:{PROMETHEUS_PORT}/metrics", timeout=10).read().decode()
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
               if line and not line.startswith("#")}
-    assert values["worldstream_chunks_emitted_total"] >= 6
+    assert values["worldstream_chunks_emitted_total"] >= 2
     assert values["worldstream_control_to_output_seconds_count"] == values["worldstream_chunks_emitted_total"]
     assert values['worldstream_rejects_total{reason="bad_message"}'] >= 1
 
