@@ -27,7 +27,7 @@ from ipc.transport import send_to
 from models.controls import ChunkControl
 from ranks import prometheus, workers_of
 from ranks.client_sessions import ClientSession, facts_of, spans_from_worker
-from ranks.worker import RankContext
+from ranks.worker import RankContext, memory_facts
 from runtime import scheduler as sch
 from runtime.clock import ClockSync
 from runtime.control_service import ControlState, ControlStateError, LiveControls
@@ -125,6 +125,8 @@ class Coordinator:
             for rank in self.ids.heartbeat_ranks:
                 self._send_worker(self.ids.heartbeat(rank), protocol.Ping(seq=self.ping_seq, sent=now))
             self.ping_seq += 1
+            rss, peak, cuda = memory_facts()  # rank 0 has no heartbeat of its own
+            self.memory[0] = {"rss": rss, "peak_rss": peak, "cuda_peak": cuda}
             if self.exporter is not None:
                 self.exporter.update(len(self.sessions), self.memory)
         dead_after = self.config.timeouts.rank_dead_s

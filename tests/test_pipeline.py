@@ -159,7 +159,7 @@ def test_stats_reports_sessions_ranks_and_clock_offsets(server: LocalServer) -> 
         stats = client.stats()
     assert stats["sessions"]["total"] >= 1 and stats["layout"] == "cpu-tiny"
     assert stats["rejects"].get("bad_message", 0) >= 1  # counted by the bad-message test above
-    assert sorted(stats["ranks"]) == ["1", "2", "3", "4", "5", "6"]
+    assert sorted(stats["ranks"]) == ["0", "1", "2", "3", "4", "5", "6"]
     assert all(m["rss"] > 0 for m in stats["ranks"].values())
     assert all(abs(o["offset_s"]) < 0.05 for o in stats["clock_offsets"].values())  # one machine, one clock
 
@@ -177,7 +177,7 @@ def test_a_session_summary_is_complete_and_its_trace_puts_every_span_inside_its_
         assert summary["latency_s"][key] > 0 and summary["chunk_period_s"][key] > 0
     assert summary["compute"]["fps_weighted"] > 0 and summary["real_time_factor"] > 0
     assert summary["time_to_first_frame_s"]["from_open"] >= summary["time_to_first_frame_s"]["from_first_control"]
-    assert sorted(summary["peak_memory_bytes"]) == ["1", "2", "3", "4", "5", "6"]
+    assert sorted(summary["peak_memory_bytes"]) == ["0", "1", "2", "3", "4", "5", "6"]
     assert set(summary["dit_idle"]["by_cause"]) == {"condition", "control", "edge", "no_session"}
     path = tmp_path / "trace.json"
     write_chrome_trace(played, path)
