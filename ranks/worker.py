@@ -90,6 +90,8 @@ Handler = Callable[[protocol.Task, Spans], dict[str, Any] | None]
 
 def serve(ctx: RankContext, role: str, handlers: dict[str, Handler]) -> None:
     """Run one role's task loop in the calling thread until shutdown; never returns on a fatal error."""
+    if ctx.groups.device.type == "cuda":
+        torch.cuda.set_device(ctx.groups.device)  # the current device is per thread; new threads start on cuda:0
     link = WorkerLink(ctx.zmq, ctx.endpoint, ctx.rank, role)
     try:
         while not ctx.stop.is_set():
