@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from models.checkpoints import resolve_checkpoint_dir
+from models.checkpoints import load_vae, resolve_checkpoint_dir
 from models.dit import DiTConfig
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.lingbot_vae_stages import (
@@ -26,7 +26,7 @@ from models.lingbot_vae_stages import (
 )
 from models.stages import StreamGeometry
 from models.t5 import T5Config
-from models.vae import VAEConfig
+from models.vae import VAEConfig, WanVAE
 
 log = logging.getLogger(__name__)
 
@@ -86,23 +86,27 @@ def compute_dtype(model: Any, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def _vae_t5(model: Any, stream: Any, device: torch.device) -> Any:
+def build_condition(model: Any, stream: Any, device: torch.device) -> LingbotConditionStage:
+    """umT5 + VAE encoder (the condition rank)."""
     text_len = dit_config(model, stream).text_len
     if model.checkpoint_dir:
         return stages_from_checkpoint(model.checkpoint_dir, stream.chunk_latent_frames, text_len=text_len,
-                                      device=device)
+                                      device=device).condition
     chosen = preset(model.preset)
     log.warning("model preset %s with seeded RANDOM weights (no checkpoint_dir): the frames are noise", model.preset)
     return random_stages(chosen.vae, chosen.t5, stream.chunk_latent_frames, text_len=text_len,
-                         seed=model.weights_seed, device=device)
-
-
-def build_condition(model: Any, stream: Any, device: torch.device) -> LingbotConditionStage:
-    return _vae_t5(model, stream, device).condition
+                         seed=model.weights_seed, device=device).condition
 
 
 def build_decode(model: Any, stream: Any, device: torch.device) -> LingbotDecodeStage:
-    return _vae_t5(model, stream, device).decode
+    """The VAE alone (the decode rank needs no text encoder)."""
+    if model.checkpoint_dir:
+        vae = load_vae(resolve_checkpoint_dir(model.checkpoint_dir).vae_file, preset(model.preset).vae, device=device)
+        return LingbotDecodeStage(vae)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(model.weights_seed)  # the same draw as the condition rank's VAE (built first there)
+        vae = WanVAE(preset(model.preset).vae).to(device).eval()
+    return LingbotDecodeStage(vae)
 
 
 def build_denoise(model: Any, stream: Any, device: torch.device, group: Any | None) -> LingbotDenoiseStage:
