@@ -55,11 +55,12 @@ def _send_from_condition_rank(ctx: RankContext, op: str, session: str, index: in
     """Broadcast the context or condition from the condition rank over the condition group (source side)."""
     geometry = ctx.backend.geometry
     box, key = (ctx.contexts, (session, CONTEXT_INDEX)) if op == "context" else (ctx.conditions, (session, index))
-    tensor = box.take(key, _deadline(ctx))
     shape = geometry.context_shape if op == "context" else geometry.condition_shape
     lay = ctx.config.layout
-    with spans.span(f"send_{op}"), tensor_plane(f"broadcast {op} of {session}/{index}"):
-        tp.broadcast(tensor, tuple(shape), geometry.dtype, lay.condition, ctx.groups, ctx.groups.condition)
+    with tensor_plane(f"broadcast {op} of {session}/{index}"):  # the DiT ranks already wait: a miss is fatal
+        tensor = box.take(key, _deadline(ctx))
+        with spans.span(f"send_{op}"):
+            tp.broadcast(tensor, tuple(shape), geometry.dtype, lay.condition, ctx.groups, ctx.groups.condition)
     if op == "context":  # the context stays for reuse until release; conditions are consumed
         box.put(key, tensor)
     return tensor
@@ -156,7 +157,8 @@ def decode_worker(ctx: RankContext) -> None:
             stage.open(task.session)
 
     def decode(task: protocol.Task, spans: Spans) -> None:
-        latent = ctx.latents.take((task.session, task.index), _deadline(ctx))
+        with tensor_plane(f"latent {task.session}/{task.index} never arrived"):
+            latent = ctx.latents.take((task.session, task.index), _deadline(ctx))
         with spans.span("decode"):
             frames = stage.decode(task.session, task.index, latent)
         frames = frames.to("cpu", torch.uint8).contiguous()
