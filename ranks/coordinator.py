@@ -323,7 +323,7 @@ class Coordinator:
     def _cut_live_controls(self) -> None:
         """The non-blocking path of live sessions: cut a snapshot whenever the scheduler can take one now."""
         for sid, session in list(self.sessions.items()):
-            if session.live is None or session.closing or sid not in self.scheduler.sessions:
+            if session.live is None or session.closing or sid not in self.scheduler.sessions():
                 continue
             while True:
                 index = self.scheduler.next_control_index(sid)
