@@ -55,7 +55,7 @@ ROWS: list[tuple[str, Callable[[dict[str, Any]], Any], str]] = [
     ("control-to-output p50", lambda s: s["latency_s"]["p50"], "s"),
     ("control-to-output p90", lambda s: s["latency_s"]["p90"], "s"),
     ("DiT idle fraction (server summary)", lambda s: s["dit_idle_fraction"], "%"),
-    ("DiT busy (steady denoise spans)", lambda s: s["dit"]["busy_fraction"], "%"),
+    ("DiT busy (denoise spans, mean of ranks)", lambda s: s["dit"]["busy_fraction"], "%"),
     ("peak RSS (max over reporting ranks)", lambda s: s["peak_rss_bytes"], "MiB"),
 ]
 
@@ -163,7 +163,7 @@ OVERHEAD_ROWS: list[tuple[str, Callable[[dict[str, Any]], Any], str]] = [
     ("chunk period mean", lambda s: s["period_s"]["mean"], "s"),
     ("control-to-output p50", lambda s: s["latency_s"]["p50"], "s"),
     ("encode span (condition rank)", lambda s: s["overhead"]["encode_s"], "s"),
-    ("denoise span (DiT ranks)", lambda s: s["overhead"]["denoise_s"], "s"),
+    ("denoise extent (all DiT ranks)", lambda s: s["overhead"]["denoise_s"], "s"),
     ("decode span (decode rank)", lambda s: s["overhead"]["decode_s"], "s"),
     ("condition broadcast (DiT rank)", lambda s: s["overhead"]["transfer_condition_s"], "s"),
     ("latent send (DiT leader)", lambda s: s["overhead"]["transfer_latent_s"], "s"),
@@ -171,6 +171,7 @@ OVERHEAD_ROWS: list[tuple[str, Callable[[dict[str, Any]], Any], str]] = [
     ("denoise scheduled -> DiT rank starts", lambda s: s["overhead"]["dispatch_to_dit_s"], "s"),
     ("decode end -> emitted", lambda s: s["overhead"]["decode_to_emit_s"], "s"),
     ("DiT gap between denoises", lambda s: s["dit"]["gap_mean_s"], "s"),
+    ("denoise start skew across DiT ranks", lambda s: s["overhead"]["dit_start_skew_s"], "s"),
     ("frame payload per chunk (KiB)", lambda s: s["frame_bytes_per_chunk"] / 1024, ""),
 ]
 

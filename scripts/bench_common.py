@@ -9,10 +9,10 @@ Definitions (the steady window skips the first ``warmup`` chunks, as the server'
 
 - chunk period: interval between consecutive emissions of steady chunks (the first steady chunk is measured
   from the last warm-up emission);
-- DiT busy fraction: the sum of the steady chunks' denoise extents (earliest denoise span start to latest end
-  across the DiT ranks) over the window from the first steady denoise start to the last denoise end;
-- DiT gap: from the end of denoise i-1 to the start of denoise i (the DiT is idle: control plane round trip,
-  condition transfer, or a missing input);
+- DiT busy fraction: per DiT rank, the sum of its steady denoise spans over the window from its first steady
+  denoise start to its last denoise end; the mean over the DiT ranks;
+- DiT gap: per DiT rank, from the end of its denoise i-1 to the start of its denoise i (idle: control plane
+  round trip, condition broadcast, or a missing input), averaged;
 - control-to-output: ``emitted - control_accepted`` (the server's ``control_to_output_s``).
 """
 
@@ -181,18 +181,41 @@ def periods(run: Run, warmup: int) -> list[float]:
     return [emitted[i] - emitted[i - 1] for i in range(max(1, warmup), len(emitted))]
 
 
-def dit_busy(run: Run, warmup: int) -> dict[str, float | None]:
-    """DiT busy fraction and the gaps between consecutive denoises over the steady window."""
-    extents = [stage_extent(c["facts"], "denoise") for c in run.chunks]
-    steady = [e for c, e in zip(run.chunks, extents, strict=True) if c["index"] >= warmup and e is not None]
-    if len(steady) < 2:
-        return {"busy_fraction": None, "gap_mean_s": None}
-    window = steady[-1][1] - steady[0][0]
-    busy = sum(end - start for start, end in steady)
-    gaps = [b[0] - a[1] for a, b in itertools.pairwise(steady)]
-    return {"busy_fraction": busy / window if window > 0 else None, "window_s": window,
-            "gap_mean_s": float(np.mean(gaps)), "gap_p90_s": percentile(gaps, 90),
-            "denoise_mean_s": float(np.mean([e - s for s, e in steady]))}
+def dit_busy(run: Run, warmup: int) -> dict[str, Any]:
+    """DiT busy fraction per DiT rank over the steady window, and the gaps between consecutive denoises.
+
+    Each rank's busy fraction is the sum of its steady denoise spans over its window (first steady denoise start
+    to last denoise end on that rank); the headline value is the mean over the DiT ranks (the minimum is kept
+    too). Gaps are measured on each rank between its own consecutive denoises, then averaged over ranks.
+    """
+    per_rank: dict[int, list[tuple[float, float]]] = {}
+    for chunk in run.chunks:
+        if chunk["index"] < warmup:
+            continue
+        for name, rank, role, _queued, start, end in chunk["facts"]["spans"]:
+            if name == "denoise" and role == "dit":
+                per_rank.setdefault(rank, []).append((start, end))
+    busy, gaps = {}, []
+    for rank, spans in sorted(per_rank.items()):
+        if len(spans) < 2:
+            continue
+        window = spans[-1][1] - spans[0][0]
+        busy[rank] = sum(end - start for start, end in spans) / window if window > 0 else None
+        gaps += [b[0] - a[1] for a, b in itertools.pairwise(spans)]
+    fractions = [b for b in busy.values() if b is not None]
+    return {"busy_fraction": float(np.mean(fractions)) if fractions else None,
+            "busy_fraction_min": min(fractions) if fractions else None, "busy_by_rank": busy,
+            "gap_mean_s": float(np.mean(gaps)) if gaps else None, "gap_p90_s": percentile(gaps, 90)}
+
+
+def dit_skew(run: Run, warmup: int) -> float | None:
+    """Mean spread of the denoise start times across the DiT ranks (the condition broadcast's stragglers)."""
+    spreads = []
+    for chunk in run.chunks:
+        starts = [s[4] for s in chunk["facts"]["spans"] if s[0] == "denoise" and s[2] == "dit"]
+        if chunk["index"] >= warmup and len(starts) > 1:
+            spreads.append(max(starts) - min(starts))
+    return float(np.mean(spreads)) if spreads else None
 
 
 def overhead_breakdown(run: Run, warmup: int) -> dict[str, float | None]:
@@ -219,6 +242,7 @@ def overhead_breakdown(run: Run, warmup: int) -> dict[str, float | None]:
         "transfer_latent_s": mean(_rank_span(c, "transfer:latent", "dit") for c in steady),
         "transfer_frames_s": mean(_rank_span(c, "transfer:frames", "decode") for c in steady),
         "dispatch_to_dit_s": mean(dispatch(c) for c in steady),
+        "dit_start_skew_s": dit_skew(run, warmup),
         "decode_to_emit_s": mean(tail(c) for c in steady),
     }
 
