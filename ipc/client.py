@@ -2,8 +2,11 @@
 
 One background thread owns the socket: it sends what the caller queues, sends heartbeats, and routes what
 arrives (replies by request id, chunks and session events by session). The caller's methods are thread-safe
-and block with deadlines. Every error from the server surfaces as a ``ServerError`` carrying the server's code
-and message.
+and block with deadlines. Every error from the server surfaces as a ``ServerError`` (a subclass per code where
+the caller may act on it: ``Busy``, ``UnknownSession``, ``RejectedControl``, ...) carrying the server's code,
+message and retry hint.
+
+Indexed mode (scripted clients, replays):
 
     with Client("tcp://127.0.0.1:5555") as client:
         session = client.open(Path("start.png").read_bytes(), prompt="a forest", num_chunks=8)
@@ -11,6 +14,14 @@ and message.
             client.control(session.id, i, keys="w")
         for chunk in client.chunks(session.id):
             ...  # chunk.frames: uint8 [n, H, W, 3]
+
+Live mode (a person at the keyboard): the client sends its held-key state whenever it changes and the server
+cuts it into per-chunk snapshots. Each chunk reports the snapshot applied and the input revision it came from,
+and ``chunk.input_to_photon_s`` the client-clock latency of every revision it shows for the first time.
+
+    session = client.open(image, live=True)
+    keys = client.live(session.id)
+    keys.press("w"); keys.tap("i"); keys.move(2.0, 0.0); keys.release("w")
 """
 
 from __future__ import annotations
@@ -21,26 +32,102 @@ import queue
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import zmq
 
 from ipc import protocol
 
+KEEP_REVISIONS = 1024  # sent-but-not-yet-shown revisions remembered per session for input-to-photon (bounded)
+KEEP_QUIET_REQS = 4096  # fire-and-forget request ids remembered, so their errors do not end a chunk stream
+
+# ------------------------------------------------------------------------------------------------ errors
+
 
 class ServerError(Exception):
-    """The server answered with an error."""
+    """The server answered with an error. ``code`` is machine-readable, ``message`` says why for people,
+    ``retry_after_s`` is set when trying again later can work. Subclasses exist per code a caller may act on;
+    ``ServerError.of(code, ...)`` builds the right one (unknown codes give the base class)."""
 
-    def __init__(self, code: str, message: str, session: str | None = None, retry_after_s: float | None = None):
+    codes: tuple[str, ...] = ()
+
+    def __init__(self, code: str, message: str, session: str | None = None, retry_after_s: float | None = None,
+                 req: int | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.session = session
         self.retry_after_s = retry_after_s
+        self.req = req
+
+    @staticmethod
+    def of(code: str, message: str, session: str | None = None, retry_after_s: float | None = None,
+           req: int | None = None) -> ServerError:
+        return _ERROR_TYPES.get(code, ServerError)(code, message, session, retry_after_s, req)
+
+    @staticmethod
+    def from_wire(error: protocol.Error) -> ServerError:
+        return ServerError.of(error.code, error.message, error.session, error.retry_after_s, error.req)
+
+
+class Busy(ServerError):
+    """The server is at its session limit; ``retry_after_s`` says when to try again."""
+
+    codes = ("busy",)
+
+
+class UnknownSession(ServerError):
+    """No such session for this client (never opened, closed, timed out, or owned by another identity)."""
+
+    codes = ("unknown_session",)
+
+
+class RejectedControl(ServerError):
+    """An indexed control was refused (duplicate, skip, out of order or out of range); nothing changed."""
+
+    codes = ("rejected_control",)
+
+
+class ControlBackpressure(RejectedControl):
+    """The control edge is full; the same control will be accepted once work moves on (``Client.control``
+    retries these itself)."""
+
+    codes = ("control_backpressure",)
+
+
+class BadRequest(ServerError):
+    """The request itself is invalid: malformed message, bad image, bad control or live state, bad limits."""
+
+    codes = ("bad_message", "bad_request", "bad_image", "bad_control", "malformed", "unknown_keys", "bad_reply")
+
+
+class StaleRevision(BadRequest):
+    """A live ``control_state`` whose revision is not newer than the last one the server folded in."""
+
+    codes = ("stale_revision",)
+
+
+class SessionFailed(ServerError):
+    """A stage failed for this session; the server closes it and releases its caches."""
+
+    codes = ("failed",)
+
+
+class ServerGone(ServerError):
+    """The server is shutting down or a rank died: every session of it ends."""
+
+    codes = ("shutdown", "rank_failed")
+
+
+_ERROR_TYPES: dict[str, type[ServerError]] = {
+    code: cls for cls in (Busy, UnknownSession, RejectedControl, ControlBackpressure, BadRequest, StaleRevision,
+                          SessionFailed, ServerGone) for code in cls.codes
+}
 
 
 class SessionClosed(Exception):
@@ -50,6 +137,14 @@ class SessionClosed(Exception):
         super().__init__(f"session {closed.session} closed: {closed.reason}" + (f" ({closed.error})" if closed.error
                                                                                  else ""))
         self.closed = closed
+
+
+def closed_summary(closed: protocol.Closed) -> dict[str, Any]:
+    """A session's closing summary with its reason and error folded in (what ``wait_closed`` returns)."""
+    return {**closed.summary, "reason": closed.reason, "error": closed.error}
+
+
+# ------------------------------------------------------------------------------------------------ results
 
 
 @dataclass(frozen=True)
@@ -68,18 +163,115 @@ class ChunkResult:
     session: str
     index: int
     frames: np.ndarray  # uint8 [n, H, W, 3]
-    control: dict[str, Any]  # the snapshot the model saw
+    control: dict[str, Any]  # the snapshot the model saw (keys, mouse, poses?, revision: -1 for indexed controls)
     facts: dict[str, Any]  # timings and spans on the server's clock
     received: float  # client monotonic clock at arrival
+    input_to_photon_s: dict[int, float] = field(default_factory=dict)  # live: revision first shown here -> latency
+
+    @property
+    def revision(self) -> int:
+        """The client input revision the applied snapshot came from (-1: indexed, or no live input yet)."""
+        return int(self.control.get("revision", -1))
+
+
+def session_info(opened: protocol.Opened) -> SessionInfo:
+    return SessionInfo(opened.session, opened.height, opened.width, opened.fps, opened.frames_first_chunk,
+                       opened.frames_per_chunk, opened.num_chunks)
+
+
+class InputToPhoton:
+    """Input-to-photon latency of a live session on the client clock (sans-io: times are passed in).
+
+    For each revision r the client sent, the latency is the time from sending the ``control_state`` of r to
+    receiving the first chunk whose applied control carries a revision >= r (the first frames that can show
+    that input). Bounded: at most ``keep`` sent revisions wait to be shown; older ones are forgotten."""
+
+    def __init__(self, keep: int = KEEP_REVISIONS) -> None:
+        self.keep = keep
+        self._sent: OrderedDict[int, float] = OrderedDict()
+
+    def sent(self, revision: int, at: float) -> None:
+        self._sent[revision] = at
+        while len(self._sent) > self.keep:
+            self._sent.popitem(last=False)
+
+    def shown(self, revision: int, at: float) -> dict[int, float]:
+        """A chunk applying ``revision`` arrived at ``at``: latencies of the revisions it shows for the first time."""
+        out = {}
+        for r in [r for r in self._sent if r <= revision]:
+            out[r] = at - self._sent.pop(r)
+        return out
+
+
+class StateSink(Protocol):
+    def control_state(self, session: str, keys: Iterable[str], revision: int, mouse: tuple[float, float] = (0, 0),
+                      taps: Iterable[str] = ()) -> None: ...
+
+
+class LiveInput:
+    """A live session's input device: tracks held keys, taps and mouse motion, and sends the whole state as a
+    ``control_state`` with a strictly increasing revision whenever it changes (nothing is sent when nothing
+    changed). Works with ``Client`` and ``AsyncClient`` (their ``control_state`` is fire-and-forget).
+
+    Each method returns the revision it sent, or ``None`` when it sent nothing."""
+
+    def __init__(self, sink: StateSink, session: str, first_revision: int = 1) -> None:
+        if first_revision < 0:
+            raise ValueError(f"revisions are >= 0, got first_revision={first_revision}")
+        self.sink = sink
+        self.session = session
+        self.held: frozenset[str] = frozenset()
+        self.revision = first_revision - 1  # the last revision sent
+
+    def press(self, *keys: str) -> int | None:
+        return self.set(self.held | _norm(keys))
+
+    def release(self, *keys: str) -> int | None:
+        return self.set(self.held - _norm(keys))
+
+    def tap(self, *keys: str) -> int | None:
+        """Keys pressed and released between two messages: each acts on exactly one chunk."""
+        return self.set(self.held, taps=keys)
+
+    def move(self, dx: float, dy: float) -> int | None:
+        """Mouse motion (yaw, pitch degrees) since the previous message."""
+        return self.set(self.held, mouse=(dx, dy))
+
+    def reset(self) -> int | None:
+        """Release everything (e.g. the window lost focus)."""
+        return self.set(frozenset())
+
+    def set(self, keys: Iterable[str], taps: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0.0)) -> int | None:
+        """Send the whole state: ``keys`` held now, ``taps`` and ``mouse`` motion since the previous message."""
+        held, tapped = _norm(keys), sorted(_norm(taps))
+        mouse = (float(mouse[0]), float(mouse[1]))
+        if held == self.held and not tapped and mouse == (0.0, 0.0):
+            return None
+        self.held = held
+        self.revision += 1
+        self.sink.control_state(self.session, sorted(held), self.revision, mouse=mouse, taps=tapped)
+        return self.revision
+
+
+def _norm(keys: Iterable[str]) -> frozenset[str]:
+    """``"wd"``, ``["w", "D"]`` -> ``{"w", "d"}``."""
+    return frozenset(k.lower() for item in keys for k in item)
+
+
+# ------------------------------------------------------------------------------------------------ client
 
 
 @dataclass
 class _Session:
     events: queue.Queue[Any] = field(default_factory=queue.Queue)
     closed: protocol.Closed | None = None
+    photon: InputToPhoton = field(default_factory=InputToPhoton)  # touched by the I/O thread only
 
 
 class Client:
+    """A blocking client; see the module docstring. ``identity`` is the ZeroMQ routing identity: a client that
+    reconnects with the identity that opened a session may ``resume`` it while the server still holds it."""
+
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", identity: bytes | None = None,
                  timeout_s: float = 60.0, heartbeat_s: float = 1.0) -> None:
         self.endpoint = endpoint
@@ -89,9 +281,10 @@ class Client:
         self._req = itertools.count(1)
         self._lock = threading.Lock()
         self._pending: dict[int, Future[Any]] = {}
+        self._quiet: OrderedDict[int, None] = OrderedDict()  # fire-and-forget reqs (bounded)
         self._sessions: dict[str, _Session] = {}
-        self._errors: queue.Queue[ServerError] = queue.Queue(maxsize=256)  # errors tied to no request
-        self._outbox: queue.Queue[bytes] = queue.Queue()
+        self._errors: queue.Queue[ServerError] = queue.Queue(maxsize=256)  # errors tied to no waiting request
+        self._outbox: queue.Queue[tuple[bytes, tuple[str, int] | None]] = queue.Queue()
         self._stop = threading.Event()
         self._context = zmq.Context.instance()
         self._wake_addr = f"inproc://client-wake-{uuid.uuid4().hex}"
@@ -104,47 +297,63 @@ class Client:
 
     def open(self, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None, live: bool = False,
              pause_when_idle: bool = False) -> SessionInfo:
+        """Open a session and wait until its caches are ready. Raises ``Busy`` (with ``retry_after_s``) when the
+        server is at its session limit, ``BadRequest`` for a bad image or a length beyond the server's limit."""
         req = self._next_req()
         future = self._expect(req)
         self._send(protocol.Open(req=req, image=image, prompt=prompt, seed=seed, num_chunks=num_chunks, live=live,
                                  pause_when_idle=pause_when_idle))
-        reply = self._wait(future, self.timeout_s)
-        return SessionInfo(reply.session, reply.height, reply.width, reply.fps, reply.frames_first_chunk,
-                           reply.frames_per_chunk, reply.num_chunks)
+        return session_info(self._wait(future, self.timeout_s))
 
     def control(self, session: str, index: int, keys: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0.0),
                 poses: list[list[float]] | None = None, wait: bool = True) -> None:
         """Send control[index]; with ``wait`` block until the server accepted it (or raise its error).
 
         A control that meets a full edge (code ``control_backpressure``) is resent after the server's hint until
-        it is accepted or the client's timeout passes: a scripted client may send as fast as it likes."""
-        message = dict(session=session, index=index, keys=sorted(set(keys)), mouse=(float(mouse[0]), float(mouse[1])),
-                       poses=poses)
+        it is accepted or the client's timeout passes: a scripted client may send as fast as it likes. Without
+        ``wait`` an error arrives through ``error()``."""
+        message = dict(session=session, index=index, keys=sorted(_norm(keys)),
+                       mouse=(float(mouse[0]), float(mouse[1])), poses=poses)
         deadline = time.monotonic() + self.timeout_s
         while True:
             req = self._next_req()
+            if not wait:
+                self._send_quiet(req, protocol.Control(req=req, **message))  # type: ignore[arg-type]
+                return
             future = self._expect(req)
             self._send(protocol.Control(req=req, **message))  # type: ignore[arg-type]
-            if not wait:
-                return
             try:
                 self._wait(future, max(0.0, deadline - time.monotonic()))
                 return
-            except ServerError as error:
-                if error.code != "control_backpressure" or time.monotonic() > deadline:
+            except ControlBackpressure as error:
+                if time.monotonic() > deadline:
                     raise
                 time.sleep(error.retry_after_s or 0.002)
 
     def control_state(self, session: str, keys: Iterable[str], revision: int, mouse: tuple[float, float] = (0, 0),
                       taps: Iterable[str] = ()) -> None:
-        """Live mode: the whole held-key state, sent whenever input changes (fire and forget)."""
-        self._send(protocol.ControlState(req=self._next_req(), session=session, keys=sorted(set(keys)),
-                                         mouse=(float(mouse[0]), float(mouse[1])), taps=list(taps), revision=revision))
+        """Live mode: the whole held-key state, sent whenever input changes (fire and forget: a rejection, e.g.
+        ``StaleRevision``, arrives through ``error()`` and does not interrupt the chunk stream). The moment it
+        leaves the socket starts the input-to-photon clock of ``revision``."""
+        req = self._next_req()
+        self._send_quiet(req, protocol.ControlState(
+            req=req, session=session, keys=sorted(_norm(keys)), mouse=(float(mouse[0]), float(mouse[1])),
+            taps=sorted(_norm(taps)), revision=revision), stamp=(session, revision))
+
+    def live(self, session: str, first_revision: int = 1) -> LiveInput:
+        """A ``LiveInput`` bound to this client and a live session."""
+        return LiveInput(self, session, first_revision)
 
     def close(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
-        """Ask the server to close the session; returns its summary once closed."""
-        self._send(protocol.Close(req=self._next_req(), session=session))
-        return self.wait_closed(session, timeout_s)
+        """Ask the server to close the session; returns its summary once closed (``UnknownSession`` if the
+        server no longer holds it)."""
+        req = self._next_req()
+        future = self._expect(req)
+        self._send(protocol.Close(req=req, session=session))
+        try:
+            return self.wait_closed(session, timeout_s, refused=future)
+        finally:
+            self._forget(req)
 
     def stats(self) -> dict[str, Any]:
         req = self._next_req()
@@ -153,7 +362,8 @@ class Client:
         return self._wait(future, self.timeout_s).stats
 
     def resume(self, session: str) -> None:
-        """Re-attach to a session this client identity owns (after a reconnect)."""
+        """Re-attach to a session this client identity owns (after a reconnect): its chunks come here from now
+        on. Raises ``UnknownSession`` when the server no longer holds it (closed, or its client timed out)."""
         req = self._next_req()
         future = self._expect(req)
         self._session(session)
@@ -162,7 +372,7 @@ class Client:
 
     def send_raw(self, data: bytes) -> None:
         """Send bytes as they are (for protocol tests)."""
-        self._outbox.put(data)
+        self._outbox.put((data, None))
         self._wake()
 
     # ------------------------------------------------------------------------------------------ receiving
@@ -172,10 +382,11 @@ class Client:
         state = self._session(session)
         if state.closed is not None and state.events.empty():
             raise SessionClosed(state.closed)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            event = state.events.get(timeout=self.timeout_s if timeout_s is None else timeout_s)
+            event = state.events.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"no chunk of session {session} within {timeout_s or self.timeout_s:.1f} s") from None
+            raise TimeoutError(f"no chunk of session {session} within {timeout:.1f} s") from None
         if isinstance(event, ChunkResult):
             return event
         if isinstance(event, protocol.Closed):
@@ -190,19 +401,27 @@ class Client:
             except SessionClosed:
                 return
 
-    def wait_closed(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
-        """Discard chunks until the session's ``closed`` arrives; returns its summary."""
+    def wait_closed(self, session: str, timeout_s: float | None = None,
+                    refused: Future[Any] | None = None) -> dict[str, Any]:
+        """Discard chunks until the session's ``closed`` arrives; returns its summary. ``refused``: a request
+        whose error (e.g. the close was refused) ends the wait by raising it."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
+            if refused is not None and refused.done() and refused.exception() is not None:
+                raise refused.exception()  # type: ignore[misc]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"session {session} not closed within {timeout_s or self.timeout_s:.1f} s")
             try:
-                self.next_chunk(session, max(0.0, deadline - time.monotonic()))
+                self.next_chunk(session, min(remaining, 0.05))
             except SessionClosed as closed:
-                return {**closed.closed.summary, "reason": closed.closed.reason, "error": closed.closed.error}
-            except ServerError:
+                return closed_summary(closed.closed)
+            except (ServerError, TimeoutError):
                 continue
 
     def error(self, timeout_s: float = 0.0) -> ServerError | None:
-        """The next error that belongs to no request or session (e.g. a rank failed), if any."""
+        """The next error no caller waits for: a rejected ``control_state`` or unwaited control, a session's
+        failure, a rank failure or shutdown. ``None`` when there is none (within ``timeout_s``)."""
         try:
             return self._errors.get(timeout=timeout_s) if timeout_s > 0 else self._errors.get_nowait()
         except queue.Empty:
@@ -219,6 +438,10 @@ class Client:
             self._pending[req] = future
         return future
 
+    def _forget(self, req: int) -> None:
+        with self._lock:
+            self._pending.pop(req, None)
+
     def _wait(self, future: Future[Any], timeout_s: float) -> Any:
         try:
             return future.result(timeout=timeout_s)
@@ -229,9 +452,16 @@ class Client:
         with self._lock:
             return self._sessions.setdefault(session, _Session())
 
-    def _send(self, message: Any) -> None:
-        self._outbox.put(protocol.encode(message))
+    def _send(self, message: Any, stamp: tuple[str, int] | None = None) -> None:
+        self._outbox.put((protocol.encode(message), stamp))
         self._wake()
+
+    def _send_quiet(self, req: int, message: Any, stamp: tuple[str, int] | None = None) -> None:
+        with self._lock:
+            self._quiet[req] = None
+            while len(self._quiet) > KEEP_QUIET_REQS:
+                self._quiet.popitem(last=False)
+        self._send(message, stamp)
 
     def _wake(self) -> None:
         sock = self._context.socket(zmq.PUSH)
@@ -260,9 +490,12 @@ class Client:
                         self._wake_rx.recv()
                 while True:
                     try:
-                        sock.send(self._outbox.get_nowait())
+                        data, stamp = self._outbox.get_nowait()
                     except queue.Empty:
                         break
+                    sock.send(data)
+                    if stamp is not None:  # the input-to-photon clock of this revision starts as it leaves
+                        self._session(stamp[0]).photon.sent(stamp[1], time.monotonic())
                 if self.heartbeat_s > 0 and time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.heartbeat_s
                     sock.send(protocol.encode(protocol.Heartbeat()))
@@ -276,12 +509,15 @@ class Client:
         try:
             message = protocol.decode(data, "server", max_bytes=1 << 31)
         except protocol.ProtocolViolation as error:
-            self._put_error(ServerError("bad_reply", str(error)))
+            self._put_error(ServerError.of("bad_reply", str(error)))
             return
         if isinstance(message, protocol.Chunk):
+            received = time.monotonic()
+            state = self._session(message.session)
+            photon = state.photon.shown(int(message.control.get("revision", -1)), received)
             frames = np.frombuffer(message.frames, dtype=np.uint8).reshape(message.shape)
-            self._session(message.session).events.put(ChunkResult(
-                message.session, message.index, frames, message.control, message.facts, time.monotonic()))
+            state.events.put(ChunkResult(message.session, message.index, frames, message.control, message.facts,
+                                         received, photon))
             return
         if isinstance(message, protocol.Closed):
             state = self._session(message.session)
@@ -293,11 +529,14 @@ class Client:
         req = getattr(message, "req", None)
         with self._lock:
             future = self._pending.pop(req, None) if req is not None else None
+            quiet = req in self._quiet
+            self._quiet.pop(req, None)
         if isinstance(message, protocol.Error):
-            error = ServerError(message.code, message.message, message.session, message.retry_after_s)
+            error = ServerError.from_wire(message)
             if future is not None:
                 future.set_exception(error)
-            elif message.session is not None:
+            elif message.session is not None and not quiet:
+                # the session's own failure (or the server's end): it ends the session's chunk stream
                 self._session(message.session).events.put(error)
                 self._put_error(error)
             else:
@@ -311,6 +550,8 @@ class Client:
             self._errors.put_nowait(error)
 
     def close_client(self) -> None:
+        """Stop the I/O thread and close the socket (no more heartbeats: the server closes this client's sessions
+        after its client timeout unless a client with the same identity resumes them)."""
         self._stop.set()
         self._thread.join(timeout=2.0)
 

@@ -6,12 +6,30 @@
 A trace is JSON: ``{"prompt": str, "seed": int, "chunks": [{"keys": "wl", "mouse": [dx, dy]}, ...]}`` (the keys
 held during each chunk). ``--reactive`` sends control[i] only after chunk i-1 arrived (a person reacting to
 what they see) instead of as soon as the server admits it (a recorded trace).
+
+Live mode: ``--live`` plays an input timeline (``--timeline t.json``, or a built-in one) as a live session: at
+each event's time (seconds after the session is ready) the whole input state is sent as a ``control_state``
+and the server cuts per-chunk snapshots from it. A timeline is JSON: ``{"prompt", "seed", "num_chunks",
+"pause_when_idle", "events": [{"t": 0.2, "keys": "w", "taps": "i", "mouse": [dx, dy]}, ...]}`` (``keys``: held
+now; ``taps`` and ``mouse``: since the previous event). ``--record out/live_trace.json`` writes the recording:
+the states as sent (revision, send time), the snapshot the server applied to every chunk, the frame hashes and
+the input-to-photon latencies. ``--replay out/live_trace.json`` sends the recorded states again with their
+original timing; ``--replay ... --exact`` instead replays the applied snapshots as indexed controls, which
+reproduces the recorded frames bit for bit (checked by hash; exit 1 on a mismatch).
+
+Why the exact replay uses the applied snapshots: frames depend only on seed, image, prompt and the control
+applied to each chunk, but *where* the server cuts a live state into chunks depends on when each state arrived
+relative to the scheduler's room, i.e. on timing. The snapshots stored per chunk are those cut points, so
+replaying them as indexed controls is deterministic whatever the machine load; re-sending the states with the
+same timing is realistic but only reproduces the frames when the cuts happen to fall the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import statistics
 import sys
 import threading
 import time
@@ -21,7 +39,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ipc.client import ChunkResult, Client
+from ipc.client import ChunkResult, Client, LiveInput, SessionClosed, closed_summary
+
+LIVE_TRACE_FORMAT = "worldstream-live-trace/1"
+DEFAULT_TIMELINE: dict[str, Any] = {  # ~2 s of a person walking, looking around, tapping keys
+    "prompt": "a valley with pine trees under a clear sky, first-person walk",
+    "seed": 7,
+    "num_chunks": 24,
+    "events": [
+        {"t": 0.05, "keys": "w"}, {"t": 0.35, "keys": "w", "taps": "i"}, {"t": 0.6, "keys": "wd"},
+        {"t": 0.8, "keys": "d", "mouse": [6.0, 0.0]}, {"t": 1.0, "keys": "d", "mouse": [6.0, -2.0]},
+        {"t": 1.2, "keys": "", "taps": "k"}, {"t": 1.5, "keys": "l"}, {"t": 1.8, "keys": "", "taps": "j"},
+    ],
+}
 
 
 @dataclass
@@ -74,6 +104,137 @@ def play(client: Client, image: bytes, trace: dict[str, Any], reactive: bool = F
     return played
 
 
+@dataclass
+class LivePlayed(Played):
+    sent: list[dict[str, Any]] = field(default_factory=list)  # the states as sent: t, revision, keys, taps, mouse
+
+
+def load_timeline(path: Path) -> dict[str, Any]:
+    """An input timeline or a live recording (both carry ``events``); validated."""
+    timeline = json.loads(path.read_text())
+    check_timeline(timeline, str(path))
+    return timeline
+
+
+def check_timeline(timeline: dict[str, Any], where: str = "timeline") -> None:
+    events = timeline.get("events")
+    if not isinstance(events, list):
+        raise ValueError(f"{where}: a live timeline needs an 'events' list")
+    last = 0.0
+    for i, event in enumerate(events):
+        t = event.get("t") if isinstance(event, dict) else None
+        if not isinstance(t, (int, float)) or t < last:
+            raise ValueError(f"{where}: event {i} needs a time 't' >= the previous one ({last}), got {event!r}")
+        last = float(t)
+    if timeline.get("num_chunks") is None and not events:
+        raise ValueError(f"{where}: an endless session (no num_chunks) needs events to end after")
+
+
+def play_live(client: Client, image: bytes, timeline: dict[str, Any], tail_s: float = 0.5) -> LivePlayed:
+    """Open a live session and send the timeline's states at their times (from session ready) while collecting
+    chunks. With ``num_chunks`` the session ends by itself; without, it is closed ``tail_s`` after the last
+    event. Raises on server errors of the session."""
+    check_timeline(timeline)
+    started = time.monotonic()
+    num_chunks = timeline.get("num_chunks")
+    info = client.open(image, prompt=timeline.get("prompt", ""), seed=int(timeline.get("seed", 0)),
+                       num_chunks=num_chunks, live=True, pause_when_idle=bool(timeline.get("pause_when_idle")))
+    ready = time.monotonic()
+    played = LivePlayed(session=info.id, fps=info.fps, opened_s=ready - started)
+    live = LiveInput(client, info.id)
+    done, finished = threading.Event(), threading.Event()
+
+    def send_all() -> None:
+        try:
+            for event in timeline["events"]:
+                if done.wait(max(0.0, ready + float(event["t"]) - time.monotonic())):
+                    return
+                state = {"keys": "".join(event.get("keys", "")), "taps": "".join(event.get("taps", "")),
+                         "mouse": [float(v) for v in event.get("mouse", (0.0, 0.0))]}
+                revision = live.set(state["keys"], state["taps"], (state["mouse"][0], state["mouse"][1]))
+                if revision is not None:
+                    played.sent.append({"t": time.monotonic() - ready, "revision": revision, **state})
+        finally:
+            finished.set()
+
+    sender = threading.Thread(target=send_all, daemon=True)
+    sender.start()
+    heard = time.monotonic()
+    try:
+        while True:
+            try:
+                played.chunks.append(client.next_chunk(info.id, timeout_s=0.05))
+                heard = time.monotonic()
+            except TimeoutError:
+                if time.monotonic() - heard > client.timeout_s:
+                    raise
+            if num_chunks is None and finished.is_set() and time.monotonic() > ready + played_until(played) + tail_s:
+                played.summary = client.close(info.id)  # chunks still in flight are drained, not kept
+                break
+    except SessionClosed as closed:
+        played.summary = closed_summary(closed.closed)
+    finally:
+        done.set()
+        sender.join(timeout=5)
+    played.wall_s = time.monotonic() - started
+    return played
+
+
+def played_until(played: LivePlayed) -> float:
+    """Time (from session ready) of the last state sent."""
+    return played.sent[-1]["t"] if played.sent else 0.0
+
+
+def frame_hashes(chunks: list[ChunkResult]) -> list[str]:
+    """SHA-256 of each chunk's frames (uint8 bytes and shape): equal hashes, equal frames."""
+    return [hashlib.sha256(repr(c.frames.shape).encode() + c.frames.tobytes()).hexdigest() for c in chunks]
+
+
+def photon_stats(chunks: list[ChunkResult]) -> dict[str, float | int | None]:
+    """Input-to-photon latency (client clock) over every revision the chunks showed: count, mean, p50, p90, max."""
+    values = sorted(v for c in chunks for v in c.input_to_photon_s.values())
+    if not values:
+        return {"count": 0, "mean": None, "p50": None, "p90": None, "max": None}
+
+    def pick(q: float) -> float:
+        return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+    return {"count": len(values), "mean": statistics.fmean(values), "p50": pick(0.5), "p90": pick(0.9),
+            "max": values[-1]}
+
+
+def recording(timeline: dict[str, Any], played: LivePlayed) -> dict[str, Any]:
+    """The live recording: the states as sent with their times, the snapshot applied to every chunk, the frame
+    hashes, and the input-to-photon latency of every revision."""
+    return {
+        "format": LIVE_TRACE_FORMAT,
+        "prompt": timeline.get("prompt", ""),
+        "seed": int(timeline.get("seed", 0)),
+        "num_chunks": timeline.get("num_chunks"),
+        "pause_when_idle": bool(timeline.get("pause_when_idle")),
+        "events": played.sent,
+        "applied": [{"index": c.index, "control": c.control} for c in played.chunks],
+        "hashes": frame_hashes(played.chunks),
+        "input_to_photon_s": {str(r): v for c in played.chunks for r, v in sorted(c.input_to_photon_s.items())},
+    }
+
+
+def applied_trace(recorded: dict[str, Any]) -> dict[str, Any]:
+    """A recording's applied snapshots as an indexed trace (``play`` input): the deterministic replay."""
+    applied = sorted(recorded["applied"], key=lambda a: a["index"])
+    if [a["index"] for a in applied] != list(range(len(applied))) or not applied:
+        raise ValueError("the recording's applied snapshots must cover chunks 0..n-1")
+    return {"prompt": recorded.get("prompt", ""), "seed": recorded.get("seed", 0), "chunks": [
+        {"keys": "".join(a["control"].get("keys", ())), "mouse": a["control"].get("mouse", (0.0, 0.0))}
+        for a in applied]}
+
+
+def replay_exact(client: Client, image: bytes, recorded: dict[str, Any]) -> tuple[Played, bool]:
+    """Replay the applied snapshots as indexed controls; the result and whether every frame hash matches."""
+    played = play(client, image, applied_trace(recorded))
+    return played, frame_hashes(played.chunks) == recorded.get("hashes")
+
+
 def write_video(chunks: list[ChunkResult], path: Path, fps: float) -> int:
     """H.264 mp4 through imageio's bundled ffmpeg (the ``video`` extra); returns the frame count."""
     import imageio
@@ -110,7 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--endpoint", default="tcp://127.0.0.1:5555")
     parser.add_argument("--image", type=Path, required=True)
-    parser.add_argument("--trace", type=Path, required=True)
+    parser.add_argument("--trace", type=Path, help="indexed control trace to play")
+    parser.add_argument("--live", action="store_true", help="play an input timeline as a live session")
+    parser.add_argument("--timeline", type=Path, help="live input timeline (default: a built-in one)")
+    parser.add_argument("--record", type=Path, help="live: write the recording (states, applied snapshots, hashes)")
+    parser.add_argument("--replay", type=Path, help="replay a live recording with its original timing")
+    parser.add_argument("--exact", action="store_true",
+                        help="with --replay: replay the applied snapshots as indexed controls and check the hashes")
     parser.add_argument("--out", type=Path, help="mp4 to write")
     parser.add_argument("--json", type=Path, help="per-chunk facts and the session summary")
     parser.add_argument("--chrome-trace", "--trace-out", dest="chrome_trace", type=Path,
@@ -118,11 +285,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reactive", action="store_true", help="send control[i] only after chunk i-1 arrived")
     parser.add_argument("--chunks", type=int, help="play only the first N chunks of the trace")
     args = parser.parse_args(argv)
-    trace = load_trace(args.trace)
+    if sum(map(bool, (args.trace, args.live, args.replay))) != 1:
+        parser.error("give exactly one of --trace, --live, --replay")
+    if args.record and not args.live:
+        parser.error("--record needs --live")
+    image = args.image.read_bytes()
+    matched: bool | None = None
     with Client(args.endpoint) as client:
-        played = play(client, args.image.read_bytes(), trace, reactive=args.reactive, num_chunks=args.chunks)
+        if args.trace:
+            played = play(client, image, load_trace(args.trace), reactive=args.reactive, num_chunks=args.chunks)
+        elif args.live:
+            timeline = load_timeline(args.timeline) if args.timeline else DEFAULT_TIMELINE
+            played = play_live(client, image, timeline)
+            if args.record:
+                args.record.parent.mkdir(parents=True, exist_ok=True)
+                args.record.write_text(json.dumps(recording(timeline, played), indent=1))
+        else:
+            recorded = load_timeline(args.replay)
+            if args.exact:
+                played, matched = replay_exact(client, image, recorded)
+            else:
+                played = play_live(client, image, recorded)
+                matched = frame_hashes(played.chunks) == recorded.get("hashes")
     summary = played.summary
     facts = report(played, summary)
+    if isinstance(played, LivePlayed):
+        facts.update({f"input_to_photon_{k}_s" if k != "count" else "input_revisions_shown": v
+                      for k, v in photon_stats(played.chunks).items()})
+    if matched is not None:
+        facts["frames_match_recording"] = matched
     if args.out:
         write_video(played.chunks, args.out, played.fps)
     if args.json:
@@ -133,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.chrome_trace:
         write_chrome_trace(played, args.chrome_trace)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in facts.items()))
-    return 0
+    return 1 if args.exact and not matched else 0
 
 
 def write_chrome_trace(played: Played, path: Path) -> None:

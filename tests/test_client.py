@@ -1,0 +1,277 @@
+"""The Python clients without a server: live input bookkeeping, input-to-photon, error typing, and routing of
+replies checked against a fake coordinator (a bare ROUTER socket in the test) for the blocking and asyncio
+clients; plus the pure parts of the live record/replay tool."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from ipc import protocol
+from ipc.aio_client import AsyncClient
+from ipc.client import (
+    BadRequest,
+    Busy,
+    ChunkResult,
+    Client,
+    ControlBackpressure,
+    InputToPhoton,
+    LiveInput,
+    RejectedControl,
+    ServerError,
+    ServerGone,
+    SessionFailed,
+    StaleRevision,
+    UnknownSession,
+)
+from scripts.client import applied_trace, check_timeline, frame_hashes, photon_stats
+
+# ------------------------------------------------------------------------------------------------ LiveInput
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    def control_state(self, session: str, keys: Any, revision: int, mouse: tuple[float, float] = (0, 0),
+                      taps: Any = ()) -> None:
+        self.sent.append({"session": session, "keys": list(keys), "revision": revision, "mouse": mouse,
+                          "taps": list(taps)})
+
+
+def test_live_input_sends_the_whole_state_with_strictly_increasing_revisions_only_on_change() -> None:
+    sink = Sink()
+    live = LiveInput(sink, "s1")
+    assert live.press("w") == 1
+    assert live.press("W") is None  # already held: nothing changed, nothing sent
+    assert live.press("d") == 2
+    assert live.tap("i") == 3
+    assert live.move(2.5, -1.0) == 4
+    assert live.release("w") == 5
+    assert live.release("w") is None
+    assert live.reset() == 6
+    assert live.reset() is None
+    assert [m["revision"] for m in sink.sent] == [1, 2, 3, 4, 5, 6]
+    assert [m["keys"] for m in sink.sent] == [["w"], ["d", "w"], ["d", "w"], ["d", "w"], ["d"], []]
+    assert [m["taps"] for m in sink.sent] == [[], [], ["i"], [], [], []]  # a tap travels once, keys stay held
+    assert [m["mouse"] for m in sink.sent] == [(0.0, 0.0)] * 3 + [(2.5, -1.0)] + [(0.0, 0.0)] * 2
+    assert {m["session"] for m in sink.sent} == {"s1"}
+
+
+def test_live_input_set_takes_key_strings_and_a_first_revision() -> None:
+    sink = Sink()
+    live = LiveInput(sink, "s", first_revision=10)
+    assert live.set("Wd", taps="k") == 10
+    assert live.set(["w", "d"]) is None
+    assert sink.sent[0]["keys"] == ["d", "w"] and sink.sent[0]["taps"] == ["k"]
+    with pytest.raises(ValueError):
+        LiveInput(sink, "s", first_revision=-1)
+
+
+# ------------------------------------------------------------------------------------------------ input-to-photon
+
+
+def test_input_to_photon_counts_each_revision_once_at_the_first_chunk_that_shows_it() -> None:
+    clock = InputToPhoton()
+    clock.sent(1, at=10.0)
+    clock.sent(2, at=10.1)
+    clock.sent(3, at=10.2)
+    assert clock.shown(-1, at=10.3) == {}  # a chunk cut before any input shows none
+    assert clock.shown(2, at=10.5) == pytest.approx({1: 0.5, 2: 0.4})
+    assert clock.shown(2, at=10.6) == {}  # already shown: not counted twice
+    assert clock.shown(5, at=11.0) == pytest.approx({3: 0.8})
+
+
+def test_input_to_photon_forgets_the_oldest_unshown_revisions_beyond_its_bound() -> None:
+    clock = InputToPhoton(keep=2)
+    for r in range(5):
+        clock.sent(r, at=float(r))
+    assert sorted(clock.shown(10, at=10.0)) == [3, 4]
+
+
+# ------------------------------------------------------------------------------------------------ error typing
+
+
+@pytest.mark.parametrize(("code", "cls"), [
+    ("busy", Busy), ("unknown_session", UnknownSession), ("rejected_control", RejectedControl),
+    ("control_backpressure", ControlBackpressure), ("bad_image", BadRequest), ("bad_request", BadRequest),
+    ("stale_revision", StaleRevision), ("failed", SessionFailed), ("rank_failed", ServerGone),
+    ("shutdown", ServerGone), ("something_new", ServerError),
+])
+def test_every_server_code_maps_to_its_typed_error_which_stays_a_server_error(code: str, cls: type) -> None:
+    error = ServerError.from_wire(protocol.Error(req=3, session="s", code=code, message="why", retry_after_s=1.5))
+    assert type(error) is cls and isinstance(error, ServerError)
+    assert (error.code, error.message, error.session, error.retry_after_s, error.req) == (code, "why", "s", 1.5, 3)
+    assert str(error) == f"{code}: why"
+
+
+def test_backpressure_is_a_rejected_control_and_stale_revision_a_bad_request() -> None:
+    assert issubclass(ControlBackpressure, RejectedControl) and issubclass(StaleRevision, BadRequest)
+
+
+# ------------------------------------------------------------------------------------------------ fake coordinator
+
+
+class FakeServer:
+    """A ROUTER socket that plays the coordinator for one test, driven step by step."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+
+    def recv(self, kind: type, timeout_s: float = 5.0) -> tuple[bytes, Any]:
+        """The next client message of ``kind`` (heartbeats and others skipped)."""
+        while self.sock.poll(int(timeout_s * 1000)):
+            identity, data = self.sock.recv_multipart()
+            message = protocol.decode(data, "client")
+            if isinstance(message, kind):
+                return identity, message
+        raise AssertionError(f"no {kind.__name__} from the client")
+
+    def send(self, identity: bytes, message: Any) -> None:
+        self.sock.send_multipart([identity, protocol.encode(message)])
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeServer]:
+    server = FakeServer()
+    yield server
+    server.sock.close()
+
+
+def chunk(session: str, index: int, revision: int) -> protocol.Chunk:
+    frames = np.full((1, 2, 2, 3), index, dtype=np.uint8)
+    return protocol.Chunk(session=session, index=index, frames=frames.tobytes(), shape=(1, 2, 2, 3),
+                          control={"keys": ["w"], "mouse": [0.0, 0.0], "revision": revision}, facts={})
+
+
+def raised_in_thread(call: Any) -> tuple[threading.Thread, list[BaseException]]:
+    """Run a blocking client call in a thread (the fake server answers from the test); collect what it raised."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as error:
+            raised.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, raised
+
+
+def test_client_raises_the_typed_error_of_the_reply_to_its_request(fake: FakeServer) -> None:
+    with Client(fake.endpoint, timeout_s=5) as client:
+        thread, raised = raised_in_thread(client.stats)
+        identity, stats = fake.recv(protocol.Stats)
+        fake.send(identity, protocol.Error(req=stats.req, code="busy", message="full", retry_after_s=5.0))
+        thread.join(timeout=5)
+    assert len(raised) == 1 and isinstance(raised[0], Busy)
+    assert raised[0].retry_after_s == 5.0 and raised[0].req == stats.req
+
+
+def test_a_rejected_live_state_surfaces_via_error_without_ending_the_chunk_stream(fake: FakeServer) -> None:
+    with Client(fake.endpoint, timeout_s=5) as client:
+        live = client.live("s1")
+        live.press("w")
+        identity, state = fake.recv(protocol.ControlState)
+        assert (state.keys, state.revision, state.session) == (["w"], 1, "s1")
+        fake.send(identity, protocol.Error(req=state.req, session="s1", code="stale_revision", message="old"))
+        fake.send(identity, chunk("s1", 0, revision=1))
+        fake.send(identity, protocol.Closed(session="s1", reason="complete"))
+        error = client.error(timeout_s=5)
+        received = list(client.chunks("s1", timeout_s=5))
+    assert isinstance(error, StaleRevision) and error.session == "s1"
+    assert [c.index for c in received] == [0] and received[0].revision == 1
+    assert list(received[0].input_to_photon_s) == [1] and received[0].input_to_photon_s[1] >= 0
+
+
+def test_a_session_failure_ends_its_chunk_stream_with_the_typed_error(fake: FakeServer) -> None:
+    with Client(fake.endpoint, timeout_s=5) as client:
+        client.live("s2").press("a")
+        identity, _ = fake.recv(protocol.ControlState)
+        fake.send(identity, protocol.Error(session="s2", code="failed", message="decode exploded"))
+        with pytest.raises(SessionFailed, match="decode exploded"):
+            client.next_chunk("s2", timeout_s=5)
+
+
+def test_close_of_a_session_the_server_does_not_hold_raises_unknown_session(fake: FakeServer) -> None:
+    with Client(fake.endpoint, timeout_s=5) as client:
+        thread, raised = raised_in_thread(lambda: client.close("gone"))
+        identity, message = fake.recv(protocol.Close)
+        fake.send(identity, protocol.Error(req=message.req, session="gone", code="unknown_session", message="no"))
+        thread.join(timeout=5)
+    assert len(raised) == 1 and isinstance(raised[0], UnknownSession)
+
+
+def test_async_client_has_the_same_api_shape_and_error_typing(fake: FakeServer) -> None:
+    async def scenario() -> tuple[Any, ...]:
+        async with AsyncClient(fake.endpoint, timeout_s=5, heartbeat_s=0.1) as client:
+            loop = asyncio.get_running_loop()
+            opening = asyncio.ensure_future(client.open(b"png", live=True))
+            identity, open_ = await loop.run_in_executor(None, fake.recv, protocol.Open)
+            fake.send(identity, protocol.Opened(req=open_.req, session="a1", height=2, width=2, fps=16.0,
+                                                frames_first_chunk=1, frames_per_chunk=1, num_chunks=2))
+            info = await opening
+            client.live(info.id).press("w")
+            _, state = await loop.run_in_executor(None, fake.recv, protocol.ControlState)
+            fake.send(identity, protocol.Error(req=state.req, session="a1", code="stale_revision", message="x"))
+            for i in range(2):
+                fake.send(identity, chunk("a1", i, revision=1))
+            fake.send(identity, protocol.Closed(session="a1", reason="complete"))
+            received = [c async for c in client.chunks("a1", timeout_s=5)]
+            error = await client.error(timeout_s=5)
+            asking = asyncio.ensure_future(client.stats())
+            _, stats = await loop.run_in_executor(None, fake.recv, protocol.Stats)
+            fake.send(identity, protocol.Error(req=stats.req, code="busy", message="full", retry_after_s=2.0))
+            with pytest.raises(Busy) as busy:
+                await asking
+            _, beat = await loop.run_in_executor(None, fake.recv, protocol.Heartbeat)  # heartbeats flow
+            return info, state, received, error, busy.value, beat
+
+    info, state, received, error, busy, beat = asyncio.run(scenario())
+    assert info.id == "a1" and state.keys == ["w"] and state.revision == 1
+    assert [c.index for c in received] == [0, 1] and all(isinstance(c, ChunkResult) for c in received)
+    assert list(received[0].input_to_photon_s) == [1] and received[1].input_to_photon_s == {}
+    assert isinstance(error, StaleRevision) and busy.retry_after_s == 2.0 and beat.session is None
+
+
+# ------------------------------------------------------------------------------------------------ record/replay tool
+
+
+def test_applied_trace_turns_recorded_snapshots_into_indexed_controls_in_chunk_order() -> None:
+    recorded = {"prompt": "p", "seed": 3, "applied": [
+        {"index": 1, "control": {"keys": ["d", "i"], "mouse": [1.5, 0.0], "revision": 4}},
+        {"index": 0, "control": {"keys": [], "mouse": [0.0, 0.0], "revision": -1}},
+    ]}
+    assert applied_trace(recorded) == {"prompt": "p", "seed": 3, "chunks": [
+        {"keys": "", "mouse": [0.0, 0.0]}, {"keys": "di", "mouse": [1.5, 0.0]}]}
+    with pytest.raises(ValueError, match=r"0\.\.n-1"):
+        applied_trace({"applied": [{"index": 1, "control": {}}]})
+
+
+def test_timelines_need_ordered_event_times() -> None:
+    check_timeline({"num_chunks": 4, "events": [{"t": 0.0, "keys": "w"}, {"t": 0.5}]})
+    with pytest.raises(ValueError, match="event 1"):
+        check_timeline({"num_chunks": 4, "events": [{"t": 0.5}, {"t": 0.1}]})
+    with pytest.raises(ValueError, match="endless"):
+        check_timeline({"events": []})
+
+
+def test_frame_hashes_and_photon_stats() -> None:
+    def result(value: int, photon: dict[int, float]) -> ChunkResult:
+        return ChunkResult("s", 0, np.full((1, 2, 2, 3), value, np.uint8), {}, {}, 0.0, photon)
+
+    a, b, c = result(1, {1: 0.2}), result(1, {2: 0.4, 3: 0.1}), result(2, {})
+    assert frame_hashes([a])[0] == frame_hashes([b])[0] != frame_hashes([c])[0]
+    stats = photon_stats([a, b, c])
+    assert stats["count"] == 3 and stats["p50"] == pytest.approx(0.2) and stats["max"] == pytest.approx(0.4)
+    assert photon_stats([c])["count"] == 0

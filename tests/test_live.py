@@ -1,0 +1,281 @@
+"""Live mode and session limits end to end on the 7-rank CPU layout: real ranks, real sockets.
+
+One server is shared by the module, started with a short client timeout and small limits
+(``client_timeout_s=2``, ``max_sessions=3``, ``max_chunks=64``, ``max_image_pixels=65536``). Tests that need the
+server to themselves (the session limit, heartbeat loss) check that they left nothing open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+from PIL import Image
+
+from ipc import protocol
+from ipc.aio_client import AsyncClient
+from ipc.client import BadRequest, Busy, Client, UnknownSession
+from scripts import client as tool
+from scripts.local_server import ROOT, LocalServer
+
+pytestmark = pytest.mark.multiprocess
+
+IMAGE = (ROOT / "assets" / "start.png").read_bytes()
+FAST = ["--synthetic.encode_s=0.01", "--synthetic.denoise_s=0.03", "--synthetic.decode_s=0.015"]
+TIMEOUT_S = 2.0
+LIMITS = [f"--server.client_timeout_s={TIMEOUT_S}", "--server.max_sessions=3", "--server.max_chunks=64",
+          "--server.max_image_pixels=65536"]
+TIMELINE: dict[str, Any] = {  # i, k and j are only ever tapped, never held
+    "prompt": "live", "seed": 5, "num_chunks": 30, "events": [
+        {"t": 0.10, "keys": "w"}, {"t": 0.25, "keys": "w", "taps": "i"}, {"t": 0.40, "keys": "wd"},
+        {"t": 0.55, "keys": "d", "mouse": [4.0, -1.0]}, {"t": 0.62, "keys": "d", "mouse": [2.0, 0.0]},
+        {"t": 0.70, "keys": "", "taps": "k"}, {"t": 0.85, "keys": "a", "taps": "j"},
+    ]}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalServer]:
+    with LocalServer("cpu-tiny", FAST + LIMITS) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def live_run(server: LocalServer) -> tool.LivePlayed:
+    with Client(server.endpoint) as client:
+        return tool.play_live(client, IMAGE, TIMELINE)
+
+
+def open_sessions(client: Client) -> int:
+    return client.stats()["open_sessions"]
+
+
+def test_live_snapshots_follow_the_input_timeline_chunk_by_chunk(live_run: tool.LivePlayed) -> None:
+    chunks, states = live_run.chunks, {s["revision"]: s for s in live_run.sent}
+    assert live_run.summary["reason"] == "complete"
+    assert [c.index for c in chunks] == list(range(30))
+    assert len(states) == len(TIMELINE["events"]) and chunks[-1].revision == max(states)  # every input was shown
+    previous = -1
+    for chunk in chunks:
+        revision = chunk.revision
+        assert revision >= previous, "a snapshot never goes back to older input"
+        folded = [states[r] for r in sorted(states) if previous < r <= revision]  # states cut into this chunk
+        held = set(states[revision]["keys"]) if revision >= 0 else set()
+        taps = {k for s in folded for k in s["taps"]}
+        assert set(chunk.control["keys"]) == held | taps, (chunk.index, chunk.control, folded)
+        mouse = np.sum([s["mouse"] for s in folded], axis=0) if folded else np.zeros(2)
+        assert chunk.control["mouse"] == pytest.approx(list(mouse)), chunk.index  # motion sums, never repeats
+        previous = revision
+    for state in live_run.sent:
+        for tap in state["taps"]:
+            having = [c for c in chunks if tap in c.control["keys"]]
+            first_showing = next(c for c in chunks if c.revision >= state["revision"])
+            assert [c.index for c in having] == [first_showing.index], f"tap {tap} is consumed by exactly one chunk"
+    assert chunks[0].revision == -1 and chunks[0].control["keys"] == []  # still camera before any input
+
+
+def test_live_controls_are_never_cut_more_than_one_chunk_ahead(live_run: tool.LivePlayed) -> None:
+    times = [c.facts["times"] for c in live_run.chunks]
+    for j in range(2, len(times)):
+        # control[j] may be accepted only once chunk j-1 is the one being produced, i.e. chunk j-2 was emitted
+        assert times[j]["control_accepted"] >= times[j - 2]["emitted"], j
+    assert any(times[j]["control_accepted"] < times[j - 1]["emitted"] for j in range(1, len(times)))  # one ahead
+
+
+def test_every_input_revision_gets_an_input_to_photon_latency(live_run: tool.LivePlayed) -> None:
+    measured = {r: v for c in live_run.chunks for r, v in c.input_to_photon_s.items()}
+    assert sorted(measured) == sorted(s["revision"] for s in live_run.sent)
+    assert all(0 < v < 5 for v in measured.values())
+    stats = tool.photon_stats(live_run.chunks)
+    period = live_run.summary["chunk_period_s"]["p50"]
+    print(f"\ninput-to-photon on cpu-tiny: {stats} (chunk period p50 {period:.3f} s)")
+
+
+def test_recorded_live_session_replays_to_identical_frames(server: LocalServer, live_run: tool.LivePlayed,
+                                                           tmp_path: Path) -> None:
+    path = tmp_path / "live_trace.json"
+    path.write_text(json.dumps(tool.recording(TIMELINE, live_run)))
+    recorded = tool.load_timeline(path)
+    assert len({tuple(a["control"]["keys"]) for a in recorded["applied"]}) >= 4  # a replay that means something
+    assert len(set(recorded["hashes"])) > 1
+    with Client(server.endpoint) as client:
+        played, matched = tool.replay_exact(client, IMAGE, recorded)
+        assert matched and len(played.chunks) == 30
+        altered = tool.applied_trace(recorded)
+        altered["chunks"][3] = {"keys": "s", "mouse": [0.0, 0.0]}  # differs from every recorded snapshot
+        changed = tool.play(client, IMAGE, altered, num_chunks=6)
+    hashes = tool.frame_hashes(changed.chunks)
+    assert hashes[:3] == recorded["hashes"][:3] and hashes[3] != recorded["hashes"][3]
+
+
+def test_client_tool_records_and_replays_from_the_command_line(server: LocalServer, tmp_path: Path) -> None:
+    timeline = {"seed": 2, "num_chunks": 8, "events": [{"t": 0.05, "keys": "l"}, {"t": 0.2, "keys": "", "taps": "w"}]}
+    (tmp_path / "timeline.json").write_text(json.dumps(timeline))
+    common = ["--endpoint", server.endpoint, "--image", str(ROOT / "assets" / "start.png")]
+    record = tmp_path / "live_trace.json"
+    assert tool.main([*common, "--live", "--timeline", str(tmp_path / "timeline.json"), "--record", str(record)]) == 0
+    recorded = json.loads(record.read_text())
+    assert recorded["format"] == tool.LIVE_TRACE_FORMAT and len(recorded["applied"]) == 8
+    assert [e["revision"] for e in recorded["events"]] == [1, 2]
+    assert tool.main([*common, "--replay", str(record), "--exact"]) == 0
+    assert tool.main([*common, "--replay", str(record)]) == 0  # original timing: runs, cut points may differ
+
+
+def test_pause_when_idle_stops_the_stream_until_the_next_input(server: LocalServer) -> None:
+    quiet_s = 0.6
+    with Client(server.endpoint) as client:
+        info = client.open(IMAGE, live=True, pause_when_idle=True)
+        with pytest.raises(TimeoutError):
+            client.next_chunk(info.id, timeout_s=quiet_s)  # no input yet: paused
+        live = client.live(info.id)
+        live.press("w")
+        walking = [client.next_chunk(info.id, timeout_s=10) for _ in range(3)]
+        live.release("w")
+        while True:  # the snapshots already cut (at most one ahead) still arrive, then the stream stops
+            try:
+                walking.append(client.next_chunk(info.id, timeout_s=quiet_s))
+            except TimeoutError:
+                break
+        assert all(c.control["keys"] == ["w"] and c.revision == 1 for c in walking)
+        live.tap("d")
+        tapped = client.next_chunk(info.id, timeout_s=10)
+        with pytest.raises(TimeoutError):
+            client.next_chunk(info.id, timeout_s=quiet_s)  # a tap moves exactly one chunk, then idle again
+        live.press("a")
+        resumed = client.next_chunk(info.id, timeout_s=10)
+        summary = client.close(info.id)
+    assert (tapped.control["keys"], tapped.revision) == (["d"], 3)
+    assert (resumed.control["keys"], resumed.revision) == (["a"], 4)
+    assert [c.index for c in [*walking, tapped, resumed]] == list(range(len(walking) + 2))
+    assert summary["reason"] == "client"
+
+
+def test_a_session_beyond_the_limit_is_refused_busy_while_the_others_keep_streaming(server: LocalServer) -> None:
+    with Client(server.endpoint) as client:
+        assert open_sessions(client) == 0
+        infos = [client.open(IMAGE, live=True) for _ in range(3)]  # endless, still camera: they stream
+        seen = {i.id: client.next_chunk(i.id, timeout_s=10).index for i in infos}
+        with pytest.raises(Busy) as refused:
+            client.open(IMAGE, num_chunks=2)
+        after = {i.id: [client.next_chunk(i.id, timeout_s=10).index for _ in range(2)] for i in infos}
+        for info in infos:
+            client.close(info.id)
+        assert open_sessions(client) == 0
+    assert refused.value.retry_after_s and refused.value.retry_after_s > 0
+    assert "limit of 3 sessions" in refused.value.message
+    assert all(after[s] == [seen[s] + 1, seen[s] + 2] for s in seen)
+
+
+def test_session_length_and_image_size_beyond_the_limits_are_refused(server: LocalServer) -> None:
+    big = io.BytesIO()
+    Image.new("RGB", (300, 300)).save(big, format="PNG")
+    with Client(server.endpoint) as client:
+        with pytest.raises(BadRequest, match=r"num_chunks must be in 1\.\.64, got 65"):
+            client.open(IMAGE, num_chunks=65)
+        with pytest.raises(BadRequest, match="300x300 pixels exceeds the limit of 65536 pixels"):
+            client.open(big.getvalue(), num_chunks=2)
+        assert open_sessions(client) == 0
+
+
+def test_silent_clients_have_their_sessions_closed_and_caches_released_after_the_timeout(
+    server: LocalServer,
+) -> None:
+    # Two ways to go silent: a socket that stays connected but never speaks or reads again (a hung process,
+    # its live session streaming), and a client whose I/O thread stopped (socket closed, its session paused).
+    identity = f"silent-{uuid.uuid4().hex[:6]}".encode()
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.IDENTITY, identity)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(server.endpoint)
+    raw.send(protocol.encode(protocol.Open(req=1, image=IMAGE, live=True)))
+    assert raw.poll(30_000)
+    opened = protocol.decode(raw.recv(), "server", max_bytes=1 << 30)
+    assert isinstance(opened, protocol.Opened), opened
+    raw.send(protocol.encode(protocol.ControlState(req=2, session=opened.session, keys=["w"], revision=1)))
+    raw_silent = time.monotonic()
+    stopped = Client(server.endpoint)
+    paused = stopped.open(IMAGE, live=True, pause_when_idle=True)
+    stopped.close_client()
+    stopped_silent = time.monotonic()
+    closed_after: dict[str, float] = {}
+    with Client(server.endpoint) as observer:
+        time.sleep(1.0)
+        streaming = observer.stats()
+        assert streaming["open_sessions"] == 2, "closed before the timeout"
+        assert streaming["per_session"][opened.session]["chunks"] > 0  # it was streaming to the silent socket
+        while len(closed_after) < 2 and time.monotonic() - raw_silent < TIMEOUT_S + 5:
+            per_session = observer.stats()["per_session"]
+            for sid, since in ((opened.session, raw_silent), (paused.id, stopped_silent)):
+                if sid not in per_session and sid not in closed_after:
+                    closed_after[sid] = time.monotonic() - since
+            time.sleep(0.05)
+        assert open_sessions(observer) == 0
+    raw.close(linger=0)
+    assert set(closed_after) == {opened.session, paused.id}
+    assert all(TIMEOUT_S - 0.2 < t < TIMEOUT_S + 1.5 for t in closed_after.values()), closed_after
+    log = server.log()
+    for sid in closed_after:
+        assert f"session {sid}: client silent" in log and f"session {sid} closed (disconnect)" in log
+    # the closing waits for every rank's release: a closed session's caches are gone on every rank
+    time.sleep(0.2)
+    with Client(server.endpoint, identity=identity) as returning:
+        with pytest.raises(UnknownSession, match="no session"):
+            returning.resume(opened.session)
+        returning.live(opened.session, first_revision=2).press("d")
+        late = returning.error(timeout_s=5)
+    assert isinstance(late, UnknownSession)
+
+
+def test_a_reconnecting_client_with_the_same_identity_resumes_its_session(server: LocalServer) -> None:
+    identity = f"resumer-{uuid.uuid4().hex[:6]}".encode()
+    first = Client(server.endpoint, identity=identity)
+    info = first.open(IMAGE, num_chunks=4)
+    for index in range(2):
+        first.control(info.id, index, keys="w")
+    before = [first.next_chunk(info.id, timeout_s=10) for _ in range(2)]
+    first.close_client()  # gone: no heartbeats, socket closed
+    time.sleep(0.3)
+    with Client(server.endpoint) as stranger, pytest.raises(UnknownSession):
+        stranger.resume(info.id)  # only the owner's identity may re-attach
+    with Client(server.endpoint, identity=identity) as second:
+        second.resume(info.id)
+        for index in (2, 3):
+            second.control(info.id, index, keys="d")
+        after = list(second.chunks(info.id, timeout_s=10))
+        summary = second.wait_closed(info.id)
+    assert [c.index for c in before + after] == [0, 1, 2, 3]
+    assert [c.control["keys"] for c in after] == [["d"], ["d"]]
+    assert summary["reason"] == "complete"
+
+
+def test_async_client_streams_a_session_and_types_errors(server: LocalServer) -> None:
+    async def scenario() -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
+        async with AsyncClient(server.endpoint) as client:
+            info = await client.open(IMAGE, num_chunks=3, seed=4)
+            for index in range(3):
+                await client.control(info.id, index, keys="j")
+            chunks = [c async for c in client.chunks(info.id, timeout_s=30)]
+            summary = await client.wait_closed(info.id)
+            with pytest.raises(UnknownSession):
+                await client.resume(info.id)
+            return chunks, summary, await client.stats()
+
+    chunks, summary, stats = asyncio.run(scenario())
+    assert [c.index for c in chunks] == [0, 1, 2] and all(c.control["keys"] == ["j"] for c in chunks)
+    assert summary["reason"] == "complete" and stats["layout"] == "cpu-tiny"
+    with Client(server.endpoint) as client:  # same seed and controls through the blocking client: same frames
+        same, _ = tool.play(client, IMAGE, {"seed": 4, "chunks": [{"keys": "j"}] * 3}), None
+    assert all(np.array_equal(a.frames, b.frames) for a, b in zip(chunks, same.chunks))
+
+
+def test_zz_server_shuts_down_cleanly(server: LocalServer) -> None:
+    assert server.stop() == 0
+
