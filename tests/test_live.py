@@ -35,7 +35,7 @@ TIMEOUT_S = 2.0
 LIMITS = [f"--server.client_timeout_s={TIMEOUT_S}", "--server.max_sessions=3", "--server.max_chunks=64",
           "--server.max_image_pixels=65536"]
 TIMELINE: dict[str, Any] = {  # i, k and j are only ever tapped, never held
-    "prompt": "live", "seed": 5, "num_chunks": 30, "events": [
+    "prompt": "live", "seed": 5, "num_chunks": 40, "events": [
         {"t": 0.10, "keys": "w"}, {"t": 0.25, "keys": "w", "taps": "i"}, {"t": 0.40, "keys": "wd"},
         {"t": 0.55, "keys": "d", "mouse": [4.0, -1.0]}, {"t": 0.62, "keys": "d", "mouse": [2.0, 0.0]},
         {"t": 0.70, "keys": "", "taps": "k"}, {"t": 0.85, "keys": "a", "taps": "j"},
@@ -61,7 +61,7 @@ def open_sessions(client: Client) -> int:
 def test_live_snapshots_follow_the_input_timeline_chunk_by_chunk(live_run: tool.LivePlayed) -> None:
     chunks, states = live_run.chunks, {s["revision"]: s for s in live_run.sent}
     assert live_run.summary["reason"] == "complete"
-    assert [c.index for c in chunks] == list(range(30))
+    assert [c.index for c in chunks] == list(range(40))
     assert len(states) == len(TIMELINE["events"]) and chunks[-1].revision == max(states)  # every input was shown
     previous = -1
     for chunk in chunks:
@@ -108,7 +108,7 @@ def test_recorded_live_session_replays_to_identical_frames(server: LocalServer, 
     assert len(set(recorded["hashes"])) > 1
     with Client(server.endpoint) as client:
         played, matched = tool.replay_exact(client, IMAGE, recorded)
-        assert matched and len(played.chunks) == 30
+        assert matched and len(played.chunks) == 40
         altered = tool.applied_trace(recorded)
         altered["chunks"][3] = {"keys": "s", "mouse": [0.0, 0.0]}  # differs from every recorded snapshot
         changed = tool.play(client, IMAGE, altered, num_chunks=6)
