@@ -126,8 +126,8 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     threads = []
     if "condition" in rank_roles:
         threads.append(run_thread("condition", lambda: roles.condition_worker(ctx)))
-        if rank not in lay.dit:
-            threads.append(run_thread("condition_sender", lambda: roles.condition_sender(ctx)))
+    if rank == lay.condition or rank in lay.dit:
+        threads.append(run_thread("condition_edge", lambda: roles.condition_edge(ctx)))
     if "dit" in rank_roles:
         threads.append(run_thread("dit", lambda: roles.dit_worker(ctx)))
     if "decode" in rank_roles:

@@ -61,8 +61,10 @@ class SyntheticCondition:
         return torch.full(self.geometry.context_shape, prompt_code)
 
     def encode(self, session: str, index: int) -> torch.Tensor:
-        _spend(self.cost_s)
-        return self._images[session]
+        started = time.monotonic()
+        image = self._images[session]
+        _spend(self.cost_s - (time.monotonic() - started))
+        return image
 
     def release(self, session: str) -> None:
         self._images.pop(session, None)
@@ -99,13 +101,19 @@ class _DenoiseSession:
 
 
 class SyntheticDenoise:
-    """Every DiT rank runs it in lockstep; an all-reduce over the group stands in for Ulysses traffic."""
+    """Every DiT rank runs it in lockstep; a closing all-reduce over the group stands in for Ulysses traffic."""
 
     def __init__(self, geometry: StreamGeometry, cost_s: float, group: object | None = None) -> None:
         self.geometry = geometry
         self.cost_s = cost_s
         self.group = group
         self._sessions: dict[str, _DenoiseSession] = {}
+        if group is None:
+            self._leader = True
+        else:
+            import torch.distributed as dist
+
+            self._leader = dist.get_rank(group) == 0
 
     def open(self, spec: SessionSpec, context: torch.Tensor) -> None:
         generator = torch.Generator().manual_seed(spec.seed)
@@ -124,17 +132,21 @@ class SyntheticDenoise:
         return state, poses, noise
 
     def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl) -> torch.Tensor:
+        """The rendered chunk on the group's first rank (the leader, whose latent is used); the other ranks keep
+        the same camera and noise state and return zeros, without spending the CPU on a render."""
         started = time.monotonic()
         _, poses, noise = self._advance(session, index, control)
         total, _, h, w = self.geometry.latent_shape
         latent = torch.zeros(self.geometry.latent_shape)
-        frames = render(condition.float().cpu(), poses, h, w)
-        latent[total - len(poses) :] = (frames + NOISE_LEVEL * noise[total - len(poses) :]).clamp(0, 1)
-        if self.group is not None:
+        if self._leader:
+            frames = render(condition.float().cpu(), poses, h, w)
+            first = total - len(poses)
+            latent[first:] = (frames + NOISE_LEVEL * noise[first:]).clamp(0, 1)
+        _spend(self.cost_s - (time.monotonic() - started))
+        if self.group is not None:  # end together, as a real sequence-parallel step does
             import torch.distributed as dist
 
             dist.all_reduce(torch.zeros(1), group=self.group)
-        _spend(self.cost_s - (time.monotonic() - started))
         return latent
 
     def skip(self, session: str, index: int, control: ChunkControl, latent: torch.Tensor | None = None,

@@ -12,7 +12,7 @@ class WorkerIds:
     """ZeroMQ identities of every worker thread of the job, derived from the layout (``"<rank>:<role>"``)."""
 
     condition: bytes
-    condition_sender: bytes | None  # only when the condition rank is outside the DiT group
+    condition_edges: tuple[bytes, ...]  # every member of the condition group: the condition rank and the DiT ranks
     dit: tuple[bytes, ...]  # leader first
     decode: bytes
     latent_receiver: bytes | None  # only when decode is not on the DiT leader's rank
@@ -25,9 +25,10 @@ class WorkerIds:
 
     @property
     def all(self) -> tuple[bytes, ...]:
-        optional = (self.condition_sender, self.latent_receiver, self.frames)
+        optional = (self.latent_receiver, self.frames)
         beats = tuple(self.heartbeat(r) for r in self.heartbeat_ranks)
-        return (self.condition, *self.dit, self.decode, *(i for i in optional if i is not None), *beats)
+        return (self.condition, *self.condition_edges, *self.dit, self.decode, *(i for i in optional if i is not None),
+                *beats)
 
 
 def workers_of(layout: LayoutConfig) -> WorkerIds:
@@ -36,7 +37,7 @@ def workers_of(layout: LayoutConfig) -> WorkerIds:
 
     return WorkerIds(
         condition=ident(layout.condition, "condition"),
-        condition_sender=None if layout.condition in layout.dit else ident(layout.condition, "condition_sender"),
+        condition_edges=tuple(ident(r, "condition_edge") for r in sorted({layout.condition, *layout.dit})),
         dit=tuple(ident(r, "dit") for r in layout.dit),
         decode=ident(layout.decode, "decode"),
         latent_receiver=None if layout.decode == layout.dit_leader else ident(layout.decode, "latent_receiver"),

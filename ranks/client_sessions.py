@@ -21,6 +21,8 @@ SPAN_NAMES = {
     "decode": "decode",
     "send_condition": "transfer:condition",
     "recv_condition": "transfer:condition",
+    "send_context": "transfer:context",
+    "recv_context": "transfer:context",
     "send_latent": "transfer:latent",
     "recv_latent": "transfer:latent",
     "send_frames": "transfer:frames",

@@ -196,6 +196,8 @@ class Coordinator:
             elif done.op == "init" and stage is not None:
                 self._execute(self.scheduler.init_done(done.session, stage, now))
             elif done.op == "encode":
+                for identity in self.ids.condition_edges:  # moves now, overlapping the DiT's current chunk
+                    self._task(identity, "edge_condition", done.session, done.index, track=False)
                 self._execute(self.scheduler.encode_done(done.session, done.index, now))
             elif done.op == "denoise" and done.rank == self.config.layout.dit_leader:
                 self._execute(self.scheduler.denoise_done(done.session, done.index, now))
@@ -230,16 +232,14 @@ class Coordinator:
             elif action.stage is sch.Stage.DECODE:
                 self._task(ids.decode, "init", sid)
             else:
-                if ids.condition_sender is not None:
-                    self._task(ids.condition_sender, "send_context", sid, track=False)
+                for identity in ids.condition_edges:  # the context moves to the DiT ranks, then they init
+                    self._task(identity, "edge_context", sid, track=False)
                 for i, identity in enumerate(ids.dit):
                     self._task(identity, "init", sid, seed=session.seed, prompt=session.prompt, track=i == 0)
         elif isinstance(action, sch.RunEncode):
             self._task(ids.condition, "encode", sid, action.index)
         elif isinstance(action, sch.RunDenoise):
             control = session.controls[action.index].to_wire()
-            if ids.condition_sender is not None:
-                self._task(ids.condition_sender, "send_condition", sid, action.index, track=False)
             if ids.latent_receiver is not None:
                 self._task(ids.latent_receiver, "expect_latent", sid, action.index, track=False)
             for i, identity in enumerate(ids.dit):

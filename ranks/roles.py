@@ -1,8 +1,7 @@
 """The loop of each role: thin I/O shells around the stages of ``models/``.
 
 Which thread owns which process group (one thread per group per rank):
-- ``condition`` group: the DiT worker on DiT ranks; on a condition rank outside the DiT group, the
-  condition-sender thread (so a long encode never delays the broadcast the DiT is waiting for);
+- ``condition`` group: the condition-edge thread of every member (the condition rank and the DiT ranks);
 - ``latent`` group: the DiT leader's worker sends, the decode rank's latent-receiver thread receives;
 - ``frames`` group: the decode worker sends, the coordinator rank's frames-receiver thread receives.
 """
@@ -51,43 +50,34 @@ def condition_worker(ctx: RankContext) -> None:
     serve(ctx, "condition", {"init": init, "encode": encode, "release": release})
 
 
-def _send_from_condition_rank(ctx: RankContext, op: str, session: str, index: int, spans: Spans) -> torch.Tensor:
-    """Broadcast the context or condition from the condition rank over the condition group (source side)."""
+def condition_edge(ctx: RankContext) -> None:
+    """One per rank of the condition group, owning that group: the condition rank broadcasts each session's
+    prompt context and each chunk's condition as soon as it is encoded; DiT ranks receive them into their
+    mailbox. So the transfer overlaps the DiT's current chunk instead of delaying its next one. The coordinator
+    announces every transfer to all members in the same order, so the broadcasts pair up."""
     geometry = ctx.backend.geometry
-    box, key = (ctx.contexts, (session, CONTEXT_INDEX)) if op == "context" else (ctx.conditions, (session, index))
-    shape = geometry.context_shape if op == "context" else geometry.condition_shape
     lay = ctx.config.layout
-    with tensor_plane(f"broadcast {op} of {session}/{index}"):  # the DiT ranks already wait: a miss is fatal
-        tensor = box.take(key, _deadline(ctx))
-        with spans.span(f"send_{op}"):
-            tp.broadcast(tensor, tuple(shape), geometry.dtype, lay.condition, ctx.groups, ctx.groups.condition)
-    if op == "context":  # the context stays for reuse until release; conditions are consumed
-        box.put(key, tensor)
-    return tensor
+    source, dit = ctx.rank == lay.condition, ctx.rank in lay.dit
+
+    def move(kind: str, task: protocol.Task, spans: Spans) -> dict[str, object]:
+        key = (task.session, CONTEXT_INDEX if kind == "context" else task.index)
+        shape = tuple(geometry.context_shape if kind == "context" else geometry.condition_shape)
+        with tensor_plane(f"{kind} of {task.session}/{task.index}"):  # the peers already wait: a miss is fatal
+            box = ctx.contexts if kind == "context" else ctx.conditions
+            tensor = box.take(key, _deadline(ctx)) if source else None
+            with spans.span(f"{'send' if source else 'recv'}_{kind}"):
+                tensor = tp.broadcast(tensor, shape, geometry.dtype, lay.condition, ctx.groups, ctx.groups.condition)
+        if dit:
+            ctx.dit_inputs.put(key, tensor)
+        return {} if source else {"silent": True}  # the source's answer carries the transfer span
+
+    serve(ctx, "condition_edge", {"edge_context": lambda t, sp: move("context", t, sp),
+                                  "edge_condition": lambda t, sp: move("condition", t, sp)})
 
 
-def condition_sender(ctx: RankContext) -> None:
-    """On a condition rank outside the DiT group: serves the broadcasts the DiT ranks wait for."""
-
-    def send_context(task: protocol.Task, spans: Spans) -> dict[str, object]:
-        _send_from_condition_rank(ctx, "context", task.session, task.index, spans)
-        return {"silent": True}
-
-    def send_condition(task: protocol.Task, spans: Spans) -> dict[str, object]:
-        _send_from_condition_rank(ctx, "condition", task.session, task.index, spans)
-        return {"silent": True}
-
-    serve(ctx, "condition_sender", {"send_context": send_context, "send_condition": send_condition})
-
-
-def _receive_on_dit(ctx: RankContext, op: str, session: str, index: int, spans: Spans) -> torch.Tensor:
-    lay = ctx.config.layout
-    if ctx.rank == lay.condition:
-        return _send_from_condition_rank(ctx, op, session, index, spans)
-    geometry = ctx.backend.geometry
-    shape = geometry.context_shape if op == "context" else geometry.condition_shape
-    with spans.span(f"recv_{op}"), tensor_plane(f"receive {op} of {session}/{index}"):
-        return tp.broadcast(None, tuple(shape), geometry.dtype, lay.condition, ctx.groups, ctx.groups.condition)
+def _dit_input(ctx: RankContext, session: str, index: int) -> torch.Tensor:
+    with tensor_plane(f"{'context' if index == CONTEXT_INDEX else 'condition'} of {session}/{index} never arrived"):
+        return ctx.dit_inputs.take((session, index), _deadline(ctx))
 
 
 def dit_worker(ctx: RankContext) -> None:
@@ -99,13 +89,13 @@ def dit_worker(ctx: RankContext) -> None:
     cached_latents: dict[tuple[str, int], torch.Tensor] = {}  # world-cache hook: filled by a world cache
 
     def init(task: protocol.Task, spans: Spans) -> dict[str, object]:
-        context = _receive_on_dit(ctx, "context", task.session, task.index, spans)
+        context = _dit_input(ctx, task.session, CONTEXT_INDEX)
         with spans.span("denoise.init"):
             stage.open(SessionSpec(task.session, task.seed, task.prompt), context)
         return {} if leader else {"silent": True}
 
     def denoise(task: protocol.Task, spans: Spans) -> dict[str, object]:
-        condition = _receive_on_dit(ctx, "condition", task.session, task.index, spans)
+        condition = _dit_input(ctx, task.session, task.index)
         control = ChunkControl.from_wire(task.control)
         if task.cached:
             with spans.span("denoise.cached"):
@@ -127,6 +117,7 @@ def dit_worker(ctx: RankContext) -> None:
     def release(task: protocol.Task, spans: Spans) -> dict[str, object]:
         with spans.span("denoise.release"):
             stage.release(task.session)
+        ctx.dit_inputs.drop_session(task.session)  # conditions broadcast for chunks the session never reached
         return {"released": "denoise"}  # every DiT rank answers: each holds its own shard of the caches
 
     serve(ctx, "dit", {"init": init, "denoise": denoise, "release": release})

@@ -52,6 +52,7 @@ class RankContext:
     stop: threading.Event = field(default_factory=threading.Event)
     conditions: Mailbox = field(default_factory=Mailbox)  # (session, index) -> condition, on the condition rank
     contexts: Mailbox = field(default_factory=Mailbox)  # (session, -1) -> prompt context, on the condition rank
+    dit_inputs: Mailbox = field(default_factory=Mailbox)  # contexts and conditions received, on DiT ranks
     latents: Mailbox = field(default_factory=Mailbox)  # (session, index) -> latent, on the decode rank
     frames: Mailbox = field(default_factory=Mailbox)  # (session, index) -> frames, on the coordinator rank
 
