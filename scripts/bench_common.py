@@ -238,7 +238,7 @@ def overhead_breakdown(run: Run, warmup: int) -> dict[str, float | None]:
         "encode_s": mean(_extent_len(c, "encode") for c in steady),
         "denoise_s": mean(_extent_len(c, "denoise") for c in steady),
         "decode_s": mean(_extent_len(c, "decode") for c in steady),
-        "transfer_condition_s": mean(_rank_span(c, "transfer:condition", "dit") for c in steady),
+        "transfer_condition_s": mean(_rank_span(c, "transfer:condition", "condition_edge") for c in steady),
         "transfer_latent_s": mean(_rank_span(c, "transfer:latent", "dit") for c in steady),
         "transfer_frames_s": mean(_rank_span(c, "transfer:frames", "decode") for c in steady),
         "dispatch_to_dit_s": mean(dispatch(c) for c in steady),

@@ -100,7 +100,7 @@ def rows_of(s: dict[str, Any], costs: Costs, labels: list[str]) -> list[list[str
         ["first frame from open", *cells(lambda x: x["first_frame_from_open_s"])],
         ["first frame from first control", *cells(lambda x: x["first_frame_from_first_control_s"])],
         ["denoise extent (all DiT ranks) mean", *cells(lambda x: x["overhead"]["denoise_s"])],
-        ["condition transfer (DiT rank)", *cells(lambda x: x["overhead"]["transfer_condition_s"])],
+        ["condition broadcast (off the DiT path)", *cells(lambda x: x["overhead"]["transfer_condition_s"])],
         ["denoise scheduled -> DiT rank starts", *cells(lambda x: x["overhead"]["dispatch_to_dit_s"])],
         ["denoise start skew across DiT ranks", *cells(lambda x: x["overhead"]["dit_start_skew_s"])],
         ["decode end -> emitted", *cells(lambda x: x["overhead"]["decode_to_emit_s"])],
