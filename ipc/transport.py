@@ -41,12 +41,20 @@ def worker_router(context: zmq.Context, host: str) -> tuple[zmq.Socket, str]:
 
 def send_to(sock: zmq.Socket, identity: bytes, message: Any) -> bool:
     """Send to one ROUTER peer; False when the peer is gone or its queue is full (the message is not queued)."""
+    return send_or_why(sock, identity, message) is None
+
+
+def send_or_why(sock: zmq.Socket, identity: bytes, message: Any) -> str | None:
+    """Send to one ROUTER peer: None when queued, "gone" (no such peer connected now: it may reconnect) or
+    "full" (connected but not reading: its send queue reached the high-water mark)."""
     try:
         sock.send_multipart([identity, protocol.encode(message)], flags=zmq.NOBLOCK)
-        return True
+        return None
     except zmq.ZMQError as error:
-        if error.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-            return False
+        if error.errno == zmq.EHOSTUNREACH:
+            return "gone"
+        if error.errno == zmq.EAGAIN:
+            return "full"
         raise
 
 

@@ -23,7 +23,7 @@ import zmq
 from PIL import Image
 
 from ipc import protocol
-from ipc.transport import send_to
+from ipc.transport import send_or_why, send_to
 from models.controls import ChunkControl
 from ranks import prometheus, workers_of
 from ranks.client_sessions import ClientSession, facts_of, spans_from_worker
@@ -303,11 +303,15 @@ class Coordinator:
 
     def _to_client(self, session: ClientSession, message: Any) -> None:
         if session.gone:
-            return
-        if not send_to(self.clients, session.client, message):
-            # ROUTER_MANDATORY: the client vanished or stopped reading; never buffer without bound
+            return  # dropped until the owner resumes (or the client timeout closes the session)
+        why = send_or_why(self.clients, session.client, message)
+        if why == "gone":  # disconnected: it may reconnect and resume within server.client_timeout_s
             session.gone = True
-            log.info("session %s: client unreachable, closing", session.id)
+            log.info("session %s: client disconnected; waiting %.0f s for a resume", session.id,
+                     self.config.server.client_timeout_s)
+        elif why == "full":  # connected but not reading: never buffer without bound
+            session.gone = True
+            log.info("session %s: client stopped reading, closing", session.id)
             self._close(session.id, "disconnect", time.monotonic())
 
     def _close(self, sid: str, reason: str, now: float) -> None:
@@ -321,18 +325,23 @@ class Coordinator:
             log.warning("close of %s: %s", sid, error)
 
     def _cut_live_controls(self) -> None:
-        """The non-blocking path of live sessions: cut a snapshot whenever the scheduler can take one now."""
+        """The non-blocking path of live sessions: cut a snapshot when the scheduler can take one now and the DiT
+        is about to need it (the session has no denoise running and no snapshot waiting)."""
         for sid, session in list(self.sessions.items()):
             if session.live is None or session.closing or sid not in self.scheduler.sessions():
                 continue
-            while True:
-                index = self.scheduler.next_control_index(sid)
-                if not self.scheduler.can_submit(sid, index):
-                    break
+            # As late as the DiT allows: a snapshot cut while this session's previous chunk still denoises, or
+            # while another snapshot waits for the DiT, would only grow older before the model sees it.
+            running = self.scheduler.role_task(sch.Stage.DENOISE)
+            if self.scheduler.edges(sid).control > 0 or (
+                running is not None and running.session == sid and running.kind is sch.TaskKind.RUN
+            ):
+                continue
+            index = self.scheduler.next_control_index(sid)
+            if self.scheduler.can_submit(sid, index):
                 snapshot = session.live.cut(index, self.scheduler.next_emit_index(sid))
-                if snapshot is None:
-                    break
-                self._accept(session, index, snapshot)
+                if snapshot is not None:
+                    self._accept(session, index, snapshot)
 
     def _accept(self, session: ClientSession, index: int, control: ChunkControl) -> list[sch.Action]:
         actions = self.scheduler.submit_control(session.id, index, time.monotonic(), payload=control)
