@@ -256,6 +256,23 @@ def test_a_reconnecting_client_with_the_same_identity_resumes_its_session(server
     assert summary["reason"] == "complete"
 
 
+def test_a_client_that_drops_mid_stream_resumes_and_keeps_receiving_later_chunks(server: LocalServer) -> None:
+    identity = f"dropper-{uuid.uuid4().hex[:6]}".encode()
+    first = Client(server.endpoint, identity=identity)
+    info = first.open(IMAGE, num_chunks=None, live=True)
+    first.control_state(info.id, keys=["w"], revision=1)  # held: the world keeps streaming while we are away
+    before = [first.next_chunk(info.id, timeout_s=10) for _ in range(2)]
+    first.close_client()
+    time.sleep(0.5)  # chunks are produced meanwhile and dropped (the client is gone, not yet timed out)
+    with Client(server.endpoint, identity=identity) as second:
+        second.resume(info.id)
+        after = [second.next_chunk(info.id, timeout_s=10) for _ in range(3)]
+        second.close(info.id)
+    indices = [c.index for c in before + after]
+    assert indices == sorted(set(indices)) and after[0].index > before[-1].index  # in order, a gap allowed
+    assert all(c.control["keys"] == ["w"] for c in after)
+
+
 def test_async_client_streams_a_session_and_types_errors(server: LocalServer) -> None:
     async def scenario() -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
         async with AsyncClient(server.endpoint) as client:
