@@ -147,7 +147,8 @@ class Coordinator:
 
     def _send_worker(self, identity: bytes, message: Any, track: bool = False) -> None:
         if not send_to(self.workers, identity, message):
-            raise JobFailed(f"worker {identity.decode()} is unreachable")
+            rank, role = identity.decode().split(":", 1)
+            raise JobFailed(f"rank {rank} is unreachable (its {role} worker disconnected)")
         if track and isinstance(message, protocol.Task):
             self.outstanding[(identity, message.op, message.session, message.index)] = time.monotonic()
 
