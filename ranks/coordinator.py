@@ -483,14 +483,15 @@ class Coordinator:
             send_to(self.clients, identity, protocol.Error(session=session, code=code, message=message))
 
     def _shutdown(self, code: str, message: str) -> None:
-        # Under torchrun a dead rank reaches rank 0 as a SIGTERM too: every client hears it as an error first.
+        """Order every worker to stop, tell every client, wait (briefly) for the workers' acknowledgements."""
+        waiting = {i for i in self.ids.all if send_to(self.workers, i, protocol.Task(op="shutdown"))}
+        lost = sorted({i.decode().split(":")[0] for i in set(self.ids.all) - waiting}, key=int)
+        if lost:  # under torchrun a dead rank reaches rank 0 as a SIGTERM: say what really happened
+            code, message = "rank_failed", f"rank {', '.join(lost)} is gone; the job is ending"
         self._notify_all(code, message)
         for sid, session in self.sessions.items():
             self._to_client(session, protocol.Closed(session=sid, reason="shutdown", error=message,
                                                      summary=self.metrics.close_session(sid, time.monotonic())))
-        for identity in self.ids.all:
-            send_to(self.workers, identity, protocol.Task(op="shutdown"))
-        waiting = set(self.ids.all)
         deadline = time.monotonic() + 5.0
         while waiting and time.monotonic() < deadline:
             if self.workers.poll(50):
