@@ -3,8 +3,9 @@ chunks as an async iterator, fire-and-forget live input, typed ``ServerError`` s
 
 Inside one event loop three tasks share the DEALER socket (pyzmq's asyncio sockets take concurrent send and recv
 from tasks of one loop; no other thread touches it): a writer that drains the outbox (requests, live states,
-heartbeats every ``heartbeat_s``), a reader that routes replies to their request futures by request id and
-chunks and session events to per-session queues, and the heartbeat timer.
+heartbeats every ``heartbeat_s``), a reader that hands each message to the ``ClientCore`` it shares with ``Client``
+(replies to their request futures by request id, chunks and session events to per-session queues), and the
+heartbeat timer.
 
     async with AsyncClient(endpoint) as client:
         info = await client.open(image, live=True, num_chunks=32)
@@ -21,36 +22,26 @@ import contextlib
 import itertools
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
 from ipc import protocol
 from ipc.client import (
-    KEEP_QUIET_REQS,
     ChunkResult,
+    ClientCore,
     ControlBackpressure,
-    InputToPhoton,
     LiveInput,
     ServerError,
     SessionClosed,
     SessionInfo,
+    SessionState,
     _norm,
     closed_summary,
     session_info,
 )
-
-
-@dataclass
-class _Session:
-    events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
-    closed: protocol.Closed | None = None
-    photon: InputToPhoton = field(default_factory=InputToPhoton)
 
 
 class AsyncClient:
@@ -63,10 +54,8 @@ class AsyncClient:
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self._req = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[Any]] = {}
-        self._quiet: OrderedDict[int, None] = OrderedDict()
-        self._sessions: dict[str, _Session] = {}
         self._errors: asyncio.Queue[ServerError] = asyncio.Queue(maxsize=256)
+        self._core: ClientCore[asyncio.Queue[Any], asyncio.Future[Any]] = ClientCore(asyncio.Queue, self._put_error)
         self._outbox: asyncio.Queue[tuple[bytes, tuple[str, int] | None]] = asyncio.Queue()
         self._context = zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
@@ -155,7 +144,7 @@ class AsyncClient:
             return await waiting
         finally:
             waiting.cancel()
-            self._pending.pop(req, None)
+            self._core.forget(req)
             if not refused.done():
                 refused.cancel()
 
@@ -220,9 +209,7 @@ class AsyncClient:
     # ------------------------------------------------------------------------------------------ plumbing
 
     def _expect(self, req: int) -> asyncio.Future[Any]:
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[req] = future
-        return future
+        return self._core.expect(req, asyncio.get_running_loop().create_future())
 
     async def _request(self, req: int, message: Any, timeout_s: float | None = None) -> Any:
         future = self._expect(req)
@@ -233,12 +220,10 @@ class AsyncClient:
         except asyncio.TimeoutError:
             raise TimeoutError(f"no reply from {self.endpoint} within {timeout:.1f} s") from None
         finally:
-            self._pending.pop(req, None)
+            self._core.forget(req)
 
     def _send_quiet(self, req: int, message: Any, stamp: tuple[str, int] | None = None) -> None:
-        self._quiet[req] = None
-        while len(self._quiet) > KEEP_QUIET_REQS:
-            self._quiet.popitem(last=False)
+        self._core.quiet(req)
         self._put((protocol.encode(message), stamp))
 
     def _put(self, item: tuple[bytes, tuple[str, int] | None]) -> None:
@@ -246,16 +231,15 @@ class AsyncClient:
             raise RuntimeError("the client is not started (use `async with AsyncClient(...)` or `await start()`)")
         self._outbox.put_nowait(item)
 
-    def _session(self, session: str) -> _Session:
-        return self._sessions.setdefault(session, _Session())
+    def _session(self, session: str) -> SessionState[asyncio.Queue[Any]]:
+        return self._core.session(session)
 
     async def _writer(self) -> None:
         assert self._sock is not None
         while True:
             data, stamp = await self._outbox.get()
             await self._sock.send(data)
-            if stamp is not None:  # the input-to-photon clock of this revision starts as it leaves
-                self._session(stamp[0]).photon.sent(stamp[1], time.monotonic())
+            self._core.sent(stamp)  # the input-to-photon clock of a live revision starts as it leaves
 
     async def _heartbeats(self) -> None:
         beat = protocol.encode(protocol.Heartbeat())
@@ -266,45 +250,7 @@ class AsyncClient:
     async def _reader(self) -> None:
         assert self._sock is not None
         while True:
-            self._route(await self._sock.recv())
-
-    def _route(self, data: bytes) -> None:
-        try:
-            message = protocol.decode(data, "server", max_bytes=1 << 31)
-        except protocol.ProtocolViolation as error:
-            self._put_error(ServerError.of("bad_reply", str(error)))
-            return
-        if isinstance(message, protocol.Chunk):
-            received = time.monotonic()
-            state = self._session(message.session)
-            photon = state.photon.shown(int(message.control.get("revision", -1)), received)
-            frames = np.frombuffer(message.frames, dtype=np.uint8).reshape(message.shape)
-            state.events.put_nowait(ChunkResult(message.session, message.index, frames, message.control,
-                                                message.facts, received, photon))
-            return
-        if isinstance(message, protocol.Closed):
-            state = self._session(message.session)
-            state.closed = message
-            state.events.put_nowait(message)
-            return
-        if isinstance(message, protocol.HeartbeatAck) and message.req == 0:
-            return
-        req = getattr(message, "req", None)
-        future = self._pending.pop(req, None) if req is not None else None
-        quiet = req in self._quiet
-        self._quiet.pop(req, None)
-        if isinstance(message, protocol.Error):
-            error = ServerError.from_wire(message)
-            if future is not None and not future.done():
-                future.set_exception(error)
-            elif message.session is not None and not quiet:
-                self._session(message.session).events.put_nowait(error)
-                self._put_error(error)
-            else:
-                self._put_error(error)
-            return
-        if future is not None and not future.done():
-            future.set_result(message)
+            self._core.route(await self._sock.recv())
 
     def _put_error(self, error: ServerError) -> None:
         with contextlib.suppress(asyncio.QueueFull):

@@ -33,10 +33,10 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import zmq
@@ -258,14 +258,135 @@ def _norm(keys: Iterable[str]) -> frozenset[str]:
     return frozenset(k.lower() for item in keys for k in item)
 
 
-# ------------------------------------------------------------------------------------------------ client
+# ------------------------------------------------------------------------------------------------ routing
+
+
+class EventQueue(Protocol):
+    """Where a session's events go: a ``queue.Queue`` (``Client``) or an ``asyncio.Queue`` (``AsyncClient``)."""
+
+    def put_nowait(self, item: Any, /) -> None: ...
+
+    def empty(self) -> bool: ...
+
+
+class PendingReply(Protocol):
+    """A request waiting for its reply: a ``concurrent.futures.Future`` (``Client``) or an ``asyncio.Future``
+    (``AsyncClient``)."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: Any, /) -> None: ...
+
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
+Q = TypeVar("Q", bound=EventQueue)
+F = TypeVar("F", bound=PendingReply)
 
 
 @dataclass
-class _Session:
-    events: queue.Queue[Any] = field(default_factory=queue.Queue)
+class SessionState(Generic[Q]):
+    events: Q  # ChunkResult, protocol.Closed or ServerError, in arrival order
     closed: protocol.Closed | None = None
-    photon: InputToPhoton = field(default_factory=InputToPhoton)  # touched by the I/O thread only
+    photon: InputToPhoton = field(default_factory=InputToPhoton)  # touched by the receiving side only
+
+
+class ClientCore(Generic[Q, F]):
+    """The I/O-free half shared by ``Client`` and ``AsyncClient``: the pending requests, the fire-and-forget
+    request ids, the per-session state, and what is done with each message from the server (``route``).
+
+    Chunks and ``closed`` go to their session's event queue (with input-to-photon bookkeeping), heartbeat acks are
+    dropped, replies resolve the pending request with their ``req``. An error goes to its pending request; else,
+    when it names a session and was not caused by a fire-and-forget request, it also ends that session's stream;
+    it always reaches ``put_error`` then. The clients differ only in the queue type (``new_events``), the future
+    type they register with ``expect``, and ``put_error``. One lock guards the state, so the blocking client's
+    callers and its I/O thread may share a core (the asyncio client uses it from its loop only)."""
+
+    def __init__(self, new_events: Callable[[], Q], put_error: Callable[[ServerError], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._new_events = new_events
+        self._put_error = put_error
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pending: dict[int, F] = {}
+        self._quiet: OrderedDict[int, None] = OrderedDict()  # fire-and-forget reqs (bounded)
+        self._sessions: dict[str, SessionState[Q]] = {}
+
+    def session(self, session: str) -> SessionState[Q]:
+        with self._lock:
+            state = self._sessions.get(session)
+            if state is None:
+                state = self._sessions[session] = SessionState(self._new_events())
+            return state
+
+    def expect(self, req: int, future: F) -> F:
+        """Register ``future`` to be resolved by the reply (or error) with request id ``req``."""
+        with self._lock:
+            self._pending[req] = future
+        return future
+
+    def forget(self, req: int) -> None:
+        with self._lock:
+            self._pending.pop(req, None)
+
+    def quiet(self, req: int) -> None:
+        """``req`` is fire-and-forget: its error goes to ``put_error`` only and does not end a chunk stream."""
+        with self._lock:
+            self._quiet[req] = None
+            while len(self._quiet) > KEEP_QUIET_REQS:
+                self._quiet.popitem(last=False)
+
+    def sent(self, stamp: tuple[str, int] | None) -> None:
+        """A message left the socket; a live ``stamp`` (session, revision) starts that revision's
+        input-to-photon clock."""
+        if stamp is not None:
+            self.session(stamp[0]).photon.sent(stamp[1], self._clock())
+
+    def route(self, data: bytes) -> None:
+        """One message from the server."""
+        try:
+            message = protocol.decode(data, "server", max_bytes=1 << 31)
+        except protocol.ProtocolViolation as error:
+            self._put_error(ServerError.of("bad_reply", str(error)))
+            return
+        if isinstance(message, protocol.Chunk):
+            received = self._clock()
+            state = self.session(message.session)
+            photon = state.photon.shown(int(message.control.get("revision", -1)), received)
+            frames = np.frombuffer(message.frames, dtype=np.uint8).reshape(message.shape)
+            state.events.put_nowait(ChunkResult(message.session, message.index, frames, message.control,
+                                                message.facts, received, photon))
+            return
+        if isinstance(message, protocol.Closed):
+            state = self.session(message.session)
+            state.closed = message
+            state.events.put_nowait(message)
+            return
+        if isinstance(message, protocol.HeartbeatAck) and message.req == 0:
+            return
+        req = getattr(message, "req", None)
+        with self._lock:
+            future = self._pending.pop(req, None) if req is not None else None
+            quiet = req in self._quiet
+            self._quiet.pop(req, None)
+        if future is not None and future.done():  # an asyncio request that timed out or was cancelled meanwhile
+            future = None
+        if isinstance(message, protocol.Error):
+            error = ServerError.from_wire(message)
+            if future is not None:
+                future.set_exception(error)
+            elif message.session is not None and not quiet:
+                # the session's own failure (or the server's end): it ends the session's chunk stream
+                self.session(message.session).events.put_nowait(error)
+                self._put_error(error)
+            else:
+                self._put_error(error)
+            return
+        if future is not None:
+            future.set_result(message)
+
+
+# ------------------------------------------------------------------------------------------------ client
 
 
 class Client:
@@ -279,11 +400,8 @@ class Client:
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self._req = itertools.count(1)
-        self._lock = threading.Lock()
-        self._pending: dict[int, Future[Any]] = {}
-        self._quiet: OrderedDict[int, None] = OrderedDict()  # fire-and-forget reqs (bounded)
-        self._sessions: dict[str, _Session] = {}
         self._errors: queue.Queue[ServerError] = queue.Queue(maxsize=256)  # errors tied to no waiting request
+        self._core: ClientCore[queue.Queue[Any], Future[Any]] = ClientCore(queue.Queue, self._put_error)
         self._outbox: queue.Queue[tuple[bytes, tuple[str, int] | None]] = queue.Queue()
         self._stop = threading.Event()
         self._context = zmq.Context.instance()
@@ -433,14 +551,10 @@ class Client:
         return next(self._req)
 
     def _expect(self, req: int) -> Future[Any]:
-        future: Future[Any] = Future()
-        with self._lock:
-            self._pending[req] = future
-        return future
+        return self._core.expect(req, Future())
 
     def _forget(self, req: int) -> None:
-        with self._lock:
-            self._pending.pop(req, None)
+        self._core.forget(req)
 
     def _wait(self, future: Future[Any], timeout_s: float) -> Any:
         try:
@@ -448,19 +562,15 @@ class Client:
         except TimeoutError:
             raise TimeoutError(f"no reply from {self.endpoint} within {timeout_s:.1f} s") from None
 
-    def _session(self, session: str) -> _Session:
-        with self._lock:
-            return self._sessions.setdefault(session, _Session())
+    def _session(self, session: str) -> SessionState[queue.Queue[Any]]:
+        return self._core.session(session)
 
     def _send(self, message: Any, stamp: tuple[str, int] | None = None) -> None:
         self._outbox.put((protocol.encode(message), stamp))
         self._wake()
 
     def _send_quiet(self, req: int, message: Any, stamp: tuple[str, int] | None = None) -> None:
-        with self._lock:
-            self._quiet[req] = None
-            while len(self._quiet) > KEEP_QUIET_REQS:
-                self._quiet.popitem(last=False)
+        self._core.quiet(req)
         self._send(message, stamp)
 
     def _wake(self) -> None:
@@ -494,56 +604,15 @@ class Client:
                     except queue.Empty:
                         break
                     sock.send(data)
-                    if stamp is not None:  # the input-to-photon clock of this revision starts as it leaves
-                        self._session(stamp[0]).photon.sent(stamp[1], time.monotonic())
+                    self._core.sent(stamp)  # the input-to-photon clock of a live revision starts as it leaves
                 if self.heartbeat_s > 0 and time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.heartbeat_s
                     sock.send(protocol.encode(protocol.Heartbeat()))
                 while sock.poll(0):
-                    self._route(sock.recv())
+                    self._core.route(sock.recv())
         finally:
             sock.close()
             self._wake_rx.close()
-
-    def _route(self, data: bytes) -> None:
-        try:
-            message = protocol.decode(data, "server", max_bytes=1 << 31)
-        except protocol.ProtocolViolation as error:
-            self._put_error(ServerError.of("bad_reply", str(error)))
-            return
-        if isinstance(message, protocol.Chunk):
-            received = time.monotonic()
-            state = self._session(message.session)
-            photon = state.photon.shown(int(message.control.get("revision", -1)), received)
-            frames = np.frombuffer(message.frames, dtype=np.uint8).reshape(message.shape)
-            state.events.put(ChunkResult(message.session, message.index, frames, message.control, message.facts,
-                                         received, photon))
-            return
-        if isinstance(message, protocol.Closed):
-            state = self._session(message.session)
-            state.closed = message
-            state.events.put(message)
-            return
-        if isinstance(message, protocol.HeartbeatAck) and message.req == 0:
-            return
-        req = getattr(message, "req", None)
-        with self._lock:
-            future = self._pending.pop(req, None) if req is not None else None
-            quiet = req in self._quiet
-            self._quiet.pop(req, None)
-        if isinstance(message, protocol.Error):
-            error = ServerError.from_wire(message)
-            if future is not None:
-                future.set_exception(error)
-            elif message.session is not None and not quiet:
-                # the session's own failure (or the server's end): it ends the session's chunk stream
-                self._session(message.session).events.put(error)
-                self._put_error(error)
-            else:
-                self._put_error(error)
-            return
-        if future is not None:
-            future.set_result(message)
 
     def _put_error(self, error: ServerError) -> None:
         with contextlib.suppress(queue.Full):  # an unread error queue must not grow without bound
