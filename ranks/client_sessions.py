@@ -8,7 +8,6 @@ from typing import Any
 
 from ipc import protocol
 from models.controls import ChunkControl
-from runtime import scheduler as sch
 from runtime.clock import ClockSync
 from runtime.control_service import LiveControls
 from runtime.metrics import ChunkRecord, SessionMetrics, Span
@@ -94,8 +93,9 @@ def spans_from_worker(done: protocol.Done, clock: ClockSync, queued: float) -> l
     return out
 
 
-def facts_of(times: sch.ChunkTimes, record: ChunkRecord) -> dict[str, Any]:
+def facts_of(record: ChunkRecord) -> dict[str, Any]:
     """What a client learns about one chunk: its times on the rank-0 clock and the spans of every rank."""
+    times = record.times
     return {
         "times": {
             "control_accepted": times.control_accepted,

@@ -290,8 +290,8 @@ class Coordinator:
         control = session.controls.pop(action.index)
         for rank, mem in self.memory.items():
             session.metrics.on_memory(rank, max(mem["peak_rss"], mem["cuda_peak"]))
-        record = ChunkRecord.from_times(action.index, frames.shape[0], action.times, control.to_wire(),
-                                        session.take_spans(action.index))
+        record = ChunkRecord(action.index, frames.shape[0], action.times, control.to_wire(),
+                             session.take_spans(action.index))
         self.metrics.on_chunk(action.session, record)
         if self.exporter is not None:
             period = None if session.last_emitted is None else action.times.emitted - session.last_emitted
@@ -299,7 +299,7 @@ class Coordinator:
         session.last_emitted = action.times.emitted
         message = protocol.Chunk(session=action.session, index=action.index, frames=frames.numpy().tobytes(),
                                  shape=tuple(frames.shape), control=control.to_wire(),
-                                 facts=facts_of(action.times, record))
+                                 facts=facts_of(record))
         self._to_client(session, message)
 
     def _to_client(self, session: ClientSession, message: Any) -> None:

@@ -39,7 +39,8 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+
+from runtime.scheduler_types import ChunkTimes
 
 COMPUTE_STAGES = ("encode", "denoise", "decode")
 REPORTED_PERCENTILES = (50, 90, 99)
@@ -151,85 +152,42 @@ class Span:
         return self.end - self.start
 
 
-class HasChunkTimes(Protocol):
-    """Any object with the rank-0 times of a chunk (e.g. the scheduler's ``ChunkTimes``)."""
-
-    control_accepted: float | None
-    condition_submitted: float
-    condition_ready: float
-    denoise_start: float
-    denoise_end: float
-    decode_start: float
-    decode_end: float
-    emitted: float
-
-
 @dataclass(frozen=True)
 class ChunkRecord:
-    """What the coordinator knows about one emitted chunk (all times rank-0 seconds; None when not applicable)."""
+    """What the coordinator knows about one emitted chunk: the scheduler's rank-0 times plus what it emitted."""
 
     index: int
     frames: int  # video frames emitted
-    emitted: float
-    control_accepted: float | None = None  # the latency anchor
-    condition_submitted: float | None = None
-    condition_ready: float | None = None
-    denoise_start: float | None = None
-    denoise_end: float | None = None
-    decode_start: float | None = None
-    decode_end: float | None = None
+    times: ChunkTimes  # rank-0 times, as the scheduler emitted them with the chunk
     control: Mapping[str, object] = field(default_factory=dict)  # the applied control, ChunkControl.to_wire()
     spans: tuple[Span, ...] = ()
-
-    @classmethod
-    def from_times(
-        cls,
-        index: int,
-        frames: int,
-        times: HasChunkTimes,
-        control: Mapping[str, object] | None = None,
-        spans: tuple[Span, ...] = (),
-    ) -> ChunkRecord:
-        """Build a record from the scheduler's emitted ``ChunkTimes`` (or anything with the same fields)."""
-        return cls(
-            index=index,
-            frames=frames,
-            emitted=times.emitted,
-            control_accepted=times.control_accepted,
-            condition_submitted=times.condition_submitted,
-            condition_ready=times.condition_ready,
-            denoise_start=times.denoise_start,
-            denoise_end=times.denoise_end,
-            decode_start=times.decode_start,
-            decode_end=times.decode_end,
-            control={} if control is None else control,
-            spans=spans,
-        )
 
     def stage_seconds(self, stage: str) -> float:
         """Extent of one stage (see the module rules); 0 when unknown."""
         spans = [s for s in self.spans if s.name == stage]
         if spans:
             return max(s.end for s in spans) - min(s.start for s in spans)
-        bounds = {"denoise": (self.denoise_start, self.denoise_end), "decode": (self.decode_start, self.decode_end)}
-        start, end = bounds.get(stage, (None, None))
-        return end - start if start is not None and end is not None else 0.0
+        t = self.times
+        bounds = {"denoise": (t.denoise_start, t.denoise_end), "decode": (t.decode_start, t.decode_end)}
+        start, end = bounds.get(stage, (0.0, 0.0))
+        return end - start
 
     def compute_seconds(self) -> float:
         return sum(self.stage_seconds(stage) for stage in COMPUTE_STAGES)
 
     def window(self) -> tuple[float, float]:
         """The chunk's lifetime: from the earlier of control accepted / condition submitted to emission."""
-        starts = [t for t in (self.control_accepted, self.condition_submitted) if t is not None]
-        return (min(starts) if starts else self.emitted, self.emitted)
+        t = self.times
+        start = t.condition_submitted if t.control_accepted is None else min(t.control_accepted, t.condition_submitted)
+        return (start, t.emitted)
 
     def latency(self) -> float | None:
-        return None if self.control_accepted is None else self.emitted - self.control_accepted
+        return self.times.control_to_output
 
     def brief(self) -> dict[str, object]:
         return {
             "index": self.index,
-            "emitted": self.emitted,
+            "emitted": self.times.emitted,
             "frames": self.frames,
             "latency_s": self.latency(),
             "compute_s": self.compute_seconds(),
@@ -318,7 +276,7 @@ class SessionMetrics:
         """Fold in one emitted chunk. Chunks must come in increasing index order (ordered emission)."""
         if record.index <= self._last_index:
             raise ValueError(f"session {self.session}: chunk {record.index} after chunk {self._last_index}")
-        if self._last_emitted is not None and record.emitted < self._last_emitted:
+        if self._last_emitted is not None and record.times.emitted < self._last_emitted:
             raise ValueError(f"session {self.session}: chunk {record.index} emitted before chunk {self._last_index}")
         warm = record.index < self.warmup_chunks
         latency = record.latency()
@@ -330,25 +288,22 @@ class SessionMetrics:
             if latency is not None:
                 self.latency.add(latency)
             if self._last_emitted is not None:
-                self.period.add(record.emitted - self._last_emitted)
+                self.period.add(record.times.emitted - self._last_emitted)
             wait = self._prefetch_wait(record)
             if wait is not None:
                 self.prefetch_wait.add(wait)
-        if record.control_accepted is not None and self._first_control is None:
-            self._first_control = record.control_accepted
+        if record.times.control_accepted is not None and self._first_control is None:
+            self._first_control = record.times.control_accepted
         if self._first_emitted is None:
-            self._first_emitted = record.emitted
+            self._first_emitted = record.times.emitted
         self._last_index = record.index
-        self._last_emitted = record.emitted
-        if record.denoise_end is not None:
-            self._last_denoise_end = record.denoise_end
+        self._last_emitted = record.times.emitted
+        self._last_denoise_end = record.times.denoise_end
         self._recent.append(record)
 
     def _prefetch_wait(self, record: ChunkRecord) -> float | None:
-        anchors = [t for t in (record.control_accepted, self._last_denoise_end) if t is not None]
-        if record.condition_ready is None or not anchors:
-            return None
-        return max(0.0, record.condition_ready - max(anchors))
+        anchors = [t for t in (record.times.control_accepted, self._last_denoise_end) if t is not None]
+        return max(0.0, record.times.condition_ready - max(anchors)) if anchors else None
 
     def on_idle(self, start: float, end: float, cause: IdleCause | str) -> None:
         """A DiT idle interval attributed to this session."""

@@ -329,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_chrome_trace(played: Played, path: Path) -> None:
     from runtime.metrics import ChunkRecord, Span
+    from runtime.scheduler_types import ChunkTimes
     from runtime.trace import chrome_trace
 
     records = []
@@ -336,11 +337,11 @@ def write_chrome_trace(played: Played, path: Path) -> None:
         t = chunk.facts["times"]
         spans = tuple(Span(name, rank, role, queued, start, end) for name, rank, role, queued, start, end
                       in chunk.facts["spans"])
-        records.append((played.session, ChunkRecord(
-            index=chunk.index, frames=chunk.frames.shape[0], emitted=t["emitted"],
+        times = ChunkTimes(
             control_accepted=t["control_accepted"], condition_submitted=t["condition_submitted"],
             condition_ready=t["condition_ready"], denoise_start=t["denoise_start"], denoise_end=t["denoise_end"],
-            decode_start=t["decode_start"], decode_end=t["decode_end"], control=chunk.control, spans=spans)))
+            decode_start=t["decode_start"], decode_end=t["decode_end"], emitted=t["emitted"])
+        records.append((played.session, ChunkRecord(chunk.index, chunk.frames.shape[0], times, chunk.control, spans)))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(chrome_trace(records)))
 

@@ -18,15 +18,15 @@ from runtime.metrics import (
     Span,
     StreamStat,
 )
+from runtime.scheduler_types import ChunkTimes
 
 FPS = 16.0
 
 
 def record(index: int, emitted: float, **overrides: object) -> ChunkRecord:
-    """A chunk accepted 0.5 s before emission, compute 0.1 encode + 0.2 denoise + 0.1 decode, 12 frames."""
-    values: dict[str, object] = {
-        "index": index,
-        "frames": 12,
+    """A chunk accepted 0.5 s before emission, compute 0.1 encode + 0.2 denoise + 0.1 decode, 12 frames.
+    ``overrides`` name fields of the record or of its ``ChunkTimes``."""
+    times: dict[str, object] = {
         "emitted": emitted,
         "control_accepted": emitted - 0.5,
         "condition_submitted": emitted - 0.6,
@@ -35,6 +35,10 @@ def record(index: int, emitted: float, **overrides: object) -> ChunkRecord:
         "denoise_end": emitted - 0.15,
         "decode_start": emitted - 0.12,
         "decode_end": emitted - 0.02,
+    }
+    values: dict[str, object] = {
+        "index": index,
+        "frames": 12,
         "control": {"keys": ["w"], "mouse": [0.0, 0.0], "revision": index},
         "spans": (
             Span("encode", 0, "condition", emitted - 0.6, emitted - 0.6, emitted - 0.5),
@@ -44,8 +48,9 @@ def record(index: int, emitted: float, **overrides: object) -> ChunkRecord:
             Span("decode", 1, "decode", emitted - 0.15, emitted - 0.12, emitted - 0.02),
         ),
     }
-    values.update(overrides)
-    return ChunkRecord(**values)  # type: ignore[arg-type]
+    for name, value in overrides.items():
+        (times if name in times else values)[name] = value
+    return ChunkRecord(times=ChunkTimes(**times), **values)  # type: ignore[arg-type]
 
 
 def session(warmup_chunks: int = 0, **kwargs: object) -> SessionMetrics:
@@ -124,16 +129,14 @@ def test_compute_falls_back_to_stage_times_without_spans() -> None:
     assert r.compute_seconds() == pytest.approx(0.2 + 0.1)  # denoise and decode times; encode unknown
 
 
-def test_record_built_from_scheduler_times_keeps_every_time() -> None:
-    from runtime.scheduler_types import ChunkTimes
-
+def test_record_latency_window_and_stage_times_come_from_the_scheduler_times() -> None:
     times = ChunkTimes(control_accepted=1.0, condition_submitted=0.5, condition_ready=0.9, denoise_start=1.1,
                        denoise_end=1.3, decode_start=1.35, decode_end=1.45, emitted=1.5)
-    got = ChunkRecord.from_times(4, 12, times, {"keys": []})
-    assert got == ChunkRecord(index=4, frames=12, emitted=1.5, control_accepted=1.0, condition_submitted=0.5,
-                              condition_ready=0.9, denoise_start=1.1, denoise_end=1.3, decode_start=1.35,
-                              decode_end=1.45, control={"keys": []})
+    got = ChunkRecord(4, 12, times, {"keys": []})
     assert got.latency() == pytest.approx(0.5) and got.window() == (0.5, 1.5)
+    assert got.compute_seconds() == pytest.approx(0.2 + 0.1)  # no spans: denoise and decode times
+    no_control = ChunkRecord(5, 12, ChunkTimes(None, 0.5, 0.9, 1.1, 1.3, 1.35, 1.45, 1.6))
+    assert no_control.latency() is None and no_control.window() == (0.5, 1.6)
 
 
 def test_real_time_factor_is_p95_period_over_chunk_media_duration() -> None:

@@ -8,6 +8,7 @@ import numpy as np
 
 from runtime.clock import ClockSync
 from runtime.metrics import ChunkRecord, Span
+from runtime.scheduler_types import ChunkTimes
 from runtime.trace import ROLE_TIDS, chrome_trace, spans_outside_window
 
 SKEWS = {1: 12.5, 2: -3.25, 3: 0.75}  # worker clock minus rank-0 clock
@@ -51,11 +52,13 @@ def simulate(sync: ClockSync | None, rng: np.random.Generator) -> list[tuple[str
                 span("transfer:latent", 1, den_end, den_end + 0.002, dec_start - 0.002),
                 span("decode", 1, dec_start, dec_start, dec_end),
             )
-            out.append((session, ChunkRecord(
-                index=i, frames=12, emitted=dec_end + 0.01, control_accepted=accepted, condition_submitted=submitted,
-                condition_ready=enc_end, denoise_start=den_start, denoise_end=den_end, decode_start=dec_start,
-                decode_end=dec_end, control={"keys": ["w"], "mouse": [0.0, 0.0], "revision": i}, spans=spans,
-            )))
+            times = ChunkTimes(
+                control_accepted=accepted, condition_submitted=submitted, condition_ready=enc_end,
+                denoise_start=den_start, denoise_end=den_end, decode_start=dec_start, decode_end=dec_end,
+                emitted=dec_end + 0.01,
+            )
+            control = {"keys": ["w"], "mouse": [0.0, 0.0], "revision": i}
+            out.append((session, ChunkRecord(index=i, frames=12, times=times, control=control, spans=spans)))
             t = den_end
     return out
 
