@@ -4,7 +4,8 @@
     python scripts/check_golden.py --all                                          # every directory found
 
 Recomputes every expected tensor the project can (umT5, camera rays, VAE condition encode, every DiT call of
-the stream with the rolling KV cache, the decoded frames) with this project's code, prints one line per tensor
+the stream with the rolling KV cache, the decoded frames, and the whole chain from raw inputs to frames) with this
+project's code, prints one line per tensor
 (name, max abs error, max abs expected, bound) and exits non-zero if any float tensor exceeds
 ``1e-4 * max(1, max|expected|)`` or any integer fact (timesteps, cache counters) differs at all. Sizes are read
 from each fixture's config.json, so fixture sets never seen before are checked the same way.
@@ -21,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts import golden_dit, golden_vae_t5
+from scripts import golden_dit, golden_e2e, golden_vae_t5
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "golden"
 
@@ -45,7 +46,7 @@ def compare(name: str, actual: torch.Tensor, expected: torch.Tensor) -> tuple[bo
 
 
 def check(fixture: Path) -> Iterator[tuple[str, bool, float, float, float]]:
-    for module in (golden_vae_t5, golden_dit):
+    for module in (golden_vae_t5, golden_dit, golden_e2e):
         for name, actual, expected in module.checks(fixture):
             yield (name, *compare(name, actual, expected))
 

@@ -14,7 +14,8 @@ def test_check_golden_passes_on_every_fixture_directory(capsys: pytest.CaptureFi
         pytest.skip(f"no golden fixtures at {check_golden.GOLDEN_DIR} (../shared is absent)")
     assert check_golden.main(["--all"]) == 0
     out = capsys.readouterr().out
-    names = ("t5_context", "y", "plucker_from_poses", "dit_v_c0_s0", "x0_c3", "frames_c3", "kv_cache_evicted_tokens")
+    names = ("t5_context", "y", "plucker_from_poses", "dit_v_c0_s0", "x0_c3", "frames_c3", "kv_cache_evicted_tokens",
+             "end_to_end:x0_c0", "end_to_end:frames_c0")
     for name in names:
         assert f"ok   {name} " in out
 
