@@ -18,6 +18,7 @@ import numpy as np
 MOVE_KEYS = frozenset("wasd")
 TURN_KEYS = frozenset("ijkl")
 KEYS = MOVE_KEYS | TURN_KEYS
+MAX_MOUSE_DEGREES = 360.0  # per chunk; more is a client bug, not a turn
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,13 @@ class ChunkControl:
         unknown = set(self.keys) - KEYS
         if unknown:
             raise ValueError(f"unknown keys {sorted(unknown)}; valid keys are {sorted(KEYS)}")
-        if self.poses is not None and any(len(p) != 16 for p in self.poses):
-            raise ValueError("each pose must be a 4x4 camera-to-world matrix given as 16 floats")
+        if not all(math.isfinite(v) and abs(v) <= MAX_MOUSE_DEGREES for v in self.mouse):
+            raise ValueError(f"mouse must be two finite angles within ±{MAX_MOUSE_DEGREES} degrees, got {self.mouse}")
+        if self.poses is not None:
+            if any(len(p) != 16 for p in self.poses):
+                raise ValueError("each pose must be a 4x4 camera-to-world matrix given as 16 floats")
+            if not all(math.isfinite(v) for p in self.poses for v in p):
+                raise ValueError("poses must hold finite numbers")
 
     def to_wire(self) -> dict[str, object]:
         out: dict[str, object] = {"keys": sorted(self.keys), "mouse": list(self.mouse), "revision": self.revision}

@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from models.controls import KEYS, ChunkControl
+from models.controls import KEYS, MAX_MOUSE_DEGREES, ChunkControl
 
 NO_REVISION = -1  # revision of snapshots cut before any client state arrived
 APPLIED_HISTORY = 64  # how many recent (index -> snapshot) records are kept
@@ -177,7 +177,9 @@ class LiveControls:
         """
         if not self.may_cut(index, current_chunk_index):
             return None
-        snapshot = ChunkControl(keys=self._held | self._taps, mouse=self._mouse, revision=self._revision)
+        # A chunk turns at most MAX_MOUSE_DEGREES: motion beyond is clamped, never an error on the model's path.
+        mouse = tuple(max(-MAX_MOUSE_DEGREES, min(MAX_MOUSE_DEGREES, m)) for m in self._mouse)
+        snapshot = ChunkControl(keys=self._held | self._taps, mouse=mouse, revision=self._revision)  # type: ignore[arg-type]
         # Consumed: taps and motion belong to this snapshot only (rules 4 and 5).
         self._taps.clear()
         self._mouse = (0.0, 0.0)

@@ -257,3 +257,13 @@ def test_random_timelines_keep_every_invariant(timeline: list[tuple], pause_when
     for i, snapshot in enumerate(submitted[-APPLIED_HISTORY:], start=max(0, len(submitted) - APPLIED_HISTORY)):
         assert live.applied(i) is snapshot  # given to the model, never altered
     assert [o + p for o, p in zip(mouse_out, mouse_pending)] == pytest.approx(mouse_in)
+
+
+def test_mouse_motion_beyond_a_full_turn_per_chunk_is_clamped_not_an_error() -> None:
+    from models.controls import MAX_MOUSE_DEGREES
+
+    live = LiveControls()
+    live.update(ControlState(keys=frozenset(), mouse=(300.0, -300.0), revision=1))
+    live.update(ControlState(keys=frozenset(), mouse=(300.0, -300.0), revision=2))
+    snapshot = live.cut(0, 0)
+    assert snapshot is not None and snapshot.mouse == (MAX_MOUSE_DEGREES, -MAX_MOUSE_DEGREES)

@@ -63,3 +63,14 @@ def test_poses_of_a_stream_start_at_the_identity_and_accumulate() -> None:
     poses = integrate_stream([ChunkControl(keys=frozenset("w"))] * 2, [9, 12])
     assert np.allclose(poses[0], np.eye(4))
     assert poses[-1][2, 3] > poses[8][2, 3] > 0
+
+
+def test_controls_with_non_finite_or_absurd_values_are_refused() -> None:
+    import math
+
+    import pytest
+
+    for bad in (dict(mouse=(math.nan, 0.0)), dict(mouse=(0.0, math.inf)), dict(mouse=(1e6, 0.0)),
+                dict(keys=frozenset("q")), dict(poses=((0.0,) * 15,)), dict(poses=((math.nan,) * 16,))):
+        with pytest.raises(ValueError):
+            ChunkControl(**bad)
