@@ -174,7 +174,13 @@ class Coordinator:
                                              "cuda_peak": message.cuda_peak}
             elif isinstance(message, protocol.Done):
                 self.outstanding.pop((identity, message.op, message.session, message.index), None)
-                self._on_done(message, now)
+                try:
+                    self._on_done(message, now)
+                except JobFailed:
+                    raise
+                except Exception as error:  # a bug must cost the session it concerns, never the server
+                    log.exception("internal error handling %s/%s", message.role, message.op)
+                    self._contain(message.session or None, None, None, error)
 
     def _on_done(self, done: protocol.Done, now: float) -> None:
         if done.info.get("fatal"):
@@ -378,7 +384,23 @@ class Coordinator:
                                                                session=getattr(message, "session", None),
                                                                code=error.code, message=str(error),
                                                                retry_after_s=error.retry_after_s))
+            except JobFailed:
+                raise
+            except Exception as error:  # a bug must cost one request (and its session), never the server
+                log.exception("internal error handling %s", type(message).__name__)
+                self._contain(getattr(message, "session", None), identity, getattr(message, "req", None), error)
             self._cut_live_controls()
+
+    def _contain(self, sid: str | None, identity: bytes | None, req: int | None, error: Exception) -> None:
+        """After an unexpected error: tell the requester and fail the session it concerns (caches released)."""
+        self.metrics.on_error("internal")
+        text = f"internal error: {type(error).__name__}: {error}"
+        if identity is not None:
+            send_to(self.clients, identity, protocol.Error(req=req, session=sid, code="internal", message=text))
+        if sid in self.sessions and not self.sessions[sid].closing:
+            session = self.sessions[sid]
+            self._to_client(session, protocol.Error(session=sid, code="failed", message=text))
+            self._close(sid, "failed", time.monotonic())
 
     def _reject(self, reason: str) -> None:
         self.metrics.on_reject(reason)
