@@ -184,9 +184,9 @@ class Block(nn.Module):
         self.cam_scale_layer, self.cam_shift_layer = nn.Linear(d, d), nn.Linear(d, d)
 
     def camera(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(1 + scale, shift)`` of this block for the shared camera features ``c [n, d]``."""
+        """``(scale, shift)`` of this block for the shared camera features ``c [n, d]`` (compute dtype)."""
         g = self.cam_injector_layer2(F.silu(self.cam_injector_layer1(c))) + c
-        return 1 + self.cam_scale_layer(g), self.cam_shift_layer(g)
+        return self.cam_scale_layer(g), self.cam_shift_layer(g)
 
     def forward(
         self,
@@ -200,13 +200,17 @@ class Block(nn.Module):
         cam: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        m = (self.modulation + e0).float()  # [1 or n, 6, d]
-        a = (layer_norm(x, self.eps).float() * (1 + m[:, 1]) + m[:, 0]).type_as(x)
-        x = x + self.self_attn(a, rope, n_total, cache, current_start, mask) * m[:, 2]
-        x = cam[0] * x + cam[1]
-        x = x + self.cross_attn(self.norm3(x), *text_kv)
-        h = (layer_norm(x, self.eps).float() * (1 + m[:, 4]) + m[:, 3]).type_as(x)
-        return x + self.ffn(h) * m[:, 5]
+        # The residual stream x and the modulation stay float32 (as the reference's float32 autocast regions);
+        # each Linear gets its input in the weights' dtype (bf16 on GPU). In float32 every cast is a no-op.
+        wdt = self.norm3.weight.dtype
+        m = self.modulation.float() + e0.float()  # [1 or n, 6, d]
+        a = (layer_norm(x, self.eps) * (1 + m[:, 1]) + m[:, 0]).to(wdt)
+        x = x + self.self_attn(a, rope, n_total, cache, current_start, mask).float() * m[:, 2]
+        x = (1 + cam[0].float()) * x + cam[1].float()
+        q = F.layer_norm(x, x.shape[-1:], self.norm3.weight.float(), self.norm3.bias.float(), self.eps)
+        x = x + self.cross_attn(q.to(wdt), *text_kv).float()
+        h = (layer_norm(x, self.eps) * (1 + m[:, 4]) + m[:, 3]).to(wdt)
+        return x + self.ffn(h).float() * m[:, 5]
 
 
 class Head(nn.Module):
@@ -217,13 +221,14 @@ class Head(nn.Module):
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
 
     def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        s = (self.modulation + e[:, None]).float()  # [1 or n, 2, d]; the head uses e, not e0
-        return self.head((layer_norm(x, self.eps).float() * (1 + s[:, 1]) + s[:, 0]).type_as(x))
+        s = self.modulation.float() + e.float()[:, None]  # [1 or n, 2, d]; the head uses e, not e0
+        return self.head((layer_norm(x, self.eps) * (1 + s[:, 1]) + s[:, 0]).to(self.head.weight.dtype))
 
 
 @dataclass
 class ChunkCamera:
-    """Camera modulation of every block for one chunk: ``(1 + scale, shift)`` each ``[n_local, d]``."""
+    """Camera modulation of every block for one chunk: ``(scale, shift)`` each ``[n_local, d]``; a block applies
+    ``x = (1 + scale) * x + shift`` in float32."""
 
     per_block: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
@@ -245,6 +250,7 @@ class WanModelFast(nn.Module):
         self.head = Head(cfg)
         self.sp = Ulysses(None)
         self._time_memo: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_memo: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.register_load_state_dict_pre_hook(lambda *args, **kwargs: self._time_memo.clear())
         self.set_attention(cfg.attention)
 
@@ -264,9 +270,12 @@ class WanModelFast(nn.Module):
             w = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64) / half)
             arg = torch.tensor([key], dtype=torch.float64)[:, None] * w  # [1, half]
             sinus = torch.cat([torch.cos(arg), torch.sin(arg)], dim=1)
-            p = self.time_embedding[0].weight
-            e = self.time_embedding(sinus.to(device=p.device, dtype=p.dtype))  # [1, d]
-            e0 = self.time_projection(e).unflatten(1, (6, self.cfg.dim))  # [1, 6, d]
+            # float32 whatever the weights' dtype (the reference embeds t under float32 autocast); once per t
+            lin1, lin2, proj = self.time_embedding[0], self.time_embedding[2], self.time_projection[1]
+            sinus = sinus.to(device=lin1.weight.device, dtype=torch.float32)
+            e = F.linear(F.silu(F.linear(sinus, lin1.weight.float(), lin1.bias.float())), lin2.weight.float(),
+                         lin2.bias.float())  # [1, d]
+            e0 = F.linear(F.silu(e), proj.weight.float(), proj.bias.float()).unflatten(1, (6, self.cfg.dim))
             self._time_memo[key] = (e, e0)
         return self._time_memo[key]
 
@@ -290,6 +299,15 @@ class WanModelFast(nn.Module):
         c = self.patch_embedding_wancamctrl(self.sp.shard(c).to(device=p.device, dtype=p.dtype))  # [n, d]
         c = c + self.c2ws_hidden_states_layer2(F.silu(self.c2ws_hidden_states_layer1(c)))
         return ChunkCamera([block.camera(c) for block in self.blocks])
+
+    def _rope(
+        self, f: int, h: int, w: int, start_frame: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables of a call, kept for the next calls of the same chunk (five passes share them)."""
+        key = (f, h, w, start_frame, device)
+        if self._rope_memo is None or self._rope_memo[0] != key:
+            self._rope_memo = (key, rope_cos_sin(rope_angles(self.cfg.head_dim, f, h, w, start_frame), device))
+        return self._rope_memo[1]
 
     # ---- one call -----------------------------------------------------------------------------------------
 
@@ -321,8 +339,8 @@ class WanModelFast(nn.Module):
             e0 = torch.cat([em0 for _, em0 in embs]).repeat_interleave(fs, 0)  # [N, 6, d]
         else:
             e, e0 = self.time_embed(t)  # broadcast over tokens
-        rope = rope_cos_sin(rope_angles(self.cfg.head_dim, f, h // 2, w // 2, start_frame), tokens.device)
-        xs = self.sp.shard(tokens)  # [n, d]
+        rope = self._rope(f, h // 2, w // 2, start_frame, tokens.device)
+        xs = self.sp.shard(tokens).float()  # [n, d]; the residual stream is float32
         for i, block in enumerate(self.blocks):
             cache = None if caches is None else caches[i]
             text_kv = (text.k[i], text.v[i])

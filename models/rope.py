@@ -58,10 +58,14 @@ def rope_cos_sin(angles: torch.Tensor, device: torch.device | str) -> tuple[torc
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [N, heads, hd]`` in float64; the result has the dtype of ``x``."""
+    """Rotate ``x [N, heads, hd]`` in float64 (the reference's float32 path); a bf16/fp16 ``x`` rotates in float32
+    with the float64 tables rounded once, which is exact after the rounding back to bf16 and a quarter of the
+    memory traffic. The result has the dtype of ``x``."""
     n, heads, hd = x.shape
     assert cos.shape == (n, 1, hd // 2), f"rope table {tuple(cos.shape)} does not fit x {tuple(x.shape)}"
-    xd = x.to(torch.float64).reshape(n, heads, hd // 2, 2)
+    compute = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
+    cos, sin = cos.to(compute), sin.to(compute)
+    xd = x.to(compute).reshape(n, heads, hd // 2, 2)
     re, im = xd[..., 0], xd[..., 1]  # [N, heads, hd/2]
     out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1)  # [N, heads, hd/2, 2]
     return out.reshape(n, heads, hd).to(x.dtype)

@@ -67,16 +67,18 @@ def test_cached_chunk_by_chunk_path_equals_one_block_causal_full_sequence_forwar
 
 def test_timestep_embedding_is_computed_once_per_distinct_t_and_not_per_token() -> None:
     model = _model()
-    calls = []
-    model.time_embedding.register_forward_hook(lambda m, i, o: calls.append(tuple(o.shape)))
     cfg, fs = model.cfg, 6
+    seen: list[tuple[float, int]] = []
     with torch.no_grad():
         text = model.text_cache(torch.zeros(3, cfg.text_dim))
         cam = model.camera_modulation(torch.zeros(1, 384, 3, H, W))
         caches = new_kv_caches(cfg.num_layers, 8, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32)
         for t in (999.0, 978.0, 999.0, 0.0, 0.0):
             model(torch.zeros(16, 3, H, W), torch.zeros(20, 3, H, W), t, 0, text, cam, caches)
-    assert calls == [(1, cfg.dim)] * 3
+            seen.append((t, id(model._time_memo[t][0])))
+    assert sorted(model._time_memo) == [0.0, 978.0, 999.0]  # computed once per distinct t ...
+    assert all(e.shape == (1, cfg.dim) and e0.shape == (1, 6, cfg.dim) for e, e0 in model._time_memo.values())
+    assert seen[0][1] == seen[2][1] and seen[3][1] == seen[4][1]  # ... and reused, never rebuilt per call
 
 
 def _frame_cache(cs: int, window: int, sink: int, chunks: int, fs: int = 2) -> KVCache:
@@ -142,3 +144,22 @@ def test_schedule_uses_first_occurrence_sigma_for_x0_and_second_for_renoise() ->
     assert sched.timesteps[176] == sched.timesteps[177] == 978 != sched.timesteps[175]
     single = next(i for i in range(1, 999) if (sched.timesteps == sched.timesteps[i]).sum() == 1)
     assert sched.step(single).sigma_x0_index == sched.step(single).sigma_renoise_index == single
+
+
+def test_bfloat16_weights_run_the_stream_close_to_the_float32_path() -> None:
+    """The GPU dtype on CPU: bf16 Linears with a float32 residual stream and float32 modulation."""
+    ref = _model()
+    low = _model().to(torch.bfloat16)
+    cfg, fs = ref.cfg, 6
+    torch.manual_seed(3)
+    x, y, ctx = torch.randn(16, 3, H, W), torch.randn(20, 3, H, W), torch.randn(5, cfg.text_dim)
+    control = torch.randn(1, 384, 3, H, W) * 0.1
+    outs = []
+    with torch.no_grad():
+        for model, dtype in ((ref, torch.float32), (low, torch.bfloat16)):
+            caches = new_kv_caches(cfg.num_layers, 8, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", dtype)
+            text, cam = model.text_cache(ctx), model.camera_modulation(control)
+            outs.append([model(x, y, t, 0, text, cam, caches) for t in (999.0, 825.0, 0.0)])
+    for a, b in zip(*outs):
+        assert b.dtype == torch.float32 and torch.isfinite(b).all()
+        assert float((a - b).norm() / a.norm()) < 0.05
