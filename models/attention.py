@@ -1,7 +1,10 @@
 """Attention kernel selection: torch SDPA by default, SageAttention on CUDA when it imports.
 
 ``attention = "auto" | "sdpa" | "sage"``: "sage" without a usable SageAttention is an error; "auto" uses it
-when CUDA is present and it imports, otherwise falls back to SDPA and logs the fallback once.
+when CUDA is present and it imports, otherwise falls back to SDPA and logs the fallback once. Per call, "auto"
+also uses SDPA for tensors Sage's kernels do not take (float32, head dims other than 64/96/128), so tiny
+presets and float32 conformance runs stay exact. Sage quantises q and k to INT8: it is fast, not bit-faithful;
+use "sdpa" for conformance.
 
 SageAttention 1.0.6 subtracts the key mean *in place*. The keys we attend over are views of the KV cache
 (or the text cache), so the sage path always hands it a private copy of the keys.
@@ -53,8 +56,21 @@ def select_attention(kind: str) -> AttentionFn:
         return sdpa
 
     def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not sage_supports(q):
+            if kind == "sage":
+                raise RuntimeError(f"SageAttention needs CUDA fp16/bf16 tensors with head_dim in {SAGE_HEAD_DIMS}, "
+                                   f"got {q.dtype} head_dim {q.shape[-1]} on {q.device}")
+            return sdpa(q, k, v)  # auto: tiny presets, float32 runs
         # [H, N, hd] -> [1, H, N, hd] ("HND"); clone k: sage mutates it in place.
         out = sage(q[None], k[None].clone(), v[None], tensor_layout="HND", is_causal=False)
         return out[0]
 
     return sage_attention
+
+
+SAGE_HEAD_DIMS = (64, 96, 128)
+
+
+def sage_supports(q: torch.Tensor) -> bool:
+    """Whether SageAttention's kernels take these tensors (else "auto" uses SDPA for the call)."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in SAGE_HEAD_DIMS
