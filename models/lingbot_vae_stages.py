@@ -27,6 +27,7 @@ from models.tokenizer import ByteFallbackTokenizer, SentencePieceTokenizer, Toke
 from models.vae import VAEConfig, WanVAE
 from models.vae_stream import ConditionEncoder, FrameDecoder, SessionTable, frames_to_uint8, image_from_uint8
 
+MASK_CHANNELS = 4  # first-frame mask channels of y, fixed by the DiT's in_dim (36 = 16 noise + 4 mask + 16 latent)
 
 class PromptCache:
     """Bounded LRU of prompt contexts keyed by the SHA-256 of the prompt."""
@@ -112,7 +113,7 @@ class LingbotConditionStage:
         if index != enc.index:
             raise ValueError(f"condition session {session!r}: chunk {index} requested, next is {enc.index}")
         latent = enc.next_chunk()  # [z, cs, h, w]
-        mask = torch.zeros(self.vae.cfg.temporal_stride, *latent.shape[1:], dtype=latent.dtype, device=latent.device)
+        mask = torch.zeros(MASK_CHANNELS, *latent.shape[1:], dtype=latent.dtype, device=latent.device)
         if index == 0:
             mask[:, 0] = 1.0  # only latent frame 0 of the stream carries the image
         return torch.cat([mask, latent], 0).to(self.dtype)  # [4 + z, cs, h, w]

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from models.checkpoints import load_t5, load_vae
-from models.lingbot_vae_stages import LingbotConditionStage, LingbotDecodeStage
+from models.lingbot_vae_stages import MASK_CHANNELS, LingbotConditionStage, LingbotDecodeStage
 from models.stages import SessionSpec
 from models.t5 import T5Config
 from models.vae import VAEConfig
@@ -70,7 +70,7 @@ def _condition_checks(vae: torch.nn.Module, cs: int, num_chunks: int, num_video_
     video[0, :, 0] = image
     latent = vae.encode(video)[0]  # [16, F, h, w]: the whole clip in one call
     yield "vae_cond_latent", latent, expected["vae_cond_latent"]
-    mask = torch.zeros(vae.cfg.temporal_stride, *latent.shape[1:])
+    mask = torch.zeros(MASK_CHANNELS, *latent.shape[1:])
     mask[:, 0] = 1.0
     yield "y", torch.cat([mask, latent]), expected["y"]
     encoder = ConditionEncoder(vae, image, cs)
