@@ -155,8 +155,10 @@ def ignore_stop_signals() -> None:
 
 def run_coordinator(ctx: RankContext, clients: zmq.Socket, workers: zmq.Socket, port: int) -> int:
     from ranks.coordinator import Coordinator
+    from ranks.worker import FATAL_HOOK
 
     coordinator = Coordinator(ctx, clients, workers)
+    FATAL_HOOK.append(lambda message: setattr(coordinator, "fatal", message))  # clients hear of it first
 
     def stop(signum: int, _frame: object) -> None:
         log.info("signal %d: shutting down", signum)

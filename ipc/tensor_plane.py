@@ -19,6 +19,9 @@ dtype; only contiguous tensors travel.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -87,22 +90,55 @@ def recv(shape: tuple[int, ...], dtype: torch.dtype, src: int, groups: Groups, g
     return buffer
 
 
+_side_streams = threading.local()
+
+
+@contextmanager
+def side_stream(device: torch.device) -> Iterator[None]:
+    """On CUDA, run a transfer thread's NCCL work on its own stream and wait for it before handing the tensor
+    over: transfer threads never queue behind (or ahead of) the compute thread's default stream, whose
+    collectives other ranks may order differently (a cross-rank wait cycle). A no-op on CPU."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = getattr(_side_streams, "stream", None)
+    if stream is None:
+        stream = _side_streams.stream = torch.cuda.Stream(device=device)
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
+class Dropped(LookupError):
+    """The session's tensors were dropped (released); what is waited for will never come."""
+
+
 class Mailbox:
-    """A thread-safe keyed hand-off between two threads of one rank, with deadlines on the taking side."""
+    """A thread-safe keyed hand-off between two threads of one rank, with deadlines on the taking side.
+
+    Once a session is dropped, late puts for it are discarded and takes fail with ``Dropped`` at once, so a
+    transfer that lands after the release leaks nothing (the memory of dropped ids is bounded)."""
+
+    REMEMBERED = 4096
 
     def __init__(self) -> None:
         self._items: dict[tuple[str, int], Any] = {}
+        self._dropped: OrderedDict[str, None] = OrderedDict()
         self._cond = threading.Condition()
 
     def put(self, key: tuple[str, int], value: Any) -> None:
         with self._cond:
+            if key[0] in self._dropped:
+                return
             self._items[key] = value
             self._cond.notify_all()
 
     def take(self, key: tuple[str, int], timeout_s: float) -> Any:
         with self._cond:
-            if not self._cond.wait_for(lambda: key in self._items, timeout=timeout_s):
+            if not self._cond.wait_for(lambda: key in self._items or key[0] in self._dropped, timeout=timeout_s):
                 raise TimeoutError(f"no tensor for session {key[0]!r} chunk {key[1]} within {timeout_s:.0f} s")
+            if key not in self._items:
+                raise Dropped(f"session {key[0]!r} was released")
             return self._items.pop(key)
 
     def peek(self, key: tuple[str, int]) -> Any:
@@ -114,6 +150,10 @@ class Mailbox:
             keys = [k for k in self._items if k[0] == session]
             for k in keys:
                 del self._items[k]
+            self._dropped[session] = None
+            if len(self._dropped) > self.REMEMBERED:
+                self._dropped.popitem(last=False)
+            self._cond.notify_all()
             return len(keys)
 
     def __len__(self) -> int:

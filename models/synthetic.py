@@ -32,6 +32,22 @@ ZOOM_PER_UNIT = 0.5  # log-zoom per scene unit of forward translation
 NOISE_LEVEL = 0.02
 
 
+class InjectedFailure(RuntimeError):
+    """A failure asked for by the session's prompt (``synthetic.fail_marker``), for tests of failure handling."""
+
+
+def failure_chunk(prompt: str, marker: str, stage: str) -> int | None:
+    """The chunk at which ``stage`` must fail for this prompt, or None."""
+    if not marker:
+        return None
+    tag = f"{marker}:{stage}:"
+    at = prompt.find(tag)
+    if at < 0:
+        return None
+    digits = prompt[at + len(tag):].split()[0] if prompt[at + len(tag):].strip() else ""
+    return int(digits) if digits.isdigit() else None
+
+
 def synthetic_geometry(height: int, width: int, chunk_latent_frames: int) -> StreamGeometry:
     return StreamGeometry(
         height=height,
@@ -49,25 +65,31 @@ def _spend(seconds: float) -> None:
 
 
 class SyntheticCondition:
-    def __init__(self, geometry: StreamGeometry, cost_s: float) -> None:
+    def __init__(self, geometry: StreamGeometry, cost_s: float, fail_marker: str = "") -> None:
         self.geometry = geometry
         self.cost_s = cost_s
+        self.fail_marker = fail_marker
         self._images: dict[str, torch.Tensor] = {}
+        self._fail_at: dict[str, int | None] = {}
 
     def open(self, spec: SessionSpec) -> torch.Tensor:
         assert spec.image is not None and tuple(spec.image.shape) == (self.geometry.height, self.geometry.width, 3)
         self._images[spec.session] = spec.image.permute(2, 0, 1).float().div(255.0).contiguous()  # [3, H, W]
+        self._fail_at[spec.session] = failure_chunk(spec.prompt, self.fail_marker, "encode")
         prompt_code = float(sum(spec.prompt.encode()) % 997)
         return torch.full(self.geometry.context_shape, prompt_code)
 
     def encode(self, session: str, index: int) -> torch.Tensor:
         started = time.monotonic()
+        if self._fail_at.get(session) == index:
+            raise InjectedFailure(f"injected encode failure at chunk {index}")
         image = self._images[session]
         _spend(self.cost_s - (time.monotonic() - started))
         return image
 
     def release(self, session: str) -> None:
         self._images.pop(session, None)
+        self._fail_at.pop(session, None)
 
 
 def view_parameters(pose: np.ndarray) -> tuple[float, float, float]:
@@ -98,14 +120,18 @@ class _DenoiseSession:
     pose: np.ndarray
     generator: torch.Generator
     chunks: int = 0
+    fail_denoise_at: int | None = None
+    fail_decode_at: int | None = None
 
 
 class SyntheticDenoise:
     """Every DiT rank runs it in lockstep; a closing all-reduce over the group stands in for Ulysses traffic."""
 
-    def __init__(self, geometry: StreamGeometry, cost_s: float, group: object | None = None) -> None:
+    def __init__(self, geometry: StreamGeometry, cost_s: float, group: object | None = None,
+                 fail_marker: str = "") -> None:
         self.geometry = geometry
         self.cost_s = cost_s
+        self.fail_marker = fail_marker
         self.group = group
         self._sessions: dict[str, _DenoiseSession] = {}
         if group is None:
@@ -117,7 +143,10 @@ class SyntheticDenoise:
 
     def open(self, spec: SessionSpec, context: torch.Tensor) -> None:
         generator = torch.Generator().manual_seed(spec.seed)
-        self._sessions[spec.session] = _DenoiseSession(pose=np.eye(4), generator=generator)
+        self._sessions[spec.session] = _DenoiseSession(
+            pose=np.eye(4), generator=generator,
+            fail_denoise_at=failure_chunk(spec.prompt, self.fail_marker, "denoise"),
+            fail_decode_at=failure_chunk(spec.prompt, self.fail_marker, "decode"))
 
     def _advance(
         self, session: str, index: int, control: ChunkControl
@@ -135,13 +164,17 @@ class SyntheticDenoise:
         """The rendered chunk on the group's first rank (the leader, whose latent is used); the other ranks keep
         the same camera and noise state and return zeros, without spending the CPU on a render."""
         started = time.monotonic()
-        _, poses, noise = self._advance(session, index, control)
+        state, poses, noise = self._advance(session, index, control)
+        if state.fail_denoise_at == index:
+            raise InjectedFailure(f"injected denoise failure at chunk {index}")
         total, _, h, w = self.geometry.latent_shape
         latent = torch.zeros(self.geometry.latent_shape)
         if self._leader:
             frames = render(condition.float().cpu(), poses, h, w)
             first = total - len(poses)
             latent[first:] = (frames + NOISE_LEVEL * noise[first:]).clamp(0, 1)
+        if state.fail_decode_at == index:
+            latent.fill_(float("nan"))  # the decoder refuses it: a failure that travels down the pipeline
         _spend(self.cost_s - (time.monotonic() - started))
         if self.group is not None:  # end together, as a real sequence-parallel step does
             import torch.distributed as dist
@@ -168,6 +201,8 @@ class SyntheticDecode:
 
     def decode(self, session: str, index: int, latent: torch.Tensor) -> torch.Tensor:
         assert session in self._open, f"decode cache of session {session!r} is not initialised"
+        if not torch.isfinite(latent).all():
+            raise ValueError(f"latent of chunk {index} is not finite")
         started = time.monotonic()
         n = self.geometry.frames_in_chunk(index)
         frames = latent[-n:].float()

@@ -38,9 +38,9 @@ def build(config: Config, roles: list[str], device: torch.device, dit_group: Any
     if config.model.kind == "synthetic":
         costs = config.synthetic
         if "condition" in roles:
-            backend.condition = SyntheticCondition(geometry, costs.encode_s)
+            backend.condition = SyntheticCondition(geometry, costs.encode_s, costs.fail_marker)
         if "dit" in roles:
-            backend.denoise = SyntheticDenoise(geometry, costs.denoise_s, dit_group)
+            backend.denoise = SyntheticDenoise(geometry, costs.denoise_s, dit_group, costs.fail_marker)
         if "decode" in roles:
             backend.decode = SyntheticDecode(geometry, costs.decode_s)
         return backend

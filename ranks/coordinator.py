@@ -15,6 +15,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_FAILED = 1
 POLL_MS = 5
+TURN_BUDGET_S = 0.02  # client messages handled per loop turn stop after this, so pings and workers are served
+WORKER_MESSAGE_BYTES = 1 << 26
+EMIT_WAIT_S = 1.0  # frames are in the mailbox before decode counts as done; a miss fails the session
 BACKPRESSURE_RETRY_S = 0.002  # hint to clients whose control met a full edge
 
 
@@ -70,6 +74,7 @@ class Coordinator:
         self.ping_seq = 0
         self.next_ping = now
         self.stopping = False
+        self.fatal: str | None = None  # set from another thread of this rank that cannot go on
         self.exporter = prometheus.start(self.config.metrics.prometheus_port)
 
     # ---------------------------------------------------------------------------------------------- main loop
@@ -90,6 +95,8 @@ class Coordinator:
             poller.register(self.clients, zmq.POLLIN)
             poller.register(self.workers, zmq.POLLIN)
             while not self.stopping:
+                if self.fatal is not None:
+                    raise JobFailed(f"rank {self.ctx.rank}: {self.fatal}")
                 events = dict(poller.poll(POLL_MS))
                 if self.workers in events:
                     self._drain_workers()
@@ -112,7 +119,7 @@ class Coordinator:
                                 f"{self.config.timeouts.startup_s:.0f} s")
             if self.workers.poll(100):
                 identity, data = self.workers.recv_multipart()
-                message = protocol.decode(data, "worker", max_bytes=1 << 20)
+                message = protocol.decode(data, "worker", max_bytes=WORKER_MESSAGE_BYTES)
                 if isinstance(message, protocol.Hello):
                     expected.discard(identity)
         now = time.monotonic()
@@ -141,7 +148,7 @@ class Coordinator:
         for sid, session in list(self.sessions.items()):
             if not session.closing and now - session.last_heard > timeout:
                 log.info("session %s: client silent for %.1f s, closing", sid, now - session.last_heard)
-                self._close(sid, "disconnect", now)
+                self._guarded(sid, lambda sid=sid: self._close(sid, "disconnect", now))
 
     # ---------------------------------------------------------------------------------------------- workers
 
@@ -164,7 +171,11 @@ class Coordinator:
                 identity, data = self.workers.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            message = protocol.decode(data, "worker", max_bytes=1 << 20)
+            try:
+                message = protocol.decode(data, "worker", max_bytes=WORKER_MESSAGE_BYTES)
+            except protocol.ProtocolViolation as error:  # our own ranks: a bug, not a reason to end the job
+                log.error("unreadable message from %s: %s", identity.decode(errors="replace"), error)
+                continue
             now = time.monotonic()
             if isinstance(message, protocol.Beat):
                 self.last_beat[message.rank] = now
@@ -292,7 +303,7 @@ class Coordinator:
             log.info("session %s closed (%s)", sid, action.reason)
 
     def _emit(self, session: ClientSession, action: sch.Emit) -> None:
-        frames = self.ctx.frames.take((action.session, action.index), self.config.timeouts.stage_s)
+        frames = self.ctx.frames.take((action.session, action.index), EMIT_WAIT_S)  # present by now: never stall
         control = session.controls.pop(action.index)
         for rank, mem in self.memory.items():
             session.metrics.on_memory(rank, max(mem["peak_rss"], mem["cuda_peak"]))
@@ -332,23 +343,37 @@ class Coordinator:
             log.warning("close of %s: %s", sid, error)
 
     def _cut_live_controls(self) -> None:
+        for sid, session in list(self.sessions.items()):
+            if session.live is not None:
+                self._guarded(sid, lambda sid=sid, session=session: self._cut_live(sid, session))
+
+    def _guarded(self, sid: str, work: Callable[[], object]) -> None:
+        """Run ``work`` for one session; an unexpected error fails that session only."""
+        try:
+            work()
+        except JobFailed:
+            raise
+        except Exception as error:
+            log.exception("internal error in session %s", sid)
+            self._contain(sid, None, None, error)
+
+    def _cut_live(self, sid: str, session: ClientSession) -> None:
         """The non-blocking path of live sessions: cut a snapshot when the scheduler can take one now and the DiT
         is about to need it (the session has no denoise running and no snapshot waiting)."""
-        for sid, session in list(self.sessions.items()):
-            if session.live is None or session.closing or sid not in self.scheduler.sessions():
-                continue
-            # As late as the DiT allows: a snapshot cut while this session's previous chunk still denoises, or
-            # while another snapshot waits for the DiT, would only grow older before the model sees it.
-            running = self.scheduler.role_task(sch.Stage.DENOISE)
-            if self.scheduler.edges(sid).control > 0 or (
-                running is not None and running.session == sid and running.kind is sch.TaskKind.RUN
-            ):
-                continue
-            index = self.scheduler.next_control_index(sid)
-            if self.scheduler.can_submit(sid, index):
-                snapshot = session.live.cut(index, self.scheduler.next_emit_index(sid))
-                if snapshot is not None:
-                    self._accept(session, index, snapshot)
+        if session.live is None or session.closing or sid not in self.scheduler.sessions():
+            return
+        # As late as the DiT allows: a snapshot cut while this session's previous chunk still denoises, or
+        # while another snapshot waits for the DiT, would only grow older before the model sees it.
+        running = self.scheduler.role_task(sch.Stage.DENOISE)
+        if self.scheduler.edges(sid).control > 0 or (
+            running is not None and running.session == sid and running.kind is sch.TaskKind.RUN
+        ):
+            return
+        index = self.scheduler.next_control_index(sid)
+        if self.scheduler.can_submit(sid, index):
+            snapshot = session.live.cut(index, self.scheduler.next_emit_index(sid))
+            if snapshot is not None:
+                self._accept(session, index, snapshot)
 
     def _accept(self, session: ClientSession, index: int, control: ChunkControl) -> list[sch.Action]:
         actions = self.scheduler.submit_control(session.id, index, time.monotonic(), payload=control)
@@ -361,7 +386,8 @@ class Coordinator:
 
     def _drain_clients(self) -> None:
         limit = self.config.server.max_message_bytes
-        for _ in range(256):  # bounded per turn, so workers and timers are served too
+        began = time.monotonic()
+        while time.monotonic() - began < TURN_BUDGET_S:  # bounded per turn: pings and workers are served too
             try:
                 identity, data = self.clients.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -400,7 +426,13 @@ class Coordinator:
         if sid in self.sessions and not self.sessions[sid].closing:
             session = self.sessions[sid]
             self._to_client(session, protocol.Error(session=sid, code="failed", message=text))
-            self._close(sid, "failed", time.monotonic())
+            try:
+                self._close(sid, "failed", time.monotonic())
+            except JobFailed:
+                raise
+            except Exception:  # the session cannot even close cleanly: forget it rather than stop serving
+                log.exception("session %s could not be closed; dropping it", sid)
+                self.sessions.pop(sid, None)
 
     def _reject(self, reason: str) -> None:
         self.metrics.on_reject(reason)
@@ -476,6 +508,9 @@ class Coordinator:
                               retry_after_s=5.0)
         if message.num_chunks is not None and not 1 <= message.num_chunks <= server.max_chunks:
             raise ClientError("bad_request", f"num_chunks must be in 1..{server.max_chunks}, got {message.num_chunks}")
+        if len(message.prompt) > server.max_prompt_chars:
+            raise ClientError("bad_request", f"prompt of {len(message.prompt)} characters exceeds the limit of "
+                              f"{server.max_prompt_chars}")
         image = decode_image(message.image, server.max_image_pixels, self.geometry.width, self.geometry.height)
         sid = uuid.uuid4().hex[:12]
         live = LiveControls(pause_when_idle=message.pause_when_idle) if message.live else None
@@ -511,14 +546,14 @@ class Coordinator:
         if lost:  # under torchrun a dead rank reaches rank 0 as a SIGTERM: say what really happened
             code, message = "rank_failed", f"rank {', '.join(lost)} is gone; the job is ending"
         self._notify_all(code, message)
-        for sid, session in self.sessions.items():
+        for sid, session in list(self.sessions.items()):
             self._to_client(session, protocol.Closed(session=sid, reason="shutdown", error=message,
                                                      summary=self.metrics.close_session(sid, time.monotonic())))
         deadline = time.monotonic() + 5.0
         while waiting and time.monotonic() < deadline:
             if self.workers.poll(50):
                 identity, data = self.workers.recv_multipart()
-                done = protocol.decode(data, "worker", max_bytes=1 << 20)
+                done = protocol.decode(data, "worker", max_bytes=WORKER_MESSAGE_BYTES)
                 if isinstance(done, protocol.Done) and done.op == "shutdown":
                     waiting.discard(identity)
         if waiting:
@@ -535,7 +570,7 @@ class ClientError(Exception):
 def decode_image(data: bytes, max_pixels: int, width: int, height: int) -> bytes:
     """PNG/JPEG bytes -> raw uint8 RGB ``[height, width, 3]`` bytes, bicubic-resized to the stream geometry."""
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(data), formats=["PNG", "JPEG"]) as img:  # no other decoder is reachable
             if img.width * img.height > max_pixels:
                 raise ClientError("bad_image", f"image of {img.width}x{img.height} pixels exceeds the limit of "
                                   f"{max_pixels} pixels")

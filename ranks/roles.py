@@ -8,6 +8,8 @@ Which thread owns which process group (one thread per group per rank):
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -63,9 +65,14 @@ def condition_edge(ctx: RankContext) -> None:
         key = (task.session, CONTEXT_INDEX if kind == "context" else task.index)
         shape = tuple(geometry.context_shape if kind == "context" else geometry.condition_shape)
         with tensor_plane(f"{kind} of {task.session}/{task.index}"):  # the peers already wait: a miss is fatal
-            box = ctx.contexts if kind == "context" else ctx.conditions
-            tensor = box.take(key, _deadline(ctx)) if source else None
-            with spans.span(f"{'send' if source else 'recv'}_{kind}"):
+            tensor = None
+            if source:
+                box = ctx.contexts if kind == "context" else ctx.conditions
+                try:
+                    tensor = box.take(key, _deadline(ctx))
+                except tp.Dropped:  # released meanwhile: the peers still wait, send zeros they will discard
+                    tensor = torch.zeros(shape, dtype=geometry.dtype)
+            with spans.span(f"{'send' if source else 'recv'}_{kind}"), tp.side_stream(ctx.groups.device):
                 tensor = tp.broadcast(tensor, shape, geometry.dtype, lay.condition, ctx.groups, ctx.groups.condition)
         if dit:
             ctx.dit_inputs.put(key, tensor)
@@ -97,22 +104,37 @@ def dit_worker(ctx: RankContext) -> None:
     def denoise(task: protocol.Task, spans: Spans) -> dict[str, object]:
         condition = _dit_input(ctx, task.session, task.index)
         control = ChunkControl.from_wire(task.control)
-        if task.cached:
-            with spans.span("denoise.cached"):
-                latent = cached_latents.pop((task.session, task.index))
-                stage.skip(task.session, task.index, control, latent=latent, condition=condition)
-        else:
-            with spans.span("denoise"):
-                latent = stage.denoise(task.session, task.index, condition, control)
-        if not leader:
-            return {}  # its spans put every DiT rank on the timeline; only the leader's answer moves the schedule
-        latent = latent.to(geometry.dtype)
+        failure: Exception | None = None
+        # Several DiT ranks step through collectives together: one rank failing alone leaves the others inside
+        # an all-to-all, so the group can only end. One DiT rank alone may fail just the session.
+        with tensor_plane(f"denoise of {task.session}/{task.index} on a {len(lay.dit)}-rank DiT group") if (
+            len(lay.dit) > 1
+        ) else contextlib.nullcontext():
+            try:
+                if task.cached:
+                    with spans.span("denoise.cached"):
+                        latent = cached_latents.pop((task.session, task.index))
+                        stage.skip(task.session, task.index, control, latent=latent, condition=condition)
+                else:
+                    with spans.span("denoise"):
+                        latent = stage.denoise(task.session, task.index, condition, control)
+            except Exception as error:
+                if len(lay.dit) > 1:
+                    raise
+                failure, latent = error, torch.zeros(geometry.latent_shape)
+        if leader:
+            deliver_latent(task, spans, latent.to(geometry.dtype))
+        if failure is not None:
+            raise failure
+        return {}  # every rank's spans put it on the timeline; only the leader's answer moves the schedule
+
+    def deliver_latent(task: protocol.Task, spans: Spans, latent: torch.Tensor) -> None:
+        """The announced transfer always happens (zeros after a failure), so the edge stays in step."""
         if lay.decode == ctx.rank:
             ctx.latents.put((task.session, task.index), latent)
         else:
             with spans.span("send_latent"), tensor_plane(f"send latent {task.session}/{task.index}"):
                 tp.send(latent, lay.decode, ctx.groups, ctx.groups.latent)
-        return {}
 
     def release(task: protocol.Task, spans: Spans) -> dict[str, object]:
         with spans.span("denoise.release"):
@@ -129,7 +151,8 @@ def latent_receiver(ctx: RankContext) -> None:
     lay = ctx.config.layout
 
     def expect_latent(task: protocol.Task, spans: Spans) -> dict[str, object]:
-        with spans.span("recv_latent"), tensor_plane(f"receive latent {task.session}/{task.index}"):
+        with spans.span("recv_latent"), tensor_plane(f"receive latent {task.session}/{task.index}"), \
+                tp.side_stream(ctx.groups.device):
             latent = tp.recv(tuple(geometry.latent_shape), geometry.dtype, lay.dit_leader, ctx.groups,
                              ctx.groups.latent)
         ctx.latents.put((task.session, task.index), latent)
@@ -140,6 +163,7 @@ def latent_receiver(ctx: RankContext) -> None:
 
 def decode_worker(ctx: RankContext) -> None:
     stage = ctx.backend.decode
+    geometry = ctx.backend.geometry
     lay = ctx.config.layout
     assert stage is not None
 
@@ -150,14 +174,20 @@ def decode_worker(ctx: RankContext) -> None:
     def decode(task: protocol.Task, spans: Spans) -> None:
         with tensor_plane(f"latent {task.session}/{task.index} never arrived"):
             latent = ctx.latents.take((task.session, task.index), _deadline(ctx))
-        with spans.span("decode"):
-            frames = stage.decode(task.session, task.index, latent)
-        frames = frames.to("cpu", torch.uint8).contiguous()
+        failure: Exception | None = None
+        try:
+            with spans.span("decode"):
+                frames = stage.decode(task.session, task.index, latent)
+        except Exception as error:  # the session fails; the announced transfer still happens (zeros)
+            failure, frames = error, torch.zeros(geometry.frames_shape(task.index), dtype=torch.uint8)
+        frames = frames.to(torch.uint8).contiguous()
         if lay.coordinator == ctx.rank:
-            ctx.frames.put((task.session, task.index), frames)
+            ctx.frames.put((task.session, task.index), frames.cpu())
         else:
             with spans.span("send_frames"), tensor_plane(f"send frames {task.session}/{task.index}"):
                 tp.send(frames, lay.coordinator, ctx.groups, ctx.groups.frames)
+        if failure is not None:
+            raise failure
 
     def release(task: protocol.Task, spans: Spans) -> dict[str, object]:
         with spans.span("decode.release"):
@@ -173,7 +203,8 @@ def frames_receiver(ctx: RankContext) -> None:
     lay = ctx.config.layout
 
     def expect_frames(task: protocol.Task, spans: Spans) -> None:
-        with spans.span("recv_frames"), tensor_plane(f"receive frames {task.session}/{task.index}"):
+        with spans.span("recv_frames"), tensor_plane(f"receive frames {task.session}/{task.index}"), \
+                tp.side_stream(ctx.groups.device):
             frames = tp.recv(geometry.frames_shape(task.index), torch.uint8, lay.decode, ctx.groups,
                              ctx.groups.frames)
         ctx.frames.put((task.session, task.index), frames.cpu())

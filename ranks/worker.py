@@ -57,10 +57,18 @@ class RankContext:
     frames: Mailbox = field(default_factory=Mailbox)  # (session, index) -> frames, on the coordinator rank
 
 
+FATAL_HOOK: list[Callable[[str], None]] = []  # set on the coordinator's rank: tells clients before the end
+FATAL_GRACE_S = 2.0
+
+
 def die(message: str) -> None:
-    """End the process now with a non-zero code: peers notice through their deadlines and heartbeats."""
+    """End the process now with a non-zero code: peers notice through their deadlines and heartbeats. On the
+    coordinator's rank the loop first gets ``FATAL_GRACE_S`` to tell every client (it exits by itself)."""
     log.error("fatal: %s", message)
     sys.stderr.flush()
+    if FATAL_HOOK:
+        FATAL_HOOK[0](message)
+        time.sleep(FATAL_GRACE_S)
     os._exit(EXIT_FATAL)
 
 
@@ -156,6 +164,8 @@ def memory_facts() -> tuple[int, int, int]:
 def heartbeat(ctx: RankContext) -> None:
     """Answer the coordinator's pings with liveness, memory and clock facts; die when the coordinator is gone."""
     timeouts = ctx.config.timeouts
+    if ctx.groups.device.type == "cuda":
+        torch.cuda.set_device(ctx.groups.device)  # so memory_facts reads this rank's GPU
     link = WorkerLink(ctx.zmq, ctx.endpoint, ctx.rank, "heartbeat")
     last_ping = time.monotonic()
     try:

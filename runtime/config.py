@@ -66,7 +66,8 @@ class ServerConfig(_Section):
     port: int = 5555  # 0 picks a free port (written to the log and to WORLDSTREAM_PORT_FILE if set)
     max_sessions: int = 4  # a new session beyond this is refused with a retry hint
     max_message_bytes: int = 16 * 1024 * 1024  # larger client messages are rejected before decoding
-    max_image_pixels: int = 4096 * 4096  # decoded start images larger than this are rejected
+    max_image_pixels: int = 2048 * 2048  # larger start images are rejected from their header, before decoding
+    max_prompt_chars: int = 2000  # longer prompts are rejected (each DiT rank holds the session's context)
     max_chunks: int = 100_000  # maximum session length in chunks
     client_timeout_s: float = 10.0  # a session whose client sent nothing (not even a heartbeat) this long is closed
     send_hwm: int = 64  # ZeroMQ high-water mark per client; a client that does not read is dropped, never buffered
@@ -91,11 +92,12 @@ class SchedulerConfig(_Section):
 
 
 class SyntheticConfig(_Section):
-    """Stage costs of the synthetic backend (seconds per chunk)."""
+    """Stage costs of the synthetic backend (seconds per chunk), and its failure injection for tests."""
 
     encode_s: float = 0.025
     denoise_s: float = 0.06
     decode_s: float = 0.03
+    fail_marker: str = ""  # tests: a prompt holding "<marker>:<encode|denoise|decode>:<chunk>" fails there
 
 
 class ModelConfig(_Section):
