@@ -136,7 +136,7 @@ class SelfAttention(nn.Module):
         q = self.norm_q(self.q(a)).view(n, self.heads, self.head_dim)
         k = self.norm_k(self.k(a)).view(n, self.heads, self.head_dim)
         v = self.v(a).view(n, self.heads, self.head_dim)
-        q, k, v = (self.sp.seq_to_heads(t, n_total) for t in (q, k, v))  # [N, heads/R, hd]
+        q, k, v = self.sp.qkv_to_heads(q, k, v, n_total)  # [N, heads/R, hd] each
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads/R, N, hd]
         if cache is not None:

@@ -2,7 +2,7 @@
 
 The tokens of a chunk are sharded across the ``R`` ranks of the DiT group (padded to a multiple of ``R``);
 everything per token (embeddings, camera, cross-attention, FFN, head) runs on the local shard. Around the
-self-attention an all-to-all scatters heads and gathers the sequence (``[n, nh, hd] -> [N_pad, nh/R, hd]``),
+self-attention one all-to-all (q, k and v together) scatters heads and gathers the sequence (``[n, nh, hd] -> [N_pad, nh/R, hd]``),
 so each rank attends over the whole sequence for its ``nh/R`` heads (and its KV cache holds only those
 heads); a second all-to-all brings the outputs back to the token shards. The q/k RMS norm runs over the full
 width before the split, exactly as in one process. ``Ulysses(None)`` is the one-rank identity.
@@ -62,6 +62,18 @@ class Ulysses:
         hl = self.local_heads(x.shape[1])
         received = self._all_to_all([x[:, r * hl : (r + 1) * hl] for r in range(self.size)])
         return torch.cat(received)[:n]  # rank order = token order
+
+    def qkv_to_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``seq_to_heads`` of q, k and v in one all-to-all (one message per rank pair instead of three)."""
+        if self.size == 1:
+            return q[:n], k[:n], v[:n]
+        x = torch.stack([q, k, v], dim=1)  # [n_local, 3, nh, hd]
+        hl = self.local_heads(x.shape[2])
+        received = self._all_to_all([x[:, :, r * hl : (r + 1) * hl] for r in range(self.size)])
+        whole = torch.cat(received)[:n]  # [n, 3, nh/R, hd]; rank order = token order
+        return whole[:, 0], whole[:, 1], whole[:, 2]
 
     def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
         """``[n, nh/R, hd]`` whole sequence, local heads -> ``[n_local, nh, hd]`` token shard, all heads."""
