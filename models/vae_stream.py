@@ -167,10 +167,11 @@ class FrameDecoder:
 
 
 def frames_to_uint8(frames: torch.Tensor) -> torch.Tensor:
-    """``[3, n, H, W]`` in [-1, 1] -> uint8 ``[n, H, W, 3]`` on the CPU: ``round((clamp(x) + 1) / 2 * 255)``."""
+    """``[3, n, H, W]`` in [-1, 1] -> uint8 ``[n, H, W, 3]`` on the frames' device (the tensor plane sends it
+    from there; only the receiving side copies to the host): ``round((clamp(x) + 1) / 2 * 255)``."""
     assert frames.dim() == 4 and frames.shape[0] == 3, f"frames must be [3, n, H, W], got {tuple(frames.shape)}"
     x = (frames.float().clamp(-1.0, 1.0) + 1.0) / 2.0 * 255.0
-    return x.round().to(torch.uint8).permute(1, 2, 3, 0).contiguous().cpu()
+    return x.round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
 
 
 def image_from_uint8(image: torch.Tensor) -> torch.Tensor:
