@@ -10,12 +10,15 @@ and end the job with a non-zero exit when a rank is dead or a task overran its d
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -75,6 +78,8 @@ class Coordinator:
         self.next_ping = now
         self.stopping = False
         self.fatal: str | None = None  # set from another thread of this rank that cannot go on
+        self.image_decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="image-decode")
+        self.opening: deque[tuple[bytes, protocol.Open, Future[bytes]]] = deque()  # images being decoded
         self.exporter = prometheus.start(self.config.metrics.prometheus_port)
 
     # ---------------------------------------------------------------------------------------------- main loop
@@ -102,6 +107,8 @@ class Coordinator:
                     self._drain_workers()
                 if self.clients in events:
                     self._drain_clients()
+                if self.opening:
+                    self._finish_opens()
                 self._timers(time.monotonic())
             self._shutdown("shutdown", "the server is shutting down")
             return EXIT_OK
@@ -511,7 +518,28 @@ class Coordinator:
         if len(message.prompt) > server.max_prompt_chars:
             raise ClientError("bad_request", f"prompt of {len(message.prompt)} characters exceeds the limit of "
                               f"{server.max_prompt_chars}")
-        image = decode_image(message.image, server.max_image_pixels, self.geometry.width, self.geometry.height)
+        if len(self.sessions) + len(self.opening) >= server.max_sessions:
+            raise ClientError("busy", f"the server is at its limit of {server.max_sessions} sessions",
+                              retry_after_s=5.0)
+        # Decoding a start image can take tens of milliseconds: off this thread, so no stream waits for it.
+        future = self.image_decoder.submit(decode_image, message.image, server.max_image_pixels, self.geometry.width,
+                                           self.geometry.height)
+        self.opening.append((identity, message, future))
+
+    def _finish_opens(self) -> None:
+        """Sessions whose start image is decoded are created, in the order they were asked for."""
+        while self.opening and self.opening[0][2].done():
+            identity, message, future = self.opening.popleft()
+            try:
+                image = future.result()
+            except ClientError as error:
+                self._reject(error.code)
+                send_to(self.clients, identity, protocol.Error(req=message.req, code=error.code, message=str(error)))
+                continue
+            self._guarded("", functools.partial(self._create, identity, message, image, time.monotonic()))
+
+    def _create(self, identity: bytes, message: protocol.Open, image: bytes, now: float) -> None:
+        server = self.config.server
         sid = uuid.uuid4().hex[:12]
         live = LiveControls(pause_when_idle=message.pause_when_idle) if message.live else None
         metrics = self.metrics.open_session(sid, now, self.config.stream.fps, self.config.metrics.warmup_chunks)
