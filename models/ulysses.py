@@ -2,10 +2,11 @@
 
 The tokens of a chunk are sharded across the ``R`` ranks of the DiT group (padded to a multiple of ``R``);
 everything per token (embeddings, camera, cross-attention, FFN, head) runs on the local shard. Around the
-self-attention one all-to-all (q, k and v together) scatters heads and gathers the sequence (``[n, nh, hd] -> [N_pad, nh/R, hd]``),
-so each rank attends over the whole sequence for its ``nh/R`` heads (and its KV cache holds only those
-heads); a second all-to-all brings the outputs back to the token shards. The q/k RMS norm runs over the full
-width before the split, exactly as in one process. ``Ulysses(None)`` is the one-rank identity.
+self-attention one all-to-all (q, k and v together) scatters heads and gathers the sequence
+(``[n, nh, hd] -> [N_pad, nh/R, hd]``), so each rank attends over the whole sequence for its ``nh/R`` heads
+(and its KV cache holds only those heads); a second all-to-all brings the outputs back to the token shards.
+The q/k RMS norm runs over the full width before the split, exactly as in one process. ``Ulysses(None)`` is
+the one-rank identity.
 """
 
 from __future__ import annotations
