@@ -510,9 +510,6 @@ class Coordinator:
 
     def _open(self, identity: bytes, message: protocol.Open, now: float) -> None:
         server = self.config.server
-        if len(self.sessions) >= server.max_sessions:
-            raise ClientError("busy", f"the server is at its limit of {server.max_sessions} sessions",
-                              retry_after_s=5.0)
         if message.num_chunks is not None and not 1 <= message.num_chunks <= server.max_chunks:
             raise ClientError("bad_request", f"num_chunks must be in 1..{server.max_chunks}, got {message.num_chunks}")
         if len(message.prompt) > server.max_prompt_chars:
