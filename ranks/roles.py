@@ -8,8 +8,6 @@ Which thread owns which process group (one thread per group per rank):
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 
@@ -17,7 +15,7 @@ from ipc import protocol
 from ipc import tensor_plane as tp
 from models.controls import ChunkControl
 from models.stages import SessionSpec
-from ranks.worker import RankContext, Spans, serve, tensor_plane
+from ranks.worker import Fatal, RankContext, Spans, serve, tensor_plane
 
 CONTEXT_INDEX = -1  # mailbox index of a session's prompt context
 
@@ -92,6 +90,7 @@ def dit_worker(ctx: RankContext) -> None:
     geometry = ctx.backend.geometry
     lay = ctx.config.layout
     leader = ctx.rank == lay.dit_leader
+    group_ranks = len(lay.dit)
     assert stage is not None
     cached_latents: dict[tuple[str, int], torch.Tensor] = {}  # world-cache hook: filled by a world cache
 
@@ -105,23 +104,19 @@ def dit_worker(ctx: RankContext) -> None:
         condition = _dit_input(ctx, task.session, task.index)
         control = ChunkControl.from_wire(task.control)
         failure: Exception | None = None
-        # Several DiT ranks step through collectives together: one rank failing alone leaves the others inside
-        # an all-to-all, so the group can only end. One DiT rank alone may fail just the session.
-        with tensor_plane(f"denoise of {task.session}/{task.index} on a {len(lay.dit)}-rank DiT group") if (
-            len(lay.dit) > 1
-        ) else contextlib.nullcontext():
-            try:
-                if task.cached:
-                    with spans.span("denoise.cached"):
-                        latent = cached_latents.pop((task.session, task.index))
-                        stage.skip(task.session, task.index, control, latent=latent, condition=condition)
-                else:
-                    with spans.span("denoise"):
-                        latent = stage.denoise(task.session, task.index, condition, control)
-            except Exception as error:
-                if len(lay.dit) > 1:
-                    raise
-                failure, latent = error, torch.zeros(geometry.latent_shape)
+        try:
+            if task.cached:
+                with spans.span("denoise.cached"):
+                    latent = cached_latents.pop((task.session, task.index))
+                    stage.skip(task.session, task.index, control, latent=latent, condition=condition)
+            else:
+                with spans.span("denoise"):
+                    latent = stage.denoise(task.session, task.index, condition, control)
+        except Exception as error:
+            if group_ranks > 1:  # the other ranks are inside a collective with this one: the group can only end
+                raise Fatal(f"denoise of {task.session}/{task.index} on a {group_ranks}-rank DiT group: "
+                            f"{type(error).__name__}: {error}") from error
+            failure, latent = error, torch.zeros(geometry.latent_shape)  # one DiT rank: fail just the session
         if leader:
             deliver_latent(task, spans, latent.to(geometry.dtype))
         if failure is not None:
