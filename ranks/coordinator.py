@@ -246,8 +246,9 @@ class Coordinator:
             self.metrics.on_idle(action.start, action.end, action.cause)
             if self.exporter is not None:
                 self.exporter.on_idle(action.end - action.start, action.cause)
-            for session in self.sessions.values():
-                session.metrics.on_idle(action.start, action.end, action.cause)
+            for sid, cause in action.blocked:  # each waiting session counts the idle time with its own cause
+                if sid in self.sessions:
+                    self.sessions[sid].metrics.on_idle(action.start, action.end, cause)
             return
         session = self.sessions[action.session]
         sid = action.session

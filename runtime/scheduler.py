@@ -42,8 +42,10 @@ Per session (``s``), with ``d`` the next chunk whose denoise has not started:
 DiT idle causes (``DitIdle``): while the DiT runs nothing, the cause is re-evaluated after every event from the
 sessions that still have a chunk to denoise, each blocked by its first missing dependency (control[d] not accepted
 -> "control"; condition[d] not encoded -> "condition"; latent edge full -> "edge"). Across sessions the most
-internal blocker wins: "edge" over "condition" over "control"; with no such session the cause is "no_session". An
-idle interval is split at the events where its cause changes; each segment is emitted as soon as it ends (at the
+internal blocker wins: "edge" over "condition" over "control"; with no such session the cause is "no_session".
+Each segment also lists every waiting session with its own blocker (``blocked``), so a session's metrics count
+only the idle time it waited through, with its own cause. An idle interval is split at the events where its cause
+or a session's blocker changes; each segment is emitted as soon as it ends (at the
 change, or just before the action that makes the DiT busy again: any DiT task, cache init and release included).
 Zero-length segments are not emitted. Time starts with the first event: the DiT is idle from then until its first
 task.
@@ -259,7 +261,7 @@ class Scheduler:
         self._roles: dict[Stage, RoleTask | None] = {stage: None for stage in Stage}
         self._last_served: dict[Stage, int] = {stage: -1 for stage in Stage}  # round-robin pointer (a seq)
         self._idle_since: float | None = None  # start of the current DiT idle segment
-        self._idle_cause: str | None = None
+        self._idle_cause: tuple[str, tuple[tuple[str, str], ...]] | None = None  # (cause, per-session blockers)
 
     # ---- queries ----
 
@@ -639,7 +641,7 @@ class Scheduler:
     # ---- internals: DiT idle ----
 
     def _finish_event(self, out: list[Action], now: float) -> list[Action]:
-        """Track the DiT idle segment after an event (the DiT's state and the cause may have changed)."""
+        """Track the DiT idle segment after an event (the DiT's state and the blockers may have changed)."""
         if self._roles[Stage.DENOISE] is not None:
             return out
         cause = self._current_idle_cause()
@@ -647,23 +649,26 @@ class Scheduler:
             self._idle_since, self._idle_cause = now, cause
         elif cause != self._idle_cause:
             if now > self._idle_since and self._idle_cause is not None:
-                out.append(DitIdle(self._idle_since, now, self._idle_cause))
+                out.append(DitIdle(self._idle_since, now, *self._idle_cause))
                 self._idle_since = now
             self._idle_cause = cause
         return out
 
     def _end_idle(self, now: float, out: list[Action]) -> None:
         if self._idle_since is not None and self._idle_cause is not None and now > self._idle_since:
-            out.append(DitIdle(self._idle_since, now, self._idle_cause))
+            out.append(DitIdle(self._idle_since, now, *self._idle_cause))
         self._idle_since, self._idle_cause = None, None
 
-    def _current_idle_cause(self) -> str:
-        blockers = {
-            self._denoise_blocker(s)
+    def _current_idle_cause(self) -> tuple[str, tuple[tuple[str, str], ...]]:
+        """The overall cause and each waiting session's own blocker (a segment ends when either changes)."""
+        blocked = tuple(
+            (s.id, cause)
             for s in self._sessions.values()
             if s.state is SessionState.READY and s.in_range(s.next_denoise)
-        }
+            and (cause := self._denoise_blocker(s)) is not None
+        )
+        causes = {cause for _, cause in blocked}
         for cause in ("edge", "condition", "control"):
-            if cause in blockers:
-                return cause
-        return "no_session"
+            if cause in causes:
+                return cause, blocked
+        return "no_session", blocked

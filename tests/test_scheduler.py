@@ -380,6 +380,18 @@ def test_dit_idle_is_split_by_cause_waiting_for_control_then_for_condition() -> 
     ]
 
 
+def test_dit_idle_names_each_waiting_session_with_its_own_blocker() -> None:
+    roles = Roles(Scheduler(mode=Mode.SERIAL))
+    roles.ready("A", 2)
+    roles.ready("B", 2)
+    roles.control("B", 0)  # serial: B's condition is only now submitted -> B waits for it, A for its control
+    roles.tick(3.0)
+    roles.finish(Stage.ENCODE, dt=1.0)
+    idles = [a for a in roles.of(DitIdle) if ("B", "condition") in a.blocked]
+    assert idles and all(dict(i.blocked) == {"A": "control", "B": "condition"} for i in idles)
+    assert all(i.cause == "condition" for i in idles)  # overall: the most internal blocker
+
+
 # ---- several sessions ----
 
 
