@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import queue
 import threading
 import time
@@ -405,9 +406,11 @@ class Client:
         self._outbox: queue.Queue[tuple[bytes, tuple[str, int] | None]] = queue.Queue()
         self._stop = threading.Event()
         self._context = zmq.Context.instance()
-        self._wake_addr = f"inproc://client-wake-{uuid.uuid4().hex}"
-        self._wake_rx = self._context.socket(zmq.PULL)
-        self._wake_rx.bind(self._wake_addr)
+        # Any thread wakes the I/O thread through a pipe (os.write is thread-safe; a ZeroMQ socket is not).
+        self._wake_rx, self._wake_tx = os.pipe()
+        os.set_blocking(self._wake_rx, False)
+        os.set_blocking(self._wake_tx, False)
+        self._wake_lock = threading.Lock()  # the pipe closes once, never under a writer
         self._thread = threading.Thread(target=self._io, name="worldstream-client", daemon=True)
         self._thread.start()
 
@@ -574,14 +577,10 @@ class Client:
         self._send(message, stamp)
 
     def _wake(self) -> None:
-        sock = self._context.socket(zmq.PUSH)
-        try:
-            sock.connect(self._wake_addr)
-            sock.send(b"", zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        finally:
-            sock.close(linger=0)
+        with self._wake_lock:
+            if self._wake_tx >= 0:
+                with contextlib.suppress(BlockingIOError):  # a full pipe already holds a wake-up
+                    os.write(self._wake_tx, b"\0")
 
     def _io(self) -> None:
         sock = self._context.socket(zmq.DEALER)
@@ -596,8 +595,9 @@ class Client:
             while not self._stop.is_set():
                 events = dict(poller.poll(50))
                 if self._wake_rx in events:
-                    while self._wake_rx.poll(0):
-                        self._wake_rx.recv()
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(self._wake_rx, 4096):
+                            pass
                 while True:
                     try:
                         data, stamp = self._outbox.get_nowait()
@@ -612,7 +612,6 @@ class Client:
                     self._core.route(sock.recv())
         finally:
             sock.close()
-            self._wake_rx.close()
 
     def _put_error(self, error: ServerError) -> None:
         with contextlib.suppress(queue.Full):  # an unread error queue must not grow without bound
@@ -623,6 +622,11 @@ class Client:
         after its client timeout unless a client with the same identity resumes them)."""
         self._stop.set()
         self._thread.join(timeout=2.0)
+        with self._wake_lock:
+            if self._wake_tx >= 0:
+                os.close(self._wake_tx)
+                os.close(self._wake_rx)
+                self._wake_tx = self._wake_rx = -1
 
     def __enter__(self) -> Client:
         return self
