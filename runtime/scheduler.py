@@ -360,10 +360,7 @@ class Scheduler:
         return self._finish_event(self._pump(now, []), now)
 
     def encode_done(self, session: str, index: int, now: float) -> list[Action]:
-        s = self._get(session)
-        self._expect_task(s, Stage.ENCODE, TaskKind.RUN, index)
-        self._move(s, SessionEvent.TASK_DONE)
-        self._roles[Stage.ENCODE] = None
+        s = self._run_done(session, Stage.ENCODE, index)
         out: list[Action] = []
         if s.state is SessionState.READY:
             s.encoded.add(index)
@@ -372,10 +369,7 @@ class Scheduler:
         return self._finish_event(self._pump(now, out), now)
 
     def denoise_done(self, session: str, index: int, now: float) -> list[Action]:
-        s = self._get(session)
-        self._expect_task(s, Stage.DENOISE, TaskKind.RUN, index)
-        self._move(s, SessionEvent.TASK_DONE)
-        self._roles[Stage.DENOISE] = None
+        s = self._run_done(session, Stage.DENOISE, index)
         out: list[Action] = []
         if s.state is SessionState.READY:
             s.latents.append(index)
@@ -387,10 +381,7 @@ class Scheduler:
         return self._finish_event(self._pump(now, out), now)
 
     def decode_done(self, session: str, index: int, now: float) -> list[Action]:
-        s = self._get(session)
-        self._expect_task(s, Stage.DECODE, TaskKind.RUN, index)
-        self._move(s, SessionEvent.TASK_DONE)
-        self._roles[Stage.DECODE] = None
+        s = self._run_done(session, Stage.DECODE, index)
         out: list[Action] = []
         if s.state is SessionState.READY:
             s.chunks[index].decode_end = now
@@ -473,6 +464,14 @@ class Scheduler:
         if new is None or (s.finished and event is not SessionEvent.CLOSE):
             raise IllegalEvent(f"session {s.id!r}: event {event.value} is illegal in state {s.state.value}")
         s.state = new
+
+    def _run_done(self, session: str, stage: Stage, index: int) -> _Session:
+        """The common part of a RUN task's completion: check it is the running one, free the role."""
+        s = self._get(session)
+        self._expect_task(s, stage, TaskKind.RUN, index)
+        self._move(s, SessionEvent.TASK_DONE)
+        self._roles[stage] = None
+        return s
 
     def _expect_task(self, s: _Session, stage: Stage, kind: TaskKind, index: int | None) -> None:
         task = self._roles[stage]
