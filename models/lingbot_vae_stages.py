@@ -58,7 +58,22 @@ class PromptCache:
         return len(self._items)
 
 
-class LingbotConditionStage:
+class _PerSessionStage:
+    """Release, memory and membership of a stage whose per-session state lives in ``self._sessions``."""
+
+    _sessions: SessionTable[ConditionEncoder] | SessionTable[FrameDecoder]
+
+    def release(self, session: str) -> None:
+        self._sessions.release(session)
+
+    def session_nbytes(self, session: str) -> int:
+        return self._sessions.get(session).nbytes()
+
+    def __contains__(self, session: str) -> bool:
+        return session in self._sessions
+
+
+class LingbotConditionStage(_PerSessionStage):
     """ConditionStage of LingBot-World-Fast: umT5 prompt context + streaming VAE condition ``y``."""
 
     def __init__(
@@ -118,17 +133,9 @@ class LingbotConditionStage:
             mask[:, 0] = 1.0  # only latent frame 0 of the stream carries the image
         return torch.cat([mask, latent], 0).to(self.dtype)  # [4 + z, cs, h, w]
 
-    def release(self, session: str) -> None:
-        self._sessions.release(session)
-
-    def session_nbytes(self, session: str) -> int:
-        return self._sessions.get(session).nbytes()
-
-    def __contains__(self, session: str) -> bool:
-        return session in self._sessions
 
 
-class LingbotDecodeStage:
+class LingbotDecodeStage(_PerSessionStage):
     """DecodeStage of LingBot-World-Fast: per-session causal VAE decoding to uint8 RGB."""
 
     def __init__(self, vae: WanVAE, *, max_latent_frames_per_call: int | None = None) -> None:
@@ -150,14 +157,6 @@ class LingbotDecodeStage:
     def decode(self, session: str, index: int, latent: torch.Tensor) -> torch.Tensor:
         return frames_to_uint8(self.decode_float(session, index, latent))
 
-    def release(self, session: str) -> None:
-        self._sessions.release(session)
-
-    def session_nbytes(self, session: str) -> int:
-        return self._sessions.get(session).nbytes()
-
-    def __contains__(self, session: str) -> bool:
-        return session in self._sessions
 
 
 @dataclass(frozen=True)
