@@ -16,7 +16,8 @@ handed its sequence-parallel process group at construction.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -96,3 +97,20 @@ class DecodeStage(Protocol):
 
     def release(self, session: str) -> None:
         """Free the session's caches; idempotent."""
+
+
+def run_in_process(condition: ConditionStage, denoise: DenoiseStage, decode: DecodeStage, spec: SessionSpec,
+                   controls: Sequence[ChunkControl]) -> list[torch.Tensor]:
+    """One session through the three stages in one process, chunk after chunk: the reference that a multi-rank
+    run of the same stages must reproduce. Returns each chunk's uint8 frames; the caches are released."""
+    session = spec.session
+    context = condition.open(spec)
+    denoise.open(replace(spec, image=None), context)
+    decode.open(session)
+    try:
+        return [decode.decode(session, i, denoise.denoise(session, i, condition.encode(session, i), control))
+                for i, control in enumerate(controls)]
+    finally:
+        decode.release(session)
+        denoise.release(session)
+        condition.release(session)

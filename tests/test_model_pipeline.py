@@ -9,7 +9,7 @@ import torch
 
 from ipc.client import Client
 from models.controls import ChunkControl
-from models.stages import SessionSpec
+from models.stages import SessionSpec, run_in_process
 from ranks.coordinator import decode_image
 from runtime import config as config_mod
 from scripts.local_server import ROOT, LocalServer
@@ -30,14 +30,9 @@ def one_process_reference(prompt: str, seed: int) -> list[np.ndarray]:
     decode = lingbot.build_decode(cfg.model, cfg.stream, device)
     raw = decode_image(IMAGE, cfg.server.max_image_pixels, cfg.stream.width, cfg.stream.height)
     image = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(cfg.stream.height, cfg.stream.width, 3)
-    context = condition.open(SessionSpec("ref", seed, prompt, image))
-    denoise.open(SessionSpec("ref", seed, prompt), context)
-    decode.open("ref")
-    frames = []
-    for index, keys in enumerate(KEYS):
-        latent = denoise.denoise("ref", index, condition.encode("ref", index), ChunkControl(keys=frozenset(keys)))
-        frames.append(decode.decode("ref", index, latent).numpy())
-    return frames
+    controls = [ChunkControl(keys=frozenset(keys)) for keys in KEYS]
+    frames = run_in_process(condition, denoise, decode, SessionSpec("ref", seed, prompt, image), controls)
+    return [f.numpy() for f in frames]
 
 
 def test_seven_rank_real_model_stream_matches_the_one_process_stages() -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from models.controls import ChunkControl, integrate_stream
-from models.stages import SessionSpec
+from models.stages import SessionSpec, run_in_process
 from models.synthetic import SyntheticCondition, SyntheticDecode, SyntheticDenoise, synthetic_geometry
 
 
@@ -22,18 +22,11 @@ def horizontal_shift(a: np.ndarray, b: np.ndarray) -> float:
 
 def run(keys: list[str], seed: int = 0) -> list[np.ndarray]:
     geometry = synthetic_geometry(64, 96, 3)
-    condition, denoise, decode = SyntheticCondition(geometry, 0), SyntheticDenoise(geometry, 0), SyntheticDecode(
-        geometry, 0)
+    stages = SyntheticCondition(geometry, 0), SyntheticDenoise(geometry, 0), SyntheticDecode(geometry, 0)
     rng = np.random.default_rng(1)
     image = torch.from_numpy((rng.random((64, 96, 3)) * 255).astype(np.uint8))
-    context = condition.open(SessionSpec("s", seed, "p", image))
-    denoise.open(SessionSpec("s", seed, "p"), context)
-    decode.open("s")
-    out = []
-    for i, k in enumerate(keys):
-        latent = denoise.denoise("s", i, condition.encode("s", i), ChunkControl(keys=frozenset(k)))
-        out.append(decode.decode("s", i, latent).numpy())
-    return out
+    controls = [ChunkControl(keys=frozenset(k)) for k in keys]
+    return [f.numpy() for f in run_in_process(*stages, SessionSpec("s", seed, "p", image), controls)]
 
 
 def test_strafe_right_and_yaw_right_move_the_picture_left_and_strafe_left_moves_it_right() -> None:
