@@ -9,7 +9,7 @@ Tensors never travel here: a header on this plane announces them, the tensor pla
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 import msgspec
 
@@ -132,17 +132,15 @@ ServerMessage = Union[Opened, Accepted, Chunk, Closed, Error, StatsReply, Heartb
 # ----------------------------------------------------------------------------------------------------------------
 # coordinator <-> role workers (the tensor plane moves the data these announce)
 
-Role = Literal["condition", "condition_sender", "dit", "decode", "frames", "heartbeat"]
-
-
 class Hello(_Msg, tag="hello"):
     rank: int
     role: str  # which worker thread of the rank this is
 
 
 class Task(_Msg, tag="task"):
-    """A command to a role worker. ``op`` is one of: init, encode, denoise, decode, release, send_condition,
-    send_context, expect_frames, shutdown."""
+    """A command to a role worker. ``op`` is one of: init, encode, denoise, decode, release (stages);
+    edge_context, edge_condition, expect_latent, expect_frames (transfers announced before they happen);
+    shutdown."""
 
     op: str
     session: str = ""
@@ -152,7 +150,6 @@ class Task(_Msg, tag="task"):
     image: bytes = b""  # raw uint8 [H, W, 3] for the condition role's init
     control: dict[str, Any] = {}
     cached: bool = False  # world-cache hit: advance the noise cursor only
-    shape: list[int] = []  # tensor shape announced for the transfer that follows
 
 
 class Done(_Msg, tag="done"):

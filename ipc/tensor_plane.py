@@ -141,10 +141,6 @@ class Mailbox:
                 raise Dropped(f"session {key[0]!r} was released")
             return self._items.pop(key)
 
-    def peek(self, key: tuple[str, int]) -> Any:
-        with self._cond:
-            return self._items[key]
-
     def drop_session(self, session: str) -> int:
         with self._cond:
             keys = [k for k in self._items if k[0] == session]

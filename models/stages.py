@@ -46,10 +46,6 @@ class StreamGeometry:
     def frames_shape(self, index: int) -> tuple[int, int, int, int]:
         return (self.frames_in_chunk(index), self.height, self.width, 3)
 
-    def first_frame_of_chunk(self, index: int) -> int:
-        """Index of the chunk's first video frame in the whole stream."""
-        return 0 if index == 0 else self.frames_in_chunk(0) + (index - 1) * self.frames_in_chunk(1)
-
 
 @dataclass(frozen=True)
 class SessionSpec:
