@@ -149,7 +149,6 @@ class Task(_Msg, tag="task"):
     prompt: str = ""
     image: bytes = b""  # raw uint8 [H, W, 3] for the condition role's init
     control: dict[str, Any] = {}
-    cached: bool = False  # world-cache hit: advance the noise cursor only
 
 
 class Done(_Msg, tag="done"):

@@ -265,12 +265,14 @@ class Coordinator:
         elif isinstance(action, sch.RunEncode):
             self._task(ids.condition, "encode", sid, action.index)
         elif isinstance(action, sch.RunDenoise):
+            # The scheduler is built without a world-cache hook, so no denoise is a cache hit: the ranks hold no
+            # world cache yet (the scheduler's branch and the stages' skip(latent=...) are ready for one).
+            assert not action.cached, "world-cache hits are not wired on the ranks"
             control = session.controls[action.index].to_wire()
             if ids.latent_receiver is not None:
                 self._task(ids.latent_receiver, "expect_latent", sid, action.index, track=False)
             for i, identity in enumerate(ids.dit):
-                self._task(identity, "denoise", sid, action.index, control=control, cached=action.cached,
-                           track=i == 0)
+                self._task(identity, "denoise", sid, action.index, control=control, track=i == 0)
         elif isinstance(action, sch.RunDecode):
             if ids.frames is not None:
                 self._task(ids.frames, "expect_frames", sid, action.index)

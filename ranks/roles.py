@@ -92,7 +92,6 @@ def dit_worker(ctx: RankContext) -> None:
     leader = ctx.rank == lay.dit_leader
     group_ranks = len(lay.dit)
     assert stage is not None
-    cached_latents: dict[tuple[str, int], torch.Tensor] = {}  # world-cache hook: filled by a world cache
 
     def init(task: protocol.Task, spans: Spans) -> dict[str, object]:
         context = _dit_input(ctx, task.session, CONTEXT_INDEX)
@@ -105,13 +104,8 @@ def dit_worker(ctx: RankContext) -> None:
         control = ChunkControl.from_wire(task.control)
         failure: Exception | None = None
         try:
-            if task.cached:
-                with spans.span("denoise.cached"):
-                    latent = cached_latents.pop((task.session, task.index))
-                    stage.skip(task.session, task.index, control, latent=latent, condition=condition)
-            else:
-                with spans.span("denoise"):
-                    latent = stage.denoise(task.session, task.index, condition, control)
+            with spans.span("denoise"):
+                latent = stage.denoise(task.session, task.index, condition, control)
         except Exception as error:
             if group_ranks > 1:  # the other ranks are inside a collective with this one: the group can only end
                 raise Fatal(f"denoise of {task.session}/{task.index} on a {group_ranks}-rank DiT group: "
