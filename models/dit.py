@@ -9,7 +9,14 @@ Work done once instead of per call:
   once per distinct ``t`` (memoised on the model) and blocks broadcast it over tokens;
 - the camera modulation of every block depends only on the chunk's control: ``camera_modulation`` is run
   once per chunk and its result is reused by all denoising passes and the refresh pass;
-- the text keys/values of every block are computed once per session (``text_cache``).
+- the text keys/values of every block are computed once per session (``text_cache``);
+- the per-block modulation ``modulation + e0`` (with ``1 +`` already applied to the two scales) is memoised with
+  the timestep embedding, and the camera's ``1 + scale`` is formed once per chunk.
+
+Precision (as the reference's autocast regions): the residual stream, the modulation and the output head run in
+float32; every other Linear runs in the weights' dtype (bf16 on GPU), and ``1 + cam_scale`` is rounded to that dtype
+before it scales the float32 stream. The elementwise steps are written as single kernels where one exists
+(``addcmul`` for modulation and gating, ``rms_norm``, complex RoPE), since at 480x832 they are a third of a chunk.
 
 Sequence parallelism is applied from outside with ``apply_sequence_parallel(model, group)``.
 """
@@ -26,7 +33,7 @@ from torch import nn
 
 from models.attention import AttentionFn, select_attention
 from models.kv_cache import KVCache, TextCache
-from models.rope import apply_rope, rope_angles, rope_cos_sin
+from models.rope import apply_rope, rope_angles, rope_freqs
 from models.ulysses import Ulysses
 
 CONTROL_CHANNELS = 6  # Plücker ray origin + direction per pixel
@@ -56,6 +63,7 @@ class DiTConfig:
     timestep_indices: tuple[int, ...] = (0, 179, 358, 679)  # schedule indices of the denoising steps
     attention: str = "auto"  # "auto" | "sdpa" | "sage"
     rope_positions: int = 1024  # time positions of the reference RoPE table (see models/rope.py)
+    kv_eviction: bool = True  # False: the official v1 "full" cache: nothing leaves, the window caps the session
 
     def __post_init__(self) -> None:
         assert self.dim % self.num_heads == 0, f"dim {self.dim} not divisible by num_heads {self.num_heads}"
@@ -63,6 +71,11 @@ class DiTConfig:
         assert tuple(self.patch_size) == (1, 2, 2), "only the released 1x2x2 patch is supported"
         assert 0 <= self.sink_size < self.local_attn_size, "sink must be smaller than the window"
         assert self.chunk_size <= self.local_attn_size - self.sink_size, "a chunk must fit the window beside the sink"
+
+    @property
+    def max_chunks(self) -> int | None:
+        """Chunks a session can run: unbounded with a rolling window, what the window holds without eviction."""
+        return None if self.kv_eviction else self.local_attn_size // self.chunk_size
 
     @property
     def head_dim(self) -> int:
@@ -80,10 +93,15 @@ class DiTConfig:
         return replace(PRESETS[name], **overrides)  # type: ignore[arg-type]
 
 
+# The fields a checkpoint's config.json decides (the architecture). Everything else (chunk size, schedule, window,
+# sink, attention kernel) is a streaming setting that comes from the preset and the config file.
+ARCH_FIELDS = ("dim", "ffn_dim", "freq_dim", "text_dim", "text_len", "in_dim", "out_dim", "num_heads", "num_layers",
+               "patch_size", "eps")
+
 PRESETS: dict[str, DiTConfig] = {
-    # Full size (Wan2.2-I2V-A14B expert + camera). v1: chunk 3; v2: chunk 4, indices 0/250/500/750.
-    # The window/sink of v1 are not stated in the design: the 18-frame window matches its FLOP budget and the
-    # 6-frame sink is taken from v2; a checkpoint's config.json overrides both.
+    # Full size (Wan2.2-I2V-A14B expert + camera). v1: chunk 3, indices 0/179/358/679; v2: chunk 4, 0/250/500/750.
+    # Window and sink: v2's official run-time values are 18 + 6. The official v1 keeps the whole clip (no eviction,
+    # "full"); 18 + 6 for v1 is our streaming choice for unbounded sessions (``model.kv_window`` selects).
     "lingbot-world-fast-v1": DiTConfig(),
     "lingbot-world-fast-v2": DiTConfig(chunk_size=4, timestep_indices=(0, 250, 500, 750)),
     # Tiny presets for tests and CPU demos (heads divisible by 5 for the 5-rank DiT group).
@@ -105,8 +123,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).type_as(x) * self.weight
 
 
 def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -126,10 +143,10 @@ class SelfAttention(nn.Module):
     def forward(
         self,
         a: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: torch.Tensor,
         n_total: int,
         cache: KVCache | None,
-        current_start: int,
+        layer: int,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n = a.shape[0]  # local tokens (this rank's shard)
@@ -137,14 +154,14 @@ class SelfAttention(nn.Module):
         k = self.norm_k(self.k(a)).view(n, self.heads, self.head_dim)
         v = self.v(a).view(n, self.heads, self.head_dim)
         q, k, v = self.sp.qkv_to_heads(q, k, v, n_total)  # [N, heads/R, hd] each
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads/R, N, hd]
         if cache is not None:
             assert mask is None, "the cached path attends to every valid slot"
-            k, v = cache.update(k, v, current_start)  # [heads/R, L, hd]
+            k, v = cache.write(layer, k, v)  # [heads/R, L, hd]
             out = self.attend(q, k, v)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:  # the uncached full-sequence form (tests of the cached path); 4-D as every SDPA call
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0]
         out = self.sp.heads_to_seq(out.transpose(0, 1))  # [n, heads, hd]
         return self.o(out.reshape(n, -1))
 
@@ -184,33 +201,33 @@ class Block(nn.Module):
         self.cam_scale_layer, self.cam_shift_layer = nn.Linear(d, d), nn.Linear(d, d)
 
     def camera(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scale, shift)`` of this block for the shared camera features ``c [n, d]`` (compute dtype)."""
+        """``(1 + scale, shift)`` of this block for the shared camera features ``c [n, d]``, both in the compute
+        dtype: the reference forms ``1 + cam_scale`` in bf16, so the rounding is part of the numbers."""
         g = self.cam_injector_layer2(F.silu(self.cam_injector_layer1(c))) + c
-        return self.cam_scale_layer(g), self.cam_shift_layer(g)
+        return 1 + self.cam_scale_layer(g), self.cam_shift_layer(g)
 
     def forward(
         self,
-        x: torch.Tensor,  # [n, d] local tokens
-        e0: torch.Tensor,  # [1 or n, 6, d]
-        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,  # [n, d] local tokens, float32
+        mod: torch.Tensor,  # [1 or n, 6, d] float32: shift, 1 + scale, gate (attention); shift, 1 + scale, gate (ffn)
+        rope: torch.Tensor,
         n_total: int,
         cache: KVCache | None,
-        current_start: int,
+        layer: int,
         text_kv: tuple[torch.Tensor, torch.Tensor],
         cam: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # The residual stream x and the modulation stay float32 (as the reference's float32 autocast regions);
-        # each Linear gets its input in the weights' dtype (bf16 on GPU). In float32 every cast is a no-op.
+        # The residual stream and the modulation stay float32 (the reference's float32 autocast regions); each
+        # Linear gets its input in the weights' dtype (bf16 on GPU). In float32 every cast is a no-op.
         wdt = self.norm3.weight.dtype
-        m = self.modulation.float() + e0.float()  # [1 or n, 6, d]
-        a = (layer_norm(x, self.eps) * (1 + m[:, 1]) + m[:, 0]).to(wdt)
-        x = x + self.self_attn(a, rope, n_total, cache, current_start, mask).float() * m[:, 2]
-        x = (1 + cam[0].float()) * x + cam[1].float()
+        a = torch.addcmul(mod[:, 0], layer_norm(x, self.eps), mod[:, 1]).to(wdt)
+        x = torch.addcmul(x, self.self_attn(a, rope, n_total, cache, layer, mask), mod[:, 2])
+        x = torch.addcmul(cam[1], x, cam[0])  # (1 + cam_scale) * x + cam_shift, float32 result
         q = F.layer_norm(x, x.shape[-1:], self.norm3.weight.float(), self.norm3.bias.float(), self.eps)
-        x = x + self.cross_attn(q.to(wdt), *text_kv).float()
-        h = (layer_norm(x, self.eps) * (1 + m[:, 4]) + m[:, 3]).to(wdt)
-        return x + self.ffn(h).float() * m[:, 5]
+        x = x + self.cross_attn(q.to(wdt), *text_kv)
+        h = torch.addcmul(mod[:, 3], layer_norm(x, self.eps), mod[:, 4]).to(wdt)
+        return torch.addcmul(x, self.ffn(h), mod[:, 5])
 
 
 class Head(nn.Module):
@@ -221,14 +238,16 @@ class Head(nn.Module):
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
 
     def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """Float32 throughout, whatever the weights' dtype (the reference runs the head under float32 autocast)."""
         s = self.modulation.float() + e.float()[:, None]  # [1 or n, 2, d]; the head uses e, not e0
-        return self.head((layer_norm(x, self.eps) * (1 + s[:, 1]) + s[:, 0]).to(self.head.weight.dtype))
+        h = torch.addcmul(s[:, 0], layer_norm(x, self.eps), 1 + s[:, 1])
+        return F.linear(h, self.head.weight.float(), self.head.bias.float())
 
 
 @dataclass
 class ChunkCamera:
-    """Camera modulation of every block for one chunk: ``(scale, shift)`` each ``[n_local, d]``; a block applies
-    ``x = (1 + scale) * x + shift`` in float32."""
+    """Camera modulation of every block for one chunk: ``(1 + scale, shift)`` each ``[n_local, d]`` in the compute
+    dtype; a block applies ``x = (1 + scale) * x + shift`` to its float32 stream."""
 
     per_block: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
@@ -250,33 +269,39 @@ class WanModelFast(nn.Module):
         self.head = Head(cfg)
         self.sp = Ulysses(None)
         self._time_memo: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._rope_memo: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._rope_memo: tuple[tuple, torch.Tensor] | None = None
         self.register_load_state_dict_pre_hook(lambda *args, **kwargs: self._time_memo.clear())
-        self.set_attention(cfg.attention)
+        self.set_attention(select_attention(cfg.attention))
 
-    def set_attention(self, kind: str) -> None:
-        fn = select_attention(kind)
+    def set_attention(self, fn: AttentionFn) -> None:
         for block in self.blocks:
             block.self_attn.attend = fn
             block.cross_attn.attend = fn
 
     # ---- per-session / per-chunk / per-t precomputation -------------------------------------------------
 
+    def _embed_t(self, t: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(e [1, d], mods [layers, 1, 6, d])`` of timestep ``t``, all float32 (the reference embeds t under float32
+        autocast); ``mods`` is every block's ``modulation + e0`` with ``1 +`` applied to the two scales."""
+        half = self.cfg.freq_dim // 2
+        w = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64) / half)
+        arg = torch.tensor([float(t)], dtype=torch.float64)[:, None] * w  # [1, half]
+        sinus = torch.cat([torch.cos(arg), torch.sin(arg)], dim=1)
+        lin1, lin2, proj = self.time_embedding[0], self.time_embedding[2], self.time_projection[1]
+        sinus = sinus.to(device=lin1.weight.device, dtype=torch.float32)
+        e = F.linear(F.silu(F.linear(sinus, lin1.weight.float(), lin1.bias.float())), lin2.weight.float(),
+                     lin2.bias.float())  # [1, d]
+        e0 = F.linear(F.silu(e), proj.weight.float(), proj.bias.float()).unflatten(1, (6, self.cfg.dim))
+        mods = torch.stack([block.modulation.float() for block in self.blocks]) + e0  # [layers, 1, 6, d]
+        mods[:, :, 1] += 1
+        mods[:, :, 4] += 1
+        return e, mods
+
     def time_embed(self, t: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(e [1, d], e0 [1, 6, d])`` of timestep ``t``, memoised (inference only; cleared on load)."""
+        """``_embed_t`` memoised per distinct ``t`` (inference only; cleared on load)."""
         key = float(t)
         if key not in self._time_memo:
-            half = self.cfg.freq_dim // 2
-            w = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64) / half)
-            arg = torch.tensor([key], dtype=torch.float64)[:, None] * w  # [1, half]
-            sinus = torch.cat([torch.cos(arg), torch.sin(arg)], dim=1)
-            # float32 whatever the weights' dtype (the reference embeds t under float32 autocast); once per t
-            lin1, lin2, proj = self.time_embedding[0], self.time_embedding[2], self.time_projection[1]
-            sinus = sinus.to(device=lin1.weight.device, dtype=torch.float32)
-            e = F.linear(F.silu(F.linear(sinus, lin1.weight.float(), lin1.bias.float())), lin2.weight.float(),
-                         lin2.bias.float())  # [1, d]
-            e0 = F.linear(F.silu(e), proj.weight.float(), proj.bias.float()).unflatten(1, (6, self.cfg.dim))
-            self._time_memo[key] = (e, e0)
+            self._time_memo[key] = self._embed_t(key)
         return self._time_memo[key]
 
     def text_cache(self, context: torch.Tensor) -> TextCache:
@@ -300,13 +325,11 @@ class WanModelFast(nn.Module):
         c = c + self.c2ws_hidden_states_layer2(F.silu(self.c2ws_hidden_states_layer1(c)))
         return ChunkCamera([block.camera(c) for block in self.blocks])
 
-    def _rope(
-        self, f: int, h: int, w: int, start_frame: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE tables of a call, kept for the next calls of the same chunk (five passes share them)."""
+    def _rope(self, f: int, h: int, w: int, start_frame: int, device: torch.device) -> torch.Tensor:
+        """RoPE rotations of a call, built on the device and kept for the next calls of the same chunk."""
         key = (f, h, w, start_frame, device)
         if self._rope_memo is None or self._rope_memo[0] != key:
-            self._rope_memo = (key, rope_cos_sin(rope_angles(self.cfg.head_dim, f, h, w, start_frame), device))
+            self._rope_memo = (key, rope_freqs(rope_angles(self.cfg.head_dim, f, h, w, start_frame, device)))
         return self._rope_memo[1]
 
     # ---- one call -----------------------------------------------------------------------------------------
@@ -319,10 +342,11 @@ class WanModelFast(nn.Module):
         start_frame: int,
         text: TextCache,
         cam: ChunkCamera,
-        caches: list[KVCache] | None,
+        cache: KVCache | None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Velocity ``[out_dim, F, h, w]`` for latent ``x [16, F, h, w]`` starting at latent frame ``start_frame``.
+        """Velocity ``[out_dim, F, h, w]`` (float32) for latent ``x [16, F, h, w]`` starting at latent frame
+        ``start_frame``.
 
         ``t`` is one timestep for all tokens (the streaming call) or one per latent frame (only for the
         uncached full-sequence form with a ``mask``, used to check the cached path).
@@ -333,20 +357,21 @@ class WanModelFast(nn.Module):
         tokens = self.patch_embedding(xin).flatten(2)[0].transpose(0, 1)  # [N, d], (frame, row, col)
         n_total, fs = tokens.shape[0], (h // 2) * (w // 2)
         if isinstance(t, list):
-            assert caches is None and self.sp.size == 1, "per-frame timesteps only in the uncached 1-rank form"
-            embs = [self.time_embed(tf) for tf in t]
+            assert cache is None and self.sp.size == 1, "per-frame timesteps only in the uncached 1-rank form"
+            embs = [self._embed_t(tf) for tf in t]
             e = torch.cat([em for em, _ in embs]).repeat_interleave(fs, 0)  # [N, d]
-            e0 = torch.cat([em0 for _, em0 in embs]).repeat_interleave(fs, 0)  # [N, 6, d]
+            mods = torch.cat([m for _, m in embs], dim=1).repeat_interleave(fs, 1)  # [layers, N, 6, d]
         else:
-            e, e0 = self.time_embed(t)  # broadcast over tokens
+            e, mods = self.time_embed(t)  # broadcast over tokens
+        if cache is not None:
+            cache.begin(start_frame * fs, n_total)
         rope = self._rope(f, h // 2, w // 2, start_frame, tokens.device)
         xs = self.sp.shard(tokens).float()  # [n, d]; the residual stream is float32
         for i, block in enumerate(self.blocks):
-            cache = None if caches is None else caches[i]
             text_kv = (text.k[i], text.v[i])
-            xs = block(xs, e0, rope, n_total, cache, start_frame * fs, text_kv, cam.per_block[i], mask)
+            xs = block(xs, mods[i], rope, n_total, cache, i, text_kv, cam.per_block[i], mask)
         out = self.sp.gather(self.head(xs, e), n_total)  # [N, 4 * out_dim]
-        out = out.float().reshape(f, h // 2, w // 2, 2, 2, self.cfg.out_dim)  # (f, i, j, r, s, c)
+        out = out.reshape(f, h // 2, w // 2, 2, 2, self.cfg.out_dim)  # (f, i, j, r, s, c)
         return out.permute(5, 0, 1, 3, 2, 4).reshape(self.cfg.out_dim, f, h, w)
 
 

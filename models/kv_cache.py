@@ -1,17 +1,20 @@
 """Per-session caches of the DiT: the rolling self-attention KV cache with sink frames, and the text cache.
 
-Rolling window (one ``KVCache`` per layer), ``S = window_frames * fs`` token slots, counters ``global_end``
-(absolute end of what has been written) and ``local_end`` (end of the valid slots). A call with
-``current_start`` and ``N`` new tokens, ``e = current_start + N``:
+Semantics (the reference, ``shared/fixtures/golden/README.md`` section 6): a window of ``S = window_frames * fs``
+token slots; the ``sink = sink_frames * fs`` first tokens of the stream stay forever; when a chunk's first call
+does not fit, the oldest non-sink tokens leave; the chunk's later calls (the other denoising passes and the t = 0
+refresh) rewrite the same tokens; attention reads every valid token. Keys are stored after RoPE, so a cached key
+keeps the position it was written with.
 
-- append with eviction when ``e > global_end`` and ``N + local_end > S``: ``ev = N + local_end - S`` tokens
-  leave, the ``sink = sink_frames * fs`` first slots never move, slots ``[sink + ev, local_end)`` shift down
-  to ``[sink, local_end - ev)``; ``local_end += (e - global_end) - ev``;
-- otherwise ``local_end += e - global_end`` (0 for the later calls of the same chunk, which overwrite);
-- the new keys/values go to ``[local_end - N, local_end)``; attention reads slots ``[0, local_end)``.
+Layout (ours). The reference shifts the kept tokens down on every eviction (a copy of the whole window per layer
+and per chunk: ~23 GB of memory traffic per v1 chunk at 480x832). Here the non-sink part of the window is a ring:
+a new chunk is written in place over exactly the slots of the tokens it evicts, nothing else moves. Attention is
+unmasked and every position is already encoded in the keys, so the order of the slots does not matter: the valid
+slots are always the prefix ``[0, filled)`` and the result equals the reference's up to float summation order.
 
-Keys are stored after RoPE, so a cached key keeps the position it was written with. Each DiT rank holds
-only its own heads (``heads`` is the local head count under Ulysses).
+One ``KVCache`` serves every layer of a session: the slot bookkeeping is computed once per DiT call (``begin``)
+and each layer writes its keys/values through it (``write``). Each DiT rank holds only its own heads (``heads``
+is the local head count under Ulysses).
 """
 
 from __future__ import annotations
@@ -22,44 +25,76 @@ import torch
 
 
 class KVCache:
-    """Rolling self-attention cache of one layer: keys/values ``[heads, S, hd]``."""
+    """Rolling self-attention cache of one session: per layer keys/values ``[heads, S, hd]`` and one ring."""
 
-    def __init__(
-        self, slots: int, sink_tokens: int, heads: int, head_dim: int, device: torch.device | str, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, layers: int, slots: int, sink_tokens: int, heads: int, head_dim: int,
+                 device: torch.device | str, dtype: torch.dtype) -> None:  # fmt: skip
         assert 0 <= sink_tokens < slots, f"sink {sink_tokens} must be smaller than the window {slots}"
         self.slots, self.sink = slots, sink_tokens
-        self.k = torch.zeros(heads, slots, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros(heads, slots, head_dim, device=device, dtype=dtype)
-        self.global_end = 0
-        self.local_end = 0
-        self.evicted = 0  # tokens evicted by the last append (for traces)
+        self.k = [torch.zeros(heads, slots, head_dim, device=device, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros(heads, slots, head_dim, device=device, dtype=dtype) for _ in range(layers)]
+        self.global_end = 0  # absolute end of the tokens written so far
+        self.filled = 0  # valid slots: always the prefix [0, filled)
+        self.oldest = sink_tokens  # slot of the oldest non-sink token (the next one to evict)
+        self.evicted = 0  # tokens evicted by the last new chunk (for traces)
+        self.positions = torch.full((slots,), -1, dtype=torch.int64)  # absolute token of each slot (CPU, traces)
+        self._span: tuple[int, int] | None = None  # the current chunk's slots when they are contiguous ...
+        self._index: torch.Tensor | None = None  # ... else their indices (on the cache's device)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, current_start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k, v [heads, N, hd]`` of tokens starting at ``current_start``; return the window to attend."""
-        n = k.shape[1]
+    @property
+    def local_end(self) -> int:
+        """The reference's local end counter: how many slots hold valid tokens."""
+        return self.filled
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def begin(self, current_start: int, n: int) -> None:
+        """Place a call's ``n`` tokens starting at absolute token ``current_start``: a new chunk gets slots (evicting
+        the oldest non-sink tokens if the window is full); a rewrite of the current chunk keeps its slots."""
         assert n <= self.slots - self.sink, f"{n} new tokens do not fit a window of {self.slots} with {self.sink} sink"
         end = current_start + n
-        assert end >= self.global_end, f"chunk ending at {end} is behind the cache end {self.global_end}"
-        # Tokens that become new slots: the whole chunk on its first call, none when it is rewritten. A gap
-        # (a skipped chunk that was never written) adds only the chunk itself; positions stay absolute.
-        new = min(end - self.global_end, n)
-        self.evicted = 0
-        if new > 0 and n + self.local_end > self.slots:
-            ev = n + self.local_end - self.slots
-            keep = self.local_end - ev - self.sink
-            src = slice(self.sink + ev, self.sink + ev + keep)
-            dst = slice(self.sink, self.sink + keep)
-            self.k[:, dst] = self.k[:, src].clone()
-            self.v[:, dst] = self.v[:, src].clone()
-            self.local_end = self.local_end + new - ev
-            self.evicted = ev
-        else:
-            self.local_end = self.local_end + new
-        self.k[:, self.local_end - n : self.local_end] = k
-        self.v[:, self.local_end - n : self.local_end] = v
+        if end == self.global_end and self._span_len() == n:
+            return  # a later pass of the same chunk: same slots
+        assert current_start == self.global_end, (
+            f"a chunk starting at token {current_start} does not continue the cache (which ends at {self.global_end})")
+        take = min(self.slots - self.filled, n)  # free slots first (while the window fills) ...
+        slots = list(range(self.filled, self.filled + take))
+        ring = self.slots - self.sink
+        for j in range(n - take):  # ... then the slots of the oldest non-sink tokens, in age order
+            slots.append(self.sink + (self.oldest - self.sink + j) % ring)
+        self.evicted = n - take
+        self.oldest = self.sink + (self.oldest - self.sink + self.evicted) % ring
+        self.filled += take
         self.global_end = end
-        return self.k[:, : self.local_end], self.v[:, : self.local_end]
+        self.positions[slots] = torch.arange(current_start, end)
+        if slots == list(range(slots[0], slots[0] + n)):
+            self._span, self._index = (slots[0], slots[0] + n), None
+        else:
+            self._span, self._index = None, torch.tensor(slots, device=self.k[0].device)
+
+    def _span_len(self) -> int:
+        if self._span is not None:
+            return self._span[1] - self._span[0]
+        return 0 if self._index is None else int(self._index.numel())
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k, v [heads, n, hd]`` of the call placed by ``begin``; return the valid window ``[heads, L, hd]``."""
+        kb, vb = self.k[layer], self.v[layer]
+        if self._span is not None:
+            a, b = self._span
+            kb[:, a:b] = k
+            vb[:, a:b] = v
+        else:
+            assert self._index is not None, "begin() places a call's tokens before its layers write"
+            kb.index_copy_(1, self._index, k.to(kb.dtype))
+            vb.index_copy_(1, self._index, v.to(vb.dtype))
+        return kb[:, : self.filled], vb[:, : self.filled]
+
+    def cached_frames(self, tokens_per_frame: int) -> list[int]:
+        """Absolute latent frames held now, ascending (what the reference's trace lists)."""
+        valid = self.positions[: self.filled]
+        return sorted({int(p) // tokens_per_frame for p in valid.tolist()})
 
 
 @dataclass
@@ -70,7 +105,7 @@ class TextCache:
     v: list[torch.Tensor]
 
 
-def new_kv_caches(
+def new_kv_cache(
     layers: int,
     window_frames: int,
     sink_frames: int,
@@ -79,10 +114,8 @@ def new_kv_caches(
     head_dim: int,
     device: torch.device | str,
     dtype: torch.dtype,
-) -> list[KVCache]:
-    """One rolling cache per layer for a session (``heads`` is the rank's local head count)."""
-    assert window_frames > 0, "the streaming cache needs a finite window (local_attn_size > 0)"
-    return [
-        KVCache(window_frames * tokens_per_frame, sink_frames * tokens_per_frame, heads, head_dim, device, dtype)
-        for _ in range(layers)
-    ]
+) -> KVCache:
+    """The rolling cache of a session (``heads`` is the rank's local head count)."""
+    assert window_frames > 0, "the streaming cache needs a finite window (in latent frames)"
+    return KVCache(layers, window_frames * tokens_per_frame, sink_frames * tokens_per_frame, heads, head_dim, device,
+                   dtype)  # fmt: skip

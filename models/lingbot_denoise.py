@@ -11,31 +11,36 @@ for s, step in enumerate(steps):
 DiT(x0, 0.0, y_k, control_k)                                  # refresh: rewrites chunk k's K/V at t = 0
 ```
 
-Noise source of a session: one ``torch.Generator`` (CPU) seeded with ``spec.seed``. Per chunk, in order, it
-draws ``randn(16, cs, h, w)`` for the chunk's initial noise, then one ``randn(16, cs, h, w)`` per re-noise
-step ``s = 1..n-1``. (The reference draws the initial noise of the *whole clip* first, ``randn(16, F, h, w)``,
-which a stream of unknown length cannot do, so the streams differ in which numbers land where but not in
-distribution; the fixtures store every noise tensor, and tests inject them through ``NoiseSource``.)
-A world-cache hit (``skip``) draws exactly the same numbers and advances the camera state.
+Noise source of a session: one ``torch.Generator`` on the stage's device seeded with ``spec.seed`` (noise is drawn
+where it is used: no host copy per step; the same seed gives the same numbers on the same kind of device). Per
+chunk, in order, it draws ``randn(16, cs, h, w)`` for the chunk's initial noise, then one ``randn(16, cs, h, w)``
+per re-noise step ``s = 1..n-1``. (The reference draws the initial noise of the *whole clip* first,
+``randn(16, F, h, w)``, which a stream of unknown length cannot do, so the streams differ in which numbers land
+where but not in distribution; the fixtures store every noise tensor, and tests inject them through
+``NoiseSource``.)
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from models.attention import measure_attention
 from models.camera import StreamingCamera
 from models.controls import ChunkControl, MotionSpeeds, integrate
-from models.dit import ChunkCamera, DiTConfig, WanModelFast, apply_sequence_parallel
-from models.dit_checkpoint import load_dit, load_state_dict_strict
-from models.kv_cache import KVCache, TextCache, new_kv_caches
+from models.dit import ARCH_FIELDS, ChunkCamera, DiTConfig, WanModelFast, apply_sequence_parallel
+from models.dit_checkpoint import load_dit, load_state_dict_strict, random_dit
+from models.kv_cache import KVCache, TextCache, new_kv_cache
 from models.schedule import FlowMatchSchedule, Step, renoise, x0_from_velocity
 from models.stages import SessionSpec, StreamGeometry
+
+log = logging.getLogger(__name__)
 
 # (fx, fy, cx, cy) for a 480x832 frame, used when the session gives none (about 77 degrees horizontal FOV).
 DEFAULT_INTRINSICS = (520.0, 520.0, 416.0, 240.0)
@@ -45,12 +50,13 @@ Trace = Callable[[str, torch.Tensor], None]
 class NoiseSource:
     """Seeded per-session Gaussian noise in the documented draw order (see the module docstring)."""
 
-    def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def draw(self, shape: tuple[int, ...], kind: str, chunk: int, step: int) -> torch.Tensor:
-        """Noise for ``kind`` ``"init"`` (step 0) or ``"renoise"`` (step >= 1) of ``chunk``."""
-        return torch.randn(shape, generator=self.generator, dtype=torch.float32)
+        """Noise for ``kind`` ``"init"`` (step 0) or ``"renoise"`` (step >= 1) of ``chunk``, on the source's device."""
+        return torch.randn(shape, generator=self.generator, dtype=torch.float32, device=self.device)
 
 
 def denoise_chunk(
@@ -61,10 +67,11 @@ def denoise_chunk(
     y: torch.Tensor,
     cam: ChunkCamera,
     text: TextCache,
-    caches: list[KVCache],
+    cache: KVCache,
     trace: Trace | None = None,
 ) -> torch.Tensor:
-    """Clean latent ``[16, cs, h, w]`` of chunk ``chunk``; updates ``caches`` (refresh pass included)."""
+    """Clean latent ``[16, cs, h, w]`` of chunk ``chunk``; updates ``cache`` (refresh pass included). No host sync
+    inside unless ``trace`` asks for the intermediate tensors."""
     _, cs, h, w = y.shape
     shape = (model.cfg.out_dim, cs, h, w)
     start = chunk * cs
@@ -73,13 +80,13 @@ def denoise_chunk(
     for s, step in enumerate(steps):
         if s > 0:
             x = renoise(x0, noise.draw(shape, "renoise", chunk, s).to(y.device), step.sigma_renoise)
-        v = model(x, y, float(step.timestep), start, text, cam, caches).float()
+        v = model(x, y, float(step.timestep), start, text, cam, cache)
         x0 = x0_from_velocity(x, v, step.sigma_x0)
         if trace is not None:
             trace(f"dit_xt_c{chunk}_s{s}", x.cpu())
             trace(f"dit_v_c{chunk}_s{s}", v.cpu())
             trace(f"x0pred_c{chunk}_s{s}", x0.cpu())
-    v_refresh = model(x0, y, 0.0, start, text, cam, caches)
+    v_refresh = model(x0, y, 0.0, start, text, cam, cache)
     if trace is not None:
         trace(f"x0_c{chunk}", x0.cpu())
         trace(f"dit_v_refresh_c{chunk}", v_refresh.float().cpu())
@@ -90,7 +97,7 @@ def denoise_chunk(
 class _Session:
     noise: NoiseSource
     text: TextCache
-    caches: list[KVCache]
+    cache: KVCache
     camera: StreamingCamera
     next_index: int = 0
 
@@ -105,102 +112,99 @@ class LingbotDenoiseStage:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         group: dist.ProcessGroup | None = None,
-        weights: dict[str, torch.Tensor] | str | Path | None = None,
+        weights: WanModelFast | dict[str, torch.Tensor] | str | Path | None = None,
         intrinsics: tuple[float, float, float, float] = DEFAULT_INTRINSICS,
         speeds: MotionSpeeds | None = None,
         init_seed: int = 0,
     ) -> None:
-        """``weights``: a state dict, a checkpoint directory (its config.json wins over ``args`` for sizes) or
-        ``None`` for a seeded random init (``init_seed``, identical on every rank)."""
+        """``args``: the DiT's sizes and streaming settings. ``weights``: a state dict, a checkpoint directory (its
+        config.json gives the architecture, ``args`` the streaming settings), a built model of the same architecture
+        (shared, e.g. by benchmarks running v1 and v2 recipes on one set of weights) or ``None`` for seeded random
+        weights (``init_seed``, identical on every rank of a device kind)."""
         assert geometry.chunk_latent_frames == args.chunk_size, "geometry and DiT disagree on the chunk size"
         self.geometry, self.device, self.dtype = geometry, torch.device(device), dtype
         self.intrinsics = torch.tensor(intrinsics, dtype=torch.float32)
         self.speeds = speeds or MotionSpeeds()
-        if isinstance(weights, (str, Path)):
-            self.model = load_dit(weights, device, dtype, chunk_size=args.chunk_size, attention=args.attention)
+        if isinstance(weights, WanModelFast):
+            self.model = weights
+        elif isinstance(weights, (str, Path)):
+            self.model = load_dit(weights, args, device, dtype)
+        elif weights is None:
+            self.model = random_dit(args, device, dtype, init_seed)
         else:
-            if weights is None:
-                with torch.random.fork_rng(devices=[]):  # same weights on every rank, global RNG untouched
-                    torch.manual_seed(init_seed)
-                    self.model = WanModelFast(args)
-            else:
-                with torch.device("meta"):
-                    self.model = WanModelFast(args)
-                load_state_dict_strict(self.model, weights, None, device, dtype)
-            self.model = self.model.to(device=device, dtype=dtype).eval()
-        self.cfg = self.model.cfg
+            with torch.device("meta"):
+                self.model = WanModelFast(args)
+            load_state_dict_strict(self.model, weights, None, device, dtype)
+        self.model.eval()
+        self.cfg = replace(args, **{f: getattr(self.model.cfg, f) for f in ARCH_FIELDS})  # streaming: from args
         apply_sequence_parallel(self.model, group)
         self.steps = FlowMatchSchedule.build(self.cfg.shift, self.cfg.num_train_timesteps).steps(
             self.cfg.timestep_indices
         )
         self.sessions: dict[str, _Session] = {}
+        self.attention_ms = self._choose_attention()
+        cfg = self.cfg
+        log.info("DiT %d layers x %d heads (dim %d), %s on %s: chunks of %d latent frames, timesteps %s, KV window %d "
+                 "latent frames %s, attention %s", cfg.num_layers, cfg.num_heads, cfg.dim, dtype, self.device,
+                 cfg.chunk_size, [s.timestep for s in self.steps], cfg.local_attn_size,
+                 f"with {cfg.sink_size} sink" if cfg.kv_eviction else "(full: no eviction)",
+                 min(self.attention_ms, key=self.attention_ms.__getitem__) if self.attention_ms else
+                 "sdpa" if cfg.attention == "auto" else cfg.attention)
+
+    def _choose_attention(self) -> dict[str, float]:
+        """Resolve ``attention = auto`` by timing the kernels at this stage's steady self-attention shapes."""
+        _, cs, h, w = self.geometry.latent_shape
+        fs = (h // 2) * (w // 2)
+        heads = self.model.sp.local_heads(self.cfg.num_heads)
+        fn, ms = measure_attention(self.cfg.attention, heads, cs * fs, self.cfg.local_attn_size * fs,
+                                   self.cfg.head_dim, self.device, self.dtype)  # fmt: skip
+        self.model.set_attention(fn)
+        return ms
+
+    def kv_cache_bytes(self, height: int, width: int) -> int:
+        """Bytes of one session's KV cache on this rank at a ``height x width`` frame size."""
+        fs = (height // 16) * (width // 16)
+        heads = self.model.sp.local_heads(self.cfg.num_heads)
+        return 2 * self.cfg.num_layers * heads * self.cfg.local_attn_size * fs * self.cfg.head_dim * \
+            torch.finfo(self.dtype).bits // 8
 
     @torch.no_grad()
     def open(self, spec: SessionSpec, context: torch.Tensor) -> None:
-        """Text cache from ``context [text_len, text_dim]``, empty KV caches, seeded noise, identity camera."""
+        """Text cache from ``context [text_len, text_dim]``, an empty KV cache, seeded noise, identity camera."""
         if spec.session in self.sessions:
             raise ValueError(f"session {spec.session!r} is already open")
         _, _, h, w = self.geometry.latent_shape
         heads = self.model.sp.local_heads(self.cfg.num_heads)
-        caches = new_kv_caches(
-            self.cfg.num_layers, self.cfg.local_attn_size, self.cfg.sink_size, (h // 2) * (w // 2), heads,
-            self.cfg.head_dim, self.device, self.dtype,
-        )  # fmt: skip
+        cache = new_kv_cache(self.cfg.num_layers, self.cfg.local_attn_size, self.cfg.sink_size, (h // 2) * (w // 2),
+                             heads, self.cfg.head_dim, self.device, self.dtype)  # fmt: skip
         self.sessions[spec.session] = _Session(
-            noise=NoiseSource(spec.seed),
+            noise=NoiseSource(spec.seed, self.device),
             text=self.model.text_cache(context.to(self.device)),
-            caches=caches,
+            cache=cache,
             camera=StreamingCamera(self.intrinsics, self.geometry.height, self.geometry.width),
         )
-
-    def _advance(self, session: str, index: int, control: ChunkControl) -> tuple[_Session, torch.Tensor]:
-        if session not in self.sessions:
-            raise KeyError(f"unknown session {session!r}")
-        st = self.sessions[session]
-        if index != st.next_index:
-            raise ValueError(f"session {session!r} expects chunk {st.next_index}, got {index}")
-        first = index == 0
-        poses = integrate(
-            st.camera.last_video_pose, control, self.geometry.frames_in_chunk(index), self.speeds, first_is_start=first
-        )
-        ctrl = st.camera.control(np.asarray(poses), first)  # [1, 384, cs, h, w]
-        st.next_index += 1
-        return st, ctrl
 
     @torch.no_grad()
     def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl) -> torch.Tensor:
         """Clean latent ``[16, cs, h, w]`` (float32, on the stage's device) of chunk ``index``; same on every rank."""
         assert tuple(condition.shape) == tuple(self.geometry.condition_shape), f"condition {tuple(condition.shape)}"
-        st, ctrl = self._advance(session, index, control)
+        if session not in self.sessions:
+            raise KeyError(f"unknown session {session!r}")
+        st = self.sessions[session]
+        if index != st.next_index:
+            raise ValueError(f"session {session!r} expects chunk {st.next_index}, got {index}")
+        cap = self.cfg.max_chunks
+        if cap is not None and index >= cap:
+            raise ValueError(f"chunk {index} is past what the full KV cache holds ({cap} chunks: "
+                             f"{self.cfg.local_attn_size} latent frames); use a rolling model.kv_window for longer")
+        first = index == 0
+        poses = integrate(st.camera.last_video_pose, control, self.geometry.frames_in_chunk(index), self.speeds,
+                          first_is_start=first)  # fmt: skip
+        ctrl = st.camera.control(np.asarray(poses), first)  # [1, 384, cs, h, w]
+        st.next_index += 1
         cam = self.model.camera_modulation(ctrl.to(self.device))
         y = condition.to(device=self.device, dtype=self.dtype)
-        return denoise_chunk(self.model, self.steps, st.noise, index, y, cam, st.text, st.caches)
-
-    @torch.no_grad()
-    def skip(
-        self,
-        session: str,
-        index: int,
-        control: ChunkControl,
-        latent: torch.Tensor | None = None,
-        condition: torch.Tensor | None = None,
-    ) -> None:
-        """World-cache hit: draw the chunk's noise and advance the camera exactly as ``denoise`` does.
-
-        With the cached ``latent`` and its ``condition`` the t = 0 refresh pass is run, so the KV cache ends
-        exactly as after ``denoise``. Without them (the bare protocol) the chunk leaves no keys in the cache:
-        later chunks keep their absolute positions but do not see this chunk.
-        """
-        st, ctrl = self._advance(session, index, control)
-        _, cs, h, w = self.geometry.latent_shape
-        shape = (self.cfg.out_dim, cs, h, w)
-        for s in range(len(self.steps)):
-            st.noise.draw(shape, "init" if s == 0 else "renoise", index, s)
-        if latent is not None and condition is not None:
-            cam = self.model.camera_modulation(ctrl.to(self.device))
-            y = condition.to(device=self.device, dtype=self.dtype)
-            x0 = latent.to(device=self.device, dtype=self.dtype)
-            self.model(x0, y, 0.0, index * cs, st.text, cam, st.caches)
+        return denoise_chunk(self.model, self.steps, st.noise, index, y, cam, st.text, st.cache)
 
     def release(self, session: str) -> None:
         self.sessions.pop(session, None)

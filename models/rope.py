@@ -32,15 +32,20 @@ def _inv_freq(pairs: int) -> torch.Tensor:
     return 1.0 / torch.pow(10000.0, torch.arange(0, n, 2, dtype=torch.float64) / n)
 
 
-def rope_angles(head_dim: int, frames: int, rows: int, cols: int, start_frame: int) -> torch.Tensor:
-    """Rotation angles of every token of a (frames, rows, cols) grid, float64 ``[N, hd/2]``.
+def rope_angles(head_dim: int, frames: int, rows: int, cols: int, start_frame: int,
+                device: torch.device | str = "cpu") -> torch.Tensor:  # fmt: skip
+    """Rotation angles of every token of a (frames, rows, cols) grid, float64 ``[N, hd/2]``, built on ``device``
+    (once per chunk: no host copy on the DiT's path).
 
     Tokens are ordered (frame, row, column), row-major; frame positions start at ``start_frame``.
     """
     pt, ph, pw = rope_split(head_dim)
-    ft = torch.arange(start_frame, start_frame + frames, dtype=torch.float64)[:, None] * _inv_freq(pt)  # [F, pt]
-    fh = torch.arange(rows, dtype=torch.float64)[:, None] * _inv_freq(ph)  # [R, ph]
-    fw = torch.arange(cols, dtype=torch.float64)[:, None] * _inv_freq(pw)  # [C, pw]
+
+    def positions(start: int, count: int, pairs: int) -> torch.Tensor:
+        pos = torch.arange(start, start + count, dtype=torch.float64, device=device)
+        return pos[:, None] * _inv_freq(pairs).to(device)
+
+    ft, fh, fw = positions(start_frame, frames, pt), positions(0, rows, ph), positions(0, cols, pw)
     grid = torch.cat(
         [
             ft[:, None, None, :].expand(frames, rows, cols, pt),
@@ -52,20 +57,23 @@ def rope_angles(head_dim: int, frames: int, rows: int, cols: int, start_frame: i
     return grid.reshape(frames * rows * cols, head_dim // 2)
 
 
-def rope_cos_sin(angles: torch.Tensor, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` float64 ``[N, 1, hd/2]`` ready to broadcast over heads."""
-    return torch.cos(angles)[:, None, :].to(device), torch.sin(angles)[:, None, :].to(device)
+def rope_freqs(angles: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """Unit rotations ``exp(i * angle)`` as complex128 ``[N, 1, hd/2]``, ready to broadcast over heads."""
+    freqs = torch.polar(torch.ones_like(angles), angles)[:, None, :]
+    return freqs if device is None else freqs.to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [N, heads, hd]`` in float64 (the reference's float32 path); a bf16/fp16 ``x`` rotates in float32
-    with the float64 tables rounded once, which is exact after the rounding back to bf16 and a quarter of the
-    memory traffic. The result has the dtype of ``x``."""
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [N, heads, hd]`` (pairs ``x[2i] + i*x[2i+1]``) by ``freqs``; the result has the dtype of ``x``.
+
+    float32/64 inputs rotate in complex128 (the reference's float64 path). bf16/fp16 inputs rotate in complex64 with
+    the float64 table rounded once: exact after the rounding back to bf16, a quarter of the memory traffic, and three
+    kernels (cast, complex multiply, cast) instead of the eight of the real-arithmetic form.
+    """
     n, heads, hd = x.shape
-    assert cos.shape == (n, 1, hd // 2), f"rope table {tuple(cos.shape)} does not fit x {tuple(x.shape)}"
-    compute = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
-    cos, sin = cos.to(compute), sin.to(compute)
-    xd = x.to(compute).reshape(n, heads, hd // 2, 2)
-    re, im = xd[..., 0], xd[..., 1]  # [N, heads, hd/2]
-    out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1)  # [N, heads, hd/2, 2]
-    return out.reshape(n, heads, hd).to(x.dtype)
+    assert freqs.shape == (n, 1, hd // 2), f"rope table {tuple(freqs.shape)} does not fit x {tuple(x.shape)}"
+    wide = x.dtype in (torch.float32, torch.float64)
+    real = torch.float64 if wide else torch.float32
+    xc = torch.view_as_complex(x.to(real).reshape(n, heads, hd // 2, 2))
+    out = xc * freqs.to(torch.complex128 if wide else torch.complex64)
+    return torch.view_as_real(out).reshape(n, heads, hd).to(x.dtype)

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.dit import DiTConfig, WanModelFast, apply_sequence_parallel, chunk_flops
-from models.kv_cache import new_kv_caches
+from models.kv_cache import new_kv_cache
 from models.lingbot_denoise import NoiseSource, denoise_chunk
 from models.schedule import FlowMatchSchedule
 
@@ -41,7 +41,7 @@ def measure(preset: str, lat_h: int, lat_w: int, chunks: int, group: dist.Proces
     model = apply_sequence_parallel(WanModelFast(cfg).eval(), group)
     fs = (lat_h // 2) * (lat_w // 2)
     heads = model.sp.local_heads(cfg.num_heads)
-    caches = new_kv_caches(cfg.num_layers, cfg.local_attn_size, cfg.sink_size, fs, heads, cfg.head_dim, "cpu",
+    cache = new_kv_cache(cfg.num_layers, cfg.local_attn_size, cfg.sink_size, fs, heads, cfg.head_dim, "cpu",
                            torch.float32)  # fmt: skip
     steps = FlowMatchSchedule.build(cfg.shift).steps(cfg.timestep_indices)
     g = torch.Generator().manual_seed(1)
@@ -56,12 +56,12 @@ def measure(preset: str, lat_h: int, lat_w: int, chunks: int, group: dist.Proces
             _barrier(group)
             t0 = time.perf_counter()
             cam = model.camera_modulation(control)
-            x0 = denoise_chunk(model, steps, noise, k, y, cam, text, caches)
+            x0 = denoise_chunk(model, steps, noise, k, y, cam, text, cache)
             t1 = time.perf_counter()
             for _ in range(2):  # extra refresh-style passes: rewrite the same slots, state unchanged
                 _barrier(group)
                 t2 = time.perf_counter()
-                model(x0, y, 0.0, k * cs, text, cam, caches)
+                model(x0, y, 0.0, k * cs, text, cam, cache)
                 if k > 0:
                     pass_ms.append(1e3 * (time.perf_counter() - t2))
             if k > 0:

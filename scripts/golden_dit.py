@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from models.camera import clip_control
-from models.dit import WanModelFast
+from models.dit import DiTConfig, WanModelFast
 from models.dit_checkpoint import config_from_dict, load_state_dict_strict
-from models.kv_cache import new_kv_caches
+from models.kv_cache import new_kv_cache
 from models.lingbot_denoise import denoise_chunk
 from models.schedule import FlowMatchSchedule
 
@@ -45,18 +45,20 @@ def load_model(fixture_dir: Path) -> WanModelFast:
     config = json.loads((fixture_dir / "config.json").read_text())
     stream = config["stream"]
     fs = stream["tokens_per_latent_frame"]
-    raw = {
-        **config["dit"]["constructor"],
-        # The cache size as the reference ran it (local_attn_size = -1 means "the whole clip").
-        "local_attn_size": stream["kv_cache_size_tokens"] // fs,
-        "sink_size": stream.get("sink_size", config["dit"]["constructor"]["sink_size"]),
-        "chunk_size": stream["chunk_size"],
-        "shift": stream["shift"],
-        "num_train_timesteps": stream["num_train_timesteps"],
-        "timestep_indices": stream["timestep_indices"],
-        "attention": "sdpa",
-    }
-    cfg = config_from_dict(raw)
+    constructor = config["dit"]["constructor"]
+    whole_clip = constructor["local_attn_size"] < 0  # the official "full" cache: nothing is ever evicted
+    # The streaming settings as the reference ran them; the constructor decides the architecture only.
+    streaming = DiTConfig(
+        local_attn_size=stream["kv_cache_size_tokens"] // fs,
+        sink_size=0 if whole_clip else stream.get("sink_size", constructor["sink_size"]),
+        kv_eviction=not whole_clip,
+        chunk_size=stream["chunk_size"],
+        shift=stream["shift"],
+        num_train_timesteps=stream["num_train_timesteps"],
+        timestep_indices=tuple(stream["timestep_indices"]),
+        attention="sdpa",
+    )
+    cfg = config_from_dict(constructor, streaming)
     with torch.device("meta"):
         model = WanModelFast(cfg)
     return load_state_dict_strict(model, load_file(str(fixture_dir / "dit.safetensors")), None, "cpu", torch.float32)
@@ -119,8 +121,8 @@ def checks(fixture_dir: Path) -> Iterator[Check]:
     steps = FlowMatchSchedule.build(cfg.shift, cfg.num_train_timesteps).steps(cfg.timestep_indices)
     context, y_all = inputs["dit_context"], inputs["dit_y"]
 
-    def fresh_caches() -> list:
-        return new_kv_caches(
+    def fresh_cache():  # type: ignore[no-untyped-def]
+        return new_kv_cache(
             cfg.num_layers, cfg.local_attn_size, cfg.sink_size, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32
         )
 
@@ -128,19 +130,21 @@ def checks(fixture_dir: Path) -> Iterator[Check]:
         text = model.text_cache(context)
         # One DiT call: chunk 0, step 0, empty cache.
         cam0 = model.camera_modulation(inputs["control_c0"])
-        v = model(inputs["noise_init"][:, :cs], y_all[:, :cs], float(steps[0].timestep), 0, text, cam0, fresh_caches())
+        v = model(inputs["noise_init"][:, :cs], y_all[:, :cs], float(steps[0].timestep), 0, text, cam0, fresh_cache())
         yield "dit_v_c0_s0", v, expected["dit_v_c0_s0"]
 
         # The whole stream on one persistent cache.
-        caches = fresh_caches()
+        cache = fresh_cache()
         noise = FixtureNoise(inputs, cs)
         traced: dict[str, torch.Tensor] = {}
         ends: list[list[int]] = []
+        held: list[list[int]] = []
         for k in range(chunks):
             cam = model.camera_modulation(inputs[f"control_c{k}"])
             y = y_all[:, k * cs : (k + 1) * cs]
-            denoise_chunk(model, steps, noise, k, y, cam, text, caches, trace=traced.__setitem__)
-            ends.append([caches[0].global_end, caches[0].local_end])
+            denoise_chunk(model, steps, noise, k, y, cam, text, cache, trace=traced.__setitem__)
+            ends.append([cache.global_end, cache.local_end])
+            held.append(cache.cached_frames(fs))
     for name, value in traced.items():
         yield name, value, expected[name]
     yield "latents_all", torch.cat([traced[f"x0_c{k}"] for k in range(chunks)], dim=1), expected["latents_all"]
@@ -154,3 +158,5 @@ def checks(fixture_dir: Path) -> Iterator[Check]:
     prev = [[0, 0], *ends[:-1]]
     evicted = [lp + (g - gp) - l for (gp, lp), (g, l) in zip(prev, ends)]
     yield "kv_cache_evicted_tokens", torch.tensor(evicted), torch.tensor([t["evicted_tokens"] for t in trace])
+    for k, (frames, t) in enumerate(zip(held, trace)):
+        yield f"kv_cache_latent_frames_c{k}", torch.tensor(frames), torch.tensor(t["cached_latent_frames"])

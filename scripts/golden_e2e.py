@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from models.camera import clip_control
 from models.checkpoints import load_t5, load_vae
-from models.kv_cache import new_kv_caches
+from models.kv_cache import new_kv_cache
 from models.lingbot_denoise import denoise_chunk
 from models.lingbot_vae_stages import LingbotConditionStage, LingbotDecodeStage
 from models.schedule import FlowMatchSchedule
@@ -48,7 +48,7 @@ def checks(fixture_dir: Path) -> Iterator[Check]:
     model = load_model(fixture_dir)
     cfg = model.cfg
     steps = FlowMatchSchedule.build(cfg.shift, cfg.num_train_timesteps).steps(cfg.timestep_indices)
-    caches = new_kv_caches(cfg.num_layers, cfg.local_attn_size, cfg.sink_size, stream["tokens_per_latent_frame"],
+    cache = new_kv_cache(cfg.num_layers, cfg.local_attn_size, cfg.sink_size, stream["tokens_per_latent_frame"],
                            cfg.num_heads, cfg.head_dim, "cpu", torch.float32)
     noise = FixtureNoise(inputs, cs)
     decode = LingbotDecodeStage(vae)
@@ -58,7 +58,7 @@ def checks(fixture_dir: Path) -> Iterator[Check]:
         for k in range(chunks):
             y = condition.encode("e2e", k)
             cam = model.camera_modulation(control[:, :, k * cs : (k + 1) * cs])
-            x0 = denoise_chunk(model, steps, noise, k, y, cam, text, caches)
+            x0 = denoise_chunk(model, steps, noise, k, y, cam, text, cache)
             yield f"end_to_end:x0_c{k}", x0, expected[f"x0_c{k}"]
             yield f"end_to_end:frames_c{k}", decode.decode_float("e2e", k, x0), expected[f"frames_c{k}"]
     condition.release("e2e")

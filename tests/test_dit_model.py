@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from models.attention import select_attention
+from models.attention import measure_attention, sdpa, select_attention
 from models.dit import DiTConfig, WanModelFast
-from models.kv_cache import KVCache, new_kv_caches
-from models.rope import apply_rope, rope_angles, rope_cos_sin
+from models.kv_cache import KVCache, new_kv_cache
+from models.rope import apply_rope, rope_angles, rope_freqs
 from models.schedule import FlowMatchSchedule
 
 torch.set_num_threads(1)
@@ -46,7 +49,7 @@ def test_cached_chunk_by_chunk_path_equals_one_block_causal_full_sequence_forwar
     context = torch.randn(7, cfg.text_dim, generator=g)
     with torch.no_grad():
         text = model.text_cache(context)
-        caches = new_kv_caches(cfg.num_layers, 12, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32)
+        caches = new_kv_cache(cfg.num_layers, 12, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32)
         outs = []
         for k in range(3):
             sl = slice(k * cs, (k + 1) * cs)
@@ -72,27 +75,34 @@ def test_timestep_embedding_is_computed_once_per_distinct_t_and_not_per_token() 
     with torch.no_grad():
         text = model.text_cache(torch.zeros(3, cfg.text_dim))
         cam = model.camera_modulation(torch.zeros(1, 384, 3, H, W))
-        caches = new_kv_caches(cfg.num_layers, 8, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32)
+        caches = new_kv_cache(cfg.num_layers, 8, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32)
         for t in (999.0, 978.0, 999.0, 0.0, 0.0):
             model(torch.zeros(16, 3, H, W), torch.zeros(20, 3, H, W), t, 0, text, cam, caches)
             seen.append((t, id(model._time_memo[t][0])))
     assert sorted(model._time_memo) == [0.0, 978.0, 999.0]  # computed once per distinct t ...
-    assert all(e.shape == (1, cfg.dim) and e0.shape == (1, 6, cfg.dim) for e, e0 in model._time_memo.values())
+    assert all(e.shape == (1, cfg.dim) and mods.shape == (cfg.num_layers, 1, 6, cfg.dim)
+               for e, mods in model._time_memo.values())  # fmt: skip
     assert seen[0][1] == seen[2][1] and seen[3][1] == seen[4][1]  # ... and reused, never rebuilt per call
 
 
 def _frame_cache(cs: int, window: int, sink: int, chunks: int, fs: int = 2) -> KVCache:
     """A cache whose keys carry the absolute latent frame they were written for."""
-    cache = KVCache(window * fs, sink * fs, heads=1, head_dim=1, device="cpu", dtype=torch.float32)
+    cache = KVCache(1, window * fs, sink * fs, heads=1, head_dim=1, device="cpu", dtype=torch.float32)
     for k in range(chunks):
         frames = torch.arange(k * cs, (k + 1) * cs, dtype=torch.float32).repeat_interleave(fs)
         for _ in range(3):  # first call appends; the rewrites of the same chunk must not move anything
-            cache.update(frames.view(1, -1, 1), frames.view(1, -1, 1), k * cs * fs)
+            cache.begin(k * cs * fs, cs * fs)
+            keys, _ = cache.write(0, frames.view(1, -1, 1), frames.view(1, -1, 1))
+            assert keys.shape[1] == cache.local_end
     return cache
 
 
 def _cached_frames(cache: KVCache, fs: int = 2) -> list[int]:
-    return [int(v) for v in cache.k[0, : cache.local_end : fs, 0]]
+    """The frames the valid slots hold, from the keys themselves (the ring keeps no order), each once per token."""
+    held = [int(v) for v in cache.k[0][0, : cache.local_end, 0]]
+    assert all(held.count(f) == fs for f in held), "every cached frame keeps all of its tokens"
+    assert sorted(set(held)) == cache.cached_frames(fs), "the slot bookkeeping agrees with the keys"
+    return sorted(set(held))
 
 
 def test_rolling_eviction_matches_the_fixture_trace_and_keeps_the_sink() -> None:
@@ -119,22 +129,82 @@ def test_rope_keeps_working_past_the_reference_table_and_depends_only_on_frame_d
     q, k = torch.randn(6, 2, hd, dtype=torch.float64), torch.randn(6, 2, hd, dtype=torch.float64)
 
     def score(qf: int, kf: int) -> torch.Tensor:
-        rq = apply_rope(q, *rope_cos_sin(rope_angles(hd, 1, 2, 3, qf), "cpu"))
-        rk = apply_rope(k, *rope_cos_sin(rope_angles(hd, 1, 2, 3, kf), "cpu"))
+        rq = apply_rope(q, rope_freqs(rope_angles(hd, 1, 2, 3, qf), "cpu"))
+        rk = apply_rope(k, rope_freqs(rope_angles(hd, 1, 2, 3, kf), "cpu"))
         return (rq * rk).sum(-1)
 
     torch.testing.assert_close(score(5000, 4990), score(15, 5), rtol=0, atol=1e-9)
 
 
-def test_sage_without_cuda_is_an_error_and_auto_falls_back_to_sdpa() -> None:
+def test_sage_without_cuda_is_an_error_and_auto_is_sdpa_unless_measured_otherwise() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA present: sage may be usable")
     with pytest.raises(RuntimeError, match="sage"):
         select_attention("sage")
-    q = torch.randn(2, 5, 4)
-    torch.testing.assert_close(select_attention("auto")(q, q, q), select_attention("sdpa")(q, q, q))
+    assert select_attention("auto") is sdpa
+    fn, timed = measure_attention("auto", 2, 6, 12, 8, torch.device("cpu"), torch.float32)
+    assert fn is sdpa and timed == {}  # nothing to compare against: no timing, no sage
     with pytest.raises(ValueError, match="attention"):
         select_attention("flash")
+
+
+def test_the_streaming_dit_runs_on_the_fused_attention_kernels_only() -> None:
+    """A 3-D SDPA call cannot use the fused kernels and falls back to the float32 math path (23 s instead of 2.7 s
+    per chunk on an H200); with only the fused CPU kernel allowed, such a call raises instead."""
+    model, fs = _model(), (H // 2) * (W // 2)
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        cache = new_kv_cache(cfg.num_layers, 8, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32)
+        text = model.text_cache(torch.randn(4, cfg.text_dim, generator=g))  # cross-attention keys
+        for k in range(4):  # past the window: eviction included
+            cam = model.camera_modulation(torch.randn(1, 384, 3, H, W, generator=g))
+            out = model(torch.randn(16, 3, H, W, generator=g), torch.randn(20, 3, H, W, generator=g), 500.0, 3 * k,
+                        text, cam, cache)  # fmt: skip
+            assert torch.isfinite(out).all()
+        with pytest.raises(RuntimeError, match="No available kernel"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch explains why each kernel refused the 3-D call
+            torch.nn.functional.scaled_dot_product_attention(*(torch.randn(2, 5, 4),) * 3)  # the guard is real
+
+
+def test_ring_cache_holds_exactly_what_the_shifting_reference_holds() -> None:
+    """The reference shifts kept tokens down on eviction; the ring writes new tokens over evicted slots. After every
+    call both hold the same tokens (as a set) and attention over them gives the same result."""
+    g = torch.Generator().manual_seed(2)
+    for cs, window, sink in ((3, 8, 2), (4, 18, 6), (2, 7, 0), (1, 3, 1)):
+        fs, heads, hd = 2, 2, 4
+        ring = KVCache(1, window * fs, sink * fs, heads, hd, "cpu", torch.float64)
+        ref_k = torch.empty(heads, 0, hd, dtype=torch.float64)
+        for k in range(9):
+            new = torch.randn(heads, cs * fs, hd, generator=g, dtype=torch.float64)
+            if ref_k.shape[1] + new.shape[1] > window * fs:  # the reference's eviction: oldest non-sink first
+                ev = ref_k.shape[1] + new.shape[1] - window * fs
+                ref_k = torch.cat([ref_k[:, : sink * fs], ref_k[:, sink * fs + ev :]], dim=1)
+            ref_k = torch.cat([ref_k, new], dim=1)
+            ring.begin(k * cs * fs, cs * fs)
+            got, _ = ring.write(0, new, new)
+            assert got.shape == ref_k.shape
+            assert sorted(got[0, :, 0].tolist()) == sorted(ref_k[0, :, 0].tolist())
+            q = torch.randn(heads, 5, hd, generator=g, dtype=torch.float64)
+            torch.testing.assert_close(sdpa(q, got, got), sdpa(q, ref_k, ref_k), rtol=0, atol=1e-12)
+
+
+@torch.no_grad()
+def test_bf16_model_runs_the_head_in_float32_and_rounds_one_plus_cam_scale_to_bf16() -> None:
+    model = _model().to(torch.bfloat16)
+    block, d = model.blocks[0], model.cfg.dim
+    c = torch.randn(6, d).to(torch.bfloat16)
+    one_plus_scale, _ = block.camera(c)
+    assert one_plus_scale.dtype == torch.bfloat16  # the reference forms 1 + cam_scale in bf16
+    x, e = torch.randn(6, d), torch.randn(1, d)
+    head = model.head
+    s = head.modulation.float() + e[:, None]
+    h = torch.nn.functional.layer_norm(x, (d,), eps=1e-6) * (1 + s[:, 1]) + s[:, 0]
+    want = h @ head.head.weight.float().T + head.head.bias.float()
+    got = head(x, e)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # float32 matmul, not bf16 (which is off by ~1e-2)
+    assert float((want - head.head(h.to(torch.bfloat16)).float()).abs().max()) > 1e-3
 
 
 def test_schedule_uses_first_occurrence_sigma_for_x0_and_second_for_renoise() -> None:
@@ -157,7 +227,7 @@ def test_bfloat16_weights_run_the_stream_close_to_the_float32_path() -> None:
     outs = []
     with torch.no_grad():
         for model, dtype in ((ref, torch.float32), (low, torch.bfloat16)):
-            caches = new_kv_caches(cfg.num_layers, 8, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", dtype)
+            caches = new_kv_cache(cfg.num_layers, 8, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", dtype)
             text, cam = model.text_cache(ctx), model.camera_modulation(control)
             outs.append([model(x, y, t, 0, text, cam, caches) for t in (999.0, 825.0, 0.0)])
     for a, b in zip(*outs):

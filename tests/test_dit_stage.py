@@ -1,4 +1,4 @@
-"""The real-model DenoiseStage: golden loop through the stage, seeded noise, skip, ordering errors."""
+"""The real-model DenoiseStage: golden loop through the stage, seeded noise, the full cache's cap, ordering errors."""
 
 from __future__ import annotations
 
@@ -72,29 +72,6 @@ def test_same_seed_gives_the_same_stream_and_another_seed_does_not() -> None:
     assert not torch.allclose(runs["a"], runs["c"], atol=1e-3)
 
 
-def test_skip_with_the_cached_latent_leaves_the_session_exactly_as_denoise_would() -> None:
-    stage = _stage()
-    conds, context = _conditions(3), torch.randn(16, 32)
-    for name in ("full", "skipped"):
-        stage.open(SessionSpec(session=name, seed=9, prompt=""), context)
-    full = [stage.denoise("full", k, conds[k], MOVE) for k in range(3)]
-    stage.denoise("skipped", 0, conds[0], MOVE)
-    stage.skip("skipped", 1, MOVE, latent=full[1], condition=conds[1])
-    assert torch.equal(stage.denoise("skipped", 2, conds[2], MOVE), full[2])
-
-
-def test_bare_skip_advances_noise_and_camera_so_later_chunks_keep_their_draws() -> None:
-    stage = _stage()
-    context = torch.randn(16, 32)
-    for name in ("a", "b"):
-        stage.open(SessionSpec(session=name, seed=4, prompt=""), context)
-    stage.skip("a", 0, MOVE)
-    stage.denoise("b", 0, _conditions(1)[0], MOVE)
-    a, b = stage.sessions["a"], stage.sessions["b"]
-    assert torch.equal(a.noise.generator.get_state(), b.noise.generator.get_state())  # type: ignore[attr-defined]
-    assert torch.equal(a.camera.prev_latent_pose, b.camera.prev_latent_pose)  # type: ignore[arg-type]
-
-
 def test_out_of_order_chunks_and_unknown_sessions_are_errors_and_release_is_idempotent() -> None:
     stage = _stage()
     stage.open(SessionSpec(session="s", seed=0, prompt=""), torch.zeros(16, 32))
@@ -105,3 +82,16 @@ def test_out_of_order_chunks_and_unknown_sessions_are_errors_and_release_is_idem
     stage.release("s")
     stage.release("s")
     assert "s" not in stage.sessions
+
+
+def test_a_full_cache_runs_the_chunks_it_holds_and_refuses_the_next_one_clearly() -> None:
+    cfg = DiTConfig.from_name("tiny", attention="sdpa", local_attn_size=6, sink_size=0, kv_eviction=False)
+    assert cfg.max_chunks == 2
+    stage = LingbotDenoiseStage(cfg, GEOMETRY, init_seed=5)
+    stage.open(SessionSpec(session="s", seed=0, prompt=""), torch.zeros(16, 32))
+    conds = _conditions(3)
+    for k in range(2):
+        stage.denoise("s", k, conds[k], MOVE)
+    assert stage.sessions["s"].cache.evicted == 0 and stage.sessions["s"].cache.local_end == 2 * 3 * 6
+    with pytest.raises(ValueError, match="past what the full KV cache holds"):
+        stage.denoise("s", 2, conds[2], MOVE)
