@@ -1,16 +1,25 @@
-"""Loading the DiT: a checkpoint directory with a diffusers-style ``config.json`` and sharded safetensors.
+"""Loading the DiT: a folder of (sharded) safetensors with an optional diffusers-style ``config.json``.
 
-Layout: ``config.json`` (the ``WanModelFast`` constructor arguments) and either one ``*.safetensors`` file
-or shards with ``diffusion_pytorch_model.safetensors.index.json`` (``{"weight_map": {name: shard}}``). The model
-is built on the ``meta`` device and materialised shard by shard in the target dtype (bf16 on GPU), so a
-14B-parameter model never exists twice in memory. Loading is strict: missing or unexpected keys are an error
-that names them.
+Layouts as released: v1 ``model-000NN-of-00016.safetensors`` (in ``lingbot_world_fast/`` of the base-cam download),
+v2 ``transformers/model-0000N-of-00008.safetensors``; shards may come with a ``*.safetensors.index.json``
+(``{"weight_map": {name: shard}}``) or without one (each shard's keys are read from its header).
+
+``config.json`` decides the architecture only (``ARCH_FIELDS``: widths, heads, layers, patch, eps). Its run-time
+fields (``local_attn_size = -1``, ``sink_size = 0`` in the official class defaults) and keys the official class
+ignores are logged and left out: the streaming settings (chunk size, timestep schedule, window, sink, attention
+kernel) come from the preset and the config file, so a v2 checkpoint always samples on v2's schedule. Without a
+``config.json`` the preset's architecture is used and the strict load checks it against every tensor's shape.
+
+The model is built on the ``meta`` device and materialised shard by shard in the target dtype (bf16 on GPU), so a
+14B-parameter model never exists twice in memory. Loading is strict: missing, unexpected or mis-shaped keys are
+an error that names them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -18,46 +27,68 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.dit import DiTConfig, WanModelFast
+from models.dit import ARCH_FIELDS, DiTConfig, WanModelFast
+from models.random_init import random_module
 
 log = logging.getLogger(__name__)
 
-INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
-# Constructor keys of the official model that are fixed in this implementation (checked, not stored).
-_FIXED = {"model_type": "i2v", "control_type": "cam", "qk_norm": True, "cross_attn_norm": True}
-_IGNORED = {"window_size", "dropout"}
+INDEX_SUFFIX = ".safetensors.index.json"
+SAVED_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+# Constructor keys of the official model that describe what this implementation is (checked, not stored).
+_REQUIRED = {"control_type": "cam", "qk_norm": True, "cross_attn_norm": True}
+# Keys the official class takes but that do not change the computation of the released model, and bookkeeping.
+_INFORMATIONAL = {"model_type", "window_size", "dropout", "local_attn_size", "sink_size"}
 
 
-def config_from_dict(raw: dict[str, object], base: DiTConfig | None = None) -> DiTConfig:
-    """``DiTConfig`` from the official constructor arguments (or a diffusers-style config.json)."""
-    known = {f.name for f in fields(DiTConfig)}
+def config_from_dict(raw: dict[str, object], base: DiTConfig) -> DiTConfig:
+    """``base`` (the preset's streaming settings) with the architecture of a checkpoint's ``config.json``.
+
+    Only ``ARCH_FIELDS`` are taken; every other key is logged as ignored (run-time fields, keys the official class
+    ignores, diffusers bookkeeping) unless it contradicts what this implementation is (``_REQUIRED``).
+    """
     values: dict[str, object] = {}
+    ignored: dict[str, object] = {}
     for key, value in raw.items():
-        if key.startswith("_") or key in _IGNORED:
-            continue
-        if key in _FIXED:
-            if value != _FIXED[key]:
-                raise ValueError(f"unsupported {key}={value!r}; this implementation is {key}={_FIXED[key]!r}")
-            continue
-        if key not in known:
-            log.warning("ignoring unknown DiT config key %s=%r", key, value)
-            continue
-        values[key] = tuple(value) if isinstance(value, list) else value
-    return replace(base or DiTConfig(), **values)  # type: ignore[arg-type]
+        if key in _REQUIRED:
+            if value != _REQUIRED[key]:
+                raise ValueError(f"checkpoint config {key}={value!r} is not supported: this runtime implements the "
+                                 f"camera-controlled model ({key}={_REQUIRED[key]!r})")
+        elif key in ARCH_FIELDS:
+            values[key] = tuple(value) if isinstance(value, list) else value  # type: ignore[arg-type]
+        elif not key.startswith("_"):
+            ignored[key] = value
+    if ignored:
+        log.info("DiT config.json: architecture taken (%s); ignored (streaming settings come from the preset and "
+                 "the config file): %s", ", ".join(sorted(values)), ", ".join(f"{k}={v!r}" for k, v in
+                                                                             sorted(ignored.items())))  # fmt: skip
+    try:
+        return replace(base, **values)  # type: ignore[arg-type]
+    except (AssertionError, TypeError) as error:
+        raise ValueError(f"checkpoint architecture {values} does not fit the streaming settings: {error}") from None
+
+
+def _index_file(directory: Path) -> Path | None:
+    found = sorted(directory.glob("*" + INDEX_SUFFIX))
+    if len(found) > 1:
+        raise FileNotFoundError(f"several shard indexes in {directory}: {[p.name for p in found]}")
+    return found[0] if found else None
 
 
 def _shards(directory: Path) -> dict[str, list[str]]:
     """Shard file -> tensor names."""
-    index = directory / INDEX_NAME
-    if index.exists():
+    index = _index_file(directory)
+    if index is not None:
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         out: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
             out.setdefault(shard, []).append(name)
+        missing = sorted(s for s in out if not (directory / s).is_file())
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are not in {directory}: {missing[:5]}")
         return out
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no {INDEX_NAME} and no *.safetensors in {directory}")
+        raise FileNotFoundError(f"no *{INDEX_SUFFIX} and no *.safetensors in {directory}")
     out = {}
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
@@ -109,47 +140,59 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
 
 
-def load_dit(
-    directory: str | Path,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype | None = None,
-    **overrides: object,
-) -> WanModelFast:
-    """Build the DiT from ``directory/config.json`` on meta and load its safetensors strictly.
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
-    ``dtype`` defaults to bfloat16 on CUDA and float32 elsewhere; ``overrides`` replace config fields
-    (streaming settings such as ``chunk_size`` or ``attention`` that a diffusers config may not carry).
-    """
+
+def load_dit(directory: str | Path, base: DiTConfig, device: torch.device | str = "cpu",
+             dtype: torch.dtype | None = None) -> WanModelFast:  # fmt: skip
+    """The DiT of ``directory``: architecture from its ``config.json`` (else ``base``'s), streaming settings from
+    ``base``; built on meta and loaded strictly. ``dtype`` defaults to bf16 on CUDA and float32 elsewhere."""
     directory = Path(directory)
-    cfg = config_from_dict(json.loads((directory / "config.json").read_text()))
-    cfg = replace(cfg, **overrides)  # type: ignore[arg-type]
-    if dtype is None:
-        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    config_file = directory / "config.json"
+    if config_file.is_file():
+        cfg = config_from_dict(json.loads(config_file.read_text()), base)
+    else:
+        log.info("%s has no config.json: using the preset's architecture (dim %d, %d layers)", directory, base.dim,
+                 base.num_layers)  # fmt: skip
+        cfg = base
     with torch.device("meta"):
         model = WanModelFast(cfg)
-    return load_state_dict_strict(model, None, directory, device, dtype).eval()
+    return load_state_dict_strict(model, None, directory, device, dtype or default_dtype(device)).eval()
 
 
-def save_dit(model: WanModelFast, directory: str | Path, max_shard_bytes: int = 2**30) -> None:
-    """Write ``config.json``, safetensors shards and the index (the layout ``load_dit`` reads)."""
+def random_dit(cfg: DiTConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+               seed: int = 0) -> WanModelFast:  # fmt: skip
+    """Seeded random weights drawn on ``device`` (``models.random_init``); modulation tables ``N(0, 1/dim)``."""
+    def std_of(name: str, p: torch.Tensor) -> float | None:
+        return 1.0 / math.sqrt(cfg.dim) if name.endswith("modulation") else None
+
+    model = random_module(lambda: WanModelFast(cfg), device, dtype or default_dtype(device), seed, std_of)
+    assert isinstance(model, WanModelFast)
+    model._time_memo.clear()
+    return model
+
+
+def save_dit(model: WanModelFast, directory: str | Path, num_shards: int = 1,
+             shard_name: str = "diffusion_pytorch_model-{i:05d}-of-{n:05d}.safetensors",
+             index_name: str = SAVED_INDEX, extra_config: dict[str, object] | None = None) -> None:  # fmt: skip
+    """Write ``config.json``, ``num_shards`` safetensors shards (consecutive tensors) and the index (a layout
+    ``load_dit`` reads); ``extra_config`` adds keys the way a released config.json carries them; an empty
+    ``index_name`` writes no index."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
-    raw = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    raw = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name in ARCH_FIELDS}
     raw = {k: list(v) if isinstance(v, tuple) else v for k, v in raw.items()}
-    (directory / "config.json").write_text(json.dumps({"_class_name": "WanModelFast", **_FIXED, **raw}, indent=1))
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, value in model.state_dict().items():
-        nbytes = value.numel() * value.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = value.detach().contiguous().cpu()
-        size += nbytes
+    config = {"_class_name": "WanModelFast", "model_type": "i2v", **_REQUIRED, **raw, **(extra_config or {})}
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    items = [(name, value.detach().contiguous().cpu()) for name, value in model.state_dict().items()]
+    assert 1 <= num_shards <= len(items), f"{num_shards} shards for {len(items)} tensors"
     weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    for i in range(num_shards):
+        shard = dict(items[i * len(items) // num_shards : (i + 1) * len(items) // num_shards])
+        fname = shard_name.format(i=i + 1, n=num_shards)
         save_file(shard, str(directory / fname))
         weight_map.update(dict.fromkeys(shard, fname))
-    (directory / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    if index_name:
+        (directory / index_name).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))

@@ -1,32 +1,36 @@
 """LingBot-World-Fast behind the stage interface: presets, geometry and the stages of each role.
 
-A model preset names the three networks together (DiT, VAE, umT5), so the text width of the encoder always
-matches the DiT's. With ``checkpoint_dir`` empty the weights are seeded random (the same on every rank), which
-is only meaningful for tests and CPU demos: the frames are noise. With a checkpoint directory the released
-weights load strictly (DiT sharded safetensors with its config.json, ``Wan2.1_VAE.pth``,
-``models_t5_umt5-xxl-enc-bf16.pth`` and the umT5 tokenizer, resolved by ``models.checkpoints``).
+A model preset names the three networks together (DiT, VAE, umT5) and the streaming recipe of the DiT (chunk size,
+timestep schedule, KV window and sink). ``v1`` and ``v2`` are the released models: with a checkpoint the sizes of
+all three networks come from the files (the DiT's ``config.json``, the VAE's and umT5's tensor shapes) and the
+recipe from the preset and ``[model]``. ``tiny`` and ``small`` are random-weight sizes for tests and CPU demos
+(the frames are noise). ``models.checkpoints`` resolves where the files are.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from models.checkpoints import load_vae, resolve_checkpoint_dir
+from models.checkpoints import CheckpointNames, load_vae, resolve_checkpoint_dir
+from models.controls import MotionSpeeds
 from models.dit import DiTConfig
+from models.dit_checkpoint import config_from_dict
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.lingbot_vae_stages import (
     LingbotConditionStage,
     LingbotDecodeStage,
     random_stages,
+    random_vae,
     stages_from_checkpoint,
 )
 from models.stages import StreamGeometry
 from models.t5 import T5Config
-from models.vae import VAEConfig, WanVAE
+from models.vae import VAEConfig
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ SPATIAL_STRIDE = 8
 @dataclass(frozen=True)
 class Preset:
     dit: str  # DiTConfig preset name
-    vae: VAEConfig
+    vae: VAEConfig  # the random-weight size (a checkpoint's own sizes win)
     t5: T5Config
 
 
@@ -60,8 +64,40 @@ def preset(name: str) -> Preset:
 
 
 def dit_config(model: Any, stream: Any) -> DiTConfig:
-    return DiTConfig.from_name(preset(model.preset).dit, chunk_size=stream.chunk_latent_frames,
-                               attention=model.attention)
+    """The DiT a config runs: the architecture of the checkpoint's ``config.json`` (else the preset's) with the
+    streaming settings of the preset, ``[model]`` and ``[stream]`` (one validation at the end)."""
+    recipe = _recipe(model, stream)
+    if not model.checkpoint_dir:
+        return recipe
+    config_file = resolve_checkpoint_dir(model.checkpoint_dir, checkpoint_names(model)).dit_dir / "config.json"
+    return config_from_dict(json.loads(config_file.read_text()), recipe) if config_file.is_file() else recipe
+
+
+def _recipe(model: Any, stream: Any) -> DiTConfig:
+    base = DiTConfig.from_name(preset(model.preset).dit)
+    window, sink, eviction = base.local_attn_size, base.sink_size, True
+    if model.kv_window == "full":  # the official v1: the whole clip stays, nothing is evicted, no sink
+        window, sink, eviction = model.kv_full_frames, 0, False
+    elif isinstance(model.kv_window, int):
+        window = model.kv_window
+    if eviction and model.kv_sink >= 0:
+        sink = model.kv_sink
+    try:
+        return replace(base, chunk_size=stream.chunk_latent_frames, attention=model.attention,
+                       local_attn_size=window, sink_size=sink, kv_eviction=eviction)  # fmt: skip
+    except AssertionError as error:
+        raise ValueError(f"model.kv_window = {window}, kv_sink = {sink} with chunks of {stream.chunk_latent_frames} "
+                         f"latent frames: {error}") from None
+
+
+def motion_speeds(controls: Any) -> MotionSpeeds:
+    return MotionSpeeds(move=controls.move, strafe=controls.strafe, turn_deg=controls.turn_deg,
+                        pitch_limit_deg=controls.pitch_limit_deg)  # fmt: skip
+
+
+def checkpoint_names(model: Any) -> CheckpointNames:
+    return CheckpointNames(dit_subdir=model.dit_subdir or None, vae_file=model.vae_file, t5_file=model.t5_file,
+                           tokenizer_dir=model.tokenizer_dir, components_dir=model.components_dir or None)  # fmt: skip
 
 
 def lingbot_geometry(model: Any, stream: Any) -> StreamGeometry:
@@ -75,6 +111,7 @@ def lingbot_geometry(model: Any, stream: Any) -> StreamGeometry:
         condition_shape=(CONDITION_CHANNELS, cs, h, w),
         latent_shape=(LATENT_CHANNELS, cs, h, w),
         dtype=torch.float32,  # the sampler state stays float32 on the wire, whatever the compute dtype
+        max_chunks=cfg.max_chunks,
     )
 
 
@@ -86,12 +123,19 @@ def compute_dtype(model: Any, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def vae_dtype(model: Any, device: torch.device) -> torch.dtype:
+    """bf16 only when asked for and on CUDA; "tf32" and "float32" keep fp32 weights (TF32 is a backend flag that
+    ``ranks`` sets once per rank, see ``models.precision``)."""
+    return torch.bfloat16 if model.vae_dtype == "bfloat16" and device.type == "cuda" else torch.float32
+
+
 def build_condition(model: Any, stream: Any, device: torch.device) -> LingbotConditionStage:
     """umT5 + VAE encoder (the condition rank)."""
     text_len = dit_config(model, stream).text_len
     if model.checkpoint_dir:
         return stages_from_checkpoint(model.checkpoint_dir, stream.chunk_latent_frames, text_len=text_len,
-                                      device=device).condition
+                                      names=checkpoint_names(model), device=device,
+                                      vae_dtype=vae_dtype(model, device)).condition  # fmt: skip
     chosen = preset(model.preset)
     log.warning("model preset %s with seeded RANDOM weights (no checkpoint_dir): the frames are noise", model.preset)
     return random_stages(chosen.vae, chosen.t5, stream.chunk_latent_frames, text_len=text_len,
@@ -101,16 +145,15 @@ def build_condition(model: Any, stream: Any, device: torch.device) -> LingbotCon
 def build_decode(model: Any, stream: Any, device: torch.device) -> LingbotDecodeStage:
     """The VAE alone (the decode rank needs no text encoder)."""
     if model.checkpoint_dir:
-        vae = load_vae(resolve_checkpoint_dir(model.checkpoint_dir).vae_file, preset(model.preset).vae, device=device)
-        return LingbotDecodeStage(vae)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(model.weights_seed)  # the same draw as the condition rank's VAE (built first there)
-        vae = WanVAE(preset(model.preset).vae).to(device).eval()
-    return LingbotDecodeStage(vae)
+        path = resolve_checkpoint_dir(model.checkpoint_dir, checkpoint_names(model)).vae_file
+        return LingbotDecodeStage(load_vae(path, device=device, dtype=vae_dtype(model, device)))
+    return LingbotDecodeStage(random_vae(preset(model.preset).vae, device, model.weights_seed))  # = the condition's
 
 
-def build_denoise(model: Any, stream: Any, device: torch.device, group: Any | None) -> LingbotDenoiseStage:
-    weights = resolve_checkpoint_dir(model.checkpoint_dir).dit_dir if model.checkpoint_dir else None
+def build_denoise(model: Any, stream: Any, controls: Any, device: torch.device,
+                  group: Any | None) -> LingbotDenoiseStage:  # fmt: skip
+    weights = (resolve_checkpoint_dir(model.checkpoint_dir, checkpoint_names(model)).dit_dir
+               if model.checkpoint_dir else None)  # fmt: skip
     return LingbotDenoiseStage(dit_config(model, stream), lingbot_geometry(model, stream), device=device,
                                dtype=compute_dtype(model, device), group=group, weights=weights,
-                               init_seed=model.weights_seed)
+                               speeds=motion_speeds(controls), init_seed=model.weights_seed)  # fmt: skip

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from models.checkpoints import CheckpointNames, load_t5, load_vae, resolve_checkpoint_dir
+from models.random_init import random_module
 from models.stages import SessionSpec
 from models.t5 import T5Config, T5Encoder
-from models.tokenizer import ByteFallbackTokenizer, SentencePieceTokenizer, Tokenizer
+from models.tokenizer import ByteFallbackTokenizer, Tokenizer, tokenizer_from_dir
 from models.vae import VAEConfig, WanVAE
 from models.vae_stream import ConditionEncoder, FrameDecoder, SessionTable, frames_to_uint8, image_from_uint8
 
@@ -172,15 +173,15 @@ def stages_from_checkpoint(
     text_len: int = 512,
     names: CheckpointNames | None = None,
     device: torch.device | str = "cuda",
-    dtype: torch.dtype = torch.float32,
+    vae_dtype: torch.dtype = torch.float32,
 ) -> VaeT5Stages:
-    """Real weights: VAE in float32, T5 in bfloat16 on GPU, tokenizer from the checkpoint's tokenizer folder."""
+    """Real weights (sizes read from the files): VAE in ``vae_dtype``, umT5 in bf16 on GPU (fp32 on CPU), the
+    tokenizer of the checkpoint's tokenizer folder. Context and condition leave as float32."""
     paths = resolve_checkpoint_dir(root, names)
-    vae = load_vae(paths.vae_file, VAEConfig.preset("wan2.1"), device=device)
-    t5 = load_t5(paths.t5_file, T5Config.preset("umt5-xxl"), device=device)
-    tokenize = SentencePieceTokenizer.from_dir(paths.tokenizer_dir, text_len)
-    return VaeT5Stages(LingbotConditionStage(vae, t5, tokenize, chunk_latent_frames, dtype=dtype),
-                       LingbotDecodeStage(vae))  # fmt: skip
+    vae = load_vae(paths.vae_file, device=device, dtype=vae_dtype)
+    t5 = load_t5(paths.t5_file, device=device)
+    tokenize = tokenizer_from_dir(paths.tokenizer_dir, text_len)
+    return VaeT5Stages(LingbotConditionStage(vae, t5, tokenize, chunk_latent_frames), LingbotDecodeStage(vae))
 
 
 def stages_from_fixture(fixture_dir: str | Path, tokenize: Tokenizer | None = None,
@@ -206,10 +207,19 @@ def random_stages(
     seed: int = 0,
     device: torch.device | str = "cpu",
 ) -> VaeT5Stages:
-    """Seeded random weights (e.g. ``VAEConfig.preset('tiny')``, ``T5Config.preset('tiny')``) and the byte tokenizer."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        vae = WanVAE(vae_cfg).to(device).eval()
-        t5 = T5Encoder(t5_cfg).to(device).eval()
+    """Seeded random weights drawn on ``device`` (``random_vae`` and a umT5 in the compute dtype) and the byte
+    tokenizer: a full-size model path runs without a download, never with meaningful frames."""
+    vae = random_vae(vae_cfg, device, seed)
+    t5_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    t5 = random_module(lambda: T5Encoder(t5_cfg), device, t5_dtype, seed + 1)
+    assert isinstance(t5, T5Encoder)
     tokenize = ByteFallbackTokenizer(t5_cfg.vocab, text_len)
     return VaeT5Stages(LingbotConditionStage(vae, t5, tokenize, chunk_latent_frames), LingbotDecodeStage(vae))
+
+
+def random_vae(cfg: VAEConfig, device: torch.device | str, seed: int) -> WanVAE:
+    """The seeded random VAE; the condition and decode ranks draw the same one from the same seed."""
+    vae = random_module(lambda: WanVAE(cfg), device, torch.float32, seed)
+    assert isinstance(vae, WanVAE)
+    vae.reset_latent_stats()
+    return vae

@@ -48,6 +48,21 @@ class T5Config:
         return presets[name]
 
     @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor]) -> T5Config:
+        """The sizes of an official umT5 encoder state dict, read from its tensor shapes (every size is one)."""
+        try:
+            vocab, dim = state["token_embedding.weight"].shape
+            layers = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
+            shared = "pos_embedding.embedding.weight" in state
+            buckets, heads = state["pos_embedding.embedding.weight" if shared else
+                                   "blocks.0.pos_embedding.embedding.weight"].shape  # fmt: skip
+            return cls(vocab=int(vocab), dim=int(dim), dim_attn=int(state["blocks.0.attn.q.weight"].shape[0]),
+                       dim_ffn=int(state["blocks.0.ffn.fc1.weight"].shape[0]), num_heads=int(heads),
+                       num_layers=layers, num_buckets=int(buckets), shared_pos=shared)  # fmt: skip
+        except (KeyError, ValueError) as error:
+            raise ValueError(f"not an umT5 encoder state dict (missing or odd {error})") from None
+
+    @classmethod
     def from_fixture(cls, t5_section: dict[str, Any]) -> T5Config:
         """Build from the ``t5`` section of a golden fixture ``config.json``."""
         c = t5_section["constructor"]

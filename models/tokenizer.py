@@ -1,10 +1,18 @@
-"""Prompt tokenisation for the umT5 encoder, from a local SentencePiece file only (no hub access).
+"""Prompt tokenisation for the umT5 encoder, from local files only (no hub access).
 
 A tokenizer is any callable ``prompt -> (ids [T] int64, mask [T] int64)`` with ``T = text_len``: the pieces of
 the cleaned prompt, truncated to ``T - 1``, then the end-of-sequence id, then padding (``mask`` is 1 on the valid
-ids). ``SentencePieceTokenizer`` is the real one (the ``sentencepiece`` package is optional and imported only
-when it is built). ``ByteFallbackTokenizer`` exists for tiny random-weight configurations in tests and demos that
-have no tokenizer file; it is *not* umT5's tokenizer and is never chosen when a tokenizer folder is configured.
+ids), which is what the reference's ``tokenizer(..., padding="max_length", truncation=True, max_length=T,
+add_special_tokens=True)`` returns.
+
+Cleaning is the reference's ``whitespace`` mode: ``ftfy.fix_text`` (curly quotes to straight, full-width to
+half-width, ligatures split, mojibake repaired), ``html.unescape`` twice, strip, collapse whitespace.
+
+``HFTokenizer`` reads the ``tokenizer.json`` of ``google/umt5-xxl`` with the ``tokenizers`` library: the tokenizer
+the reference uses (its fast ``AutoTokenizer``). ``SentencePieceTokenizer`` is the fallback when a folder holds only
+``spiece.model`` (the optional ``sentencepiece`` package). ``ByteFallbackTokenizer`` exists for tiny random-weight
+configurations in tests and demos that have no tokenizer file; it is *not* umT5's tokenizer and is never chosen
+when a tokenizer folder is configured.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import ftfy
 import torch
 
 Tokenizer = Callable[[str], tuple[torch.Tensor, torch.Tensor]]  # prompt -> (ids [T], mask [T])
@@ -21,11 +30,12 @@ Tokenizer = Callable[[str], tuple[torch.Tensor, torch.Tensor]]  # prompt -> (ids
 PAD_ID = 0  # umT5 pad
 EOS_ID = 1  # umT5 end of sequence (the last valid id of every prompt)
 MODEL_FILE_NAMES = ("spiece.model", "tokenizer.model", "sentencepiece.model")
+TOKENIZER_JSON = "tokenizer.json"
 
 
 def clean_prompt(text: str) -> str:
-    """The reference's ``whitespace`` cleaning: HTML unescape, collapse whitespace, strip (ftfy not applied)."""
-    text = html.unescape(html.unescape(text)).strip()
+    """The reference's ``whitespace`` cleaning: ftfy, HTML unescape twice, strip, collapse whitespace."""
+    text = html.unescape(html.unescape(ftfy.fix_text(text))).strip()
     return re.sub(r"\s+", " ", text).strip()
 
 
@@ -38,6 +48,40 @@ def pack_ids(pieces: Sequence[int], text_len: int) -> tuple[torch.Tensor, torch.
     mask = torch.zeros(text_len, dtype=torch.int64)
     mask[: len(valid)] = 1
     return ids, mask
+
+
+class HFTokenizer:
+    """umT5 tokenizer from a local ``tokenizer.json`` (the ``tokenizers`` library, no hub access)."""
+
+    def __init__(self, tokenizer_file: str | Path, text_len: int) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        path = Path(tokenizer_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer file {path} does not exist")
+        self.text_len = text_len
+        self._tok = _Tokenizer.from_file(str(path))
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        eos = self._tok.token_to_id("</s>")
+        if eos != EOS_ID or self._tok.token_to_id("<pad>") != PAD_ID:
+            raise ValueError(f"{path} is not an umT5 tokenizer: </s> has id {eos}, <pad> has id "
+                             f"{self._tok.token_to_id('<pad>')} (expected {EOS_ID} and {PAD_ID})")
+
+    def pieces(self, prompt: str) -> list[int]:
+        """Ids of the cleaned prompt without special tokens."""
+        return self._tok.encode(clean_prompt(prompt), add_special_tokens=False).ids
+
+    def __call__(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return pack_ids(self.pieces(prompt), self.text_len)
+
+
+def tokenizer_from_dir(tokenizer_dir: str | Path, text_len: int) -> Tokenizer:
+    """The umT5 tokenizer of a folder: ``tokenizer.json`` if present (the reference's), else its SentencePiece file."""
+    folder = Path(tokenizer_dir)
+    if (folder / TOKENIZER_JSON).is_file():
+        return HFTokenizer(folder / TOKENIZER_JSON, text_len)
+    return SentencePieceTokenizer.from_dir(folder, text_len)
 
 
 class SentencePieceTokenizer:
@@ -66,7 +110,8 @@ class SentencePieceTokenizer:
             if (folder / name).is_file():
                 return cls(folder / name, text_len)
         found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "(folder missing)"
-        raise FileNotFoundError(f"no SentencePiece model {list(MODEL_FILE_NAMES)} in {folder}; contents: {found}")
+        raise FileNotFoundError(f"no {TOKENIZER_JSON} and no SentencePiece model {list(MODEL_FILE_NAMES)} in "
+                                f"{folder}; contents: {found}")
 
     def __call__(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
         return pack_ids(self._sp.encode(clean_prompt(prompt)), self.text_len)

@@ -71,6 +71,33 @@ class VAEConfig:
         return presets[name]
 
     @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor]) -> VAEConfig:
+        """The constructor arguments of an official ``WanVAE_`` state dict, read from its encoder's structure:
+        residual blocks, attention blocks and resamples in order (a resample closes a stage, ``time_conv`` marks a
+        temporal one). The normalisation constants are Wan2.1's (they are not in the file)."""
+        try:
+            dim = int(state["encoder.conv1.weight"].shape[0])
+            z_dim = int(state["conv2.weight"].shape[0])
+            count = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("encoder.downsamples."))
+            stages: list[list[str]] = [[]]
+            mult, temporal, attn = [], [], []
+            for i in range(count):
+                prefix = f"encoder.downsamples.{i}."
+                if prefix + "resample.1.weight" in state:
+                    temporal.append(prefix + "time_conv.weight" in state)
+                    stages.append([])
+                elif prefix + "to_qkv.weight" in state:
+                    attn.append(1.0 / 2 ** (len(stages) - 1))
+                else:
+                    stages[-1].append(prefix)
+            for blocks in stages:
+                mult.append(int(state[blocks[0] + "residual.2.weight"].shape[0]) // dim)
+            return cls(dim=dim, z_dim=z_dim, dim_mult=tuple(mult), num_res_blocks=len(stages[0]),
+                       attn_scales=tuple(sorted(set(attn))), temperal_downsample=tuple(temporal))  # fmt: skip
+        except (KeyError, ValueError, IndexError, AssertionError) as error:
+            raise ValueError(f"not a Wan2.1 VAE state dict (missing or odd {error})") from None
+
+    @classmethod
     def from_fixture(cls, vae_section: dict[str, Any]) -> VAEConfig:
         """Build from the ``vae`` section of a golden fixture ``config.json``."""
         c = vae_section["constructor"]

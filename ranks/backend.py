@@ -49,7 +49,7 @@ def build(config: Config, roles: list[str], device: torch.device, dit_group: Any
     if "condition" in roles:
         backend.condition = lingbot.build_condition(config.model, config.stream, device)
     if "dit" in roles:
-        backend.denoise = lingbot.build_denoise(config.model, config.stream, device, dit_group)
+        backend.denoise = lingbot.build_denoise(config.model, config.stream, config.controls, device, dit_group)
     if "decode" in roles:
         backend.decode = lingbot.build_decode(config.model, config.stream, device)
     return backend

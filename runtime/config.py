@@ -101,14 +101,32 @@ class SyntheticConfig(_Section):
 
 
 class ModelConfig(_Section):
-    """Which backend runs the stages and where its weights come from."""
+    """Which backend runs the stages, where its weights come from, and the model's streaming settings."""
 
     kind: Literal["synthetic", "lingbot-fast"] = "synthetic"
-    preset: str = "tiny"  # model size preset (lingbot-fast): tiny, v1, v2, ...
-    checkpoint_dir: str = ""  # empty: seeded random weights (tiny presets only)
-    attention: Literal["auto", "sdpa", "sage"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA (VAE stays fp32), fp32 on CPU
+    preset: str = "tiny"  # v1, v2 (the released models: schedule, chunk, window) or tiny, small (random weights)
+    checkpoint_dir: str = ""  # the download root; empty: seeded random weights
+    dit_subdir: str = ""  # the DiT folder under checkpoint_dir; empty: lingbot_world_fast/, transformers/ or the one
+    components_dir: str = ""  # where the VAE, umT5 and tokenizer are when checkpoint_dir does not hold them
+    vae_file: str = "Wan2.1_VAE.pth"  # relative: looked up in checkpoint_dir, then components_dir
+    t5_file: str = "models_t5_umt5-xxl-enc-bf16.pth"
+    tokenizer_dir: str = "google/umt5-xxl"  # tokenizer.json (or spiece.model)
+    attention: Literal["auto", "sdpa", "sage"] = "auto"  # auto: flash SDPA unless Sage is measured faster here
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # DiT and umT5: auto is bf16 on CUDA, fp32 on CPU
+    vae_dtype: Literal["tf32", "float32", "bfloat16"] = "tf32"  # VAE on CUDA: fp32 with TF32 convs, strict, or bf16
+    kv_window: int | Literal["preset", "full"] = "preset"  # KV window in latent frames; full: official v1, no eviction
+    kv_sink: int = -1  # sink latent frames of a rolling window; -1: the preset's
+    kv_full_frames: int = 21  # latent frames a "full" cache holds: caps the session (21 = the official 81 frames)
     weights_seed: int = 0  # seed of random weights when no checkpoint is given
+
+
+class ControlsConfig(_Section):
+    """Keys and mouse to camera motion per video frame (defaults: the official LingBot-World mapping)."""
+
+    move: float = 0.05  # W/S, scene units per frame along the horizontal forward direction
+    strafe: float = 0.05  # A/D, scene units per frame
+    turn_deg: float = 2.0  # I/K pitch and J/L yaw, degrees per frame
+    pitch_limit_deg: float = 85.0  # the camera never pitches beyond this
 
 
 class TimeoutsConfig(_Section):
@@ -132,6 +150,7 @@ class Config(_Section):
     stream: StreamConfig = msgspec.field(default_factory=StreamConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    controls: ControlsConfig = msgspec.field(default_factory=ControlsConfig)
     synthetic: SyntheticConfig = msgspec.field(default_factory=SyntheticConfig)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
@@ -197,6 +216,10 @@ def validate(config: Config, where: str) -> Config:
             f"{where}: model preset {config.model.preset!r} has num_heads = {heads}, not divisible by the "
             f"{len(lay.dit)} DiT ranks of layout.dit = {lay.dit}"
         )
+    _validate_model(config, where)
+    ctl = config.controls
+    if not all(v >= 0 for v in (ctl.move, ctl.strafe, ctl.turn_deg)) or not 0 < ctl.pitch_limit_deg < 90:
+        raise ConfigError(f"{where}: controls speeds must be >= 0 and controls.pitch_limit_deg in (0, 90)")
     st = config.stream
     if st.height % 16 or st.width % 16:
         raise ConfigError(
@@ -211,8 +234,25 @@ def validate(config: Config, where: str) -> Config:
     return config
 
 
-# Head counts of the model presets, so a layout is checked without importing torch.
+# Head counts and chunk sizes of the model presets, so a config is checked without importing torch.
 PRESET_HEADS = {"tiny": 5, "small": 10, "v1": 40, "v2": 40}
+RELEASED_CHUNK = {"v1": 3, "v2": 4}  # latent frames per chunk the released models were distilled for
+
+
+def _validate_model(config: Config, where: str) -> None:
+    model = config.model
+    if model.kind != "lingbot-fast":
+        return
+    if model.preset not in PRESET_HEADS:
+        raise ConfigError(f"{where}: model.preset = {model.preset!r}; valid presets: {sorted(PRESET_HEADS)}")
+    chunk = RELEASED_CHUNK.get(model.preset)
+    if chunk is not None and config.stream.chunk_latent_frames != chunk:
+        raise ConfigError(f"{where}: model.preset = {model.preset!r} runs chunks of {chunk} latent frames; set "
+                          f"stream.chunk_latent_frames = {chunk} (got {config.stream.chunk_latent_frames})")
+    if isinstance(model.kv_window, int) and model.kv_window < 1:
+        raise ConfigError(f"{where}: model.kv_window must be a positive number of latent frames, 'preset' or 'full'")
+    if model.kv_full_frames < config.stream.chunk_latent_frames:
+        raise ConfigError(f"{where}: model.kv_full_frames must hold at least one chunk")
 
 
 def model_heads(model: ModelConfig) -> int | None:

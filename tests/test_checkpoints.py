@@ -25,6 +25,7 @@ VAE_CFG = dataclasses.replace(VAEConfig.preset("tiny"), num_res_blocks=1)
 
 
 def _layout(root: Path, dit_dirs: tuple[str, ...] = ("lingbot_fast",)) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     for d in dit_dirs:
         (root / d).mkdir(parents=True)
         (root / d / "config.json").write_text("{}")
@@ -42,21 +43,51 @@ def test_resolver_finds_every_component_of_the_official_layout(tmp_path: Path) -
     assert paths.tokenizer_dir == tmp_path.resolve() / "google" / "umt5-xxl"
 
 
-def test_resolver_reports_every_missing_component_and_the_contents(tmp_path: Path) -> None:
+def test_resolver_reports_every_missing_component_where_it_looked_and_the_contents(tmp_path: Path) -> None:
     (tmp_path / "README.md").write_text("")
     with pytest.raises(CheckpointError) as err:
         resolve_checkpoint_dir(tmp_path)
     msg = str(err.value)
-    assert "Wan2.1_VAE.pth" in msg and "models_t5_umt5" in msg and "google/umt5-xxl" in msg
-    assert "no DiT folder" in msg and "README.md" in msg
+    for name in ("Wan2.1_VAE.pth", "models_t5_umt5-xxl-enc-bf16.pth", "google/umt5-xxl"):
+        assert str(tmp_path.resolve() / name) in msg
+    assert "model.components_dir" in msg and "no DiT folder" in msg and "README.md" in msg
 
 
-def test_resolver_asks_to_choose_between_several_dit_folders(tmp_path: Path) -> None:
+def test_resolver_asks_to_choose_between_several_dit_folders_none_of_them_released(tmp_path: Path) -> None:
     root = _layout(tmp_path, ("high_noise_model", "low_noise_model"))
-    with pytest.raises(CheckpointError, match="dit_subdir"):
+    with pytest.raises(CheckpointError, match=r"model\.dit_subdir"):
         resolve_checkpoint_dir(root)
     paths = resolve_checkpoint_dir(root, CheckpointNames(dit_subdir="low_noise_model"))
     assert paths.dit_dir.name == "low_noise_model"
+
+
+def test_resolver_prefers_the_released_dit_folders(tmp_path: Path) -> None:
+    v1 = _layout(tmp_path / "base-cam", ("high_noise_model", "low_noise_model", "lingbot_world_fast"))
+    assert resolve_checkpoint_dir(v1).dit_dir.name == "lingbot_world_fast"
+    v2 = _layout(tmp_path / "v2", ("transformers",))
+    (v2 / "model-00001-of-00008.safetensors").write_bytes(b"")  # a stray shard in the root does not win
+    assert resolve_checkpoint_dir(v2).dit_dir.name == "transformers"
+
+
+def test_vae_and_umt5_are_found_in_the_components_dir_when_the_dit_download_lacks_them(tmp_path: Path) -> None:
+    fast = tmp_path / "lingbot-world-fast"
+    fast.mkdir()
+    (fast / "model-00001-of-00016.safetensors").write_bytes(b"")
+    wan = _layout(tmp_path / "Wan2.2-I2V-A14B", ())
+    with pytest.raises(CheckpointError, match="components_dir"):
+        resolve_checkpoint_dir(fast)
+    paths = resolve_checkpoint_dir(fast, CheckpointNames(components_dir=str(wan)))
+    assert paths.dit_dir == fast.resolve() and paths.vae_file == wan.resolve() / "Wan2.1_VAE.pth"
+    assert paths.tokenizer_dir == wan.resolve() / "google" / "umt5-xxl"
+
+
+def test_vae_and_umt5_sizes_are_read_from_their_files(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    torch.save(WanVAE(VAE_CFG).state_dict(), tmp_path / "vae.pth")
+    t5_cfg = T5Config.preset("tiny")
+    torch.save(T5Encoder(t5_cfg).state_dict(), tmp_path / "t5.pth")
+    assert load_vae(tmp_path / "vae.pth").cfg == VAE_CFG
+    assert load_t5(tmp_path / "t5.pth").cfg == t5_cfg
 
 
 def test_vae_pth_loads_strictly_in_float32(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ def one_process_reference(prompt: str, seed: int) -> list[np.ndarray]:
     cfg = config_mod.load("cpu-tiny-model")
     device = torch.device("cpu")
     condition = lingbot.build_condition(cfg.model, cfg.stream, device)
-    denoise = lingbot.build_denoise(cfg.model, cfg.stream, device, None)
+    denoise = lingbot.build_denoise(cfg.model, cfg.stream, cfg.controls, device, None)
     decode = lingbot.build_decode(cfg.model, cfg.stream, device)
     raw = decode_image(IMAGE, cfg.server.max_image_pixels, cfg.stream.width, cfg.stream.height)
     image = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(cfg.stream.height, cfg.stream.width, 3)

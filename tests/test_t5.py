@@ -1,14 +1,12 @@
-"""umT5 encoder and tokenisation: bucket formula, masking, dtype, and the local-only tokenizers."""
+"""umT5 encoder: bucket formula, masking, dtype (tokenisation: tests/test_tokenizer.py)."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
 
 from models.t5 import T5Config, T5Encoder, T5RelativeEmbedding
-from models.tokenizer import ByteFallbackTokenizer, SentencePieceTokenizer, clean_prompt, pack_ids
+from models.tokenizer import pack_ids
 
 torch.set_num_threads(1)
 
@@ -51,34 +49,3 @@ def test_bfloat16_encoder_tracks_float32(t5: T5Encoder) -> None:
     out = low.to(torch.bfloat16).context(ids, mask)
     assert out.dtype == torch.bfloat16
     assert (out.float() - ref).abs().max() < 0.1 * ref.abs().max()
-
-
-def test_pack_ids_truncates_and_ends_with_eos() -> None:
-    ids, mask = pack_ids(list(range(10, 20)), 4)
-    assert ids.tolist() == [10, 11, 12, 1] and mask.tolist() == [1, 1, 1, 1]
-    ids, mask = pack_ids([10], 4)
-    assert ids.tolist() == [10, 1, 0, 0] and mask.tolist() == [1, 1, 0, 0]
-
-
-def test_prompts_are_whitespace_cleaned() -> None:
-    assert clean_prompt("  a \n\t castle&amp;moat ") == "a castle&moat"
-
-
-def test_byte_fallback_tokenizer_is_deterministic_and_in_vocab() -> None:
-    tok = ByteFallbackTokenizer(vocab=40, text_len=16)
-    ids, mask = tok("héllo  world")
-    assert torch.equal(ids, tok("héllo world")[0])
-    assert int(ids.max()) < 40 and int(mask.sum()) == len("héllo world".encode()) + 1
-
-
-@pytest.mark.skipif(importlib.util.find_spec("sentencepiece") is not None, reason="sentencepiece is installed")
-def test_missing_sentencepiece_gives_a_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(ImportError, match="sentencepiece"):
-        SentencePieceTokenizer(tmp_path / "spiece.model", 8)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("sentencepiece") is None, reason="sentencepiece not installed")
-def test_tokenizer_folder_without_a_model_is_reported(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    (tmp_path / "tokenizer.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match=r"spiece\.model"):
-        SentencePieceTokenizer.from_dir(tmp_path, 8)
