@@ -26,9 +26,11 @@ import torch.nn.functional as F
 from models.controls import ChunkControl, integrate
 from models.stages import SessionSpec, StreamGeometry
 
-PIXELS_PER_DEGREE = 0.012  # pan in normalised image units ([-1, 1] spans the frame) per degree of rotation
-PAN_PER_UNIT = 0.6  # pan per scene unit of sideways translation
-ZOOM_PER_UNIT = 0.5  # log-zoom per scene unit of forward translation
+# Scaled to the default key speeds (2 degrees, 0.05 units per frame), so a held key moves the picture by about
+# half a pixel per frame at 160x256 and a few seconds of holding stay on screen.
+PIXELS_PER_DEGREE = 0.009  # pan in normalised image units ([-1, 1] spans the frame) per degree of rotation
+PAN_PER_UNIT = 0.96  # pan per scene unit of sideways translation
+ZOOM_PER_UNIT = 0.8  # log-zoom per scene unit of forward translation
 NOISE_LEVEL = 0.02
 
 

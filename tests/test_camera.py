@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from models.camera import (
@@ -15,7 +16,7 @@ from models.camera import (
     resample_poses,
     scale_intrinsics,
 )
-from models.controls import ChunkControl, integrate_stream
+from models.controls import ChunkControl, MotionSpeeds, integrate, integrate_stream, pitch_of
 
 H, W, CS = 32, 48, 3
 INTRINSICS = torch.tensor([[520.0, 480.0, 410.0, 245.0]])
@@ -101,3 +102,59 @@ def test_relative_poses_start_at_identity_and_chain_back_to_the_absolute_poses()
 def test_intrinsics_are_rescaled_from_the_480x832_reference_frame() -> None:
     k = scale_intrinsics(torch.tensor([[832.0, 480.0, 416.0, 240.0], [1.0, 1.0, 1.0, 1.0]]), 240, 416)
     torch.testing.assert_close(k, torch.tensor([416.0, 240.0, 208.0, 120.0]))
+
+
+DEFAULT_SPEEDS = MotionSpeeds()
+
+
+def _hold(keys: str, frames: int, start: np.ndarray | None = None, mouse: tuple[float, float] = (0.0, 0.0),
+          speeds: MotionSpeeds = DEFAULT_SPEEDS) -> np.ndarray:  # fmt: skip
+    """The pose after holding ``keys`` for ``frames`` video frames (a later chunk: every frame moves)."""
+    start = np.eye(4) if start is None else start
+    return integrate(start, ChunkControl(keys=frozenset(keys), mouse=mouse), frames, speeds)[-1]
+
+
+def _official_rotation(yaw_deg: float, pitch_deg: float) -> np.ndarray:
+    """``R_y(yaw) R_x(pitch)``: the official mapping's orientation after pitching, then yawing about world up."""
+    y, p = math.radians(yaw_deg), math.radians(pitch_deg)
+    r_y = np.array([[math.cos(y), 0, math.sin(y)], [0, 1, 0], [-math.sin(y), 0, math.cos(y)]])
+    r_x = np.array([[1, 0, 0], [0, math.cos(p), -math.sin(p)], [0, math.sin(p), math.cos(p)]])
+    return r_y @ r_x
+
+
+def test_pitch_up_then_yaw_90_then_forward_keeps_the_camera_level_and_moves_it_horizontally() -> None:
+    """Official mapping: yaw about the world up axis, pitch about the camera's right axis, W along the horizontal
+    forward direction, 2 degrees and 0.05 units per frame. Numbers derived from those formulas."""
+    pitched = _hold("i", 8)  # +16 degrees
+    turned = _hold("l", 45, pitched)  # +90 degrees of yaw
+    moved = _hold("w", 10, turned)
+    np.testing.assert_allclose(moved[:3, :3], _official_rotation(90.0, 16.0), rtol=0, atol=1e-12)
+    assert abs(moved[1, 0]) < 1e-12, "the camera's right axis stays horizontal: no roll"
+    assert math.degrees(pitch_of(moved[:3, :3])) == pytest.approx(16.0, abs=1e-9)
+    cos_p = math.cos(math.radians(16.0))
+    step = 0.05 * cos_p / (cos_p + 1e-6)  # the reference normalises the ground direction by (norm + 1e-6)
+    np.testing.assert_allclose(moved[:3, 3], [10 * step, 0.0, 0.0], rtol=0, atol=1e-12)  # +x: facing right, level
+
+
+def test_strafe_moves_along_the_horizontal_right_direction_and_s_undoes_w() -> None:
+    pose = _hold("d", 4, _hold("k", 10))  # pitched down 20 degrees, then strafe right
+    np.testing.assert_allclose(pose[:3, 3], [4 * 0.05 * 1 / (1 + 1e-6), 0.0, 0.0], rtol=0, atol=1e-12)
+    back = _hold("s", 6, _hold("w", 6))
+    np.testing.assert_allclose(back[:3, 3], 0.0, atol=1e-15)
+
+
+def test_pitch_stops_at_the_clamp_and_a_step_past_it_is_not_taken() -> None:
+    up = _hold("i", 50)  # 42 steps reach 84 degrees; the 43rd would be 86 > 85
+    assert math.degrees(pitch_of(up[:3, :3])) == pytest.approx(84.0, abs=1e-9)
+    down = _hold("k", 3, up)
+    assert math.degrees(pitch_of(down[:3, :3])) == pytest.approx(78.0, abs=1e-9)
+    np.testing.assert_allclose(_hold("i", 5, speeds=MotionSpeeds(pitch_limit_deg=5))[:3, :3],
+                               _official_rotation(0, 4), atol=1e-12)  # fmt: skip
+
+
+def test_mouse_motion_of_a_chunk_is_spread_over_its_moving_frames_and_sums_to_what_was_sent() -> None:
+    later = integrate(np.eye(4), ChunkControl(mouse=(30.0, -6.0)), 12)
+    np.testing.assert_allclose(later[-1][:3, :3], _official_rotation(30.0, -6.0), atol=1e-12)
+    first = integrate(np.eye(4), ChunkControl(mouse=(30.0, 0.0)), 9, first_is_start=True)  # frame 0 = the image
+    np.testing.assert_allclose(first[0], np.eye(4))
+    np.testing.assert_allclose(first[-1][:3, :3], _official_rotation(30.0, 0.0), atol=1e-12)
