@@ -87,6 +87,7 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
 
     from ipc import transport
     from ipc.tensor_plane import build_groups
+    from models import precision
     from ranks import backend as backend_mod
     from ranks import roles
     from ranks.worker import RankContext, heartbeat, run_thread
@@ -120,6 +121,7 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
         shared = [None]
     dist.broadcast_object_list(shared, src=lay.coordinator, group=groups.control)
     rank_roles = lay.roles_of(rank)
+    precision.apply(device, cfg.model.vae_dtype, holds_vae=bool({"condition", "decode"} & set(rank_roles)))
     built = backend_mod.build(cfg, rank_roles, device, groups.dit)
     ctx = RankContext(config=cfg, rank=rank, roles=rank_roles, endpoint=shared[0], zmq=context, groups=groups,
                       backend=built)

@@ -14,6 +14,27 @@ All groups are created once at start-up by every rank, in one fixed order, each 
 A gloo send waits for its matching receive; each edge has exactly one sender, so two ranks never both send
 first. Every transfer is announced on the control plane before it happens, so the receiver knows shape and
 dtype; only contiguous tensors travel.
+
+Several NCCL groups on one GPU. The decode rank receives latents and sends frames from two threads at once, and
+rank 0 broadcasts conditions while it receives frames; NCCL documents that operations of different communicators
+in flight on one device can deadlock when their order differs across ranks, because a posted NCCL kernel spins
+until its peer arrives. Why our pattern is safe:
+
+1. every transfer is posted only once the data it moves cannot depend on a later transfer of the posting rank:
+   a condition moves after its encode finished, a latent is awaited when its denoise was dispatched with its
+   condition and control already on the DiT ranks, frames are awaited when their decode was dispatched with its
+   latent already there. So a spinning kernel's peer always completes without this rank posting anything new: no
+   cycle of waits can form across ranks, whatever the interleaving of the groups;
+2. each group is used by one thread, in the coordinator's announcement order, on that thread's own CUDA stream
+   (``side_stream``), so transfers never queue behind the compute stream nor a transfer of another group;
+3. NCCL point-to-point kernels occupy a few SMs each, so kernels of different communicators are co-resident and
+   progress concurrently (no kernel waits for another to be scheduled);
+4. nothing on a transfer thread synchronises the whole device (no ``torch.cuda.synchronize``, no
+   ``empty_cache``): a device-wide wait behind a spinning kernel is the hazard that remains, and every group has a
+   timeout, so even then the job ends with an error naming the transfer instead of hanging.
+
+``scripts/bench_gpu.py`` exercises two groups used concurrently from two threads per GPU when several GPUs are
+present.
 """
 
 from __future__ import annotations

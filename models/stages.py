@@ -37,6 +37,7 @@ class StreamGeometry:
     latent_shape: tuple[int, ...]  # one denoised latent chunk
     dtype: torch.dtype = torch.float32  # dtype of context, condition and latent on the wire
     temporal_stride: int = 4  # video frames per latent frame (the first latent frame gives 1)
+    max_chunks: int | None = None  # the model's cap on a session's length (a "full" KV cache); None: unbounded
 
     def frames_in_chunk(self, index: int) -> int:
         """Video frames decoded from chunk ``index``: the first latent frame of a stream gives 1 frame."""
