@@ -7,8 +7,10 @@ Recomputes every expected tensor the project can (umT5, camera rays, VAE conditi
 the stream with the rolling KV cache, the decoded frames, and the whole chain from raw inputs to frames) with this
 project's code, prints one line per tensor
 (name, max abs error, max abs expected, bound) and exits non-zero if any float tensor exceeds
-``1e-4 * max(1, max|expected|)`` or any integer fact (timesteps, cache counters) differs at all. Sizes are read
-from each fixture's config.json, so fixture sets never seen before are checked the same way.
+``2e-5 * max(1, max|expected|)`` (the fixture README's bound; NaN fails), any integer fact (timesteps, cache
+counters) differs at all, or any tensor of ``expected.safetensors`` was not compared (a check that stopped
+producing a tensor fails instead of passing quietly). Sizes are read from each fixture's config.json, so fixture
+sets never seen before are checked the same way.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts import golden_dit, golden_e2e, golden_vae_t5
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "golden"
+RELATIVE_BOUND = 2e-5  # times max(1, max|expected|): ~10x what thread counts and independent implementations differ by
 
 
 def fixture_dirs(root: Path = GOLDEN_DIR) -> list[Path]:
@@ -40,15 +44,27 @@ def compare(name: str, actual: torch.Tensor, expected: torch.Tensor) -> tuple[bo
         return error == 0.0, error, float(expected.abs().max()) if expected.numel() else 0.0, 0.0
     expected64, actual64 = expected.double(), actual.double()
     scale = float(expected64.abs().max()) if expected.numel() else 0.0
-    bound = 1e-4 * max(1.0, scale)
+    bound = RELATIVE_BOUND * max(1.0, scale)
     error = float((actual64 - expected64).abs().max()) if expected.numel() else 0.0
-    return error <= bound, error, scale, bound
+    return error <= bound, error, scale, bound  # NaN: the comparison is False, so NaN fails
 
 
 def check(fixture: Path) -> Iterator[tuple[str, bool, float, float, float]]:
     for module in (golden_vae_t5, golden_dit, golden_e2e):
         for name, actual, expected in module.checks(fixture):
             yield (name, *compare(name, actual, expected))
+
+
+def expected_key(name: str) -> str:
+    """The ``expected.safetensors`` key a check name compares against (``end_to_end:x0_c0`` -> ``x0_c0``)."""
+    return name.rsplit(":", 1)[-1]
+
+
+def uncompared(fixture: Path, names: set[str]) -> list[str]:
+    """Keys of the fixture's ``expected.safetensors`` that no check compared."""
+    with safe_open(str(Path(fixture) / "expected.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    return sorted(keys - {expected_key(n) for n in names})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,10 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     for fixture in fixtures:
         print(f"# {fixture}")
+        seen: set[str] = set()
         for name, ok, error, scale, bound in check(fixture):
             failures += not ok
+            seen.add(name)
             print(f"{'ok  ' if ok else 'FAIL'} {name:32s} max_abs_err={error:.3e} max_abs_expected={scale:.3e} "
                   f"bound={bound:.1e}")
+        for key in uncompared(fixture, seen):
+            failures += 1
+            print(f"FAIL {key:32s} never compared")
     print(f"{'all tensors within tolerance' if not failures else f'{failures} tensors out of tolerance'}")
     return 1 if failures else 0
 

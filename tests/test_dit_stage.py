@@ -13,11 +13,11 @@ from models.controls import ChunkControl
 from models.dit import DiTConfig
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.stages import SessionSpec, StreamGeometry
+from scripts.check_golden import compare
 from scripts.golden_dit import FixtureNoise, load_model
+from tests.golden_fixtures import fixture_params, require
 
 torch.set_num_threads(1)
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "golden"
-FIXTURE = GOLDEN / "tiny-a"
 GEOMETRY = StreamGeometry(
     height=32, width=48, chunk_latent_frames=3, context_shape=(16, 32), condition_shape=(20, 3, 4, 6),
     latent_shape=(16, 3, 4, 6),
@@ -34,8 +34,9 @@ def _conditions(n: int) -> list[torch.Tensor]:
     return [torch.randn(20, 3, 4, 6, generator=g) for _ in range(n)]
 
 
-@pytest.mark.skipif(not FIXTURE.is_dir(), reason=f"golden fixture {FIXTURE} absent")
-def test_stage_reproduces_the_golden_stream_with_the_fixture_noise_and_controls() -> None:
+@pytest.mark.parametrize("fixture", fixture_params())
+def test_stage_reproduces_the_golden_stream_with_the_fixture_noise_and_controls(fixture: Path | None) -> None:
+    FIXTURE = require(fixture)
     config = json.loads((FIXTURE / "config.json").read_text())
     stream = config["stream"]
     inputs, expected = load_file(str(FIXTURE / "inputs.safetensors")), load_file(str(FIXTURE / "expected.safetensors"))
@@ -56,7 +57,8 @@ def test_stage_reproduces_the_golden_stream_with_the_fixture_noise_and_controls(
     session.camera.control = lambda poses, first: next(controls)  # type: ignore[method-assign]
     for k in range(stream["num_chunks"]):
         latent = stage.denoise("g", k, inputs["dit_y"][:, k * cs : (k + 1) * cs], ChunkControl())
-        torch.testing.assert_close(latent, expected[f"x0_c{k}"], rtol=0, atol=1e-4)
+        ok, error, _, bound = compare(f"x0_c{k}", latent, expected[f"x0_c{k}"])
+        assert ok, (k, error, bound)
 
 
 def test_same_seed_gives_the_same_stream_and_another_seed_does_not() -> None:

@@ -11,35 +11,32 @@ from safetensors.torch import load_file
 
 from models.lingbot_vae_stages import LingbotDecodeStage
 from models.vae_stream import frames_to_uint8
-from scripts.golden_vae_t5 import checks, tolerance
+from scripts.check_golden import compare
+from scripts.golden_vae_t5 import checks
+from tests.golden_fixtures import fixture_params, require
 
 torch.set_num_threads(1)
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "golden"
-FIXTURES = sorted(p for p in GOLDEN.iterdir() if (p / "config.json").is_file()) if GOLDEN.is_dir() else []
 REQUIRED = {"t5_encoder_out_full", "t5_context", "vae_cond_latent", "y"}
 
 
-@pytest.mark.skipif(not FIXTURES, reason=f"no golden fixture directories under {GOLDEN}")
-@pytest.mark.parametrize("fixture", FIXTURES, ids=[p.name for p in FIXTURES])
-def test_fixture_tensors_are_reproduced_within_tolerance(fixture: Path) -> None:
+@pytest.mark.parametrize("fixture", fixture_params())
+def test_fixture_tensors_are_reproduced_within_the_bound(fixture: Path | None) -> None:
+    fixture = require(fixture)
     num_chunks = json.loads((fixture / "config.json").read_text())["stream"]["num_chunks"]
     seen, failures = set(), []
     for name, actual, expected in checks(fixture):
         seen.add(name)
-        if tuple(actual.shape) != tuple(expected.shape):
-            failures.append(f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
-            continue
-        err = float((actual - expected).abs().max())
-        if err > tolerance(expected):
-            failures.append(f"{name}: max error {err:.3e} > {tolerance(expected):.3e}")
+        ok, error, _, bound = compare(name, actual, expected)
+        if not ok:  # NaN or a shape mismatch fails too
+            failures.append(f"{name}: max error {error:.3e} > {bound:.3e}")
     assert not failures, failures
     assert REQUIRED | {f"frames_c{k}" for k in range(num_chunks)} <= seen
 
 
-@pytest.mark.skipif(not FIXTURES, reason=f"no golden fixture directories under {GOLDEN}")
-@pytest.mark.parametrize("fixture", FIXTURES, ids=[p.name for p in FIXTURES])
-def test_uint8_frames_match_the_quantised_expected_frames(fixture: Path) -> None:
+@pytest.mark.parametrize("fixture", fixture_params())
+def test_uint8_frames_match_the_quantised_expected_frames(fixture: Path | None) -> None:
+    fixture = require(fixture)
     from models.checkpoints import load_vae
     from models.vae import VAEConfig
 
