@@ -19,7 +19,9 @@ reference scales all chunks by the fastest step of the clip, the stream scales e
 step, so within a chunk relative speeds are kept but across chunks the magnitude is always 1 when moving;
 (c) a chunk whose largest step is below ``MIN_TRANSLATION`` is treated as not translating (left unscaled):
 the reference divides by any positive maximum, which would blow float32 rounding noise of a rotating-only
-camera up to unit steps.
+camera up to unit steps. Because of the normalisation the key speeds (``controls.move``/``strafe``) set only the
+mix of directions the DiT sees, never the magnitude; ``translation_scale`` multiplies the normalised steps (1: the
+reference's whole-clip rule at constant speed; TeleFuser's interactive service uses 3).
 """
 
 from __future__ import annotations
@@ -129,23 +131,34 @@ def normalize_translation(rel: torch.Tensor, min_norm: float = 0.0) -> torch.Ten
     return out
 
 
-def rays(rel: torch.Tensor, intrinsics: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Control tensor ``[1, 384, F, H/8, W/8]`` from framewise poses ``[F, 4, 4]`` and ``(fx, fy, cx, cy)``."""
+def pixel_directions(intrinsics: torch.Tensor, height: int, width: int,
+                     device: torch.device | str = "cpu") -> torch.Tensor:  # fmt: skip
+    """Unit ray directions ``[H, W, 3]`` (float32, camera frame) through the pixel centres, on ``device``."""
     assert height % BLOCK == 0 and width % BLOCK == 0, f"frame {height}x{width} is not a multiple of {BLOCK}"
     fx, fy, cx, cy = (float(v) for v in intrinsics.float())
-    f = rel.shape[0]
-    v, u = torch.meshgrid(
-        torch.arange(height, dtype=torch.float32), torch.arange(width, dtype=torch.float32), indexing="ij"
-    )
+    v, u = torch.meshgrid(torch.arange(height, dtype=torch.float32, device=device),
+                          torch.arange(width, dtype=torch.float32, device=device), indexing="ij")  # fmt: skip
     d = torch.stack([(u + 0.5 - cx) / fx, (v + 0.5 - cy) / fy, torch.ones_like(u)], dim=-1)  # [H, W, 3]
-    d = d / torch.linalg.vector_norm(d, dim=-1, keepdim=True)
+    return d / torch.linalg.vector_norm(d, dim=-1, keepdim=True)
+
+
+def rays_from(rel: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
+    """Control tensor ``[1, 384, F, H/8, W/8]`` from framewise poses ``[F, 4, 4]`` and ``pixel_directions``."""
+    height, width, _ = directions.shape
+    f = rel.shape[0]
+    rel = rel.to(directions.device)
     rot, trans = rel[:, :3, :3].float(), rel[:, :3, 3].float()  # [F, 3, 3], [F, 3]
-    direction = torch.einsum("fij,hwj->fhwi", rot, d)  # [F, H, W, 3]
+    direction = torch.einsum("fij,hwj->fhwi", rot, directions)  # [F, H, W, 3]
     origin = trans[:, None, None, :].expand(f, height, width, 3)
     ray = torch.cat([origin, direction], dim=-1)  # [F, H, W, 6]
     h, w = height // BLOCK, width // BLOCK
     folded = ray.reshape(f, h, BLOCK, w, BLOCK, 6).permute(5, 2, 4, 0, 1, 3)  # [6, r, s, F, h, w]
     return folded.reshape(1, 6 * BLOCK * BLOCK, f, h, w).contiguous()
+
+
+def rays(rel: torch.Tensor, intrinsics: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Control tensor ``[1, 384, F, H/8, W/8]`` from framewise poses ``[F, 4, 4]`` and ``(fx, fy, cx, cy)``."""
+    return rays_from(rel, pixel_directions(intrinsics, height, width))
 
 
 def clip_control(
@@ -175,26 +188,35 @@ def latent_frame_poses(video_poses: np.ndarray, first_chunk: bool, stride: int =
 
 
 class StreamingCamera:
-    """Per-session camera state for the streaming rule (see the module docstring)."""
+    """Per-session camera state for the streaming rule (see the module docstring). The control tensor is built on
+    ``device`` from the session's pixel directions (computed once): per chunk only the ``[cs, 4, 4]`` poses move
+    to the device, not the ~28 MB control tensor of a 480x832 chunk."""
 
-    def __init__(self, intrinsics: torch.Tensor, height: int, width: int) -> None:
+    def __init__(self, intrinsics: torch.Tensor, height: int, width: int, device: torch.device | str = "cpu",
+                 translation_scale: float = 1.0) -> None:  # fmt: skip
         self.k = scale_intrinsics(intrinsics, height, width)
         self.height, self.width = height, width
-        self.prev_latent_pose: torch.Tensor | None = None  # float32 [4, 4]
+        self.translation_scale = translation_scale  # applied after the per-chunk normalisation
+        self.directions = pixel_directions(self.k, height, width, device)
+        self.prev_latent_pose: torch.Tensor | None = None  # float64 [4, 4]
         self.last_video_pose = np.eye(4, dtype=np.float64)  # integration start of the next chunk
 
     def relative(self, video_poses: np.ndarray, first_chunk: bool) -> torch.Tensor:
-        """Normalised framewise poses ``[cs, 4, 4]`` of a chunk, and advance the state."""
-        latent = torch.from_numpy(latent_frame_poses(np.asarray(video_poses, np.float64), first_chunk)).float()
+        """Normalised framewise poses ``[cs, 4, 4]`` (float32) of a chunk, times ``translation_scale``, and advance
+        the state. The framewise steps are taken in float64 from the float64 absolute poses, so they stay exact
+        however far a long session has walked (float32 absolute positions would lose the step's digits)."""
+        latent = torch.from_numpy(latent_frame_poses(np.asarray(video_poses, np.float64), first_chunk).copy())
         prev = latent[:1] if self.prev_latent_pose is None else self.prev_latent_pose[None]
-        chain = torch.cat([prev, latent])  # [cs + 1, 4, 4]
+        chain = torch.cat([prev, latent])  # [cs + 1, 4, 4] float64
         framewise = rigid_inverse(chain[:-1]) @ chain[1:]
         if self.prev_latent_pose is None:
-            framewise[0] = torch.eye(4)
+            framewise[0] = torch.eye(4, dtype=torch.float64)
         self.prev_latent_pose = latent[-1].clone()
         self.last_video_pose = np.asarray(video_poses[-1], np.float64).copy()
-        return normalize_translation(framewise, MIN_TRANSLATION)
+        rel = normalize_translation(framewise.float(), MIN_TRANSLATION)
+        rel[:, :3, 3] *= self.translation_scale
+        return rel
 
     def control(self, video_poses: np.ndarray, first_chunk: bool) -> torch.Tensor:
-        """Control tensor ``[1, 384, cs, h, w]`` of a chunk from its per-video-frame poses."""
-        return rays(self.relative(video_poses, first_chunk), self.k, self.height, self.width)
+        """Control tensor ``[1, 384, cs, h, w]`` (on the camera's device) of a chunk from its per-video-frame poses."""
+        return rays_from(self.relative(video_poses, first_chunk), self.directions)

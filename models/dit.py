@@ -274,9 +274,10 @@ class WanModelFast(nn.Module):
         self.set_attention(select_attention(cfg.attention))
 
     def set_attention(self, fn: AttentionFn) -> None:
+        """The self-attention kernel (the one that is timed and chosen); cross-attention over the 512 text rows stays
+        on SDPA (Sage would copy its keys every call for no measured gain)."""
         for block in self.blocks:
             block.self_attn.attend = fn
-            block.cross_attn.attend = fn
 
     # ---- per-session / per-chunk / per-t precomputation -------------------------------------------------
 
@@ -326,10 +327,13 @@ class WanModelFast(nn.Module):
         return ChunkCamera([block.camera(c) for block in self.blocks])
 
     def _rope(self, f: int, h: int, w: int, start_frame: int, device: torch.device) -> torch.Tensor:
-        """RoPE rotations of a call, built on the device and kept for the next calls of the same chunk."""
-        key = (f, h, w, start_frame, device)
+        """RoPE rotations of a call, built on the device in the precision the q/k rotation runs in (complex128 for
+        float32 weights, complex64 for bf16) and kept for the next calls of the same chunk."""
+        wide = self.patch_embedding.weight.dtype in (torch.float32, torch.float64)
+        key = (f, h, w, start_frame, device, wide)
         if self._rope_memo is None or self._rope_memo[0] != key:
-            self._rope_memo = (key, rope_freqs(rope_angles(self.cfg.head_dim, f, h, w, start_frame, device)))
+            freqs = rope_freqs(rope_angles(self.cfg.head_dim, f, h, w, start_frame, device))
+            self._rope_memo = (key, freqs if wide else freqs.to(torch.complex64))
         return self._rope_memo[1]
 
     # ---- one call -----------------------------------------------------------------------------------------

@@ -36,8 +36,6 @@ INDEX_SUFFIX = ".safetensors.index.json"
 SAVED_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 # Constructor keys of the official model that describe what this implementation is (checked, not stored).
 _REQUIRED = {"control_type": "cam", "qk_norm": True, "cross_attn_norm": True}
-# Keys the official class takes but that do not change the computation of the released model, and bookkeeping.
-_INFORMATIONAL = {"model_type", "window_size", "dropout", "local_attn_size", "sink_size"}
 
 
 def config_from_dict(raw: dict[str, object], base: DiTConfig) -> DiTConfig:

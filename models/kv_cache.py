@@ -28,9 +28,10 @@ class KVCache:
     """Rolling self-attention cache of one session: per layer keys/values ``[heads, S, hd]`` and one ring."""
 
     def __init__(self, layers: int, slots: int, sink_tokens: int, heads: int, head_dim: int,
-                 device: torch.device | str, dtype: torch.dtype) -> None:  # fmt: skip
+                 device: torch.device | str, dtype: torch.dtype, evict: bool = True) -> None:  # fmt: skip
         assert 0 <= sink_tokens < slots, f"sink {sink_tokens} must be smaller than the window {slots}"
         self.slots, self.sink = slots, sink_tokens
+        self.evict = evict  # False: the official v1 "full" cache, where nothing may ever leave
         self.k = [torch.zeros(heads, slots, head_dim, device=device, dtype=dtype) for _ in range(layers)]
         self.v = [torch.zeros(heads, slots, head_dim, device=device, dtype=dtype) for _ in range(layers)]
         self.global_end = 0  # absolute end of the tokens written so far
@@ -38,8 +39,10 @@ class KVCache:
         self.oldest = sink_tokens  # slot of the oldest non-sink token (the next one to evict)
         self.evicted = 0  # tokens evicted by the last new chunk (for traces)
         self.positions = torch.full((slots,), -1, dtype=torch.int64)  # absolute token of each slot (CPU, traces)
-        self._span: tuple[int, int] | None = None  # the current chunk's slots when they are contiguous ...
-        self._index: torch.Tensor | None = None  # ... else their indices (on the cache's device)
+        # The current chunk's slots as (first slot, first token of the chunk, count) runs: one run while the window
+        # fills and whenever the ring does not wrap, at most three (free tail, ring end, ring start). Slices, not an
+        # index tensor: no host-to-device copy on the DiT's path and plain copy kernels.
+        self._runs: list[tuple[int, int, int]] = []
 
     @property
     def local_end(self) -> int:
@@ -54,41 +57,37 @@ class KVCache:
         the oldest non-sink tokens if the window is full); a rewrite of the current chunk keeps its slots."""
         assert n <= self.slots - self.sink, f"{n} new tokens do not fit a window of {self.slots} with {self.sink} sink"
         end = current_start + n
-        if end == self.global_end and self._span_len() == n:
+        if end == self.global_end and sum(count for _, _, count in self._runs) == n:
             return  # a later pass of the same chunk: same slots
         assert current_start == self.global_end, (
             f"a chunk starting at token {current_start} does not continue the cache (which ends at {self.global_end})")
+        runs: list[tuple[int, int, int]] = []
         take = min(self.slots - self.filled, n)  # free slots first (while the window fills) ...
-        slots = list(range(self.filled, self.filled + take))
-        ring = self.slots - self.sink
-        for j in range(n - take):  # ... then the slots of the oldest non-sink tokens, in age order
-            slots.append(self.sink + (self.oldest - self.sink + j) % ring)
+        if take < n and not self.evict:
+            raise ValueError(f"the full KV cache holds {self.slots} tokens; tokens {current_start}..{end} do not fit")
+        if take:
+            runs.append((self.filled, 0, take))
+        ring, done = self.slots - self.sink, take
+        while done < n:  # ... then the slots of the oldest non-sink tokens, in age order, wrapping once at most
+            start = self.sink + (self.oldest - self.sink + done - take) % ring
+            count = min(n - done, self.slots - start)
+            runs.append((start, done, count))
+            done += count
         self.evicted = n - take
         self.oldest = self.sink + (self.oldest - self.sink + self.evicted) % ring
         self.filled += take
         self.global_end = end
-        self.positions[slots] = torch.arange(current_start, end)
-        if slots == list(range(slots[0], slots[0] + n)):
-            self._span, self._index = (slots[0], slots[0] + n), None
-        else:
-            self._span, self._index = None, torch.tensor(slots, device=self.k[0].device)
-
-    def _span_len(self) -> int:
-        if self._span is not None:
-            return self._span[1] - self._span[0]
-        return 0 if self._index is None else int(self._index.numel())
+        self._runs = runs
+        for slot, first, count in runs:
+            self.positions[slot : slot + count] = torch.arange(current_start + first, current_start + first + count)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [heads, n, hd]`` of the call placed by ``begin``; return the valid window ``[heads, L, hd]``."""
         kb, vb = self.k[layer], self.v[layer]
-        if self._span is not None:
-            a, b = self._span
-            kb[:, a:b] = k
-            vb[:, a:b] = v
-        else:
-            assert self._index is not None, "begin() places a call's tokens before its layers write"
-            kb.index_copy_(1, self._index, k.to(kb.dtype))
-            vb.index_copy_(1, self._index, v.to(vb.dtype))
+        assert self._runs, "begin() places a call's tokens before its layers write"
+        for slot, first, count in self._runs:
+            kb[:, slot : slot + count] = k[:, first : first + count]
+            vb[:, slot : slot + count] = v[:, first : first + count]
         return kb[:, : self.filled], vb[:, : self.filled]
 
     def cached_frames(self, tokens_per_frame: int) -> list[int]:
@@ -114,8 +113,15 @@ def new_kv_cache(
     head_dim: int,
     device: torch.device | str,
     dtype: torch.dtype,
+    evict: bool = True,
 ) -> KVCache:
     """The rolling cache of a session (``heads`` is the rank's local head count)."""
     assert window_frames > 0, "the streaming cache needs a finite window (in latent frames)"
     return KVCache(layers, window_frames * tokens_per_frame, sink_frames * tokens_per_frame, heads, head_dim, device,
-                   dtype)  # fmt: skip
+                   dtype, evict)  # fmt: skip
+
+
+def kv_cache_bytes(layers: int, window_frames: int, tokens_per_frame: int, heads: int, head_dim: int,
+                   dtype: torch.dtype) -> int:  # fmt: skip
+    """Bytes of one session's cache on one rank: keys and values of every layer over the whole window."""
+    return 2 * layers * heads * window_frames * tokens_per_frame * head_dim * torch.finfo(dtype).bits // 8

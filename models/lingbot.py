@@ -156,4 +156,5 @@ def build_denoise(model: Any, stream: Any, controls: Any, device: torch.device,
                if model.checkpoint_dir else None)  # fmt: skip
     return LingbotDenoiseStage(dit_config(model, stream), lingbot_geometry(model, stream), device=device,
                                dtype=compute_dtype(model, device), group=group, weights=weights,
-                               speeds=motion_speeds(controls), init_seed=model.weights_seed)  # fmt: skip
+                               speeds=motion_speeds(controls), init_seed=model.weights_seed,
+                               translation_scale=controls.translation_scale)  # fmt: skip

@@ -31,12 +31,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from models.attention import measure_attention
+from models.attention import measure_attention, select_attention
 from models.camera import StreamingCamera
 from models.controls import ChunkControl, MotionSpeeds, integrate
 from models.dit import ARCH_FIELDS, ChunkCamera, DiTConfig, WanModelFast, apply_sequence_parallel
 from models.dit_checkpoint import load_dit, load_state_dict_strict, random_dit
-from models.kv_cache import KVCache, TextCache, new_kv_cache
+from models.kv_cache import KVCache, TextCache, kv_cache_bytes, new_kv_cache
 from models.schedule import FlowMatchSchedule, Step, renoise, x0_from_velocity
 from models.stages import SessionSpec, StreamGeometry
 
@@ -70,8 +70,9 @@ def denoise_chunk(
     cache: KVCache,
     trace: Trace | None = None,
 ) -> torch.Tensor:
-    """Clean latent ``[16, cs, h, w]`` of chunk ``chunk``; updates ``cache`` (refresh pass included). No host sync
-    inside unless ``trace`` asks for the intermediate tensors."""
+    """Clean latent ``[16, cs, h, w]`` of chunk ``chunk``; updates ``cache`` (refresh pass included). Everything it
+    touches is already on the device (noise, RoPE and the KV slots are made there): no host copy or sync inside
+    unless ``trace`` asks for the intermediate tensors."""
     _, cs, h, w = y.shape
     shape = (model.cfg.out_dim, cs, h, w)
     start = chunk * cs
@@ -116,6 +117,7 @@ class LingbotDenoiseStage:
         intrinsics: tuple[float, float, float, float] = DEFAULT_INTRINSICS,
         speeds: MotionSpeeds | None = None,
         init_seed: int = 0,
+        translation_scale: float = 1.0,
     ) -> None:
         """``args``: the DiT's sizes and streaming settings. ``weights``: a state dict, a checkpoint directory (its
         config.json gives the architecture, ``args`` the streaming settings), a built model of the same architecture
@@ -125,6 +127,7 @@ class LingbotDenoiseStage:
         self.geometry, self.device, self.dtype = geometry, torch.device(device), dtype
         self.intrinsics = torch.tensor(intrinsics, dtype=torch.float32)
         self.speeds = speeds or MotionSpeeds()
+        self.translation_scale = translation_scale
         if isinstance(weights, WanModelFast):
             self.model = weights
         elif isinstance(weights, (str, Path)):
@@ -152,21 +155,25 @@ class LingbotDenoiseStage:
                  "sdpa" if cfg.attention == "auto" else cfg.attention)
 
     def _choose_attention(self) -> dict[str, float]:
-        """Resolve ``attention = auto`` by timing the kernels at this stage's steady self-attention shapes."""
+        """Resolve ``attention = auto`` by timing the kernels at this stage's steady self-attention shapes. In a
+        DiT group the first rank's choice is everyone's (timing noise must not split a group between kernels)."""
         _, cs, h, w = self.geometry.latent_shape
         fs = (h // 2) * (w // 2)
         heads = self.model.sp.local_heads(self.cfg.num_heads)
         fn, ms = measure_attention(self.cfg.attention, heads, cs * fs, self.cfg.local_attn_size * fs,
                                    self.cfg.head_dim, self.device, self.dtype)  # fmt: skip
+        group = self.model.sp.group
+        if ms and group is not None and self.model.sp.size > 1:
+            choice = [min(ms, key=ms.__getitem__)]
+            dist.broadcast_object_list(choice, src=dist.get_global_rank(group, 0), group=group)
+            fn = select_attention(choice[0])
         self.model.set_attention(fn)
         return ms
 
     def kv_cache_bytes(self, height: int, width: int) -> int:
         """Bytes of one session's KV cache on this rank at a ``height x width`` frame size."""
-        fs = (height // 16) * (width // 16)
-        heads = self.model.sp.local_heads(self.cfg.num_heads)
-        return 2 * self.cfg.num_layers * heads * self.cfg.local_attn_size * fs * self.cfg.head_dim * \
-            torch.finfo(self.dtype).bits // 8
+        return kv_cache_bytes(self.cfg.num_layers, self.cfg.local_attn_size, (height // 16) * (width // 16),
+                              self.model.sp.local_heads(self.cfg.num_heads), self.cfg.head_dim, self.dtype)
 
     @torch.no_grad()
     def open(self, spec: SessionSpec, context: torch.Tensor) -> None:
@@ -176,12 +183,13 @@ class LingbotDenoiseStage:
         _, _, h, w = self.geometry.latent_shape
         heads = self.model.sp.local_heads(self.cfg.num_heads)
         cache = new_kv_cache(self.cfg.num_layers, self.cfg.local_attn_size, self.cfg.sink_size, (h // 2) * (w // 2),
-                             heads, self.cfg.head_dim, self.device, self.dtype)  # fmt: skip
+                             heads, self.cfg.head_dim, self.device, self.dtype, evict=self.cfg.kv_eviction)
         self.sessions[spec.session] = _Session(
             noise=NoiseSource(spec.seed, self.device),
             text=self.model.text_cache(context.to(self.device)),
             cache=cache,
-            camera=StreamingCamera(self.intrinsics, self.geometry.height, self.geometry.width),
+            camera=StreamingCamera(self.intrinsics, self.geometry.height, self.geometry.width, self.device,
+                                   self.translation_scale),
         )
 
     @torch.no_grad()
@@ -202,7 +210,7 @@ class LingbotDenoiseStage:
                           first_is_start=first)  # fmt: skip
         ctrl = st.camera.control(np.asarray(poses), first)  # [1, 384, cs, h, w]
         st.next_index += 1
-        cam = self.model.camera_modulation(ctrl.to(self.device))
+        cam = self.model.camera_modulation(ctrl)
         y = condition.to(device=self.device, dtype=self.dtype)
         return denoise_chunk(self.model, self.steps, st.noise, index, y, cam, st.text, st.cache)
 

@@ -24,17 +24,12 @@ VAE_POLICIES = ("tf32", "float32", "bfloat16")
 
 
 def _set_conv_tf32(enabled: bool) -> None:
-    conv = getattr(torch.backends.cudnn, "conv", None)
-    if conv is not None and hasattr(conv, "fp32_precision"):  # the newer per-operator API (do not mix with legacy)
-        conv.fp32_precision = "tf32" if enabled else "ieee"
-    else:
-        torch.backends.cudnn.allow_tf32 = enabled
+    """cuDNN's float32 precision (its convolutions are the VAE; cuDNN RNNs are unused). The legacy flag sets conv and
+    RNN alike; the newer per-operator API is avoided because mixing the two makes later ``allow_tf32`` reads raise."""
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
 def conv_tf32_enabled() -> bool:
-    conv = getattr(torch.backends.cudnn, "conv", None)
-    if conv is not None and hasattr(conv, "fp32_precision"):
-        return conv.fp32_precision == "tf32"
     return bool(torch.backends.cudnn.allow_tf32)
 
 

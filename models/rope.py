@@ -26,10 +26,10 @@ def rope_split(head_dim: int) -> tuple[int, int, int]:
     return half - 2 * third, third, third
 
 
-def _inv_freq(pairs: int) -> torch.Tensor:
-    """Angular frequencies ``theta^(-2j/n)`` of one part, float64 ``[pairs]``."""
+def _inv_freq(pairs: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Angular frequencies ``theta^(-2j/n)`` of one part, float64 ``[pairs]``, computed on ``device``."""
     n = 2 * pairs
-    return 1.0 / torch.pow(10000.0, torch.arange(0, n, 2, dtype=torch.float64) / n)
+    return 1.0 / torch.pow(10000.0, torch.arange(0, n, 2, dtype=torch.float64, device=device) / n)
 
 
 def rope_angles(head_dim: int, frames: int, rows: int, cols: int, start_frame: int,
@@ -43,7 +43,7 @@ def rope_angles(head_dim: int, frames: int, rows: int, cols: int, start_frame: i
 
     def positions(start: int, count: int, pairs: int) -> torch.Tensor:
         pos = torch.arange(start, start + count, dtype=torch.float64, device=device)
-        return pos[:, None] * _inv_freq(pairs).to(device)
+        return pos[:, None] * _inv_freq(pairs, device)
 
     ft, fh, fw = positions(start_frame, frames, pt), positions(0, rows, ph), positions(0, cols, pw)
     grid = torch.cat(
@@ -67,13 +67,14 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [N, heads, hd]`` (pairs ``x[2i] + i*x[2i+1]``) by ``freqs``; the result has the dtype of ``x``.
 
     float32/64 inputs rotate in complex128 (the reference's float64 path). bf16/fp16 inputs rotate in complex64 with
-    the float64 table rounded once: exact after the rounding back to bf16, a quarter of the memory traffic, and three
-    kernels (cast, complex multiply, cast) instead of the eight of the real-arithmetic form.
+    the table rounded once (hand a complex64 ``freqs`` to skip the conversion): a quarter of the memory traffic and
+    three kernels (cast, complex multiply, cast) instead of eight; the result can differ from the reference's
+    float64 rotation by one bf16 step in rare ties, far inside bf16's own error.
     """
     n, heads, hd = x.shape
     assert freqs.shape == (n, 1, hd // 2), f"rope table {tuple(freqs.shape)} does not fit x {tuple(x.shape)}"
     wide = x.dtype in (torch.float32, torch.float64)
     real = torch.float64 if wide else torch.float32
     xc = torch.view_as_complex(x.to(real).reshape(n, heads, hd // 2, 2))
-    out = xc * freqs.to(torch.complex128 if wide else torch.complex64)
+    out = xc * (freqs if wide or freqs.dtype == torch.complex64 else freqs.to(torch.complex64))
     return torch.view_as_real(out).reshape(n, heads, hd).to(x.dtype)

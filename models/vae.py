@@ -398,7 +398,8 @@ class WanVAE(nn.Module):
         assert z.dim() == 5 and z.shape[1] == self.cfg.z_dim, f"latent must be [B, {self.cfg.z_dim}, t, h, w]"
         if cache is not None:
             cache.begin()
-        z = z / _per_channel(self.latent_inv_std) + _per_channel(self.latent_mean)
+        # un-normalise in float32 (the constants are float32), then back to the weights' dtype (bf16 VAE policy)
+        z = (z.float() / _per_channel(self.latent_inv_std) + _per_channel(self.latent_mean)).to(self.conv2.weight.dtype)
         return self.decoder(self.conv2(z), cache).clamp(-1.0, 1.0)
 
 

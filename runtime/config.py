@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from models.controls import MotionSpeeds
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -127,6 +129,7 @@ class ControlsConfig(_Section):
     strafe: float = 0.05  # A/D, scene units per frame
     turn_deg: float = 2.0  # I/K pitch and J/L yaw, degrees per frame
     pitch_limit_deg: float = 85.0  # the camera never pitches beyond this
+    translation_scale: float = 1.0  # DiT: the per-chunk normalised camera steps times this (TeleFuser uses 3)
 
 
 class TimeoutsConfig(_Section):
@@ -218,8 +221,12 @@ def validate(config: Config, where: str) -> Config:
         )
     _validate_model(config, where)
     ctl = config.controls
-    if not all(v >= 0 for v in (ctl.move, ctl.strafe, ctl.turn_deg)) or not 0 < ctl.pitch_limit_deg < 90:
-        raise ConfigError(f"{where}: controls speeds must be >= 0 and controls.pitch_limit_deg in (0, 90)")
+    try:
+        MotionSpeeds(move=ctl.move, strafe=ctl.strafe, turn_deg=ctl.turn_deg, pitch_limit_deg=ctl.pitch_limit_deg)
+    except ValueError as error:
+        raise ConfigError(f"{where}: [controls] {error}") from None
+    if not 0 < ctl.translation_scale <= 100:
+        raise ConfigError(f"{where}: controls.translation_scale must be in (0, 100], got {ctl.translation_scale}")
     st = config.stream
     if st.height % 16 or st.width % 16:
         raise ConfigError(
@@ -237,6 +244,7 @@ def validate(config: Config, where: str) -> Config:
 # Head counts and chunk sizes of the model presets, so a config is checked without importing torch.
 PRESET_HEADS = {"tiny": 5, "small": 10, "v1": 40, "v2": 40}
 RELEASED_CHUNK = {"v1": 3, "v2": 4}  # latent frames per chunk the released models were distilled for
+PRESET_WINDOW = {"tiny": (8, 2), "small": (8, 2), "v1": (18, 6), "v2": (18, 6)}  # (window, sink) latent frames
 
 
 def _validate_model(config: Config, where: str) -> None:
@@ -249,10 +257,20 @@ def _validate_model(config: Config, where: str) -> None:
     if chunk is not None and config.stream.chunk_latent_frames != chunk:
         raise ConfigError(f"{where}: model.preset = {model.preset!r} runs chunks of {chunk} latent frames; set "
                           f"stream.chunk_latent_frames = {chunk} (got {config.stream.chunk_latent_frames})")
-    if isinstance(model.kv_window, int) and model.kv_window < 1:
-        raise ConfigError(f"{where}: model.kv_window must be a positive number of latent frames, 'preset' or 'full'")
-    if model.kv_full_frames < config.stream.chunk_latent_frames:
-        raise ConfigError(f"{where}: model.kv_full_frames must hold at least one chunk")
+    cs = config.stream.chunk_latent_frames
+    if model.kv_sink < -1:
+        raise ConfigError(f"{where}: model.kv_sink must be -1 (the preset's) or a number of latent frames")
+    if model.kv_window == "full":
+        if model.kv_sink != -1:
+            raise ConfigError(f"{where}: model.kv_window = 'full' keeps every frame and has no sink; drop kv_sink")
+        if model.kv_full_frames < cs:
+            raise ConfigError(f"{where}: model.kv_full_frames must hold at least one chunk ({cs} latent frames)")
+        return
+    window = model.kv_window if isinstance(model.kv_window, int) else PRESET_WINDOW[model.preset][0]
+    sink = model.kv_sink if model.kv_sink >= 0 else PRESET_WINDOW[model.preset][1]
+    if not 0 <= sink < window or cs > window - sink:
+        raise ConfigError(f"{where}: a KV window of {window} latent frames with {sink} sink frames cannot hold a "
+                          f"chunk of {cs} beside the sink (model.kv_window, model.kv_sink)")
 
 
 def model_heads(model: ModelConfig) -> int | None:

@@ -9,7 +9,7 @@ Measures, on the first device (seeded random weights; the numbers depend on shap
 - the device's bf16 matmul peak (a large GEMM), which sets the FLOP floor;
 - the bf16 DiT against its own float32 path (``small`` preset, one chunk);
 - the DiT per chunk at steady state (the KV window full) for the v1 and v2 recipes, SDPA and (when it imports)
-  SageAttention, optionally ``torch.compile``: seconds, achieved TFLOP/s, ratio to the floor, peak memory, whether
+  SageAttention: seconds, achieved TFLOP/s, ratio to the floor, peak memory, whether
   the attention ran on fused kernels only, and where the time of one steady v1 chunk went (kernel categories);
 - the Wan2.1 VAE per chunk, encode and decode, for each precision policy (strict fp32, TF32 + cudnn.benchmark,
   bf16) with its error against strict fp32;
@@ -50,6 +50,7 @@ from models.attention import _load_sage
 from models.controls import ChunkControl
 from models.dit import DiTConfig, chunk_flops
 from models.dit_checkpoint import random_dit
+from models.kv_cache import kv_cache_bytes
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.stages import SessionSpec, StreamGeometry
 
@@ -157,7 +158,7 @@ def _fused_only(stage: LingbotDenoiseStage, session: str, index: int, condition:
         return f"math path: {error}"[:300]
 
 
-def dit_steady(sizes: Sizes, device: torch.device, attention: list[str], compile_blocks: bool) -> dict[str, Any]:
+def dit_steady(sizes: Sizes, device: torch.device, attention: list[str]) -> dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out: dict[str, Any] = {}
     base = DiTConfig.from_name(sizes.dit["v1"])
@@ -168,15 +169,11 @@ def dit_steady(sizes: Sizes, device: torch.device, attention: list[str], compile
         geometry = _geometry(cfg, sizes.height, sizes.width)
         fill = math.ceil(cfg.local_attn_size / cfg.chunk_size)  # chunks until the window is full
         for kind in attention:
-            name = f"{recipe}_{kind}" + ("_compiled" if compile_blocks else "")
+            name = f"{recipe}_{kind}"
             try:
                 reset_peak(device)
                 stage = LingbotDenoiseStage(replace(cfg, attention="sdpa" if kind == "sdpa" else "sage"), geometry,
                                             device=device, dtype=dtype, weights=model)  # fmt: skip
-                if compile_blocks:
-                    torch._dynamo.config.cache_size_limit = 64
-                    for block in model.blocks:
-                        block.compile()
                 g = torch.Generator(device="cpu").manual_seed(1)
                 stage.open(SessionSpec("bench", 0, ""), torch.randn(cfg.text_len, cfg.text_dim, generator=g))
                 condition = torch.randn(geometry.condition_shape, generator=g).to(device)
@@ -194,7 +191,7 @@ def dit_steady(sizes: Sizes, device: torch.device, attention: list[str], compile
                                          "frames_per_chunk": 4 * cfg.chunk_size,
                                          "kv_cache_gib": stage.kv_cache_bytes(sizes.height, sizes.width) / 2**30}
                 index = fill + 2
-                if kind == "sdpa" and not compile_blocks:
+                if kind == "sdpa":
                     entry["fused_kernels_only"] = _fused_only(stage, "bench", index, condition)
                     index += 1
                     if recipe == "v1" and device.type == "cuda":
@@ -204,9 +201,6 @@ def dit_steady(sizes: Sizes, device: torch.device, attention: list[str], compile
                 out[name] = entry
             except Exception as error:
                 out[name] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()[-1500:]}
-            finally:
-                if compile_blocks:
-                    torch._dynamo.reset()
             print(f"  dit {name}: {json.dumps(out[name])[:300]}", flush=True)
     del model
     reset_peak(device)
@@ -230,9 +224,45 @@ def dit_bf16_vs_fp32(device: torch.device) -> dict[str, Any]:
     return {"rel_l2": float((a - b).norm() / a.norm()), "max_abs": float((a - b).abs().max())}
 
 
+def _vae_policy(policy: str, reference: torch.nn.Module, latents: list[torch.Tensor], image: torch.Tensor,
+                device: torch.device) -> dict[str, Any]:  # fmt: skip
+    """Decode three latent chunks and encode three condition chunks under one precision policy (flags as a rank
+    sets them); the last decoded chunk comes back as ``frames`` for the error against strict fp32."""
+    from models.vae import WanVAE
+    from models.vae_stream import ConditionEncoder, FrameDecoder
+
+    precision.apply(device, policy, holds_vae=True)
+    vae = reference
+    if policy == "bfloat16":
+        vae = WanVAE(reference.cfg).to(device).eval()  # type: ignore[arg-type]
+        vae.load_state_dict(reference.state_dict())
+        vae = vae.to(torch.bfloat16)
+        vae.reset_latent_stats()  # the normalisation constants stay float32
+    with torch.no_grad():
+        decoder = FrameDecoder(vae)
+        decode_times, frames = [], None
+        for latent in latents:  # chunk 0, then two steady chunks
+            sync(device)
+            began = time.perf_counter()
+            frames = decoder.decode(latent)
+            sync(device)
+            decode_times.append(time.perf_counter() - began)
+        encoder = ConditionEncoder(vae, image, 3, constant_tail=False)
+        encode_times = []
+        for _ in range(3):
+            sync(device)
+            began = time.perf_counter()
+            encoder.next_chunk()
+            sync(device)
+            encode_times.append(time.perf_counter() - began)
+    assert frames is not None
+    return {"decode_chunk_s": decode_times, "decode_steady_s": min(decode_times[1:]), "encode_chunk_s": encode_times,
+            "encode_steady_s": min(encode_times[1:]), "frames": frames.float(),
+            "conv_tf32": precision.conv_tf32_enabled() if device.type == "cuda" else False}
+
+
 def vae_policies(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     from models.vae import VAEConfig, WanVAE
-    from models.vae_stream import ConditionEncoder, FrameDecoder
 
     torch.manual_seed(0)
     reference = WanVAE(VAEConfig.preset(sizes.vae)).to(device).eval()
@@ -242,39 +272,17 @@ def vae_policies(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     out: dict[str, Any] = {}
     baseline: torch.Tensor | None = None
     for policy in ("float32", "tf32", "bfloat16"):
-        precision.apply(device, policy, holds_vae=True)
-        vae = reference if policy != "bfloat16" or device.type != "cuda" else \
-            WanVAE(reference.cfg).to(device).to(torch.bfloat16).eval()
-        if vae is not reference:
-            vae.load_state_dict(reference.state_dict())
-            vae.reset_latent_stats()
-        with torch.no_grad():
-            decoder = FrameDecoder(vae)
-            decode_times, frames = [], None
-            for latent in latents:  # chunk 0, then two steady chunks
-                sync(device)
-                began = time.perf_counter()
-                frames = decoder.decode(latent)
-                sync(device)
-                decode_times.append(time.perf_counter() - began)
-            encoder = ConditionEncoder(vae, image, 3, constant_tail=False)
-            encode_times = []
-            for _ in range(3):
-                sync(device)
-                began = time.perf_counter()
-                encoder.next_chunk()
-                sync(device)
-                encode_times.append(time.perf_counter() - began)
-        assert frames is not None
-        entry: dict[str, Any] = {"decode_chunk_s": decode_times, "decode_steady_s": min(decode_times[1:]),
-                                 "encode_chunk_s": encode_times, "encode_steady_s": min(encode_times[1:]),
-                                 "conv_tf32": precision.conv_tf32_enabled() if device.type == "cuda" else False}
-        if baseline is None:
-            baseline = frames.float()
-        else:
-            diff = frames.float() - baseline
-            entry["rel_l2_vs_fp32"] = float(diff.norm() / baseline.norm())
-            entry["max_abs_vs_fp32"] = float(diff.abs().max())
+        try:
+            entry = _vae_policy(policy, reference, latents, image, device)
+        except Exception as error:
+            entry = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()[-1500:]}
+        if "error" not in entry:
+            if baseline is None:
+                baseline = entry.pop("frames")
+            else:
+                diff = entry.pop("frames") - baseline
+                entry["rel_l2_vs_fp32"] = float(diff.norm() / baseline.norm())
+                entry["max_abs_vs_fp32"] = float(diff.abs().max())
         out[policy] = entry
         print(f"  vae {policy}: {json.dumps(entry)[:300]}", flush=True)
     precision.apply(device, "tf32", holds_vae=True)
@@ -307,9 +315,9 @@ def kv_bytes(sizes: Sizes) -> dict[str, Any]:
     for recipe, name in sizes.dit.items():
         cfg = DiTConfig.from_name(name)
         for layout, (ranks, _) in LAYOUTS.items():
-            heads = cfg.num_heads // ranks if cfg.num_heads % ranks == 0 else math.ceil(cfg.num_heads / ranks)
-            out[f"{recipe}_{layout}_gib"] = 2 * cfg.num_layers * heads * cfg.local_attn_size * fs * cfg.head_dim * 2 \
-                / 2**30
+            heads = math.ceil(cfg.num_heads / ranks)
+            nbytes = kv_cache_bytes(cfg.num_layers, cfg.local_attn_size, fs, heads, cfg.head_dim, torch.bfloat16)
+            out[f"{recipe}_{layout}_gib"] = nbytes / 2**30
     return out
 
 
@@ -527,7 +535,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (the CPU path; default without CUDA)")
     parser.add_argument("--serve", action="store_true", help="also run a session through the single-GPU server")
-    parser.add_argument("--compile", action="store_true", help="also time the v1/v2 DiT with torch.compile'd blocks")
     parser.add_argument("--skip", action="append", default=[], help="a section to skip (dit, vae, umt5, multi)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")) / "bench_gpu.json")
     args = parser.parse_args(argv)
@@ -543,9 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     run_section(results, "matmul", lambda: matmul_peak(sizes, device))
     attention = ["sdpa"] + (["sage"] if _load_sage() is not None else [])
     if "dit" not in args.skip:
-        run_section(results, "dit", lambda: dit_steady(sizes, device, attention, compile_blocks=False))
-        if args.compile:
-            run_section(results, "dit_compiled", lambda: dit_steady(sizes, device, ["sdpa"], compile_blocks=True))
+        run_section(results, "dit", lambda: dit_steady(sizes, device, attention))
         if cuda:
             run_section(results, "dit_bf16_vs_fp32", lambda: dit_bf16_vs_fp32(device))
     if "vae" not in args.skip:

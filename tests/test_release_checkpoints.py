@@ -86,13 +86,17 @@ def _overrides(releases: dict[str, Path], version: str) -> list[str]:
             f"--model.components_dir={json.dumps(str(releases['components']))}"]  # fmt: skip
 
 
-def _one_process(overrides: list[str], seed: int) -> list[np.ndarray]:
+def _one_process(overrides: list[str], dit_dir: Path, seed: int) -> list[np.ndarray]:
+    """The same session in one process, with the DiT loaded explicitly from ``dit_dir`` (not through the resolver,
+    so a server that picked another folder's weights disagrees)."""
     from models import lingbot
+    from models.lingbot_denoise import LingbotDenoiseStage
 
     cfg = config_mod.load("split7-h100", overrides)
     device = torch.device("cpu")
-    stages = (lingbot.build_condition(cfg.model, cfg.stream, device),
-              lingbot.build_denoise(cfg.model, cfg.stream, cfg.controls, device, None),
+    denoise = LingbotDenoiseStage(lingbot.dit_config(cfg.model, cfg.stream), lingbot.lingbot_geometry(cfg.model,
+                                  cfg.stream), weights=dit_dir, speeds=lingbot.motion_speeds(cfg.controls))  # fmt: skip
+    stages = (lingbot.build_condition(cfg.model, cfg.stream, device), denoise,
               lingbot.build_decode(cfg.model, cfg.stream, device))  # fmt: skip
     raw = decode_image(IMAGE, cfg.server.max_image_pixels, cfg.stream.width, cfg.stream.height)
     image = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(cfg.stream.height, cfg.stream.width, 3)
@@ -122,8 +126,9 @@ def test_a_released_layout_streams_through_the_split7_config_path(releases: dict
         assert timesteps == [999, 967, 908, 768]
     assert log.count(f"chunks of {cs} latent frames, timesteps {timesteps}, KV window 18 latent frames with 6 sink") \
         == 5, log[-3000:]
-    if version == "v1":  # the weights are lingbot_world_fast's (not an expert's): the one-process run agrees
-        reference = _one_process(overrides, seed=3)
-        assert len(reference) == len(chunks)
-        for got, want in zip(chunks, reference):
-            assert np.abs(got.frames.astype(int) - want.astype(int)).max() <= 1
+    # the weights are the released DiT folder's (not an expert's): the same stream in one process from that folder
+    dit_dir = releases["v1"] / "lingbot_world_fast" if version == "v1" else releases["v2"] / "transformers"
+    reference = _one_process(overrides, dit_dir, seed=3)
+    assert len(reference) == len(chunks)
+    for got, want in zip(chunks, reference):
+        assert np.abs(got.frames.astype(int) - want.astype(int)).max() <= 1

@@ -93,3 +93,25 @@ def test_flop_counts_grow_with_frames_and_area() -> None:
     assert decode_flops(CFG, 3, 16, 16) > 2 * one
     assert decode_flops(CFG, 1, 32, 32) == pytest.approx(4 * one, rel=0.05)
     assert encode_flops(CFG, 4, 16, 16, first=False) > encode_flops(CFG, 1, 16, 16, first=True)
+
+
+@torch.no_grad()
+def test_a_bfloat16_vae_encodes_and_decodes_a_stream_close_to_float32(vae: WanVAE) -> None:
+    """The ``model.vae_dtype = "bfloat16"`` policy: weights in bf16, normalisation constants float32."""
+    from models.vae_stream import ConditionEncoder, FrameDecoder
+
+    low = WanVAE(CFG).eval()
+    low.load_state_dict(vae.state_dict())
+    low = low.to(torch.bfloat16)
+    low.reset_latent_stats()
+    g = torch.Generator().manual_seed(1)
+    image = torch.rand(3, 32, 48, generator=g) * 2 - 1
+    latents = [torch.randn(16, 3, 4, 6, generator=g) for _ in range(2)]
+    for model in (vae, low):
+        frames = [FrameDecoder(model).decode(z) for z in latents[:1]] + [FrameDecoder(model).decode(latents[1])]
+        encoded = [ConditionEncoder(model, image, 3, constant_tail=False).next_chunk()]
+        if model is vae:
+            ref_frames, ref_encoded = frames, encoded
+    for got, want in zip(frames + encoded, ref_frames + ref_encoded):
+        assert got.shape == want.shape and torch.isfinite(got.float()).all()
+        assert float((got.float() - want).norm() / want.norm()) < 0.05
