@@ -14,7 +14,7 @@ TORCH := torch==2.13.0
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[video,plot,dev]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[video,plot,dev,web,browser]"
 	touch $(STAMP)
 
 # The real model path (umT5, VAE, DiT over 5 ranks) with tiny random weights, then the synthetic backend whose
