@@ -281,9 +281,7 @@ class Bridge:
         """The session is over: tell the page, return the slot (exactly once per session)."""
         if self.session is not info:
             return
-        self.session, self._pump = None, None
-        if self.playout is not None:
-            self.playout.clear()
+        self.session, self._pump = None, None  # the playout still shows what is left of the last chunk
         self.slots.release()
         self.send({"type": "closed", "session": info.id, "reason": summary.get("reason"),
                    "error": summary.get("error"), "summary": _brief(summary)})
