@@ -14,15 +14,14 @@ The browser test needs Debian's ``chromium`` (``/usr/bin/chromium``) and the Pyt
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import itertools
 import json
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +33,11 @@ from ipc.aio_client import AsyncClient
 from ipc.client import Client
 from scripts.local_gateway import LocalGateway
 from scripts.local_server import ROOT, LocalServer
-from web import page_protocol as pp
+from web.tab import Tab, connect
 
 pytestmark = pytest.mark.multiprocess
 
 IMAGE_PATH = ROOT / "assets" / "start.png"
-IMAGE = IMAGE_PATH.read_bytes()
 FAST = ["--synthetic.encode_s=0.01", "--synthetic.denoise_s=0.03", "--synthetic.decode_s=0.015"]
 TOKEN = "s3cret-token"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -69,66 +67,12 @@ def guarded(server: LocalServer) -> Iterator[LocalGateway]:
         yield running
 
 
-# ------------------------------------------------------------------------------------------------ a tab, in Python
+# ------------------------------------------------------------------------------------------------ helpers
 
 
-class Tab:
-    """A WebSocket to the gateway speaking the page protocol (what play.js does, minus the drawing)."""
-
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
-        self.ws = ws
-        self.texts: list[dict[str, Any]] = []
-        self.frames: list[tuple[float, dict[str, int], bytes]] = []  # (arrival, header, picture)
-
-    async def next(self, *types: str, timeout_s: float = 20.0) -> dict[str, Any]:
-        """The next text message of one of ``types`` (frames and other messages on the way are recorded)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            message = await self.ws.receive(timeout=max(0.01, deadline - time.monotonic()))
-            if message.type == aiohttp.WSMsgType.BINARY:
-                header = pp.read_frame(message.data)
-                self.frames.append((time.monotonic(), header, message.data[header["header"]:]))
-                continue
-            if message.type != aiohttp.WSMsgType.TEXT:
-                raise ConnectionError(f"the gateway closed the WebSocket: {message.type} {message.data!r}")
-            data = json.loads(message.data)
-            self.texts.append(data)
-            if data["type"] in types:
-                return data
-
-    async def drain(self, seconds: float) -> None:
-        """Record whatever arrives for ``seconds`` (e.g. the last chunk's frames, still playing after ``closed``)."""
-        with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
-            await self.next("none", timeout_s=seconds)
-
-    async def open(self, image: bytes = IMAGE, **request: Any) -> dict[str, Any]:
-        await self.ws.send_bytes(pp.open_message(request, image))
-        return await self.next("opened", "error")
-
-    async def state(self, revision: int, keys: str = "", mouse: tuple[float, float] = (0.0, 0.0),
-                    taps: str = "") -> None:
-        await self.ws.send_str(json.dumps({"type": "state", "keys": list(keys), "mouse": list(mouse),
-                                           "taps": list(taps), "revision": revision}))
-
-    async def close_session(self) -> dict[str, Any]:
-        await self.ws.send_str(json.dumps({"type": "close"}))
-        return await self.next("closed")
-
-
-@asynccontextmanager
-async def tab(gw: LocalGateway, token: str | None = None, origin: str | None = "same",
-              host: str | None = None) -> AsyncIterator[Tab]:
-    headers = {}
-    if origin is not None:
-        headers["Origin"] = f"http://127.0.0.1:{gw.port}" if origin == "same" else origin
-    if host is not None:
-        headers["Host"] = host
-    query = f"?token={token}" if token is not None else ""
-    async with aiohttp.ClientSession() as session, \
-            session.ws_connect(f"ws://127.0.0.1:{gw.port}/ws{query}", headers=headers) as ws:
-        opened = Tab(ws)
-        assert (await opened.next("hello"))["version"] == pp.PAGE_PROTOCOL_VERSION
-        yield opened
+def tab(gw: LocalGateway, token: str | None = None, origin: str | None = "same",
+        host: str | None = None) -> AbstractAsyncContextManager[Tab]:
+    return connect(gw.port, token=token, origin=origin, host=host)
 
 
 async def server_sessions(endpoint: str) -> dict[str, Any]:
