@@ -67,8 +67,9 @@ class Tab:
                                            "taps": list(taps), "revision": revision}))
 
     async def close_session(self) -> dict[str, Any]:
+        """Stop the session: its ``closed`` (or the ``error`` saying there is none, e.g. it ended meanwhile)."""
         await self.ws.send_str(json.dumps({"type": "close"}))
-        return await self.next("closed")
+        return await self.next("closed", "error")
 
 
 @asynccontextmanager

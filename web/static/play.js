@@ -113,6 +113,7 @@ function onClosed(message) {
   state.closed = message;
   state.session = null;
   input.reset();
+  if (document.pointerLockElement) document.exitPointerLock(); // give the mouse back: nothing to steer now
   updateButtons();
   renderSummary(message);
   const why = { complete: "the session reached its length", client: "stopped", disconnect: "the client went silent",
