@@ -42,6 +42,7 @@ class LocalGateway:
         began = time.monotonic()
         while not port_file.exists() or not port_file.read_text():
             if self.process.poll() is not None:
+                self._log.close()
                 raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.log()}")
             if time.monotonic() - began > self.startup_s:
                 self.stop()

@@ -304,6 +304,13 @@ def test_a_person_plays_the_world_in_chromium(server: LocalServer, gateway: Loca
         page_errors: list[str] = []
         page.on("pageerror", lambda error: page_errors.append(str(error)))
         page.goto(gateway.url)
+        page.wait_for_function("() => window.worldstream.connected")
+        # a file that claims to be a PNG but is not: the server's bad_image reaches the page as a message
+        page.set_input_files("#image", files=[{"name": "broken.png", "mimeType": "image/png",
+                                               "buffer": b"\x89PNG but not really"}])
+        page.click("#start")
+        page.wait_for_function("() => window.worldstream.errors.some(e => e.code === 'bad_image')")
+        banner = page.inner_text("#banner-text")
         page.set_input_files("#image", str(IMAGE_PATH))
         page.fill("#seed", "11")
         page.wait_for_function("() => window.worldstream.connected && !document.getElementById('start').disabled")
@@ -344,6 +351,7 @@ def test_a_person_plays_the_world_in_chromium(server: LocalServer, gateway: Loca
         browser.close()
 
     assert not page_errors
+    assert banner.startswith("The server could not use this image"), banner
     indices = [c["index"] for c in played["chunks"]]
     assert indices == list(range(len(indices))), "chunk facts arrive in order, none missing"
     painted = [tuple(p) for p in played["paintLog"]]
@@ -364,6 +372,13 @@ def test_a_person_plays_the_world_in_chromium(server: LocalServer, gateway: Loca
     values = sorted(played["i2p"])
     print(f"\npage input-to-photon over {len(values)} inputs: p50 {values[len(values) // 2]:.0f} ms, "
           f"p90 {values[min(len(values) - 1, round(0.9 * (len(values) - 1)))]:.0f} ms; HUD: {hud}")
+
+
+def test_the_gateway_refuses_to_start_when_no_server_answers(tmp_path: Path) -> None:
+    gateway = LocalGateway("tcp://127.0.0.1:9", args=["--check-timeout", "1"], log_path=tmp_path / "gateway.log")
+    with pytest.raises(RuntimeError, match="exited with 2") as failed:
+        gateway.start()
+    assert "no worldstream server answers at tcp://127.0.0.1:9" in str(failed.value)
 
 
 # ------------------------------------------------------------------------------------------------ server end
