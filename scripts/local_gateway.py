@@ -38,7 +38,9 @@ class LocalGateway:
         command = [sys.executable, "-m", "web", "--server", self.endpoint, "--port", str(self.port),
                    "--port-file", str(port_file), *self.args]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - kept open for the gateway's lifetime
-        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        # its own session: a Ctrl-C at the terminal reaches the caller, which stops the gateway once (SIGTERM)
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
         began = time.monotonic()
         while not port_file.exists() or not port_file.read_text():
             if self.process.poll() is not None:

@@ -103,6 +103,8 @@ async def serve(args: argparse.Namespace) -> int:
     await stop.wait()
     print("stopping: closing every tab's session", flush=True)
     await runner.cleanup()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(sig)  # the loop closes next; a late signal must not write to its wake-up fd
     return 0
 
 
