@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"DEMO: {args.out} shows the controls acting: the synthetic backend ({args.config}) pans and zooms the "
               "start image by the camera the keys drive (W/S forward/back, A/D strafe, I/K/J/L look).", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    server = LocalServer(args.config, overrides, log_path=args.out.parent / "demo-server.log")
+    server = LocalServer(args.config, overrides, log_path=args.out.parent / f"{args.out.stem}-server.log")
     with server:
         print(f"server up in {server.started_s:.1f} s ({args.config}, log {server.log_path})", flush=True)
         with Client(server.endpoint) as client:
