@@ -34,13 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import Client
 from scripts import client as tool
+from scripts.browser import CHROMIUM, launch, wait_until
 from scripts.local_gateway import LocalGateway
 from scripts.local_server import ROOT, LocalServer
 from web.tab import connect
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 MOUSE_DEG_PER_PX = 0.15  # play.js's sensitivity: degrees per pixel
 
 
@@ -75,9 +73,9 @@ def play_page(page: Any, timeline: dict[str, Any]) -> dict[str, Any]:
     """Play ``timeline`` by keys and mouse on the page until its session completes; what the page measured."""
     page.fill("#chunks", str(timeline["num_chunks"]))
     page.fill("#seed", str(timeline.get("seed", 0)))
-    page.wait_for_function("() => window.worldstream.connected && !document.getElementById('start').disabled")
+    wait_until(page, "() => window.worldstream.connected && !document.getElementById('start').disabled")
     page.click("#start")
-    page.wait_for_function("() => window.worldstream.session !== null", timeout=30_000)
+    wait_until(page, "() => window.worldstream.session !== null", timeout_s=30)
     box = page.locator("#video").bounding_box()
     x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
     page.mouse.click(x, y)  # focus and pointer lock, before the clock starts
@@ -96,7 +94,7 @@ def play_page(page: Any, timeline: dict[str, Any]) -> dict[str, Any]:
         if dx or dy:
             x, y = x + dx / MOUSE_DEG_PER_PX, y + dy / MOUSE_DEG_PER_PX
             page.mouse.move(x, y)
-    page.wait_for_function("() => window.worldstream.closed !== null", timeout=60_000)
+    wait_until(page, "() => window.worldstream.closed !== null", timeout_s=60, poll_s=0.1)
     page.wait_for_timeout(300)
     return page.evaluate("""() => { const w = window.worldstream; return {i2p: w.i2p, c2o: w.c2o,
         gateway: w.gatewayI2p, painted: w.painted, droppedPage: w.droppedPage, dropped: w.droppedGateway,
@@ -114,9 +112,7 @@ def photon_round_trips(server: LocalServer, gateway: LocalGateway, rounds: int) 
     client_c2o: list[float] = []
     cpu: list[float] = []
     with sync_playwright() as playwright, tempfile.TemporaryDirectory() as profile:
-        browser = playwright.chromium.launch_persistent_context(
-            profile, executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS, bypass_csp=True,
-            viewport={"width": 1400, "height": 820})
+        browser = launch(playwright, profile)
         page = browser.new_page()
         page.goto(gateway.url)
         for round_ in range(rounds):

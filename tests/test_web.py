@@ -31,6 +31,7 @@ from PIL import Image
 
 from ipc.aio_client import AsyncClient
 from ipc.client import Client
+from scripts.browser import CHROMIUM, launch, wait_until
 from scripts.local_gateway import LocalGateway
 from scripts.local_server import ROOT, LocalServer
 from web.tab import Tab, connect
@@ -40,10 +41,6 @@ pytestmark = pytest.mark.multiprocess
 IMAGE_PATH = ROOT / "assets" / "start.png"
 FAST = ["--synthetic.encode_s=0.01", "--synthetic.denoise_s=0.03", "--synthetic.decode_s=0.015"]
 TOKEN = "s3cret-token"
-CHROMIUM = Path("/usr/bin/chromium")
-# What Chromium needs on this machine's closed network (background services would dial out and misbehave).
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SCREENSHOT = ROOT / "out" / "web-play.png"
 SHOWING_W = """() => { const w = window.worldstream, last = w.paintLog[w.paintLog.length - 1];
                        const chunk = last && w.chunkByIndex.get(last[0]); return chunk && chunk.keys.includes('w'); }"""
@@ -296,26 +293,23 @@ def playwright_or_skip() -> Any:
 def test_a_person_plays_the_world_in_chromium(server: LocalServer, gateway: LocalGateway, tmp_path: Path) -> None:
     sync_playwright = playwright_or_skip()
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
-            bypass_csp=True,  # Playwright's waits evaluate JavaScript, which the page's CSP forbids
-            accept_downloads=True, viewport={"width": 1400, "height": 820})
+        browser = launch(playwright, tmp_path / "profile", accept_downloads=True)
         page = browser.new_page()
         page_errors: list[str] = []
         page.on("pageerror", lambda error: page_errors.append(str(error)))
         page.goto(gateway.url)
-        page.wait_for_function("() => window.worldstream.connected")
+        wait_until(page, "() => window.worldstream.connected")
         # a file that claims to be a PNG but is not: the server's bad_image reaches the page as a message
         page.set_input_files("#image", files=[{"name": "broken.png", "mimeType": "image/png",
                                                "buffer": b"\x89PNG but not really"}])
         page.click("#start")
-        page.wait_for_function("() => window.worldstream.errors.some(e => e.code === 'bad_image')")
+        wait_until(page, "() => window.worldstream.errors.some(e => e.code === 'bad_image')")
         banner = page.inner_text("#banner-text")
         page.set_input_files("#image", str(IMAGE_PATH))
         page.fill("#seed", "11")
-        page.wait_for_function("() => window.worldstream.connected && !document.getElementById('start').disabled")
+        wait_until(page, "() => window.worldstream.connected && !document.getElementById('start').disabled")
         page.click("#start")
-        page.wait_for_function("() => window.worldstream.painted > 0", timeout=30_000)
+        wait_until(page, "() => window.worldstream.painted > 0", timeout_s=30)
         session = page.evaluate("() => window.worldstream.session")
 
         box = page.locator("#video").bounding_box()
@@ -324,16 +318,16 @@ def test_a_person_plays_the_world_in_chromium(server: LocalServer, gateway: Loca
         for step in range(1, 9):  # look right and a little down
             page.mouse.move(x + 12 * step, y + 3 * step)
             page.wait_for_timeout(30)
-        page.wait_for_function("() => window.worldstream.chunks.some(c => c.mouse[0] !== 0)", timeout=20_000)
+        wait_until(page, "() => window.worldstream.chunks.some(c => c.mouse[0] !== 0)", timeout_s=20)
         page.keyboard.down("w")
-        page.wait_for_function(SHOWING_W, timeout=20_000)
+        wait_until(page, SHOWING_W, timeout_s=20)
         SCREENSHOT.parent.mkdir(exist_ok=True)
         page.screenshot(path=str(SCREENSHOT))  # the first frames walking forward (the synthetic zoom is quick)
         page.wait_for_timeout(800)  # hold W a while
         page.keyboard.up("w")
         # every input sent has been applied and a frame showing it drawn
-        page.wait_for_function("() => { const w = window.worldstream; return w.lastApplied >= w.input.revision && "
-                               "w.input.sent.size === 0; }", timeout=20_000)
+        wait_until(page, "() => { const w = window.worldstream; return w.lastApplied >= w.input.revision && "
+                         "w.input.sent.size === 0; }", timeout_s=20)
         played = page.evaluate("""() => { const w = window.worldstream; return {
             chunks: w.chunks.map(c => ({index: c.index, keys: c.keys, mouse: c.mouse, revision: c.revision,
                                         i2p: c.i2p.map(v => v.ms)})),
