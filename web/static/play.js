@@ -363,6 +363,7 @@ function start() {
 
 function stop() {
   clearInterval(retryTimer);
+  retryTimer = null;
   if (state.session) send({ type: "close" });
 }
 
@@ -506,7 +507,7 @@ drop.addEventListener("drop", (event) => {
 $("start").addEventListener("click", () => { state.busyTries = 0; start(); });
 $("stop").addEventListener("click", stop);
 $("trace").addEventListener("click", () => send({ type: "trace" }));
-$("banner-close").addEventListener("click", hideBanner);
+$("banner-close").addEventListener("click", () => { clearInterval(retryTimer); retryTimer = null; hideBanner(); });
 $("banner-retry").addEventListener("click", () => { clearInterval(retryTimer); retryTimer = null; start(); });
 setInterval(() => { if (state.session) send({ type: "stats" }); }, 2000);
 setInterval(renderHud, 250);
