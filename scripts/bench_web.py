@@ -151,7 +151,7 @@ async def stream_for(port: int, seconds: float) -> dict[str, Any]:
         began = time.monotonic()
         await tab.drain(seconds)
         wall = time.monotonic() - began
-        ended = await tab.close_session()
+        ended = await tab.close_session(timeout_s=60)  # a 480x832 chunk in flight takes seconds on a busy CPU
     if ended["type"] != "closed":
         raise RuntimeError(f"the session ended before the measurement did: {tab.texts[-3:]}")
     frames = [f for f in tab.frames if f[0] >= began]

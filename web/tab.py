@@ -66,10 +66,10 @@ class Tab:
         await self.ws.send_str(json.dumps({"type": "state", "keys": list(keys), "mouse": list(mouse),
                                            "taps": list(taps), "revision": revision}))
 
-    async def close_session(self) -> dict[str, Any]:
+    async def close_session(self, timeout_s: float = 20.0) -> dict[str, Any]:
         """Stop the session: its ``closed`` (or the ``error`` saying there is none, e.g. it ended meanwhile)."""
         await self.ws.send_str(json.dumps({"type": "close"}))
-        return await self.next("closed", "error")
+        return await self.next("closed", "error", timeout_s=timeout_s)
 
 
 @asynccontextmanager
