@@ -37,7 +37,7 @@ log = logging.getLogger("worldstream.web")
 MAX_OUTBOX = 256  # text messages waiting for the page (one per chunk): a page this far behind has stopped reading
 TRACE_CHUNKS = 2000  # chunks of a session kept for its Chrome trace (bounded: long sessions keep the last ones)
 IDLE_WAIT_S = 3600.0  # how long the pump waits for a chunk before looking again (a paused session is silent)
-CLOSE_TIMEOUT_S = 15.0
+CLOSE_TIMEOUT_S = 30.0  # a close drains the chunks in flight first: seconds each at 480x832 on a busy CPU
 
 
 @dataclass(frozen=True)
