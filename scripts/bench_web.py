@@ -1,5 +1,5 @@
 """The web gateway measured side by side: input-to-photon in the page against ``scripts/client.py --live``, the
-gateway's CPU per stream, and the bytes per second a stream costs at 256x160 and 480x832.
+gateway's CPU per stream, and the bytes per second a stream costs at 160x256 and 480x832 (height x width).
 
     python scripts/bench_web.py [--rounds 3] [--seconds 8] [--json out/bench_web.json]
 
@@ -9,7 +9,7 @@ gateway's CPU per stream, and the bytes per second a stream costs at 256x160 and
    by ``play_live`` (timed on the client's clock: input sent -> chunk received). The page figure includes what the
    page adds on top: the gateway hop, encoding, the WebSocket, decoding, the playout's frame pacing, drawing.
 2. The gateway process's CPU (user + system seconds over wall seconds) while one page streams.
-3. Per frame format (JPEG, WebP) and size (the server at 256x160, then at 480x832): a tab in Python streams for
+3. Per frame format (JPEG, WebP) and size (the server at 160x256, then at 480x832): a tab in Python streams for
    ``--seconds`` while panning (J/L: the picture keeps its detail; W would zoom into flat colour), and the bytes
    received per second and the gateway's CPU per stream are reported. The synthetic frames are a simple picture plus
    a little noise; real model frames carry more detail and cost more bytes.
@@ -157,7 +157,7 @@ async def stream_for(port: int, seconds: float) -> dict[str, Any]:
     frames = [f for f in tab.frames if f[0] >= began]
     total = sum(16 + len(picture) for _, _, picture in frames)
     return {"frames": len(frames), "fps": len(frames) / wall, "bytes_per_s": total / wall,
-            "bytes_per_frame": total / max(1, len(frames)), "size": f"{opened['width']}x{opened['height']}"}
+            "bytes_per_frame": total / max(1, len(frames)), "size": f"{opened['height']}x{opened['width']}"}
 
 
 def bytes_and_cpu(size: tuple[int, int], seconds: float) -> list[dict[str, Any]]:

@@ -251,7 +251,7 @@ def test_frames_reach_the_tab_in_order_newest_first_and_never_faster_than_the_st
     picture = Image.open(io.BytesIO(page.frames[-1][2]))
     assert (picture.format, picture.size) == ("JPEG", (256, 160))
     per_frame = sum(len(p) for _, _, p in page.frames) / len(page.frames)
-    print(f"\n{len(page.frames)} of {frames} frames sent, {per_frame / 1024:.1f} KiB per frame at 256x160, "
+    print(f"\n{len(page.frames)} of {frames} frames sent, {per_frame / 1024:.1f} KiB per frame at 160x256, "
           f"{per_frame * fps / 1024:.0f} KiB/s at 16 fps")
 
 
