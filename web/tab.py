@@ -46,6 +46,7 @@ class Tab:
             if message.type != aiohttp.WSMsgType.TEXT:
                 raise ConnectionError(f"the gateway closed the WebSocket: {message.type} {message.data!r}")
             data = json.loads(message.data)
+            data["_received"] = time.monotonic()  # the tab's arrival time (not part of the protocol)
             self.texts.append(data)
             if data["type"] in types:
                 return data
