@@ -1,4 +1,4 @@
-# Two commands for a new user: `make demo` and `make test`. Both create .venv if missing and install what is
+# Two commands for a new user: `make demo` and `make test` (and `make play` to play in a browser). Both create .venv if missing and install what is
 # needed first. torch is pinned and installed before anything else, so a CPU machine gets the CPU wheel and
 # never pulls a multi-GB CUDA build through an open version range; on GPU nodes pip's index serves the CUDA
 # build of the same version.
@@ -9,22 +9,28 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: demo demo-synthetic test test-fast lint bench golden clean
+.PHONY: demo demo-synthetic play test test-fast lint bench golden clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[video,plot,dev]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[video,plot,dev,web,browser]"
 	touch $(STAMP)
 
-# The real model path (umT5, VAE, DiT over 5 ranks) with tiny random weights, then the synthetic backend whose
-# frames follow the camera keys.
+# First what a newcomer should see: the synthetic backend, whose frames follow the camera keys (out/demo.mp4). Then,
+# as its own plainly named proof, the real model path (umT5, VAE, DiT over 5 ranks) with tiny random weights: its
+# video is noise by design (out/model-path-random-weights.mp4).
 demo: $(STAMP)
-	$(PY) scripts/demo.py --config cpu-tiny-model --out out/demo.mp4 --json out/demo.json
-	$(PY) scripts/demo.py --config cpu-tiny --out out/demo-synthetic.mp4 --json out/demo-synthetic.json
+	$(PY) scripts/demo.py --config cpu-tiny --out out/demo.mp4 --json out/demo.json
+	$(PY) scripts/demo.py --config cpu-tiny-model --out out/model-path-random-weights.mp4 \
+		--json out/model-path-random-weights.json
 
 demo-synthetic: $(STAMP)
-	$(PY) scripts/demo.py --config cpu-tiny --out out/demo-synthetic.mp4 --json out/demo-synthetic.json
+	$(PY) scripts/demo.py --config cpu-tiny --out out/demo.mp4 --json out/demo.json
+
+# The 7-rank CPU server and the web gateway; prints the page's URL (Ctrl-C stops both).
+play: $(STAMP)
+	$(PY) scripts/play.py
 
 test: $(STAMP)
 	$(PY) -m ruff check .

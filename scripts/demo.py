@@ -1,8 +1,9 @@
 """`make demo`: serve a layout, play the bundled trace on the bundled image, write the video and the facts.
 
-Writes ``out/demo.mp4`` and ``out/demo.json`` (or ``--out``/``--json``) and prints a short summary.
-``--config cpu-tiny-model`` runs the real LingBot-World-Fast code path with tiny random weights (its frames are
-noise); ``--config cpu-tiny`` the synthetic backend, whose frames follow the camera keys.
+Writes ``out/demo.mp4`` and ``out/demo.json`` (or ``--out``/``--json``) and prints a short summary. The default,
+``--config cpu-tiny``, is the synthetic backend, whose frames follow the camera keys (what a newcomer should see
+first); ``--config cpu-tiny-model`` runs the real LingBot-World-Fast code path with tiny random weights (its frames
+are noise: it proves the model code runs end to end).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from scripts.local_server import ROOT, LocalServer
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="cpu-tiny-model")
+    parser.add_argument("--config", default="cpu-tiny")
     parser.add_argument("--image", type=Path, default=ROOT / "assets" / "start.png")
     parser.add_argument("--trace", type=Path, default=ROOT / "assets" / "demo_trace.json")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "demo.mp4")
@@ -32,12 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     cfg = config.load(args.config, overrides)
     if cfg.model.kind == "lingbot-fast" and not cfg.model.checkpoint_dir:
-        print(f"NOTE: {args.config} runs the real model code with tiny RANDOM weights: the video is noise. For real "
-              "video set [model] checkpoint_dir (and a GPU layout such as configs/split7-h100.toml).")
+        print(f"PROOF that the model code runs: {args.out} comes from the real LingBot-World-Fast code path "
+              f"({args.config}) with tiny RANDOM weights, so its video is noise. For real video set [model] "
+              "checkpoint_dir (and a GPU layout such as configs/split7-h100.toml).", flush=True)
     elif cfg.model.kind == "synthetic":
-        print(f"NOTE: {args.config} uses the synthetic backend: the start image panned/zoomed by the camera keys.")
+        print(f"DEMO: {args.out} shows the controls acting: the synthetic backend ({args.config}) pans and zooms the "
+              "start image by the camera the keys drive (W/S forward/back, A/D strafe, I/K/J/L look).", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    server = LocalServer(args.config, overrides, log_path=args.out.parent / "demo-server.log")
+    server = LocalServer(args.config, overrides, log_path=args.out.parent / f"{args.out.stem}-server.log")
     with server:
         print(f"server up in {server.started_s:.1f} s ({args.config}, log {server.log_path})", flush=True)
         with Client(server.endpoint) as client:

@@ -1,0 +1,271 @@
+"""The web gateway's pure parts: the playout policy, page message validation, the chunk adapter, frame encoding
+and the bind/host rules. No processes, no sockets (tests/test_web.py runs the real thing)."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ipc.client import ChunkResult
+from web import page_protocol as pp
+from web.bridge import BridgeSettings, SessionSlots
+from web.chunks import chrome_trace, read_chunk
+from web.gateway import GatewaySettings, host_name, is_loopback, make_app
+from web.playout import Playout, encode_frame
+
+FPS = 16.0
+PERIOD = 1 / FPS
+
+
+def drain(playout: Playout, until: float, step: float = 0.001) -> list[tuple[float, tuple[int, int]]]:
+    """Ask the playout every ``step`` seconds (a sender that is never late) up to ``until``."""
+    sent, now = [], 0.0
+    while now <= until:
+        taken = playout.take(now)
+        if taken is not None:
+            sent.append((now, taken))
+        now = round(now + step, 6)
+    return sent
+
+
+# ------------------------------------------------------------------------------------------------ playout
+
+
+def test_playout_releases_a_chunks_frames_at_the_stream_fps() -> None:
+    playout = Playout(FPS)
+    playout.push(0, 4, now=0.0)
+    sent = drain(playout, 1.0)
+    assert [frame for _, frame in sent] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert [t for t, _ in sent] == pytest.approx([0.0, PERIOD, 2 * PERIOD, 3 * PERIOD], abs=0.0011)
+    assert playout.dropped.to_wire() == {"superseded": 0, "late": 0}
+    assert playout.next_due() is None
+
+
+def test_a_newer_chunk_supersedes_the_unsent_frames_of_the_older_one_never_the_reverse() -> None:
+    playout = Playout(FPS)
+    playout.push(0, 12, now=0.0)
+    assert playout.take(0.0) == (0, 0)
+    assert playout.take(PERIOD) == (0, 1)
+    playout.push(1, 12, now=0.1)  # faster than real time: 10 of chunk 0's frames will never be shown
+    assert playout.dropped.superseded == 10
+    sent = [frame for _, frame in drain(playout, 1.0)]
+    assert sent[0] == (1, 0) and all(chunk == 1 for chunk, _ in sent)  # nothing of chunk 0 after chunk 1 began
+    assert sent == [(1, k) for k in range(12)]  # the newest chunk plays whole when nothing newer comes
+    with pytest.raises(ValueError, match="in order"):
+        playout.push(1, 12, now=2.0)
+
+
+def test_the_page_never_gets_more_than_fps_frames_a_second_when_chunks_outrun_real_time() -> None:
+    playout, sent, now, step = Playout(FPS), [], 0.0, 0.001
+    for chunk in range(40):  # a chunk every 50 ms: 12 frames each, 15x real time
+        playout.push(chunk, 12, now)
+        sent += [t for t, _ in drain_between(playout, now, now + 0.05, step)]
+        now += 0.05
+    rate = len(sent) / now
+    tail = [t for t, _ in drain_between(playout, now, now + 1.0, step)]  # the last chunk plays out whole
+    gaps = np.diff(sent + tail)
+    assert gaps.min() >= PERIOD - step, "two frames closer than one frame period"
+    assert rate == pytest.approx(FPS, rel=0.05)
+    assert len(sent) + len(tail) + playout.dropped.superseded == 40 * 12  # every frame shown or counted dropped
+    assert playout.dropped.late == 0
+
+
+def drain_between(playout: Playout, start: float, end: float, step: float = 0.001) -> list[tuple[float, object]]:
+    sent, now = [], start
+    while now < end - 1e-9:
+        taken = playout.take(now)
+        if taken is not None:
+            sent.append((now, taken))
+        now = round(now + step, 6)
+    return sent
+
+
+def test_a_late_sender_gets_the_newest_due_frame_and_the_skipped_ones_count_as_late() -> None:
+    playout = Playout(FPS)
+    playout.push(0, 12, now=0.0)
+    assert playout.take(0.0) == (0, 0)
+    assert playout.take(5.5 * PERIOD) == (0, 5)  # frames 1..4 are stale by now
+    assert playout.dropped.late == 4
+    assert playout.take(5.6 * PERIOD) is None
+    assert playout.next_due() == pytest.approx(6 * PERIOD)
+
+
+def test_a_new_chunk_waits_at_most_one_frame_period_after_the_last_frame_sent() -> None:
+    playout = Playout(FPS)
+    playout.push(0, 12, now=0.0)
+    assert playout.take(0.0) == (0, 0)
+    playout.push(1, 12, now=0.01)
+    assert playout.take(0.01) is None
+    assert playout.next_due() == pytest.approx(PERIOD)
+    assert playout.take(PERIOD) == (1, 0)
+
+
+def test_a_cleared_playout_sends_nothing_and_starts_fresh() -> None:
+    playout = Playout(FPS)
+    playout.push(3, 12, now=0.0)
+    playout.clear()
+    assert playout.take(1.0) is None and playout.next_due() is None
+    playout.push(0, 2, now=2.0)  # a new session starts at chunk 0 again
+    assert playout.take(2.0) == (0, 0)
+
+
+# ------------------------------------------------------------------------------------------------ page messages
+
+
+def test_a_valid_state_parses_to_its_fields() -> None:
+    state = pp.parse_text(json.dumps({"type": "state", "keys": ["w", "d"], "mouse": [1.5, -2], "taps": ["i"],
+                                      "revision": 7}))
+    assert isinstance(state, pp.StateRequest)
+    assert (state.keys, state.mouse, state.taps, state.revision) == (["w", "d"], (1.5, -2.0), ["i"], 7)
+
+
+@pytest.mark.parametrize(("message", "code", "text"), [
+    ("not json", "bad_message", "JSON map"),
+    ('{"type": "dance"}', "bad_message", "message type"),
+    ('{"keys": []}', "bad_message", "message type"),
+    ('{"type": "state", "keys": ["x"], "revision": 1}', "unknown_keys", "unknown keys ['x']"),
+    ('{"type": "state", "keys": [], "taps": ["q"], "revision": 1}', "unknown_keys", "state.taps"),
+    ('{"type": "state", "keys": [], "mouse": [1e999, 0], "revision": 1}', "bad_message", "out of range"),
+    ('{"type": "state", "keys": [], "mouse": [400, 0], "revision": 1}', "bad_message", "within"),
+    ('{"type": "state", "keys": [], "revision": -1}', "bad_message", ">= 0"),
+    ('{"type": "state", "keys": "w", "revision": 1}', "bad_message", "keys"),
+    ('{"type": "state", "keys": [], "revision": 1, "extra": 1}', "bad_message", "extra"),
+    ('{"type": "close", "session": "x"}', "bad_message", "session"),
+])
+def test_invalid_page_messages_raise_a_page_error_naming_the_problem(message: str, code: str, text: str) -> None:
+    with pytest.raises(pp.PageError, match=text.replace("[", r"\[").replace("]", r"\]")) as error:
+        pp.parse_text(message)
+    assert error.value.code == code
+
+
+def test_text_beyond_the_limit_is_refused_before_decoding() -> None:
+    with pytest.raises(pp.PageError) as error:
+        pp.parse_text('{"type": "stats"' + " " * pp.MAX_TEXT_BYTES + "}")
+    assert error.value.code == "too_large"
+
+
+def test_the_open_message_carries_the_request_and_the_image() -> None:
+    data = pp.open_message({"prompt": "forest", "seed": 3, "num_chunks": 8, "pause_when_idle": True}, b"\x89PNG...")
+    request, image = pp.parse_open(data, pp.Limits())
+    assert (request.prompt, request.seed, request.num_chunks, request.live, request.pause_when_idle) == \
+        ("forest", 3, 8, True, True)
+    assert image == b"\x89PNG..."
+
+
+@pytest.mark.parametrize(("data", "code", "text"), [
+    (b"\x01\x02", "bad_message", "length of its JSON header"),
+    (struct.pack("<I", 100) + b"{}", "bad_message", "claims 100 bytes"),
+    (struct.pack("<I", pp.MAX_HEADER_BYTES + 1) + b"x" * (pp.MAX_HEADER_BYTES + 2), "bad_message", "at most"),
+    (pp.open_message({}, b""), "bad_image", "no start image"),
+    (pp.open_message({"live": False}, b"img"), "bad_request", "live sessions only"),
+    (pp.open_message({"seed": -1}, b"img"), "bad_request", "seed"),
+    (pp.open_message({"seed": 2**60}, b"img"), "bad_request", "seed"),
+    (pp.open_message({"num_chunks": 0}, b"img"), "bad_request", "num_chunks"),
+    (pp.open_message({"prompt": 5}, b"img"), "bad_message", "prompt"),
+    (struct.pack("<I", 2) + b"[]" + b"img", "bad_message", "invalid open header"),
+])
+def test_invalid_open_messages_raise_a_page_error(data: bytes, code: str, text: str) -> None:
+    with pytest.raises(pp.PageError, match=text) as error:
+        pp.parse_open(data, pp.Limits())
+    assert error.value.code == code
+
+
+def test_an_upload_beyond_the_limit_is_refused_before_decoding() -> None:
+    with pytest.raises(pp.PageError, match="exceeds the limit of 100 bytes") as error:
+        pp.parse_open(pp.open_message({}, b"x" * 200), pp.Limits(max_upload_bytes=100))
+    assert error.value.code == "too_large"
+
+
+def test_a_frame_message_header_round_trips() -> None:
+    data = pp.frame_message("webp", chunk=70000, frame=11, frames=12, revision=-1, picture=b"RIFF")
+    assert pp.read_frame(data) == {"kind": pp.FRAME_KIND, "format": 2, "header": 16, "chunk": 70000, "frame": 11,
+                                   "frames": 12, "revision": -1}
+    assert data[16:] == b"RIFF"
+
+
+# ------------------------------------------------------------------------------------------------ chunk adapter
+
+
+TIMES = {"control_accepted": 1.0, "condition_submitted": 0.5, "encode_start": 0.55, "condition_ready": 0.6,
+         "denoise_start": 1.0, "denoise_end": 1.2, "decode_start": 1.2, "decode_end": 1.3, "emitted": 1.3}
+SPANS = [["denoise", 2, "dit", 1.0, 1.0, 1.2], ["decode", 1, "decode", 1.2, 1.2, 1.3]]
+
+
+def chunk_with(control: object, facts: object) -> ChunkResult:
+    return ChunkResult("s1", 4, np.zeros((12, 8, 8, 3), np.uint8), control, facts, received=5.0,  # type: ignore
+                       input_to_photon_s={3: 0.25})
+
+
+def test_the_adapter_reads_the_applied_control_and_facts_of_todays_maps() -> None:
+    view = read_chunk(chunk_with({"keys": ["w", "d"], "mouse": [2.0, -1.0], "revision": 3},
+                                 {"control_to_output_s": 0.3, "times": TIMES, "spans": SPANS}))
+    assert (view.index, view.keys, view.mouse, view.revision, view.control_to_output_s) == \
+        (4, ("d", "w"), (2.0, -1.0), 3, 0.3)
+    assert view.gateway_input_to_photon_s == {3: 0.25}
+    assert view.timeline().frames == 12
+
+
+def test_the_adapter_reads_typed_structs_the_same_way() -> None:
+    # the wire forms may become typed structs: attribute access gives the same view
+    control = SimpleNamespace(keys=frozenset({"w", "d"}), mouse=(2.0, -1.0), revision=3)
+    facts = SimpleNamespace(control_to_output_s=0.3, times=TIMES, spans=[tuple(s) for s in SPANS])
+    typed = read_chunk(chunk_with(control, facts))
+    plain = read_chunk(chunk_with({"keys": ["w", "d"], "mouse": [2.0, -1.0], "revision": 3},
+                                  {"control_to_output_s": 0.3, "times": TIMES, "spans": SPANS}))
+    assert (typed.keys, typed.mouse, typed.revision, typed.control_to_output_s, typed.spans) == \
+        (plain.keys, plain.mouse, plain.revision, plain.control_to_output_s, plain.spans)
+
+
+def test_the_trace_of_a_session_has_one_event_per_span_on_each_ranks_track() -> None:
+    view = read_chunk(chunk_with({"keys": ["w"], "mouse": [0, 0], "revision": 1},
+                                 {"control_to_output_s": 0.3, "times": TIMES, "spans": SPANS}))
+    trace = chrome_trace([view.timeline()])
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"].split()[0] in ("denoise", "decode")]
+    assert sorted((e["name"], e["pid"]) for e in spans) == [("decode s1#4", 1), ("denoise s1#4", 2)]
+    broken = read_chunk(chunk_with({}, {"times": {}, "spans": []}))  # facts without times are left out, not guessed
+    assert [e for e in chrome_trace([broken.timeline()])["traceEvents"] if e.get("ph") == "X"] == []
+
+
+# ------------------------------------------------------------------------------------------------ encoding
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "webp"])
+def test_frames_encode_to_pictures_of_the_same_size(fmt: str) -> None:
+    rgb = (np.arange(160 * 256 * 3) % 251).astype(np.uint8).reshape(160, 256, 3)
+    picture = Image.open(io.BytesIO(encode_frame(rgb, fmt, 80)))
+    assert (picture.format, picture.size) == (fmt.upper(), (256, 160))
+    with pytest.raises(ValueError, match="unknown frame format"):
+        encode_frame(rgb, "gif")
+
+
+# ------------------------------------------------------------------------------------------------ binding rules
+
+
+def test_host_names_and_loopback() -> None:
+    assert [host_name(h) for h in ("localhost:8080", "[::1]:9000", "Example.org")] == ["localhost", "::1",
+                                                                                         "example.org"]
+    assert all(map(is_loopback, ("127.0.0.1", "127.3.4.5", "::1", "[::1]", "localhost")))
+    assert not any(map(is_loopback, ("0.0.0.0", "10.1.2.3", "node17")))
+
+
+def test_a_non_loopback_bind_needs_a_token() -> None:
+    bridge = BridgeSettings(server="tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="needs an access token"):
+        make_app(GatewaySettings(bridge=bridge, host="0.0.0.0"))
+    make_app(GatewaySettings(bridge=bridge, host="0.0.0.0", token="secret"))
+    make_app(GatewaySettings(bridge=bridge, host="127.0.0.1"))
+
+
+def test_session_slots_refuse_beyond_the_limit_and_free_on_release() -> None:
+    slots = SessionSlots(2)
+    assert [slots.acquire(), slots.acquire(), slots.acquire()] == [True, True, False]
+    slots.release()
+    assert slots.acquire()
+    with pytest.raises(ValueError):
+        SessionSlots(0)

@@ -1,0 +1,117 @@
+"""Start the web gateway against a running worldstream server and print the page's URL.
+
+    python -m web --server tcp://127.0.0.1:5555                 # http://127.0.0.1:8080/
+    python -m web --server tcp://127.0.0.1:5555 --port 0 --token "$(openssl rand -hex 16)"
+
+It binds 127.0.0.1 unless ``--host`` says otherwise (a non-loopback bind needs ``--token``). On a cluster keep it
+on loopback and tunnel: ``ssh -N -L 8080:127.0.0.1:8080 node`` on your machine, then open the printed URL there.
+Stop it with Ctrl-C or SIGTERM: every tab's session is closed on the server first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aiohttp import web
+
+from ipc.aio_client import AsyncClient
+from web import page_protocol as pp
+from web.bridge import BridgeSettings
+from web.gateway import GatewaySettings, make_app
+
+TOKEN_ENV = "WORLDSTREAM_WEB_TOKEN"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m web", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", default="tcp://127.0.0.1:5555", help="the worldstream server's endpoint")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument("--port", type=int, default=8080, help="port to bind; 0 picks a free one")
+    parser.add_argument("--token", default=os.environ.get(TOKEN_ENV),
+                        help=f"access token the page must carry (default ${TOKEN_ENV}; required off loopback)")
+    parser.add_argument("--max-sessions", type=int, default=4, help="sessions this gateway holds at once")
+    parser.add_argument("--format", choices=sorted(pp.FORMATS), default="jpeg", help="frame encoding")
+    parser.add_argument("--quality", type=int, default=80, help="JPEG/WebP quality 1..100")
+    parser.add_argument("--max-upload-mb", type=float, default=8.0, help="largest start image upload")
+    parser.add_argument("--allow-host", action="append", default=[], help="extra Host name to answer to")
+    parser.add_argument("--allow-origin", action="append", default=[],
+                        help="extra WebSocket origin allowed to open sessions, e.g. https://example.org")
+    parser.add_argument("--port-file", type=Path, help="write the bound port here once serving (for scripts)")
+    parser.add_argument("--check-timeout", type=float, default=10.0,
+                        help="seconds to wait at start for the server to answer (0: do not check)")
+    args = parser.parse_args(argv)
+    if not 1 <= args.quality <= 100:
+        parser.error(f"--quality must be in 1..100, got {args.quality}")
+    return args
+
+
+def settings_of(args: argparse.Namespace) -> GatewaySettings:
+    bridge = BridgeSettings(server=args.server, frame_format=args.format, quality=args.quality,
+                            limits=pp.Limits(max_upload_bytes=int(args.max_upload_mb * 2**20)))
+    return GatewaySettings(bridge=bridge, host=args.host, max_sessions=args.max_sessions, token=args.token or None,
+                           allow_hosts=frozenset(h.lower() for h in args.allow_host),
+                           allow_origins=frozenset(o.rstrip("/") for o in args.allow_origin))
+
+
+async def check_server(endpoint: str, timeout_s: float) -> str | None:
+    """``None`` when the server answers ``stats`` in time, else why not."""
+    async with AsyncClient(endpoint, timeout_s=timeout_s, heartbeat_s=0) as client:
+        try:
+            stats = await client.stats()
+        except TimeoutError:
+            return f"no worldstream server answers at {endpoint} (waited {timeout_s:.0f} s): start one first " \
+                   "(python launch.py --config cpu-tiny), or give --server"
+    logging.getLogger("worldstream.web").info("server %s: layout %s, %s open sessions", endpoint,
+                                              stats.get("layout"), stats.get("open_sessions"))
+    return None
+
+
+async def serve(args: argparse.Namespace) -> int:
+    settings = settings_of(args)
+    try:
+        app = make_app(settings)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.check_timeout > 0:
+        problem = await check_server(args.server, args.check_timeout)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{shown}:{port}/" + (f"?token={settings.token}" if settings.token else "")
+    print(f"worldstream web gateway: {url}  (server {args.server}; Ctrl-C to stop)", flush=True)
+    if args.port_file:
+        args.port_file.write_text(str(port))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("stopping: closing every tab's session", flush=True)
+    await runner.cleanup()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(sig)  # the loop closes next; a late signal must not write to its wake-up fd
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""One browser tab: its WebSocket, its ``AsyncClient``, at most one session at a time, and three tasks.
+
+- the **reader** (the WebSocket handler itself): validates each page message and acts on it (open, live state,
+  close, stats, trace); a bad message gets an ``error`` and changes nothing;
+- the **chunk pump** of the open session: takes every chunk from the client, sends its facts to the page at once
+  (text, never dropped) and hands its frames to the playout (only the newest chunk's are kept);
+- the **sender**: the only task that writes to the WebSocket: pending text messages first, then the frame the
+  playout says is due, encoded on a worker thread; one frame in flight at a time;
+- plus an **error pump** forwarding the errors no request waits for (a rejected live state, a stage failure, the
+  server shutting down).
+
+A tab that goes away (closed, reloaded, network lost: aiohttp's WebSocket heartbeat notices) closes its session on
+the server and returns its slot of the gateway's session limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from ipc.aio_client import AsyncClient
+from ipc.client import ServerError, SessionClosed, SessionInfo, UnknownSession, closed_summary
+from web import page_protocol as pp
+from web.chunks import ChunkView, Timeline, chrome_trace, read_chunk
+from web.playout import Playout, encode_frame
+
+log = logging.getLogger("worldstream.web")
+
+MAX_OUTBOX = 256  # text messages waiting for the page (one per chunk): a page this far behind has stopped reading
+TRACE_CHUNKS = 2000  # chunks of a session kept for its Chrome trace (bounded: long sessions keep the last ones)
+IDLE_WAIT_S = 3600.0  # how long the pump waits for a chunk before looking again (a paused session is silent)
+CLOSE_TIMEOUT_S = 30.0  # a close drains the chunks in flight first: seconds each at 480x832 on a busy CPU
+
+
+@dataclass(frozen=True)
+class BridgeSettings:
+    server: str  # the worldstream server's ZeroMQ endpoint
+    frame_format: str = "jpeg"
+    quality: int = 80
+    limits: pp.Limits = field(default_factory=pp.Limits)
+    request_timeout_s: float = 30.0  # open (image decode + every role's cache init) and the other requests
+
+
+class SessionSlots:
+    """The gateway's session limit, shared by its tabs: a slot is held from the open request to the close."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"the session limit must be >= 1, got {limit}")
+        self.limit = limit
+        self.used = 0
+
+    def acquire(self) -> bool:
+        if self.used >= self.limit:
+            return False
+        self.used += 1
+        return True
+
+    def release(self) -> None:
+        self.used -= 1
+        assert self.used >= 0, "a slot was released twice"
+
+
+class Bridge:
+    def __init__(self, ws: web.WebSocketResponse, settings: BridgeSettings, slots: SessionSlots) -> None:
+        self.ws = ws
+        self.settings = settings
+        self.slots = slots
+        self.client: AsyncClient | None = None
+        self.session: SessionInfo | None = None
+        self.playout: Playout | None = None
+        self.playing: ChunkView | None = None
+        self.timeline: collections.deque[Timeline] = collections.deque(maxlen=TRACE_CHUNKS)
+        self.last_revision = -1
+        self.frames_sent = 0
+        self.bytes_sent = 0
+        self._opening = False
+        self._outbox: collections.deque[str] = collections.deque()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pump: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        """Serve the tab until its WebSocket closes; then close its session and free everything."""
+        self._tasks.append(asyncio.create_task(self._sender()))
+        self.send({"type": "hello", "version": pp.PAGE_PROTOCOL_VERSION, "format": self.settings.frame_format,
+                   "limits": self.settings.limits.to_wire(), "max_sessions": self.slots.limit})
+        try:
+            async for message in self.ws:
+                if message.type == WSMsgType.TEXT:
+                    await self._on_text(message.data)
+                elif message.type == WSMsgType.BINARY:
+                    await self._on_binary(message.data)
+                elif message.type == WSMsgType.ERROR:
+                    log.info("websocket error: %s", self.ws.exception())
+        finally:
+            await self._close_session()
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            if self.client is not None:
+                await self.client.aclose()
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Queue a text message for the page (the sender writes it before any further frame)."""
+        if len(self._outbox) >= MAX_OUTBOX:
+            log.warning("the page stopped reading (%d messages waiting): closing its connection", len(self._outbox))
+            self._outbox.clear()
+            self._tasks.append(asyncio.create_task(self.ws.close(code=1008, message=b"the page stopped reading")))
+            return
+        try:
+            text = json.dumps(message, allow_nan=False, default=_jsonable)
+        except ValueError:  # a NaN or infinity in a summary: JSON has none, the page reads null
+            text = json.dumps(_finite(message), allow_nan=False, default=_jsonable)
+        self._outbox.append(text)
+        self._wake.set()
+
+    def error(self, code: str, message: str, retry_after_s: float | None = None, session: str | None = None) -> None:
+        self.send({"type": "error", "code": code, "message": message, "retry_after_s": retry_after_s,
+                   "session": session})
+
+    # ------------------------------------------------------------------------------------------ page messages
+
+    async def _on_text(self, data: str) -> None:
+        try:
+            request = pp.parse_text(data)
+        except pp.PageError as error:
+            self.error(error.code, error.message)
+            return
+        if isinstance(request, pp.StateRequest):
+            self._on_state(request)
+        elif isinstance(request, pp.CloseRequest):
+            if self.session is None:
+                self.error("no_session", "no session is open in this tab")
+            else:
+                await self._close_session()
+        elif isinstance(request, pp.StatsRequest):
+            await self._on_stats()
+        else:
+            await self._on_trace()
+
+    async def _on_binary(self, data: bytes) -> None:
+        try:
+            request, image = pp.parse_open(data, self.settings.limits)
+        except pp.PageError as error:
+            self.error(error.code, error.message)
+            return
+        if self.session is not None or self._opening:
+            self.error("bad_request", "a session is already open in this tab: stop it first")
+            return
+        if not self.slots.acquire():
+            self.error("busy", f"this gateway serves at most {self.slots.limit} sessions at once and all are in use",
+                       retry_after_s=2.0)
+            return
+        self._opening = True
+        try:
+            client = await self._client()
+            info = await client.open(image, prompt=request.prompt, seed=request.seed, num_chunks=request.num_chunks,
+                                     live=True, pause_when_idle=request.pause_when_idle)
+        except ServerError as error:
+            self.slots.release()
+            self.error(error.code, error.message, error.retry_after_s)
+            return
+        except TimeoutError:
+            self.slots.release()
+            self.error("server_unreachable", f"no answer from the worldstream server at {self.settings.server} "
+                                             f"within {self.settings.request_timeout_s:.0f} s: is it running?")
+            return
+        finally:
+            self._opening = False
+        # Even if the tab went away meanwhile, the session is recorded: the cleanup after the read loop closes it.
+        self.session, self.last_revision = info, -1
+        self.playout, self.playing = Playout(info.fps), None
+        self.timeline.clear()
+        self._pump = asyncio.create_task(self._chunk_pump(client, info))
+        self.send({"type": "opened", "session": info.id, "height": info.height, "width": info.width, "fps": info.fps,
+                   "frames_first_chunk": info.frames_first_chunk, "frames_per_chunk": info.frames_per_chunk,
+                   "num_chunks": info.num_chunks, "format": self.settings.frame_format})
+
+    def _on_state(self, state: pp.StateRequest) -> None:
+        if self.session is None or self.client is None:
+            self.error("no_session", "no session is open in this tab: input is ignored until one is")
+            return
+        if state.revision <= self.last_revision:
+            self.error("stale_revision", f"state revision {state.revision} is not newer than {self.last_revision}",
+                       session=self.session.id)
+            return
+        self.last_revision = state.revision
+        self.client.control_state(self.session.id, state.keys, state.revision, mouse=state.mouse, taps=state.taps)
+
+    async def _on_stats(self) -> None:
+        if self.client is None:
+            self.error("no_session", "no session has been opened in this tab yet")
+            return
+        try:
+            stats = await self.client.stats()
+        except (ServerError, TimeoutError) as error:
+            self.error(getattr(error, "code", "server_unreachable"), str(error))
+            return
+        session = stats.get("per_session", {}).get(self.session.id) if self.session else None
+        self.send({"type": "stats", "session": _brief(session) if session else None,
+                   "server": {k: stats.get(k) for k in ("open_sessions", "layout", "schedule", "dit_idle")},
+                   "gateway": {"sessions": self.slots.used, "max_sessions": self.slots.limit,
+                               "frames_sent": self.frames_sent, "bytes_sent": self.bytes_sent}})
+
+    async def _on_trace(self) -> None:
+        if not self.timeline:
+            self.error("no_trace", "no chunk has arrived in this tab yet: nothing to trace")
+            return
+        chunks = list(self.timeline)
+        trace = await asyncio.to_thread(chrome_trace, chunks)
+        self.send({"type": "trace", "session": chunks[-1].session, "trace": trace})
+
+    # ------------------------------------------------------------------------------------------ session
+
+    async def _client(self) -> AsyncClient:
+        if self.client is None:
+            self.client = await AsyncClient(self.settings.server, timeout_s=self.settings.request_timeout_s).start()
+            self._tasks.append(asyncio.create_task(self._error_pump(self.client)))
+        return self.client
+
+    async def _chunk_pump(self, client: AsyncClient, info: SessionInfo) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                chunk = await client.next_chunk(info.id, timeout_s=IDLE_WAIT_S)
+            except TimeoutError:
+                continue
+            except SessionClosed as closed:
+                self._finish(info, closed_summary(closed.closed))
+                return
+            except ServerError:
+                continue  # the session's failure or the server's end: the error pump reports it, `closed` follows
+            view = read_chunk(chunk)
+            self.timeline.append(view.timeline())
+            assert self.playout is not None
+            self.playout.push(view.index, int(view.frames.shape[0]), loop.time())
+            self.playing = view
+            self.send({"type": "chunk", "session": info.id, "index": view.index, "frames": int(view.frames.shape[0]),
+                       "keys": list(view.keys), "mouse": list(view.mouse), "revision": view.revision,
+                       "control_to_output_s": view.control_to_output_s,
+                       "gateway_input_to_photon_s": {str(r): s for r, s in view.gateway_input_to_photon_s.items()},
+                       "dropped": self.playout.dropped.to_wire()})
+
+    async def _close_session(self) -> None:
+        """Close the open session on the server (page stop or tab gone) and wait for its summary."""
+        info, client = self.session, self.client
+        if info is None or client is None:
+            return
+        if self._pump is not None:
+            self._pump.cancel()  # it must not race close() for the session's events
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+            self._pump = None
+        if self.session is None:  # the session ended by itself meanwhile
+            return
+        try:
+            summary = await client.close(info.id, timeout_s=CLOSE_TIMEOUT_S)
+        except UnknownSession:  # it closed by itself just before: its `closed` is already here
+            try:
+                summary = await client.wait_closed(info.id, timeout_s=2.0)
+            except TimeoutError:
+                summary = {"reason": "unknown", "error": "the server no longer holds the session"}
+        except (ServerError, TimeoutError) as error:
+            summary = {"reason": "unknown", "error": f"closing failed: {error}"}
+        self._finish(info, summary)
+
+    def _finish(self, info: SessionInfo, summary: dict[str, Any]) -> None:
+        """The session is over: tell the page, return the slot (exactly once per session)."""
+        if self.session is not info:
+            return
+        self.session, self._pump = None, None  # the playout still shows what is left of the last chunk
+        self.slots.release()
+        self.send({"type": "closed", "session": info.id, "reason": summary.get("reason"),
+                   "error": summary.get("error"), "summary": _brief(summary)})
+        log.info("session %s closed (%s)", info.id, summary.get("reason"))
+
+    async def _error_pump(self, client: AsyncClient) -> None:
+        while True:
+            error = await client.error(timeout_s=IDLE_WAIT_S)
+            if error is not None:
+                self.error(error.code, error.message, error.retry_after_s, error.session)
+
+    # ------------------------------------------------------------------------------------------ sending
+
+    async def _sender(self) -> None:
+        loop = asyncio.get_running_loop()
+        fmt, quality = self.settings.frame_format, self.settings.quality
+        while not self.ws.closed:
+            self._wake.clear()  # before looking: anything queued from here on sets it again
+            while self._outbox:
+                await self.ws.send_str(self._outbox.popleft())
+            taken = self.playout.take(loop.time()) if self.playout is not None else None
+            if taken is not None and self.playing is not None:
+                view = self.playing
+                index = taken[1]
+                picture = await asyncio.to_thread(encode_frame, view.frames[index], fmt, quality)
+                data = pp.frame_message(fmt, view.index, index, int(view.frames.shape[0]), view.revision, picture)
+                await self.ws.send_bytes(data)
+                self.frames_sent += 1
+                self.bytes_sent += len(data)
+                continue
+            due = self.playout.next_due() if self.playout is not None else None
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), None if due is None else max(0.0, due - loop.time()))
+
+
+def _brief(summary: dict[str, Any]) -> dict[str, Any]:
+    """A session summary without its per-chunk tail (the page has every chunk already)."""
+    return {k: v for k, v in summary.items() if k != "recent_chunks"}
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

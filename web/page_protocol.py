@@ -1,0 +1,177 @@
+"""What the play page and the gateway say to each other over one WebSocket (version 1).
+
+Page -> gateway:
+- one **binary** message opens a session: ``u32 n`` (little-endian), ``n`` bytes of JSON ``{"type": "open",
+  "prompt", "seed", "num_chunks", "live", "pause_when_idle"}``, then the start image (PNG or JPEG bytes). The sizes
+  are checked before anything is decoded: the whole message against ``Limits.max_upload_bytes`` (aiohttp's own
+  ``max_msg_size`` refuses larger frames before they are read), the JSON header against ``MAX_HEADER_BYTES``.
+- **text** messages are JSON maps with a ``type``: ``state`` (the live input: ``keys`` held now, ``mouse`` motion
+  [yaw, pitch] degrees since the previous state, ``taps`` pressed and released since, ``revision`` strictly
+  increasing), ``close``, ``stats``, ``trace`` (the session's Chrome trace). Each is at most
+  ``MAX_TEXT_BYTES``.
+
+Gateway -> page:
+- **text** JSON maps: ``hello`` (limits, frame format), ``opened``, ``chunk`` (per chunk: the applied control,
+  control-to-output latency, drop counters; always sent, never dropped), ``closed`` (reason and the server's
+  session summary), ``stats``, ``trace``, ``error`` (``code``, ``message``, ``retry_after_s``).
+- **binary** frames: a 16-byte header (``FRAME_HEADER``) and one encoded picture. Only the newest frames are
+  sent (``playout``); the header names the chunk, the frame in it and the input revision the chunk applied, so the
+  page times input-to-photon on its own clock.
+
+Every page message is validated here (types by msgspec, then ranges) and a bad one raises ``PageError`` naming
+the problem; the bridge answers it with an ``error`` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Union
+
+import msgspec
+
+from models.controls import KEYS, MAX_MOUSE_DEGREES
+
+PAGE_PROTOCOL_VERSION = 1
+MAX_TEXT_BYTES = 4096  # a state is ~100 bytes; anything near this is not a page of ours
+MAX_HEADER_BYTES = 8192  # the open header: a prompt of the server's 2000 characters fits several times over
+MAX_SEED = 2**53 - 1  # JavaScript's largest exact integer: a seed the page shows is the seed the server uses
+
+FRAME_HEADER = struct.Struct("<BBHIHHi")  # kind, format, header length, chunk, frame, frames in chunk, revision
+FRAME_KIND = 1
+FORMATS = {"jpeg": 1, "webp": 2}
+
+
+class PageError(ValueError):
+    """A page message is invalid; ``code`` is machine-readable, the text says what is wrong for people."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Sizes the gateway accepts from a page, checked before decoding."""
+
+    max_upload_bytes: int = 8 * 1024 * 1024  # the whole open message (header + image)
+
+    def to_wire(self) -> dict[str, int]:
+        return {"max_upload_bytes": self.max_upload_bytes, "max_text_bytes": MAX_TEXT_BYTES}
+
+
+class _PageMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type"):
+    pass
+
+
+class OpenRequest(_PageMsg, tag="open"):
+    prompt: str = ""
+    seed: int = 0
+    num_chunks: int | None = None  # None: until the page stops it (bounded by the server's max_chunks)
+    live: bool = True  # the page drives live sessions only; indexed controls are for scripts (scripts/client.py)
+    pause_when_idle: bool = False
+
+
+class StateRequest(_PageMsg, tag="state"):
+    keys: list[str]
+    revision: int
+    mouse: tuple[float, float] = (0.0, 0.0)
+    taps: list[str] = []
+
+
+class CloseRequest(_PageMsg, tag="close"):
+    pass
+
+
+class StatsRequest(_PageMsg, tag="stats"):
+    pass
+
+
+class TraceRequest(_PageMsg, tag="trace"):
+    pass
+
+
+TextRequest = Union[StateRequest, CloseRequest, StatsRequest, TraceRequest]  # noqa: UP007
+_text = msgspec.json.Decoder(TextRequest)
+_open = msgspec.json.Decoder(OpenRequest)
+
+
+def parse_text(data: str) -> StateRequest | CloseRequest | StatsRequest | TraceRequest:
+    """A text message from the page, validated (raises ``PageError``)."""
+    raw = data.encode()
+    if len(raw) > MAX_TEXT_BYTES:
+        raise PageError("too_large", f"a text message of {len(raw)} bytes exceeds the limit of {MAX_TEXT_BYTES}")
+    try:
+        message = _text.decode(raw)
+    except msgspec.ValidationError as error:
+        if "$.type" in str(error) or "`type`" in str(error):
+            raise PageError("bad_message", f"unknown or missing message type: {error}") from None
+        raise PageError("bad_message", f"invalid message: {error}") from None
+    except msgspec.DecodeError:
+        raise PageError("bad_message", "a text message must be a JSON map") from None
+    if isinstance(message, StateRequest):
+        check_state(message)
+    return message
+
+
+def check_state(state: StateRequest) -> None:
+    for name, keys in (("keys", state.keys), ("taps", state.taps)):
+        unknown = sorted(set(keys) - KEYS)
+        if unknown:
+            raise PageError("unknown_keys", f"state.{name}: unknown keys {unknown}; valid {''.join(sorted(KEYS))}")
+    for axis, value in zip(("yaw", "pitch"), state.mouse):
+        if not math.isfinite(value) or abs(value) > MAX_MOUSE_DEGREES:
+            raise PageError("bad_message", f"state.mouse {axis} must be finite and within ±{MAX_MOUSE_DEGREES:g} "
+                                           f"degrees, got {value!r}")
+    if state.revision < 0:
+        raise PageError("bad_message", f"state.revision must be >= 0, got {state.revision}")
+
+
+def parse_open(data: bytes, limits: Limits) -> tuple[OpenRequest, bytes]:
+    """The binary open message: its request and the image bytes, sizes checked before decoding."""
+    if len(data) > limits.max_upload_bytes:
+        raise PageError("too_large", f"an upload of {len(data)} bytes exceeds the limit of "
+                                     f"{limits.max_upload_bytes} bytes")
+    if len(data) < 4:
+        raise PageError("bad_message", "a binary message must start with the length of its JSON header")
+    (length,) = struct.unpack_from("<I", data)
+    if length > MAX_HEADER_BYTES or 4 + length > len(data):
+        raise PageError("bad_message", f"the open header claims {length} bytes; at most {MAX_HEADER_BYTES} and "
+                                       f"within the {len(data) - 4} bytes sent")
+    try:
+        request = _open.decode(data[4:4 + length])
+    except msgspec.ValidationError as error:
+        raise PageError("bad_message", f"invalid open header: {error}") from None
+    except msgspec.DecodeError:
+        raise PageError("bad_message", "the open header must be a JSON map") from None
+    image = data[4 + length:]
+    if not image:
+        raise PageError("bad_image", "no start image: pick or drop a PNG or JPEG")
+    if not request.live:
+        raise PageError("bad_request", "the play page drives live sessions only; for indexed controls use "
+                                       "scripts/client.py")
+    if not 0 <= request.seed <= MAX_SEED:
+        raise PageError("bad_request", f"seed must be in 0..{MAX_SEED}, got {request.seed}")
+    if request.num_chunks is not None and request.num_chunks < 1:
+        raise PageError("bad_request", f"num_chunks must be >= 1 or null, got {request.num_chunks}")
+    return request, bytes(image)
+
+
+def open_message(request: dict[str, Any], image: bytes) -> bytes:
+    """The binary open message as the page builds it (for tests and non-browser clients)."""
+    header = json.dumps({"type": "open", **request}).encode()
+    return struct.pack("<I", len(header)) + header + image
+
+
+def frame_message(fmt: str, chunk: int, frame: int, frames: int, revision: int, picture: bytes) -> bytes:
+    return FRAME_HEADER.pack(FRAME_KIND, FORMATS[fmt], FRAME_HEADER.size, chunk, frame, frames, revision) + picture
+
+
+def read_frame(data: bytes) -> dict[str, int]:
+    """A frame message's header fields (what the page reads; for tests and non-browser clients)."""
+    kind, fmt, size, chunk, frame, frames, revision = FRAME_HEADER.unpack_from(data)
+    return {"kind": kind, "format": fmt, "header": size, "chunk": chunk, "frame": frame, "frames": frames,
+            "revision": revision}
