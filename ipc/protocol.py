@@ -429,7 +429,7 @@ CoordinatorMessage = Union[  # noqa: UP007
     BroadcastCondition, ReceiveLatent, ReceiveFrames, Shutdown, Ping,
 ]
 
-_encoder = msgspec.msgpack.Encoder(order="deterministic")  # sets (a control's keys) leave sorted: same bytes
+_encoder = msgspec.msgpack.Encoder()  # maps keep their order (a summary lists releases in the order they happened)
 _decoders = {
     "client": msgspec.msgpack.Decoder(ClientMessage),
     "server": msgspec.msgpack.Decoder(ServerMessage),
@@ -444,7 +444,8 @@ def encode(message: _Msg) -> bytes:
 
 
 def to_builtins(value: Any) -> Any:
-    """A message or value as JSON-able builtins (sets sorted), e.g. a chunk's facts for a JSON file."""
+    """A message or value as JSON-able builtins, e.g. a chunk's facts for a JSON file. Sets (a control's keys)
+    become sorted lists, so the same facts always read the same."""
     return msgspec.to_builtins(value, order="deterministic")
 
 

@@ -41,7 +41,8 @@ class LayoutConfig(_Section):
     coordinator: int = 0  # the ZeroMQ server, sessions and scheduler (rank 0 by convention)
     condition: int = 0  # text encode + VAE encode of the condition chunks
     decode: int = 1  # VAE decode
-    dit: list[int] = msgspec.field(default_factory=lambda: [2, 3, 4, 5, 6])  # the denoise stage's Ulysses group; first = leader
+    # the denoise stage: the DiT ranks (its Ulysses group); the first is the leader
+    dit: list[int] = msgspec.field(default_factory=lambda: [2, 3, 4, 5, 6])
 
     @property
     def dit_leader(self) -> int:

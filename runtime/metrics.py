@@ -1,9 +1,9 @@
 """Per-chunk records, per-session summaries and server counters: the metrics contract of DESIGN.md section 8.
 
 Pure and clock-free: every time is given in as rank-0 seconds (worker timestamps are converted with
-``runtime.clock.ClockSync`` before they get here). The coordinator feeds, per session, the ``ChunkFacts`` of
-each emitted chunk (in emission order: the same value the client receives), the DiT idle intervals and the ranks' peak memory; ``to_dict`` gives the
-JSON-able summary returned on close and in a live ``stats`` reply.
+``runtime.clock.ClockSync`` before they get here). The coordinator feeds, per session, the ``ChunkFacts`` of each
+emitted chunk (in emission order; the same value the client receives), the DiT idle intervals and the ranks' peak
+memory; ``to_dict`` gives the JSON-able summary returned on close and in a live ``stats`` reply.
 
 Rules:
 
@@ -13,9 +13,9 @@ Rules:
 - **Warm-up.** Chunks with ``index < warmup_chunks`` are warm-up: they are excluded from the steady statistics
   (latency, period, compute FPS, prefetch wait) and reported on their own under ``warmup``. Time to first frame
   covers the cold start. The period of the first steady chunk is measured from the last warm-up emission.
-- **Compute seconds of a chunk** = sum over the condition, denoise and decode stages of the stage's extent (latest span end minus
-  earliest span start of that stage, so the lockstep spans of a DiT group count once, not once per rank); a stage
-  with no span falls back to its ``*_start``/``*_end`` times when given. Transfers are not compute.
+- **Compute seconds of a chunk** = sum over the condition, denoise and decode stages of the stage's extent (latest
+  span end minus earliest span start of that stage, so the lockstep spans of a DiT group count once, not once per
+  rank); a stage with no span falls back to its ``*_start``/``*_end`` times when given. Transfers are not compute.
   Compute FPS (weighted) = sum of frames / sum of compute seconds.
 - **Real-time factor** = p95 chunk period / chunk media duration, the media duration being the mean frames per
   steady chunk divided by ``fps``; below 1 the stream keeps up.

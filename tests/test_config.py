@@ -81,7 +81,8 @@ def test_missing_config_says_where_it_looked() -> None:
 
 
 def test_model_kind_is_a_builtin_backend_or_a_module_function() -> None:
-    assert config.load("cpu-tiny", ["--model.kind=tests.faulty_backend:build"]).model.kind == "tests.faulty_backend:build"
+    plugin = "tests.faulty_backend:build"
+    assert config.load("cpu-tiny", [f"--model.kind={plugin}"]).model.kind == plugin
     with pytest.raises(config.ConfigError, match=r"model\.kind = 'synthetc' is not one of"):
         config.load("cpu-tiny", ["--model.kind=synthetc"])
 

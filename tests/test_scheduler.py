@@ -18,9 +18,9 @@ from runtime.scheduler import (
     InitCache,
     Mode,
     Release,
+    RunCondition,
     RunDecode,
     RunDenoise,
-    RunCondition,
     Scheduler,
     SessionClosed,
     SessionEvent,
@@ -551,7 +551,8 @@ def test_serial_mode_submits_condition_with_control_and_admits_the_next_control_
     roles.finish(Stage.DECODE)
     assert roles.sched.can_submit("A", 1)
     roles.run_until_idle({"A": 3})
-    order = [(type(a).__name__, a.index) for a in roles.log if isinstance(a, (RunCondition, RunDenoise, RunDecode, Emit))]
+    kinds = (RunCondition, RunDenoise, RunDecode, Emit)
+    order = [(type(a).__name__, a.index) for a in roles.log if isinstance(a, kinds)]
     expected = [(n, i) for i in range(3) for n in ("RunCondition", "RunDenoise", "RunDecode", "Emit")]
     assert order == expected
 

@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 
-from runtime.clock import ClockSync
 from ipc.protocol import ChunkControl, ChunkFacts, ChunkTimes, Span
+from runtime.clock import ClockSync
 from runtime.trace import ROLE_TIDS, chrome_trace, spans_outside_window
 
 SKEWS = {1: 12.5, 2: -3.25, 3: 0.75}  # worker clock minus rank-0 clock
