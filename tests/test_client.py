@@ -149,8 +149,9 @@ def fake() -> Iterator[FakeServer]:
 
 def chunk(session: str, index: int, revision: int) -> protocol.Chunk:
     frames = np.full((1, 2, 2, 3), index, dtype=np.uint8)
-    return protocol.Chunk(session=session, index=index, frames=frames.tobytes(), shape=(1, 2, 2, 3),
-                          control={"keys": ["w"], "mouse": [0.0, 0.0], "revision": revision}, facts={})
+    times = protocol.ChunkTimes(None, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    facts = protocol.ChunkFacts(index, 1, protocol.ChunkControl(keys=frozenset("w"), revision=revision), times)
+    return protocol.Chunk(session=session, frames=frames.tobytes(), shape=(1, 2, 2, 3), facts=facts)
 
 
 def raised_in_thread(call: Any) -> tuple[threading.Thread, list[BaseException]]:
@@ -268,7 +269,8 @@ def test_timelines_need_ordered_event_times() -> None:
 
 def test_frame_hashes_and_photon_stats() -> None:
     def result(value: int, photon: dict[int, float]) -> ChunkResult:
-        return ChunkResult("s", 0, np.full((1, 2, 2, 3), value, np.uint8), {}, {}, 0.0, photon)
+        facts = protocol.ChunkFacts(0, 1, protocol.ChunkControl(), protocol.ChunkTimes(None, *[0.0] * 7))
+        return ChunkResult("s", 0, np.full((1, 2, 2, 3), value, np.uint8), facts.control, facts, 0.0, photon)
 
     a, b, c = result(1, {1: 0.2}), result(1, {2: 0.4, 3: 0.1}), result(2, {})
     assert frame_hashes([a])[0] == frame_hashes([b])[0] != frame_hashes([c])[0]
