@@ -93,8 +93,10 @@ class Coordinator:
             if self.stopping:
                 return self._shutdown()
             ready = dict(poller.poll(POLL_MS))
-            events = self._gather(self.workers in ready, self.clients in ready)
-            code = self._carry_out(self.core.step(events, time.monotonic()))
+            # Workers first, and their tasks sent before clients are read: the ranks never wait on a client flood.
+            code = self._carry_out(self.core.step(self._gather(self.workers in ready), time.monotonic()))
+            if code is None and self.clients in ready:
+                code = self._carry_out(self.core.step(list(self._drain_clients()), time.monotonic()))
             if code is not None:
                 return code
 
@@ -114,14 +116,13 @@ class Coordinator:
 
     # ---------------------------------------------------------------------------------------------- inputs
 
-    def _gather(self, workers: bool, clients: bool) -> list[Event]:
+    def _gather(self, workers: bool) -> list[Event]:
+        """Everything but client messages: what the last turn learnt, workers' messages, decoded images, timers."""
         events, self.carried = self.carried, []
         if self.fatal is not None:
             events.append(RankLost(f"rank {self.ctx.rank}: {self.fatal}"))
         if workers:
             events.extend(self._drain_workers())
-        if clients:
-            events.extend(self._drain_clients())
         for ticket in [t for t, future in self.decoding.items() if future.done()]:
             future = self.decoding.pop(ticket)
             error = future.exception()

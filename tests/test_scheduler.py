@@ -262,7 +262,7 @@ def test_full_condition_window_rejects_a_control_whose_condition_cannot_be_submi
     assert roles.sched.next_condition_index("A") == 2
 
 
-# ---- join, refill, world cache ----
+# ---- join, refill, live cut ----
 
 
 def test_denoise_starts_only_when_condition_and_control_of_the_chunk_are_both_present() -> None:
