@@ -204,6 +204,16 @@ def test_a_session_failure_ends_its_chunk_stream_with_the_typed_error(fake: Fake
             client.next_chunk("s2", timeout_s=5)
 
 
+def test_an_invalid_control_is_refused_before_it_is_sent_and_a_valid_one_travels_typed(fake: FakeServer) -> None:
+    with Client(fake.endpoint, timeout_s=5) as client:
+        with pytest.raises(BadRequest, match="unknown keys") as refused:
+            client.control("s", 0, keys="wq")
+        assert refused.value.code == "bad_control"
+        client.control("s", 0, keys="Wd", mouse=(1, 2), wait=False)
+        _, sent = fake.recv(protocol.Control)
+    assert (sent.index, sent.control) == (0, protocol.ChunkControl(keys=frozenset("wd"), mouse=(1.0, 2.0)))
+
+
 def test_close_of_a_session_the_server_does_not_hold_raises_unknown_session(fake: FakeServer) -> None:
     with Client(fake.endpoint, timeout_s=5) as client:
         thread, raised = raised_in_thread(lambda: client.close("gone"))

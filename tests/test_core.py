@@ -445,6 +445,21 @@ def test_a_failed_init_fails_the_session() -> None:
     assert [c.reason for c in job.to(A, p.Closed)] == ["failed"]
 
 
+def test_a_failed_release_on_one_dit_rank_is_retried_on_every_rank_and_poisons_the_session() -> None:
+    job = Job()
+    sid = job.open(num_chunks=None)
+    job.send(A, p.Close(req=1, session=sid))
+    job.settle(p.ConditionChunk, p.BroadcastCondition)
+    job.answer(p.Release, sid)  # decode
+    job.answer(p.Release, sid, ranks=[4], fail="RuntimeError: cuda error")
+    retried = [w for w, _ in job.sent(p.Release) if w.endswith(b":denoise")]
+    assert sorted(retried) == sorted([f"{r}:denoise".encode() for r in range(2, 7)] * 2)  # again on every rank
+    job.settle(p.Release)
+    (closed,) = job.to(A, p.Closed)
+    assert closed.summary["poisoned"] and closed.summary["leaked_caches"] == []
+    assert sorted(closed.summary["released"]["denoise"]) == [2, 3, 4, 5, 6]
+
+
 def test_a_fatal_failure_ends_the_job_and_tells_every_client() -> None:
     job = Job()
     sid = job.open(A)
