@@ -21,31 +21,10 @@ from ipc import tensor_plane as tp
 from ipc.transport import send_or_why, send_to
 from ranks import prometheus
 from ranks.worker import RankContext, memory_facts
+from runtime import core_types as ct
 from runtime.config import Config
 from runtime.core import CoordinatorCore
-from runtime.core_types import (
-    EXIT_FAILED,
-    EXIT_OK,
-    ClientSent,
-    ClientUnreachable,
-    ClientUnreadable,
-    DecodeImage,
-    DropTensors,
-    EmitChunk,
-    Event,
-    FramesMissing,
-    ImageDecoded,
-    MemorySampled,
-    Output,
-    RankLost,
-    ShutdownRequested,
-    Stop,
-    Tick,
-    ToClient,
-    ToWorker,
-    WorkerSent,
-)
-from runtime.images import BadImage, decode_image
+from runtime.images import decode_image
 from runtime.placement import placement_of
 
 log = logging.getLogger(__name__)
@@ -68,14 +47,14 @@ class Coordinator:
         self.fatal: str | None = None  # set from another thread of this rank that cannot go on
         self.decoding: dict[int, Future[object]] = {}  # start images being decoded, by ticket
         self.image_decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="image-decode")
-        self.carried: list[Event] = []  # learnt while carrying out outputs: events of the next turn
+        self.carried: list[ct.Event] = []  # learnt while carrying out outputs: events of the next turn
         self.next_memory = 0.0
         self.exporter = prometheus.start(config.metrics.prometheus_port)
 
     def run(self, port: int) -> int:
         """Serve until shutdown or a lost rank; returns the process exit code."""
         if not self._await_workers():
-            return EXIT_FAILED
+            return ct.EXIT_FAILED
         c = self.config
         self.core = CoordinatorCore(c.layout, c.server, c.stream, c.scheduler, c.timeouts, c.metrics,
                                     self.ctx.backend.geometry, time.monotonic(), sink=self.exporter)
@@ -116,26 +95,26 @@ class Coordinator:
 
     # ---------------------------------------------------------------------------------------------- inputs
 
-    def _gather(self, workers: bool) -> list[Event]:
+    def _gather(self, workers: bool) -> list[ct.Event]:
         """Everything but client messages: what the last turn learnt, workers' messages, decoded images, timers."""
         events, self.carried = self.carried, []
         if self.fatal is not None:
-            events.append(RankLost(f"rank {self.ctx.rank}: {self.fatal}"))
+            events.append(ct.RankLost(f"rank {self.ctx.rank}: {self.fatal}"))
         if workers:
             events.extend(self._drain_workers())
         for ticket in [t for t, future in self.decoding.items() if future.done()]:
             future = self.decoding.pop(ticket)
             error = future.exception()
-            events.append(ImageDecoded(ticket, None, bad_image(error)) if error is not None
-                          else ImageDecoded(ticket, future.result()))  # type: ignore[arg-type]
+            events.append(ct.ImageDecoded(ticket, None, str(error)) if error is not None  # BadImage says why
+                          else ct.ImageDecoded(ticket, future.result()))  # type: ignore[arg-type]
         now = time.monotonic()
         if now >= self.next_memory:  # rank 0 has no heartbeat thread of its own
             self.next_memory = now + self.timeouts.heartbeat_s
-            events.append(MemorySampled(self.ctx.rank, *memory_facts()))
-        events.append(Tick())
+            events.append(ct.MemorySampled(self.ctx.rank, *memory_facts()))
+        events.append(ct.Tick())
         return events
 
-    def _drain_workers(self) -> Iterator[Event]:
+    def _drain_workers(self) -> Iterator[ct.Event]:
         while True:
             try:
                 identity, data = self.workers.recv_multipart(zmq.NOBLOCK)
@@ -147,9 +126,9 @@ class Coordinator:
                 log.error("unreadable message from %s: %s", identity.decode(errors="replace"), error)
                 continue
             if not isinstance(message, protocol.Hello | protocol.ShutdownDone):
-                yield WorkerSent(message)
+                yield ct.WorkerSent(message)
 
-    def _drain_clients(self) -> Iterator[Event]:
+    def _drain_clients(self) -> Iterator[ct.Event]:
         began = time.monotonic()
         while time.monotonic() - began < TURN_BUDGET_S:  # bounded per turn: pings and workers are served too
             try:
@@ -159,29 +138,29 @@ class Coordinator:
             except ValueError:
                 continue  # a frame count we do not speak: not a DEALER client
             try:
-                yield ClientSent(identity, protocol.decode(data, "client", max_bytes=self.server.max_message_bytes))
+                yield ct.ClientSent(identity, protocol.decode(data, "client", max_bytes=self.server.max_message_bytes))
             except protocol.ProtocolViolation as error:
-                yield ClientUnreadable(identity, str(error), error.req)
+                yield ct.ClientUnreadable(identity, str(error), error.req)
 
     # ---------------------------------------------------------------------------------------------- outputs
 
-    def _carry_out(self, outputs: list[Output]) -> int | None:
+    def _carry_out(self, outputs: list[ct.Output]) -> int | None:
         """Do what the core asked, in order; the exit code once it asks to stop."""
         unreachable: set[tuple[bytes, str]] = set()
         for output in outputs:
-            if isinstance(output, ToWorker):
+            if isinstance(output, ct.ToWorker):
                 if not send_to(self.workers, output.identity, output.message):
                     rank, role = output.identity.decode().split(":", 1)
-                    self.carried.append(RankLost(f"rank {rank} is unreachable (its {role} worker disconnected)"))
-            elif isinstance(output, ToClient):
+                    self.carried.append(ct.RankLost(f"rank {rank} is unreachable (its {role} worker disconnected)"))
+            elif isinstance(output, ct.ToClient):
                 self._to_client(output.identity, output.message, output.session, unreachable)
-            elif isinstance(output, EmitChunk):
+            elif isinstance(output, ct.EmitChunk):
                 self._emit(output, unreachable)
-            elif isinstance(output, DecodeImage):
+            elif isinstance(output, ct.DecodeImage):
                 self.decoding[output.ticket] = self.image_decoder.submit(decode_image, output.data, output.max_pixels)
-            elif isinstance(output, DropTensors):
+            elif isinstance(output, ct.DropTensors):
                 self.ctx.frames.drop_session(output.session)
-            elif isinstance(output, Stop):
+            elif isinstance(output, ct.Stop):
                 return output.code
         return None
 
@@ -190,14 +169,14 @@ class Coordinator:
         why = send_or_why(self.clients, identity, message)
         if why is not None and session is not None and (identity, session) not in unreachable:
             unreachable.add((identity, session))  # reported once per turn
-            self.carried.append(ClientUnreachable(identity, session, why))  # type: ignore[arg-type]
+            self.carried.append(ct.ClientUnreachable(identity, session, why))  # type: ignore[arg-type]
 
-    def _emit(self, output: EmitChunk, unreachable: set[tuple[bytes, str]]) -> None:
+    def _emit(self, output: ct.EmitChunk, unreachable: set[tuple[bytes, str]]) -> None:
         index = output.facts.index
         try:  # present by now (decode counts as done once they arrived): never stall on them
             frames = self.ctx.frames.take((output.session, index), EMIT_WAIT_S)
         except (TimeoutError, tp.Dropped) as error:
-            self.carried.append(FramesMissing(output.session, index, str(error)))
+            self.carried.append(ct.FramesMissing(output.session, index, str(error)))
             return
         if output.to is not None:
             message = protocol.Chunk(session=output.session, frames=frames.numpy().tobytes(),
@@ -211,7 +190,7 @@ class Coordinator:
         assert self.core is not None
         waiting = {i for i in self.where.all if send_to(self.workers, i, protocol.Shutdown())}
         lost = sorted({int(i.decode().split(":")[0]) for i in set(self.where.all) - waiting})
-        code = self._carry_out(self.core.step([ShutdownRequested(tuple(lost))], time.monotonic()))
+        code = self._carry_out(self.core.step([ct.ShutdownRequested(tuple(lost))], time.monotonic()))
         deadline = time.monotonic() + SHUTDOWN_WAIT_S
         while waiting and time.monotonic() < deadline:
             if self.workers.poll(50):
@@ -222,9 +201,5 @@ class Coordinator:
         if waiting:
             log.warning("workers %s did not acknowledge shutdown", sorted(i.decode() for i in waiting))
         self.image_decoder.shutdown(wait=False, cancel_futures=True)
-        return EXIT_OK if code is None else code
+        return ct.EXIT_OK if code is None else code
 
-
-def bad_image(error: BaseException) -> str:
-    """Why a start image cannot be used, for the client (an unexpected error is named as one)."""
-    return str(error) if isinstance(error, BadImage) else f"the start image could not be decoded: {error!r}"
