@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING
 from runtime import config as config_mod
 
 if TYPE_CHECKING:  # torch and zmq load only in the ranks, not in the self-launching parent
-    import zmq
-
+    from ranks.coordinator import Coordinator
     from ranks.worker import RankContext
 
 log = logging.getLogger("worldstream")
@@ -122,25 +121,31 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     dist.broadcast_object_list(shared, src=lay.coordinator, group=groups.control)
     rank_roles = lay.roles_of(rank)
     precision.apply(device, cfg.model.vae_dtype, holds_vae=bool({"condition", "decode"} & set(rank_roles)))
-    built = backend_mod.build(cfg, rank_roles, device, groups.dit)
-    ctx = RankContext(config=cfg, rank=rank, roles=rank_roles, endpoint=shared[0], zmq=context, groups=groups,
-                      backend=built)
+    built = backend_mod.build(cfg.model, cfg.stream, cfg.synthetic, cfg.controls, rank_roles, device, groups.dit)
+    ctx = RankContext(layout=lay, timeouts=cfg.timeouts, rank=rank, roles=rank_roles, endpoint=shared[0],
+                      zmq=context, groups=groups, backend=built)
+    coordinator = None
+    if rank == lay.coordinator:  # before any worker thread: a fatal error on this rank reaches clients first
+        from ranks.coordinator import Coordinator
+
+        coordinator = Coordinator(ctx, cfg, clients, workers)
+        ctx.on_fatal = lambda message: setattr(coordinator, "fatal", message)
     threads = []
     if "condition" in rank_roles:
-        threads.append(run_thread("condition", lambda: roles.condition_worker(ctx)))
+        threads.append(run_thread(ctx, "condition", lambda: roles.condition_worker(ctx)))
     if rank == lay.condition or rank in lay.dit:
-        threads.append(run_thread("condition_edge", lambda: roles.condition_edge(ctx)))
-    if "dit" in rank_roles:
-        threads.append(run_thread("dit", lambda: roles.dit_worker(ctx)))
+        threads.append(run_thread(ctx, "condition_edge", lambda: roles.condition_edge(ctx)))
+    if "denoise" in rank_roles:
+        threads.append(run_thread(ctx, "denoise", lambda: roles.denoise_worker(ctx)))
     if "decode" in rank_roles:
-        threads.append(run_thread("decode", lambda: roles.decode_worker(ctx)))
+        threads.append(run_thread(ctx, "decode", lambda: roles.decode_worker(ctx)))
         if rank != lay.dit_leader:
-            threads.append(run_thread("latent_receiver", lambda: roles.latent_receiver(ctx)))
-    if rank == lay.coordinator:
+            threads.append(run_thread(ctx, "latent_receiver", lambda: roles.latent_receiver(ctx)))
+    if coordinator is not None:
         if lay.decode != rank:
-            threads.append(run_thread("frames", lambda: roles.frames_receiver(ctx)))
-        return run_coordinator(ctx, clients, workers, port)
-    threads.append(run_thread("heartbeat", lambda: heartbeat(ctx)))
+            threads.append(run_thread(ctx, "frames", lambda: roles.frames_receiver(ctx)))
+        return run_coordinator(ctx, coordinator, port)
+    threads.append(run_thread(ctx, "heartbeat", lambda: heartbeat(ctx)))
     ignore_stop_signals()
     for thread in threads:
         while thread.is_alive():
@@ -155,13 +160,7 @@ def ignore_stop_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def run_coordinator(ctx: RankContext, clients: zmq.Socket, workers: zmq.Socket, port: int) -> int:
-    from ranks.coordinator import Coordinator
-    from ranks.worker import FATAL_HOOK
-
-    coordinator = Coordinator(ctx, clients, workers)
-    FATAL_HOOK.append(lambda message: setattr(coordinator, "fatal", message))  # clients hear of it first
-
+def run_coordinator(ctx: RankContext, coordinator: Coordinator, port: int) -> int:
     def stop(signum: int, _frame: object) -> None:
         log.info("signal %d: shutting down", signum)
         coordinator.stopping = True  # the loop wakes within its poll interval
@@ -171,7 +170,7 @@ def run_coordinator(ctx: RankContext, clients: zmq.Socket, workers: zmq.Socket, 
     pid_file = os.environ.get("WORLDSTREAM_PIDFILE")
     if pid_file:
         Path(pid_file).write_text(str(os.getpid()))
-    log.info("client port tcp://%s:%d (serving once every rank reported in)", ctx.config.server.host, port)
+    log.info("client port tcp://%s:%d (serving once every rank reported in)", coordinator.server.host, port)
     code = coordinator.run(port)
     ctx.stop.set()
     time.sleep(0.2)  # let the last messages to clients leave

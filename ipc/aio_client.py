@@ -39,6 +39,7 @@ from ipc.client import (
     SessionInfo,
     SessionState,
     _norm,
+    chunk_control,
     closed_summary,
     session_info,
 )
@@ -104,16 +105,16 @@ class AsyncClient:
                       mouse: tuple[float, float] = (0.0, 0.0), poses: list[list[float]] | None = None,
                       wait: bool = True) -> None:
         """Send control[index]; see ``Client.control`` (backpressure is retried until the client timeout)."""
-        fields: dict[str, Any] = dict(session=session, index=index, keys=sorted(_norm(keys)),
-                                      mouse=(float(mouse[0]), float(mouse[1])), poses=poses)
+        control = chunk_control(keys, mouse, poses, session)
         deadline = time.monotonic() + self.timeout_s
         while True:
             req = next(self._req)
             if not wait:
-                self._send_quiet(req, protocol.Control(req=req, **fields))
+                self._send_quiet(req, protocol.Control(req=req, session=session, index=index, control=control))
                 return
             try:
-                await self._request(req, protocol.Control(req=req, **fields), max(0.0, deadline - time.monotonic()))
+                await self._request(req, protocol.Control(req=req, session=session, index=index, control=control),
+                                    max(0.0, deadline - time.monotonic()))
                 return
             except ControlBackpressure as error:
                 if time.monotonic() > deadline:

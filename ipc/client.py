@@ -163,16 +163,16 @@ class SessionInfo:
 class ChunkResult:
     session: str
     index: int
-    frames: np.ndarray  # uint8 [n, H, W, 3]
-    control: dict[str, Any]  # the snapshot the model saw (keys, mouse, poses?, revision: -1 for indexed controls)
-    facts: dict[str, Any]  # timings and spans on the server's clock
+    frames: np.ndarray  # uint8 [n, H, W, 3] at the session's frame size
+    control: protocol.ChunkControl  # the snapshot the model saw (revision -1 for indexed controls)
+    facts: protocol.ChunkFacts  # its times and every rank's spans on the server's clock (facts.control is control)
     received: float  # client monotonic clock at arrival
     input_to_photon_s: dict[int, float] = field(default_factory=dict)  # live: revision first shown here -> latency
 
     @property
     def revision(self) -> int:
         """The client input revision the applied snapshot came from (-1: indexed, or no live input yet)."""
-        return int(self.control.get("revision", -1))
+        return self.control.revision
 
 
 def session_info(opened: protocol.Opened) -> SessionInfo:
@@ -257,6 +257,17 @@ class LiveInput:
 def _norm(keys: Iterable[str]) -> frozenset[str]:
     """``"wd"``, ``["w", "D"]`` -> ``{"w", "d"}``."""
     return frozenset(k.lower() for item in keys for k in item)
+
+
+def chunk_control(keys: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0.0),
+                  poses: Iterable[Iterable[float]] | None = None, session: str | None = None) -> protocol.ChunkControl:
+    """The control of one chunk as it travels (``"wd"`` or ``["w", "D"]`` for keys); ``BadRequest`` (code
+    ``bad_control``) when it is not a valid control, before anything is sent."""
+    try:
+        return protocol.ChunkControl(keys=_norm(keys), mouse=(float(mouse[0]), float(mouse[1])),
+                                     poses=None if poses is None else tuple(tuple(map(float, p)) for p in poses))
+    except (ValueError, TypeError) as error:
+        raise BadRequest("bad_control", str(error), session) from None
 
 
 # ------------------------------------------------------------------------------------------------ routing
@@ -353,10 +364,11 @@ class ClientCore(Generic[Q, F]):
         if isinstance(message, protocol.Chunk):
             received = self._clock()
             state = self.session(message.session)
-            photon = state.photon.shown(int(message.control.get("revision", -1)), received)
+            facts = message.facts
+            photon = state.photon.shown(facts.control.revision, received)
             frames = np.frombuffer(message.frames, dtype=np.uint8).reshape(message.shape)
-            state.events.put_nowait(ChunkResult(message.session, message.index, frames, message.control,
-                                                message.facts, received, photon))
+            state.events.put_nowait(ChunkResult(message.session, facts.index, frames, facts.control, facts,
+                                                received, photon))
             return
         if isinstance(message, protocol.Closed):
             state = self.session(message.session)
@@ -432,17 +444,17 @@ class Client:
 
         A control that meets a full edge (code ``control_backpressure``) is resent after the server's hint until
         it is accepted or the client's timeout passes: a scripted client may send as fast as it likes. Without
-        ``wait`` an error arrives through ``error()``."""
-        message = dict(session=session, index=index, keys=sorted(_norm(keys)),
-                       mouse=(float(mouse[0]), float(mouse[1])), poses=poses)
+        ``wait`` an error arrives through ``error()``. An invalid control (unknown keys, a mouse turn beyond a full
+        turn, poses that are not 4x4) raises ``BadRequest`` before anything is sent."""
+        control = chunk_control(keys, mouse, poses, session)
         deadline = time.monotonic() + self.timeout_s
         while True:
             req = self._next_req()
             if not wait:
-                self._send_quiet(req, protocol.Control(req=req, **message))  # type: ignore[arg-type]
+                self._send_quiet(req, protocol.Control(req=req, session=session, index=index, control=control))
                 return
             future = self._expect(req)
-            self._send(protocol.Control(req=req, **message))  # type: ignore[arg-type]
+            self._send(protocol.Control(req=req, session=session, index=index, control=control))
             try:
                 self._wait(future, max(0.0, deadline - time.monotonic()))
                 return

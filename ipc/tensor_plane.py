@@ -3,10 +3,9 @@
 All groups are created once at start-up by every rank, in one fixed order, each with an explicit timeout
 (``new_group``'s default is 30 minutes, not the world's). Each group is used from one thread per rank only:
 
-- ``dit``: the DiT ranks (Ulysses all-to-all), used by the DiT worker thread;
+- ``dit``: the DiT ranks (Ulysses all-to-all), used by the denoise worker thread;
 - ``condition``: the condition rank plus the DiT ranks; the condition rank broadcasts the session's prompt
-  context and each chunk's condition. Used by the DiT worker thread on DiT ranks, else by the condition
-  sender thread;
+  context and each chunk's condition. Used by the condition-edge thread of every member;
 - ``latent``: DiT leader -> decode rank (absent when they are the same rank: local hand-off);
 - ``frames``: decode rank -> coordinator rank (absent when the same rank);
 - ``control``: every rank, gloo, for start-up agreement (endpoint exchange) only.

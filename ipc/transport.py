@@ -79,10 +79,5 @@ class WorkerLink:
             return None
         return protocol.decode(self.sock.recv(), "coordinator", max_bytes=1 << 30)
 
-    def done(self, op: str, session: str = "", index: int = -1, *, ok: bool = True, error: str = "",
-             spans: list[list[Any]] | None = None, info: dict[str, Any] | None = None) -> None:
-        self.send(protocol.Done(rank=self.rank, role=self.role, op=op, session=session, index=index, ok=ok,
-                                error=error, spans=spans or [], info=info or {}))
-
     def close(self) -> None:
         self.sock.close()

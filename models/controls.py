@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ipc.protocol import KEYS, MAX_MOUSE_DEGREES, ChunkControl  # noqa: F401  # the wire form is the model's input
+
 MOVE_KEYS = frozenset("wasd")
 TURN_KEYS = frozenset("ijkl")
-KEYS = MOVE_KEYS | TURN_KEYS
-MAX_MOUSE_DEGREES = 360.0  # per chunk; more is a client bug, not a turn
 
 
 @dataclass(frozen=True)
@@ -46,43 +46,10 @@ class MotionSpeeds:
             raise ValueError(f"pitch_limit_deg must be in (0, 90), got {self.pitch_limit_deg}")
 
 
-@dataclass(frozen=True)
-class ChunkControl:
-    """The immutable control applied to one chunk: what the model saw."""
-
-    keys: frozenset[str] = frozenset()  # keys held for the whole chunk (taps included)
-    mouse: tuple[float, float] = (0.0, 0.0)  # yaw, pitch in degrees over the whole chunk
-    poses: tuple[tuple[float, ...], ...] | None = None  # explicit c2w per video frame, 16 floats row-major
-    revision: int = -1  # client revision of the input state this snapshot came from (-1: indexed control)
-
-    def __post_init__(self) -> None:
-        unknown = set(self.keys) - KEYS
-        if unknown:
-            raise ValueError(f"unknown keys {sorted(unknown)}; valid keys are {sorted(KEYS)}")
-        if not all(math.isfinite(v) and abs(v) <= MAX_MOUSE_DEGREES for v in self.mouse):
-            raise ValueError(f"mouse must be two finite angles within ±{MAX_MOUSE_DEGREES} degrees, got {self.mouse}")
-        if self.poses is not None:
-            if any(len(p) != 16 for p in self.poses):
-                raise ValueError("each pose must be a 4x4 camera-to-world matrix given as 16 floats")
-            if not all(math.isfinite(v) for p in self.poses for v in p):
-                raise ValueError("poses must hold finite numbers")
-
-    def to_wire(self) -> dict[str, object]:
-        out: dict[str, object] = {"keys": sorted(self.keys), "mouse": list(self.mouse), "revision": self.revision}
-        if self.poses is not None:
-            out["poses"] = [list(p) for p in self.poses]
-        return out
-
-    @classmethod
-    def from_wire(cls, data: dict[str, object]) -> ChunkControl:
-        poses = data.get("poses")
-        mouse = data.get("mouse", (0.0, 0.0))
-        return cls(
-            keys=frozenset(str(k).lower() for k in data.get("keys", ())),  # type: ignore[union-attr]
-            mouse=(float(mouse[0]), float(mouse[1])),  # type: ignore[index]
-            poses=None if poses is None else tuple(tuple(float(v) for v in p) for p in poses),  # type: ignore[union-attr]
-            revision=int(data.get("revision", -1)),  # type: ignore[arg-type]
-        )
+def motion_speeds(controls: object) -> MotionSpeeds:
+    """``MotionSpeeds`` of a ``[controls]`` config section."""
+    return MotionSpeeds(move=controls.move, strafe=controls.strafe, turn_deg=controls.turn_deg,  # type: ignore[attr-defined]
+                        pitch_limit_deg=controls.pitch_limit_deg)  # type: ignore[attr-defined]
 
 
 def _rot_x(rad: float) -> np.ndarray:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from models.checkpoints import CheckpointNames, load_vae, resolve_checkpoint_dir
-from models.controls import MotionSpeeds
+from models.controls import motion_speeds
 from models.dit import DiTConfig
 from models.dit_checkpoint import config_from_dict
 from models.lingbot_denoise import LingbotDenoiseStage
@@ -88,11 +88,6 @@ def _recipe(model: Any, stream: Any) -> DiTConfig:
     except AssertionError as error:
         raise ValueError(f"model.kv_window = {window}, kv_sink = {sink} with chunks of {stream.chunk_latent_frames} "
                          f"latent frames: {error}") from None
-
-
-def motion_speeds(controls: Any) -> MotionSpeeds:
-    return MotionSpeeds(move=controls.move, strafe=controls.strafe, turn_deg=controls.turn_deg,
-                        pitch_limit_deg=controls.pitch_limit_deg)  # fmt: skip
 
 
 def checkpoint_names(model: Any) -> CheckpointNames:

@@ -96,6 +96,7 @@ def denoise_chunk(
 
 @dataclass
 class _Session:
+    geometry: StreamGeometry  # the session's own frame size
     noise: NoiseSource
     text: TextCache
     cache: KVCache
@@ -177,28 +178,31 @@ class LingbotDenoiseStage:
 
     @torch.no_grad()
     def open(self, spec: SessionSpec, context: torch.Tensor) -> None:
-        """Text cache from ``context [text_len, text_dim]``, an empty KV cache, seeded noise, identity camera."""
+        """Text cache from ``context [text_len, text_dim]``, an empty KV cache, seeded noise, identity camera, all
+        at the session's frame size (``spec.height x spec.width``; 0: the configured geometry)."""
         if spec.session in self.sessions:
             raise ValueError(f"session {spec.session!r} is already open")
-        _, _, h, w = self.geometry.latent_shape
+        geometry = self.geometry.with_size(spec.height, spec.width) if spec.height else self.geometry
+        _, _, h, w = geometry.latent_shape
         heads = self.model.sp.local_heads(self.cfg.num_heads)
         cache = new_kv_cache(self.cfg.num_layers, self.cfg.local_attn_size, self.cfg.sink_size, (h // 2) * (w // 2),
                              heads, self.cfg.head_dim, self.device, self.dtype, evict=self.cfg.kv_eviction)
         self.sessions[spec.session] = _Session(
+            geometry=geometry,
             noise=NoiseSource(spec.seed, self.device),
             text=self.model.text_cache(context.to(self.device)),
             cache=cache,
-            camera=StreamingCamera(self.intrinsics, self.geometry.height, self.geometry.width, self.device,
+            camera=StreamingCamera(self.intrinsics, geometry.height, geometry.width, self.device,
                                    self.translation_scale),
         )
 
     @torch.no_grad()
     def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl) -> torch.Tensor:
         """Clean latent ``[16, cs, h, w]`` (float32, on the stage's device) of chunk ``index``; same on every rank."""
-        assert tuple(condition.shape) == tuple(self.geometry.condition_shape), f"condition {tuple(condition.shape)}"
         if session not in self.sessions:
             raise KeyError(f"unknown session {session!r}")
         st = self.sessions[session]
+        assert tuple(condition.shape) == tuple(st.geometry.condition_shape), f"condition {tuple(condition.shape)}"
         if index != st.next_index:
             raise ValueError(f"session {session!r} expects chunk {st.next_index}, got {index}")
         cap = self.cfg.max_chunks
@@ -206,7 +210,7 @@ class LingbotDenoiseStage:
             raise ValueError(f"chunk {index} is past what the full KV cache holds ({cap} chunks: "
                              f"{self.cfg.local_attn_size} latent frames); use a rolling model.kv_window for longer")
         first = index == 0
-        poses = integrate(st.camera.last_video_pose, control, self.geometry.frames_in_chunk(index), self.speeds,
+        poses = integrate(st.camera.last_video_pose, control, st.geometry.frames_in_chunk(index), self.speeds,
                           first_is_start=first)  # fmt: skip
         ctrl = st.camera.control(np.asarray(poses), first)  # [1, 384, cs, h, w]
         st.next_index += 1

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from models.checkpoints import CheckpointNames, load_t5, load_vae, resolve_checkpoint_dir
 from models.random_init import random_module
@@ -116,10 +117,13 @@ class LingbotConditionStage(_PerSessionStage):
 
     def open(self, spec: SessionSpec) -> torch.Tensor:
         assert spec.image is not None, "the condition stage needs the session's start image"
+        height, width = (spec.height, spec.width) if spec.height else tuple(spec.image.shape[:2])
         s = self.vae.cfg.spatial_stride
-        assert spec.image.shape[0] % s == 0 and spec.image.shape[1] % s == 0, f"image H, W must be multiples of {s}"
+        assert height % s == 0 and width % s == 0, f"frame H, W must be multiples of {s}, got {height}x{width}"
         context = self.context(spec.prompt)
-        image = image_from_uint8(spec.image).to(self.device)  # [3, H, W] in [-1, 1]
+        image = image_from_uint8(spec.image).to(self.device)  # [3, H0, W0] in [-1, 1]
+        if tuple(image.shape[1:]) != (height, width):  # the start image at its own size -> the session's frame size
+            image = F.interpolate(image[None], size=(height, width), mode="bicubic", align_corners=False)[0]
         self._sessions.open(spec.session, lambda: ConditionEncoder(self.vae, image, self.cs,
                                                                      constant_tail=self.constant_tail))  # fmt: skip
         return context
@@ -144,9 +148,9 @@ class LingbotDecodeStage(_PerSessionStage):
         self.max_latent_frames_per_call = max_latent_frames_per_call
         self._sessions: SessionTable[FrameDecoder] = SessionTable("decode")
 
-    def open(self, session: str) -> None:
+    def open(self, spec: SessionSpec) -> None:
         limit = self.max_latent_frames_per_call
-        self._sessions.open(session, lambda: FrameDecoder(self.vae, max_latent_frames_per_call=limit))
+        self._sessions.open(spec.session, lambda: FrameDecoder(self.vae, max_latent_frames_per_call=limit))
 
     def decode_float(self, session: str, index: int, latent: torch.Tensor) -> torch.Tensor:
         """Frames ``[3, n, H, W]`` in [-1, 1] (the exact decoder output, for conformance checks)."""

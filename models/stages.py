@@ -9,13 +9,15 @@ A backend is three stages, each owned by one role and holding per-session caches
 - ``DecodeStage`` (decode role): per session a causal decoder cache; ``decode`` turns a latent into uint8
   RGB frames ``[n, H, W, 3]`` ready for the wire.
 
-Every tensor that crosses ranks has a shape known in advance from ``StreamGeometry``, so the tensor plane
-can post the matching receive before the data moves. Stages never see sockets or ranks; the DiT stage is
-handed its sequence-parallel process group at construction.
+Every tensor that crosses ranks has a shape known in advance from the session's ``StreamGeometry`` (the
+backend's geometry at the session's frame size), so the coordinator announces it and the tensor plane posts the
+matching receive before the data moves. Stages never see sockets or ranks; the DiT stage is handed its
+sequence-parallel process group at construction.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -47,6 +49,37 @@ class StreamGeometry:
     def frames_shape(self, index: int) -> tuple[int, int, int, int]:
         return (self.frames_in_chunk(index), self.height, self.width, 3)
 
+    def with_size(self, height: int, width: int) -> StreamGeometry:
+        """The same stream at another frame size: the last two dimensions of the condition and latent shapes are
+        spatial and keep their stride to the frame (e.g. 8 for the VAE latent). ``ValueError`` when the size does
+        not divide by a stride."""
+        if (height, width) == (self.height, self.width):
+            return self
+
+        def scaled(shape: tuple[int, ...]) -> tuple[int, ...]:
+            sh, sw = self.height // shape[-2], self.width // shape[-1]
+            assert (shape[-2] * sh, shape[-1] * sw) == (self.height, self.width), f"{shape} is not spatial"
+            if height % sh or width % sw:
+                raise ValueError(f"frame size {height}x{width} is not a multiple of the stride {sh}x{sw}")
+            return (*shape[:-2], height // sh, width // sw)
+
+        return replace(self, height=height, width=width, condition_shape=scaled(self.condition_shape),
+                       latent_shape=scaled(self.latent_shape))
+
+
+def frame_size(image_height: int, image_width: int, max_area: int, stride: int = 8, patch: int = 2) -> tuple[int, int]:
+    """The frame size the official pipeline picks for a start image: its aspect ratio at (at most) ``max_area``
+    pixels, each latent side floored to a multiple of the patch, computed exactly as the reference does it, in
+    floats: ``lat_h = sqrt(max_area * H / W) // stride // patch * patch``, ``h = lat_h * stride`` (``w`` likewise with
+    ``W / H``). The float rounding is part of the rule: ``sqrt(399360 * 480 / 832)`` is 479.99999999999994, so a
+    480x832 image becomes 464x832, as in the official examples. ``(0, w)`` or ``(h, 0)``: the image is too narrow."""
+    if image_height < 1 or image_width < 1 or max_area < 1:
+        raise ValueError(f"need a positive image size and area, got {image_height}x{image_width}, {max_area}")
+    aspect = image_height / image_width
+    lat_h = round(math.sqrt(max_area * aspect) // stride // patch * patch)
+    lat_w = round(math.sqrt(max_area / aspect) // stride // patch * patch)
+    return lat_h * stride, lat_w * stride
+
 
 @dataclass(frozen=True)
 class SessionSpec:
@@ -55,7 +88,9 @@ class SessionSpec:
     session: str
     seed: int
     prompt: str
-    image: torch.Tensor | None = None  # uint8 [H, W, 3], already resized to the stream geometry
+    image: torch.Tensor | None = None  # uint8 [H0, W0, 3] at the start image's own size; the stage resizes it
+    height: int = 0  # the session's frame size (0: the stage's configured geometry)
+    width: int = 0
 
 
 class ConditionStage(Protocol):
@@ -76,21 +111,16 @@ class DenoiseStage(Protocol):
     def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl) -> torch.Tensor:
         """Latent of chunk ``index`` (``latent_shape``); chunks arrive in order."""
 
-    def skip(self, session: str, index: int, control: ChunkControl, latent: torch.Tensor | None = None,
-             condition: torch.Tensor | None = None) -> None:
-        """World-cache hit: advance the noise cursor and camera state exactly as ``denoise`` would; given the
-        cached ``latent`` and its ``condition``, also leave the chunk's keys in the cache as ``denoise`` does."""
-
     def release(self, session: str) -> None:
         """Free the session's caches; idempotent."""
 
 
 class DecodeStage(Protocol):
-    def open(self, session: str) -> None:
-        """Initialise the session's decoder cache."""
+    def open(self, spec: SessionSpec) -> None:
+        """Initialise the session's decoder cache (``spec.image`` is None)."""
 
     def decode(self, session: str, index: int, latent: torch.Tensor) -> torch.Tensor:
-        """uint8 frames ``geometry.frames_shape(index)`` of chunk ``index``; chunks arrive in order."""
+        """uint8 frames ``frames_shape(index)`` of the session's geometry; chunks arrive in order."""
 
     def release(self, session: str) -> None:
         """Free the session's caches; idempotent."""
@@ -103,7 +133,7 @@ def run_in_process(condition: ConditionStage, denoise: DenoiseStage, decode: Dec
     session = spec.session
     context = condition.open(spec)
     denoise.open(replace(spec, image=None), context)
-    decode.open(session)
+    decode.open(replace(spec, image=None))
     try:
         return [decode.decode(session, i, denoise.denoise(session, i, condition.encode(session, i), control))
                 for i, control in enumerate(controls)]

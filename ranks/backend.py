@@ -1,55 +1,72 @@
-"""Builds the stages of the configured backend for the roles of one rank (the only place that picks one)."""
+"""Builds the stages of the configured backend for the roles of one rank (the only place that picks one).
+
+``model.kind`` is ``synthetic``, ``lingbot-fast``, or ``package.module:function`` naming a backend of your own,
+called like ``build`` below (the tests' failure injection, ``tests/faulty_backend.py``, is one).
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from models.controls import motion_speeds
 from models.stages import ConditionStage, DecodeStage, DenoiseStage, StreamGeometry
 from models.synthetic import SyntheticCondition, SyntheticDecode, SyntheticDenoise, synthetic_geometry
-from runtime.config import Config
+from runtime.config import ControlsConfig, ModelConfig, StreamConfig, SyntheticConfig
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Backend:
-    geometry: StreamGeometry
+    geometry: StreamGeometry  # at stream.height x stream.width; a session's is ``geometry.with_size(h, w)``
     condition: ConditionStage | None = None
     denoise: DenoiseStage | None = None
     decode: DecodeStage | None = None
 
 
-def geometry_of(config: Config) -> StreamGeometry:
-    st = config.stream
-    if config.model.kind == "synthetic":
-        return synthetic_geometry(st.height, st.width, st.chunk_latent_frames)
-    from models.lingbot import lingbot_geometry
-
-    return lingbot_geometry(config.model, st)
+Builder = Callable[[ModelConfig, StreamConfig, SyntheticConfig, ControlsConfig, list[str], torch.device, Any], Backend]
 
 
-def build(config: Config, roles: list[str], device: torch.device, dit_group: Any | None) -> Backend:
-    geometry = geometry_of(config)
+def build(model: ModelConfig, stream: StreamConfig, synthetic: SyntheticConfig, controls: ControlsConfig,
+          roles: list[str], device: torch.device, dit_group: Any | None) -> Backend:
+    """The backend's geometry and the stages of ``roles`` (``condition``, ``denoise``, ``decode``) on this rank."""
+    if model.kind == "synthetic":
+        return build_synthetic(model, stream, synthetic, controls, roles, device, dit_group)
+    if model.kind == "lingbot-fast":
+        return build_lingbot(model, stream, synthetic, controls, roles, device, dit_group)
+    module, function = model.kind.split(":")
+    builder: Builder = getattr(importlib.import_module(module), function)
+    return builder(model, stream, synthetic, controls, roles, device, dit_group)
+
+
+def build_synthetic(model: ModelConfig, stream: StreamConfig, costs: SyntheticConfig, controls: ControlsConfig,
+                    roles: list[str], device: torch.device, dit_group: Any | None) -> Backend:
+    geometry = synthetic_geometry(stream.height, stream.width, stream.chunk_latent_frames)
     backend = Backend(geometry=geometry)
-    if config.model.kind == "synthetic":
-        costs = config.synthetic
-        if "condition" in roles:
-            backend.condition = SyntheticCondition(geometry, costs.encode_s, costs.fail_marker)
-        if "dit" in roles:
-            backend.denoise = SyntheticDenoise(geometry, costs.denoise_s, dit_group, costs.fail_marker)
-        if "decode" in roles:
-            backend.decode = SyntheticDecode(geometry, costs.decode_s)
-        return backend
+    if "condition" in roles:
+        backend.condition = SyntheticCondition(geometry, costs.encode_s)
+    if "denoise" in roles:
+        backend.denoise = SyntheticDenoise(geometry, costs.denoise_s, dit_group, motion_speeds(controls))
+    if "decode" in roles:
+        backend.decode = SyntheticDecode(geometry, costs.decode_s)
+    return backend
+
+
+def build_lingbot(model: ModelConfig, stream: StreamConfig, costs: SyntheticConfig, controls: ControlsConfig,
+                  roles: list[str], device: torch.device, dit_group: Any | None) -> Backend:
     from models import lingbot
 
+    backend = Backend(geometry=lingbot.lingbot_geometry(model, stream))
     if "condition" in roles:
-        backend.condition = lingbot.build_condition(config.model, config.stream, device)
-    if "dit" in roles:
-        backend.denoise = lingbot.build_denoise(config.model, config.stream, config.controls, device, dit_group)
+        backend.condition = lingbot.build_condition(model, stream, device)
+    if "denoise" in roles:
+        backend.denoise = lingbot.build_denoise(model, stream, controls, device, dit_group)
     if "decode" in roles:
-        backend.decode = lingbot.build_decode(config.model, config.stream, device)
+        backend.decode = lingbot.build_decode(model, stream, device)
     return backend

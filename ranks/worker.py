@@ -1,9 +1,11 @@
 """What every worker thread of a rank shares: the task loop, fatal-error handling and the heartbeat.
 
-A role worker is a thread with its own ZeroMQ DEALER to the coordinator. It takes one task at a time, runs it
-and answers ``Done`` with its spans. A failure inside a stage fails that task (and so that session only); a
-failure on the tensor plane (a peer died, a collective timed out) is fatal for the rank: it exits non-zero
-at once, so the job ends instead of hanging.
+A role worker is a thread with its own ZeroMQ DEALER to the coordinator. It takes one task at a time (a typed
+``ipc.protocol`` task, dispatched on its type), runs it and answers the completion of the task's phase with its
+spans (``InitDone``, ``ChunkDone``, ``ReleaseDone``, ``TransferDone``). A failure inside a stage fails that task
+(``TaskFailed``, and so that session only); a failure on the tensor plane (a peer died, a collective timed out)
+or of a transfer is fatal for the rank: it answers ``TaskFailed(fatal=True)`` and exits non-zero at once, so the
+job ends instead of hanging.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import torch
 import zmq
 
 from ipc import protocol
+from ipc.protocol import Phase, Stage, WorkerSpan
 from ipc.tensor_plane import Groups, Mailbox
 from ipc.transport import WorkerLink
 from ranks.backend import Backend
-from runtime.config import Config
+from runtime.config import LayoutConfig, TimeoutsConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +45,15 @@ class Fatal(Exception):
 class RankContext:
     """State shared by the worker threads of one process."""
 
-    config: Config
+    layout: LayoutConfig
+    timeouts: TimeoutsConfig
     rank: int
     roles: list[str]
     endpoint: str
     zmq: zmq.Context
     groups: Groups
     backend: Backend
+    on_fatal: Callable[[str], None] | None = None  # on the coordinator's rank: its loop tells clients first
     stop: threading.Event = field(default_factory=threading.Event)
     conditions: Mailbox = field(default_factory=Mailbox)  # (session, index) -> condition, on the condition rank
     contexts: Mailbox = field(default_factory=Mailbox)  # (session, -1) -> prompt context, on the condition rank
@@ -57,17 +62,17 @@ class RankContext:
     frames: Mailbox = field(default_factory=Mailbox)  # (session, index) -> frames, on the coordinator rank
 
 
-FATAL_HOOK: list[Callable[[str], None]] = []  # set on the coordinator's rank: tells clients before the end
 FATAL_GRACE_S = 2.0
 
 
-def die(message: str) -> None:
+def die(ctx: RankContext, message: str) -> None:
     """End the process now with a non-zero code: peers notice through their deadlines and heartbeats. On the
-    coordinator's rank the loop first gets ``FATAL_GRACE_S`` to tell every client (it exits by itself)."""
+    coordinator's rank (``ctx.on_fatal`` set) the loop first gets ``FATAL_GRACE_S`` to tell every client (it exits
+    by itself)."""
     log.error("fatal: %s", message)
     sys.stderr.flush()
-    if FATAL_HOOK:
-        FATAL_HOOK[0](message)
+    if ctx.on_fatal is not None:
+        ctx.on_fatal(message)
         time.sleep(FATAL_GRACE_S)
     os._exit(EXIT_FATAL)
 
@@ -83,7 +88,7 @@ def tensor_plane(what: str) -> Iterator[None]:
 
 class Spans:
     def __init__(self) -> None:
-        self.items: list[list[Any]] = []
+        self.items: list[WorkerSpan] = []
 
     @contextmanager
     def span(self, name: str) -> Iterator[None]:
@@ -91,57 +96,75 @@ class Spans:
         try:
             yield
         finally:
-            self.items.append([name, start, time.monotonic()])
+            self.items.append(WorkerSpan(name, start, time.monotonic()))
 
 
-Handler = Callable[[protocol.Task, Spans], dict[str, Any] | None]
+Handler = Callable[[Any, Spans], None]  # (the task, its spans); raises to fail it
 
 
-def serve(ctx: RankContext, role: str, handlers: dict[str, Handler]) -> None:
-    """Run one role's task loop in the calling thread until shutdown; never returns on a fatal error."""
+def completion(task: protocol.WorkerTask, stage: Stage | None, rank: int, role: str,
+               spans: list[WorkerSpan]) -> protocol.Completion:
+    """The answer to a task that succeeded: the completion of its phase."""
+    common: dict[str, Any] = {"rank": rank, "role": role, "session": task.session, "spans": tuple(spans)}
+    if task.phase is Phase.TRANSFER:
+        return protocol.TransferDone(edge=type(task).edge, index=task.index, **common)  # type: ignore[union-attr]
+    assert stage is not None, f"{role} runs stage tasks without a stage"
+    if task.phase is Phase.INIT:
+        return protocol.InitDone(stage=stage, **common)
+    if task.phase is Phase.RELEASE:
+        return protocol.ReleaseDone(stage=stage, **common)
+    return protocol.ChunkDone(stage=stage, index=task.index, **common)  # type: ignore[union-attr]
+
+
+def serve(ctx: RankContext, role: str, stage: Stage | None, handlers: dict[type, Handler],
+          answers: bool = True) -> None:
+    """Run one role's task loop in the calling thread until shutdown; never returns on a fatal error. ``stage``:
+    the stage whose tasks it runs (None for a transfer thread). ``answers=False``: a receiving end of a transfer
+    whose sender answers for it; it reports failures only."""
     if ctx.groups.device.type == "cuda":
         torch.cuda.set_device(ctx.groups.device)  # the current device is per thread; new threads start on cuda:0
     link = WorkerLink(ctx.zmq, ctx.endpoint, ctx.rank, role)
     try:
         while not ctx.stop.is_set():
             task = link.recv(timeout_s=0.1)
-            if task is None or not isinstance(task, protocol.Task):
-                continue
-            if task.op == "shutdown":
-                link.done("shutdown")
+            if isinstance(task, protocol.Shutdown):
+                link.send(protocol.ShutdownDone(rank=ctx.rank, role=role))
                 break
-            handler = handlers.get(task.op)
-            if handler is None:
-                link.done(task.op, task.session, task.index, ok=False, error=f"{role} has no op {task.op!r}")
+            if task is None or isinstance(task, protocol.Ping):
                 continue
             spans = Spans()
             try:
-                info = handler(task, spans) or {}
-            except Fatal as error:
-                link.done(task.op, task.session, task.index, ok=False, error=str(error), info={"fatal": True})
-                die(f"rank {ctx.rank} {role}: {error}")
+                handler = handlers.get(type(task))
+                if handler is None:  # the coordinator and this rank disagree on the layout: nothing can be trusted
+                    raise Fatal(f"{role} does not run {type(task).__name__}")
+                handler(task, spans)
             except Exception as error:
-                log.warning("rank %d %s %s failed: %s", ctx.rank, role, task.op, traceback.format_exc())
-                link.done(task.op, task.session, task.index, ok=False, error=f"{type(error).__name__}: {error}",
-                          spans=spans.items)
+                # A transfer that failed leaves its edge out of step, whatever the cause: the rank cannot go on.
+                fatal = isinstance(error, Fatal) or task.phase is Phase.TRANSFER
+                text = str(error) if isinstance(error, Fatal) else f"{type(error).__name__}: {error}"
+                link.send(protocol.TaskFailed(rank=ctx.rank, role=role, session=task.session, spans=tuple(spans.items),
+                                              phase=task.phase, stage=stage, index=getattr(task, "index", -1),
+                                              error=text, fatal=fatal))
+                if fatal:
+                    die(ctx, f"rank {ctx.rank} {role}: {text}")
+                log.warning("rank %d %s %s failed: %s", ctx.rank, role, type(task).__name__, traceback.format_exc())
                 continue
-            if info.get("silent"):
-                continue
-            link.done(task.op, task.session, task.index, spans=spans.items, info=info)
+            if answers:
+                link.send(completion(task, stage, ctx.rank, role, spans.items))
     finally:
         link.close()
 
 
-def run_thread(name: str, target: Callable[[], None]) -> threading.Thread:
+def run_thread(ctx: RankContext, name: str, target: Callable[[], None]) -> threading.Thread:
     """A worker thread whose unexpected death is fatal for the rank."""
 
     def guarded() -> None:
         try:
             target()
         except Fatal as error:
-            die(str(error))
+            die(ctx, str(error))
         except Exception:
-            die(f"thread {name} crashed:\n{traceback.format_exc()}")
+            die(ctx, f"thread {name} crashed:\n{traceback.format_exc()}")
 
     thread = threading.Thread(target=guarded, name=name, daemon=True)
     thread.start()
@@ -163,7 +186,7 @@ def memory_facts() -> tuple[int, int, int]:
 
 def heartbeat(ctx: RankContext) -> None:
     """Answer the coordinator's pings with liveness, memory and clock facts; die when the coordinator is gone."""
-    timeouts = ctx.config.timeouts
+    timeouts = ctx.timeouts
     if ctx.groups.device.type == "cuda":
         torch.cuda.set_device(ctx.groups.device)  # so memory_facts reads this rank's GPU
     link = WorkerLink(ctx.zmq, ctx.endpoint, ctx.rank, "heartbeat")
@@ -177,10 +200,10 @@ def heartbeat(ctx: RankContext) -> None:
                 rss, peak, cuda = memory_facts()
                 link.send(protocol.Beat(rank=ctx.rank, seq=message.seq, echo=message.sent, received=now,
                                         sent=time.monotonic(), rss=rss, peak_rss=peak, cuda_peak=cuda))
-            elif isinstance(message, protocol.Task) and message.op == "shutdown":
-                link.done("shutdown")
+            elif isinstance(message, protocol.Shutdown):
+                link.send(protocol.ShutdownDone(rank=ctx.rank, role="heartbeat"))
                 return
             if now - last_ping > timeouts.rank_dead_s:
-                die(f"rank {ctx.rank}: no ping from the coordinator for {timeouts.rank_dead_s:.0f} s")
+                die(ctx, f"rank {ctx.rank}: no ping from the coordinator for {timeouts.rank_dead_s:.0f} s")
     finally:
         link.close()

@@ -34,7 +34,8 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 
 class LayoutConfig(_Section):
-    """Which rank holds which role. Roles may share a rank; every rank must hold at least one role."""
+    """Which rank holds which role (the coordinator, and the stage each rank runs: condition, denoise, decode). Roles
+    may share a rank; every rank must hold at least one role."""
 
     name: str = "cpu-tiny"
     world_size: int = 7
@@ -42,7 +43,8 @@ class LayoutConfig(_Section):
     coordinator: int = 0  # the ZeroMQ server, sessions and scheduler (rank 0 by convention)
     condition: int = 0  # text encode + VAE encode of the condition chunks
     decode: int = 1  # VAE decode
-    dit: list[int] = msgspec.field(default_factory=lambda: [2, 3, 4, 5, 6])  # the Ulysses group; first = leader
+    # the denoise stage: the DiT ranks (its Ulysses group); the first is the leader
+    dit: list[int] = msgspec.field(default_factory=lambda: [2, 3, 4, 5, 6])
 
     @property
     def dit_leader(self) -> int:
@@ -57,7 +59,7 @@ class LayoutConfig(_Section):
         if rank == self.decode:
             roles.append("decode")
         if rank in self.dit:
-            roles.append("dit")
+            roles.append("denoise")
         return roles
 
 
@@ -78,10 +80,19 @@ class ServerConfig(_Section):
 class StreamConfig(_Section):
     """Geometry of the video stream."""
 
-    height: int = 160  # video frame height
-    width: int = 256  # video frame width
+    height: int = 160  # video frame height (size="fixed")
+    width: int = 256  # video frame width (size="fixed")
     chunk_latent_frames: int = 3  # latent frames per chunk (v1: 3, v2: 4)
     fps: float = 16.0  # media frame rate, used for the real-time factor and the mp4
+    # "fixed": every session is height x width (the start image is resized to it); "image": each session's size
+    # follows its start image's aspect ratio at max_area pixels, sides rounded down to multiples of 16 (the
+    # official pipeline's rule)
+    size: Literal["fixed", "image"] = "fixed"
+    max_area: int = 0  # pixels of a frame when size="image"; 0: height * width
+
+    @property
+    def area(self) -> int:
+        return self.max_area or self.height * self.width
 
 
 class SchedulerConfig(_Section):
@@ -94,18 +105,19 @@ class SchedulerConfig(_Section):
 
 
 class SyntheticConfig(_Section):
-    """Stage costs of the synthetic backend (seconds per chunk), and its failure injection for tests."""
+    """Stage costs of the synthetic backend (seconds per chunk)."""
 
-    encode_s: float = 0.025
+    encode_s: float = 0.025  # the condition stage
     denoise_s: float = 0.06
     decode_s: float = 0.03
-    fail_marker: str = ""  # tests: a prompt holding "<marker>:<encode|denoise|decode>:<chunk>" fails there
 
 
 class ModelConfig(_Section):
     """Which backend runs the stages, where its weights come from, and the model's streaming settings."""
 
-    kind: Literal["synthetic", "lingbot-fast"] = "synthetic"
+    # "synthetic", "lingbot-fast", or "package.module:function" naming a backend of your own (the tests' failure
+    # injection is one): called as function(model, stream, synthetic, controls, roles, device, dit_group) -> Backend
+    kind: str = "synthetic"
     preset: str = "tiny"  # v1, v2 (the released models: schedule, chunk, window) or tiny, small (random weights)
     checkpoint_dir: str = ""  # the download root; empty: seeded random weights
     dit_subdir: str = ""  # the DiT folder under checkpoint_dir; empty: lingbot_world_fast/, transformers/ or the one
@@ -219,6 +231,10 @@ def validate(config: Config, where: str) -> Config:
             f"{where}: model preset {config.model.preset!r} has num_heads = {heads}, not divisible by the "
             f"{len(lay.dit)} DiT ranks of layout.dit = {lay.dit}"
         )
+    kind = config.model.kind
+    if kind not in BUILTIN_BACKENDS and (kind.count(":") != 1 or not all(kind.split(":"))):
+        raise ConfigError(f"{where}: model.kind = {kind!r} is not one of {sorted(BUILTIN_BACKENDS)} nor "
+                          "'package.module:function'")
     _validate_model(config, where)
     ctl = config.controls
     try:
@@ -228,6 +244,8 @@ def validate(config: Config, where: str) -> Config:
     if not 0 < ctl.translation_scale <= 100:
         raise ConfigError(f"{where}: controls.translation_scale must be in (0, 100], got {ctl.translation_scale}")
     st = config.stream
+    if st.max_area < 0 or (st.size == "image" and st.area < 16 * 16):
+        raise ConfigError(f"{where}: stream.max_area must hold at least one 16x16 block, got {st.max_area}")
     if st.height % 16 or st.width % 16:
         raise ConfigError(
             f"{where}: stream.height and stream.width must be multiples of 16, got {st.height}x{st.width}"
@@ -240,6 +258,8 @@ def validate(config: Config, where: str) -> Config:
             raise ConfigError(f"{where}: scheduler.{key} must be >= 1")
     return config
 
+
+BUILTIN_BACKENDS = frozenset({"synthetic", "lingbot-fast"})
 
 # Head counts and chunk sizes of the model presets, so a config is checked without importing torch.
 PRESET_HEADS = {"tiny": 5, "small": 10, "v1": 40, "v2": 40}

@@ -1,10 +1,14 @@
 """The live control service: a client's held-key state in, immutable per-chunk snapshots out.
 
-Sans-io: no sockets, threads or clocks. The coordinator feeds ``update`` with each ``control_state`` message of a
-live session and calls ``cut`` whenever the scheduler could accept the session's next control right now (the
-non-blocking path); whatever ``cut`` returns it submits through the scheduler's normal admission.
+Sans-io: no sockets, threads or clocks. The coordinator core feeds ``update`` with each ``control_state`` message
+(``ipc.protocol.ControlState``, as decoded) of a live session and calls ``cut`` when the scheduler wants the session's
+next control (``Scheduler.control_wanted``); whatever ``cut`` returns it submits through the scheduler's normal
+admission.
 
 Rules (each one is enforced here and nowhere else):
+
+Input is checked before it counts: unknown key names raise ``ControlStateError(reason="unknown_keys")``,
+non-finite motion or a negative revision ``reason="malformed"``, and nothing changes (types are the decoder's).
 
 1. **Revisions are strictly increasing per client.** A state whose revision is not greater than the last one
    folded in raises ``ControlStateError(reason="stale_revision")`` and changes nothing. Revisions are >= 0; a
@@ -37,10 +41,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 
-from models.controls import KEYS, MAX_MOUSE_DEGREES, ChunkControl
+from ipc.protocol import KEYS, MAX_MOUSE_DEGREES, ChunkControl, ControlState
 
 NO_REVISION = -1  # revision of snapshots cut before any client state arrived
 APPLIED_HISTORY = 64  # how many recent (index -> snapshot) records are kept
@@ -58,64 +61,23 @@ class CutOrderError(RuntimeError):
     """The coordinator asked for a snapshot out of chunk order (a bug on the caller's side); nothing changed."""
 
 
-def _keys(value: object, field: str, lower: bool = False) -> tuple[str, ...]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset)):
-        raise ControlStateError("malformed", f"control_state.{field} must be a list of key names, got {value!r}")
-    if not all(isinstance(k, str) for k in value):
-        raise ControlStateError("malformed", f"control_state.{field} must hold strings, got {value!r}")
-    out = tuple(k.lower() for k in value) if lower else tuple(value)
-    unknown = sorted(set(out) - KEYS)
+def _keys(names: Iterable[str], field: str) -> frozenset[str]:
+    """Key names, case-insensitive, checked against the control vocabulary."""
+    out = frozenset(k.lower() for k in names)
+    unknown = sorted(out - KEYS)
     if unknown:
         raise ControlStateError("unknown_keys", f"control_state.{field}: unknown keys {unknown}; valid {sorted(KEYS)}")
     return out
 
 
-def _number(value: object, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ControlStateError("malformed", f"control_state.{field} must be a finite number, got {value!r}")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class ControlState:
-    """One ``control_state`` message of a live client: its whole input state at the moment it changed."""
-
-    keys: frozenset[str]  # every key held now
-    mouse: tuple[float, float] = (0.0, 0.0)  # yaw, pitch degrees accumulated since the client's previous message
-    taps: tuple[str, ...] = ()  # keys pressed and released since the previous message
-    revision: int = 0  # client revision, strictly increasing per client
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.keys, frozenset):
-            raise ControlStateError("malformed", f"control_state.keys must be a frozenset, got {self.keys!r}")
-        _keys(tuple(self.keys), "keys")
-        _keys(self.taps, "taps")
-        if not isinstance(self.mouse, tuple) or len(self.mouse) != 2:
-            raise ControlStateError("malformed", f"control_state.mouse must be (dx, dy), got {self.mouse!r}")
-        _number(self.mouse[0], "mouse[0]")
-        _number(self.mouse[1], "mouse[1]")
-        if isinstance(self.revision, bool) or not isinstance(self.revision, int) or self.revision < 0:
-            raise ControlStateError("malformed", f"control_state.revision must be an int >= 0, got {self.revision!r}")
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, object]) -> ControlState:
-        """Validate a decoded ``control_state`` body. ``keys`` and ``revision`` are required; ``mouse`` and
-        ``taps`` default to none. Key names are case-insensitive. Other fields (the envelope: type, session,
-        version) are the protocol module's business and are ignored here."""
-        if not isinstance(data, Mapping):
-            raise ControlStateError("malformed", f"control_state must be a map, got {type(data).__name__}")
-        missing = [f for f in ("keys", "revision") if f not in data]
-        if missing:
-            raise ControlStateError("malformed", f"control_state is missing {missing}")
-        mouse = data.get("mouse", (0.0, 0.0))
-        if isinstance(mouse, (str, bytes)) or not isinstance(mouse, (list, tuple)) or len(mouse) != 2:
-            raise ControlStateError("malformed", f"control_state.mouse must be [dx, dy], got {mouse!r}")
-        return cls(
-            keys=frozenset(_keys(data["keys"], "keys", lower=True)),
-            mouse=(_number(mouse[0], "mouse[0]"), _number(mouse[1], "mouse[1]")),
-            taps=_keys(data.get("taps", ()), "taps", lower=True),
-            revision=data["revision"],  # type: ignore[arg-type]  # checked in __post_init__
-        )
+def _check(state: ControlState) -> tuple[frozenset[str], frozenset[str], tuple[float, float]]:
+    """What the decoder's types cannot say about a state: known keys, finite motion, a revision >= 0."""
+    keys, taps = _keys(state.keys, "keys"), _keys(state.taps, "taps")
+    if not all(math.isfinite(m) for m in state.mouse):
+        raise ControlStateError("malformed", f"control_state.mouse must be finite numbers, got {state.mouse!r}")
+    if state.revision < 0:
+        raise ControlStateError("malformed", f"control_state.revision must be >= 0, got {state.revision}")
+    return keys, taps, (float(state.mouse[0]), float(state.mouse[1]))
 
 
 class LiveControls:
@@ -146,14 +108,17 @@ class LiveControls:
         return not self._held and not self._taps and self._mouse == (0.0, 0.0)
 
     def update(self, state: ControlState) -> None:
-        """Fold in a client's new input state. Raises ``ControlStateError`` (state unchanged) on a stale revision."""
+        """Fold in a client's new input state (a decoded ``control_state`` message; key names case-insensitive).
+        Raises ``ControlStateError`` (state unchanged) on unknown keys, non-finite motion, a negative or a stale
+        revision."""
+        keys, taps, mouse = _check(state)
         if state.revision <= self._revision:
             raise ControlStateError(
                 "stale_revision", f"control_state revision {state.revision} is not newer than {self._revision}"
             )
-        self._held = state.keys
-        self._taps.update(state.taps)
-        self._mouse = (self._mouse[0] + state.mouse[0], self._mouse[1] + state.mouse[1])
+        self._held = keys
+        self._taps.update(taps)
+        self._mouse = (self._mouse[0] + mouse[0], self._mouse[1] + mouse[1])
         self._revision = state.revision
 
     def reset(self) -> None:

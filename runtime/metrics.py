@@ -1,9 +1,9 @@
 """Per-chunk records, per-session summaries and server counters: the metrics contract of DESIGN.md section 8.
 
 Pure and clock-free: every time is given in as rank-0 seconds (worker timestamps are converted with
-``runtime.clock.ClockSync`` before they get here). The coordinator feeds, per session, one ``ChunkRecord`` per
-emitted chunk (in emission order), the DiT idle intervals and the ranks' peak memory; ``to_dict`` gives the
-JSON-able summary returned on close and in a live ``stats`` reply.
+``runtime.clock.ClockSync`` before they get here). The coordinator feeds, per session, the ``ChunkFacts`` of each
+emitted chunk (in emission order; the same value the client receives), the DiT idle intervals and the ranks' peak
+memory; ``to_dict`` gives the JSON-able summary returned on close and in a live ``stats`` reply.
 
 Rules:
 
@@ -13,9 +13,9 @@ Rules:
 - **Warm-up.** Chunks with ``index < warmup_chunks`` are warm-up: they are excluded from the steady statistics
   (latency, period, compute FPS, prefetch wait) and reported on their own under ``warmup``. Time to first frame
   covers the cold start. The period of the first steady chunk is measured from the last warm-up emission.
-- **Compute seconds of a chunk** = sum over encode, denoise, decode of the stage's extent (latest span end minus
-  earliest span start of that stage, so the lockstep spans of a DiT group count once, not once per rank); a stage
-  with no span falls back to its ``*_start``/``*_end`` times when given. Transfers are not compute.
+- **Compute seconds of a chunk** = sum over the condition, denoise and decode stages of the stage's extent (latest
+  span end minus earliest span start of that stage, so the lockstep spans of a DiT group count once, not once per
+  rank); a stage with no span falls back to its ``*_start``/``*_end`` times when given. Transfers are not compute.
   Compute FPS (weighted) = sum of frames / sum of compute seconds.
 - **Real-time factor** = p95 chunk period / chunk media duration, the media duration being the mean frames per
   steady chunk divided by ``fps``; below 1 the stream keeps up.
@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from enum import Enum
 
-from runtime.scheduler_types import ChunkTimes
+from ipc.protocol import ChunkFacts, Stage, to_builtins
 
-COMPUTE_STAGES = ("encode", "denoise", "decode")
+COMPUTE_STAGES = tuple(stage.value for stage in Stage)  # condition, denoise, decode
 REPORTED_PERCENTILES = (50, 90, 99)
 
 
@@ -131,68 +130,43 @@ class StreamStat:
         return out
 
 
-@dataclass(frozen=True)
-class Span:
-    """One stage or transfer of one chunk on one rank, in rank-0 seconds."""
-
-    name: str  # "encode" | "denoise" | "decode" | "transfer:<edge>" (e.g. "transfer:latent")
-    rank: int
-    role: str  # "coordinator" | "condition" | "dit" | "decode" (or any role name of the layout)
-    queued: float  # when the work was handed to the rank
-    start: float
-    end: float
-
-    def __post_init__(self) -> None:
-        if not self.queued <= self.start <= self.end:
-            raise ValueError(f"span {self.name} on rank {self.rank} needs queued <= start <= end, got "
-                             f"{self.queued}, {self.start}, {self.end}")
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
+def stage_extent(facts: ChunkFacts, stage: str) -> tuple[float, float] | None:
+    """(earliest start, latest end) of one stage's spans over every rank; falls back to the chunk's times for the
+    denoise and decode stages; None when unknown."""
+    spans = [s for s in facts.spans if s.name == stage]
+    if spans:
+        return min(s.start for s in spans), max(s.end for s in spans)
+    t = facts.times
+    return {"denoise": (t.denoise_start, t.denoise_end), "decode": (t.decode_start, t.decode_end)}.get(stage)
 
 
-@dataclass(frozen=True)
-class ChunkRecord:
-    """What the coordinator knows about one emitted chunk: the scheduler's rank-0 times plus what it emitted."""
+def stage_seconds(facts: ChunkFacts, stage: str) -> float:
+    """Extent of one stage (see the module rules); 0 when unknown."""
+    extent = stage_extent(facts, stage)
+    return 0.0 if extent is None else extent[1] - extent[0]
 
-    index: int
-    frames: int  # video frames emitted
-    times: ChunkTimes  # rank-0 times, as the scheduler emitted them with the chunk
-    control: Mapping[str, object] = field(default_factory=dict)  # the applied control, ChunkControl.to_wire()
-    spans: tuple[Span, ...] = ()
 
-    def stage_seconds(self, stage: str) -> float:
-        """Extent of one stage (see the module rules); 0 when unknown."""
-        spans = [s for s in self.spans if s.name == stage]
-        if spans:
-            return max(s.end for s in spans) - min(s.start for s in spans)
-        t = self.times
-        bounds = {"denoise": (t.denoise_start, t.denoise_end), "decode": (t.decode_start, t.decode_end)}
-        start, end = bounds.get(stage, (0.0, 0.0))
-        return end - start
+def compute_seconds(facts: ChunkFacts) -> float:
+    return sum(stage_seconds(facts, stage) for stage in COMPUTE_STAGES)
 
-    def compute_seconds(self) -> float:
-        return sum(self.stage_seconds(stage) for stage in COMPUTE_STAGES)
 
-    def window(self) -> tuple[float, float]:
-        """The chunk's lifetime: from the earlier of control accepted / condition submitted to emission."""
-        t = self.times
-        start = t.condition_submitted if t.control_accepted is None else min(t.control_accepted, t.condition_submitted)
-        return (start, t.emitted)
+def window(facts: ChunkFacts) -> tuple[float, float]:
+    """The chunk's lifetime: from the earlier of control accepted / condition submitted to emission."""
+    t = facts.times
+    start = t.condition_submitted if t.control_accepted is None else min(t.control_accepted, t.condition_submitted)
+    return (start, t.emitted)
 
-    def latency(self) -> float | None:
-        return self.times.control_to_output
 
-    def brief(self) -> dict[str, object]:
-        return {
-            "index": self.index,
-            "emitted": self.times.emitted,
-            "frames": self.frames,
-            "latency_s": self.latency(),
-            "compute_s": self.compute_seconds(),
-            "control": dict(self.control),
-        }
+def brief(facts: ChunkFacts) -> dict[str, object]:
+    """A chunk in a session summary's ``recent_chunks``."""
+    return {
+        "index": facts.index,
+        "emitted": facts.times.emitted,
+        "frames": facts.frames,
+        "latency_s": facts.times.control_to_output,
+        "compute_s": compute_seconds(facts),
+        "control": to_builtins(facts.control),
+    }
 
 
 class _IdleTotals:
@@ -229,10 +203,10 @@ class _Compute:
         self.frames = 0
         self.seconds = 0.0
 
-    def add(self, record: ChunkRecord) -> None:
+    def add(self, facts: ChunkFacts) -> None:
         self.chunks += 1
-        self.frames += record.frames
-        self.seconds += record.compute_seconds()
+        self.frames += facts.frames
+        self.seconds += compute_seconds(facts)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -265,21 +239,21 @@ class SessionMetrics:
         self.idle = _IdleTotals()
         self.peak_memory: dict[int, int] = {}  # rank -> bytes (bounded by the world size)
         self._warmup_latencies: list[float | None] = []  # at most warmup_chunks entries
-        self._recent: deque[ChunkRecord] = deque(maxlen=keep_last)
+        self._recent: deque[ChunkFacts] = deque(maxlen=keep_last)
         self._last_index = -1
         self._last_emitted: float | None = None
         self._last_denoise_end: float | None = None
         self._first_emitted: float | None = None
         self._first_control: float | None = None
 
-    def on_chunk(self, record: ChunkRecord) -> None:
+    def on_chunk(self, record: ChunkFacts) -> None:
         """Fold in one emitted chunk. Chunks must come in increasing index order (ordered emission)."""
         if record.index <= self._last_index:
             raise ValueError(f"session {self.session}: chunk {record.index} after chunk {self._last_index}")
         if self._last_emitted is not None and record.times.emitted < self._last_emitted:
             raise ValueError(f"session {self.session}: chunk {record.index} emitted before chunk {self._last_index}")
         warm = record.index < self.warmup_chunks
-        latency = record.latency()
+        latency = record.times.control_to_output
         if warm:
             self.warmup.add(record)
             self._warmup_latencies.append(latency)
@@ -301,7 +275,7 @@ class SessionMetrics:
         self._last_denoise_end = record.times.denoise_end
         self._recent.append(record)
 
-    def _prefetch_wait(self, record: ChunkRecord) -> float | None:
+    def _prefetch_wait(self, record: ChunkFacts) -> float | None:
         anchors = [t for t in (record.times.control_accepted, self._last_denoise_end) if t is not None]
         return max(0.0, record.times.condition_ready - max(anchors)) if anchors else None
 
@@ -316,7 +290,12 @@ class SessionMetrics:
     def close(self, at: float) -> None:
         self.closed_at = at
 
-    def recent(self) -> Iterator[ChunkRecord]:
+    @property
+    def last_emitted(self) -> float | None:
+        """When the session's latest chunk was emitted (the start of the next chunk period)."""
+        return self._last_emitted
+
+    def recent(self) -> Iterator[ChunkFacts]:
         """The last ``keep_last`` chunk records, oldest first (for traces and debugging)."""
         return iter(tuple(self._recent))
 
@@ -363,7 +342,7 @@ class SessionMetrics:
             "condition_prefetch_wait_s": {**self.prefetch_wait.to_dict(), "total": self.prefetch_wait.total},
             "peak_memory_bytes": {str(rank): b for rank, b in sorted(self.peak_memory.items())},
             "percentile_relative_error": StreamStat.RELATIVE_ERROR,
-            "recent_chunks": [r.brief() for r in self._recent],
+            "recent_chunks": [brief(r) for r in self._recent],
         }
 
 
@@ -408,7 +387,7 @@ class ServerMetrics:
         self.sessions_total += 1
         return metrics
 
-    def on_chunk(self, session: str, record: ChunkRecord) -> None:
+    def on_chunk(self, session: str, record: ChunkFacts) -> None:
         self._get(session).on_chunk(record)
         self.chunks_emitted += 1
         self.frames_emitted += record.frames

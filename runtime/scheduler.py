@@ -8,21 +8,24 @@ Per session (``s``), with ``d`` the next chunk whose denoise has not started:
 - Cursors. ``next_condition_index`` (next condition not yet submitted) and ``next_control_index`` (next control
   that may be accepted), both monotonic; always ``0 <= next_condition_index - next_control_index <= PREFETCH_DEPTH``
   with ``PREFETCH_DEPTH = 2``, an internal constant.
-- Prefetch. In ``Mode.PREFETCH``, once every role's cache is initialised (encode, decode, denoise, one after
+- Prefetch. In ``Mode.PREFETCH``, once every role's cache is initialised (condition, decode, denoise, one after
   another), conditions 0 and 1 (fewer for shorter sessions) are submitted before any control can be accepted.
 - Admission of control[i]: ``i == next_control_index``; condition[i] submitted, or submittable now (the condition
   edge has room); the control edge has room. Otherwise ``AdmissionError`` naming the expected index, nothing
   changes. If condition[i] was not submitted (the window ran dry), accepting control[i] submits both at once.
   ``can_submit`` answers the same question and never submits.
+- Live cut. ``control_wanted`` names the control a live session should be given now: as late as the DiT allows,
+  i.e. only when control[i] is admissible, none of the session's controls waits and none of its chunks denoises
+  (a snapshot cut earlier would only grow older before the model sees it).
 - Join. Denoise of chunk i starts only with condition[i] encoded and control[i] accepted, and a free slot on the
-  latent edge. A world-cache hit (the ``world_cache`` hook) marks the denoise ``cached``; it still waits for both.
+  latent edge.
 - Refill. When denoise of chunk i completes, conditions up to i + 2 are submitted while the window and the
   condition edge have room (normally exactly condition[i + 2]), so the next encode overlaps the current decode.
 - Edges, per session: condition (submitted, not yet consumed by a denoise: queued, encoding or encoded) <=
   PREFETCH_DEPTH; control (accepted, denoise not started) <= ``Capacities.control``; latent (produced by the DiT and
   not yet taken by decode, plus the one a running denoise will produce) <= ``Capacities.latent``; output (decoded,
   not yet emitted, plus the one a running decode will produce) <= ``Capacities.output``.
-- Roles. Each role (encode, dit, decode) runs one task at a time across all sessions, cache init and release
+- Roles. Each role (condition, denoise, decode) runs one task at a time across all sessions, cache init and release
   included. Among sessions with ready work a role is given round-robin (the search starts after the last session
   served on that role), so no session starves.
 - Emission. Frames and their ``ChunkTimes`` leave strictly in index order per session, exactly once. The
@@ -31,7 +34,7 @@ Per session (``s``), with ``d`` the next chunk whose denoise has not started:
   path with reason "failed"; the first error is reported again in ``SessionClosed.error``.
 - Close (client, disconnect, failure, or by itself after the last chunk is emitted, reason "complete"): stop
   accepting; queued-but-not-started work is dropped; running tasks finish (their results are discarded, nothing is
-  emitted after close); then the caches whose init was issued are released decode -> denoise -> encode, one after
+  emitted after close); then the caches whose init was issued are released decode -> denoise -> condition, one after
   another, each through its role. A failed release poisons the session (its id can never be reopened) and is
   retried ``max_release_retries`` times before it is reported as leaked and the next release goes ahead.
 - ``Mode.SERIAL`` (the old design, for the A/B benchmark): no prefetch; condition[i] is submitted together with
@@ -54,7 +57,7 @@ task.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final
@@ -75,9 +78,9 @@ from runtime.scheduler_types import (
     Mode,
     Release,
     RoleTask,
+    RunCondition,
     RunDecode,
     RunDenoise,
-    RunEncode,
     SchedulerError,
     SessionClosed,
     SessionFailed,
@@ -105,9 +108,9 @@ __all__ = [
     "Mode",
     "Release",
     "RoleTask",
+    "RunCondition",
     "RunDecode",
     "RunDenoise",
-    "RunEncode",
     "Scheduler",
     "SchedulerError",
     "SessionClosed",
@@ -128,7 +131,7 @@ class SessionState(str, Enum):
     INITIALIZING = "initializing"  # caches being initialised, one role after another
     READY = "ready"  # accepting controls, running chunks
     CLOSING = "closing"  # not accepting; waiting for its running tasks to finish
-    RELEASING = "releasing"  # releasing caches decode -> denoise -> encode
+    RELEASING = "releasing"  # releasing caches decode -> denoise -> condition
     CLOSED = "closed"  # terminal, forgotten: the id may be opened again
     POISONED = "poisoned"  # a release failed: retrying, then terminal; the id can never be opened again
 
@@ -137,7 +140,7 @@ class SessionEvent(str, Enum):
     INIT_DONE = "init_done"  # one role finished initialising its cache
     CACHES_READY = "caches_ready"  # the last role finished initialising
     CONTROL_ACCEPTED = "control_accepted"
-    TASK_DONE = "task_done"  # encode, denoise or decode of a chunk finished
+    TASK_DONE = "task_done"  # condition, denoise or decode of a chunk finished
     CLOSE = "close"  # client request, disconnect or last chunk emitted
     STAGE_FAILED = "stage_failed"
     DRAINED = "drained"  # no task of the session runs on any role any more
@@ -181,16 +184,15 @@ class _Chunk:
 
     condition_submitted: float
     control_accepted: float | None = None
-    encode_start: float | None = None
+    condition_start: float | None = None
     condition_ready: float | None = None
     denoise_start: float | None = None
     denoise_end: float | None = None
     decode_start: float | None = None
     decode_end: float | None = None
-    cached: bool = False
 
     def times(self, emitted: float) -> ChunkTimes:
-        # All set by now: emission follows encode, denoise and decode of this chunk.
+        # All set by now: emission follows condition, denoise and decode of this chunk.
         assert self.condition_ready is not None and self.denoise_start is not None and self.denoise_end is not None
         assert self.decode_start is not None and self.decode_end is not None
         return ChunkTimes(
@@ -202,8 +204,7 @@ class _Chunk:
             decode_start=self.decode_start,
             decode_end=self.decode_end,
             emitted=emitted,
-            encode_start=self.encode_start,
-            cached=self.cached,
+            condition_start=self.condition_start,
         )
 
 
@@ -247,14 +248,12 @@ class Scheduler:
         self,
         mode: Mode = Mode.PREFETCH,
         capacities: Capacities | None = None,
-        world_cache: Callable[[str, int], bool] | None = None,
         max_release_retries: int = 3,
     ) -> None:
         if max_release_retries < 0:
             raise ValueError(f"max_release_retries must be >= 0, got {max_release_retries}")
         self.mode = Mode(mode)
         self.capacities = capacities if capacities is not None else Capacities()
-        self._world_cache = world_cache
         self._max_release_retries = max_release_retries
         self._sessions: dict[str, _Session] = {}  # creation order; includes poisoned tombstones
         self._seq = 0
@@ -288,7 +287,7 @@ class Scheduler:
 
     def edges(self, session: str) -> EdgeOccupancy:
         s = self._get(session)
-        encoding = self._running(s, Stage.ENCODE, TaskKind.RUN)
+        encoding = self._running(s, Stage.CONDITION, TaskKind.RUN)
         return EdgeOccupancy(
             condition=len(s.encode_queue) + len(s.encoded) + encoding,
             control=len(s.accepted),
@@ -307,10 +306,20 @@ class Scheduler:
         """Would ``submit_control(session, index, ...)`` be accepted now? A pure query: it never submits."""
         return self._admission_error(self._get(session), index, None) is None
 
+    def control_wanted(self, session: str) -> int | None:
+        """The index whose control the DiT will take next from ``session``, at the moment to give it: control[i]
+        can be accepted now, no control of the session waits for the DiT and none of its chunks is denoising.
+        ``None`` otherwise. A pure query (the live-control cut: see the module docstring)."""
+        s = self._get(session)
+        if s.accepted or self._running(s, Stage.DENOISE, TaskKind.RUN):
+            return None
+        index = s.controls.expected
+        return index if self._admission_error(s, index, None) is None else None
+
     # ---- events ----
 
     def open(self, session: str, num_chunks: int | None, now: float) -> list[Action]:
-        """Create a session and start initialising its caches (encode, then decode, then denoise)."""
+        """Create a session and start initialising its caches (condition, then decode, then denoise)."""
         if session in self._sessions:
             what = "poisoned (never reused)" if self._sessions[session].state is SessionState.POISONED else "open"
             raise SessionIdTaken(f"session {session!r} is {what}")
@@ -359,8 +368,8 @@ class Scheduler:
         s.chunks[index].control_accepted = now  # the latency anchor
         return self._finish_event(self._pump(now, []), now)
 
-    def encode_done(self, session: str, index: int, now: float) -> list[Action]:
-        s = self._run_done(session, Stage.ENCODE, index)
+    def condition_done(self, session: str, index: int, now: float) -> list[Action]:
+        s = self._run_done(session, Stage.CONDITION, index)
         out: list[Action] = []
         if s.state is SessionState.READY:
             s.encoded.add(index)
@@ -563,7 +572,7 @@ class Scheduler:
         progress = True
         while progress:
             progress = False
-            for stage in (Stage.DECODE, Stage.DENOISE, Stage.ENCODE):
+            for stage in (Stage.DECODE, Stage.DENOISE, Stage.CONDITION):
                 if self._roles[stage] is None and self._dispatch(stage, now, out):
                     progress = True
         return out
@@ -591,7 +600,7 @@ class Scheduler:
             return None
         if s.state is not SessionState.READY:
             return None
-        if stage is Stage.ENCODE and s.encode_queue:
+        if stage is Stage.CONDITION and s.encode_queue:
             return RoleTask(s.id, TaskKind.RUN, s.encode_queue[0])
         if stage is Stage.DENOISE and self._denoise_blocker(s) is None:
             return RoleTask(s.id, TaskKind.RUN, s.next_denoise)
@@ -619,19 +628,18 @@ class Scheduler:
             out.append(InitCache(s.id, stage))
         elif task.kind is TaskKind.RELEASE:
             out.append(Release(s.id, stage))
-        elif stage is Stage.ENCODE:
+        elif stage is Stage.CONDITION:
             i = s.encode_queue.popleft()
-            s.chunks[i].encode_start = now
-            out.append(RunEncode(s.id, i))
+            s.chunks[i].condition_start = now
+            out.append(RunCondition(s.id, i))
         elif stage is Stage.DENOISE:
             i = s.next_denoise
-            cached = bool(self._world_cache(s.id, i)) if self._world_cache is not None else False
             s.encoded.remove(i)
             s.accepted.remove(i)
             s.next_denoise += 1
             chunk = s.chunks[i]
-            chunk.denoise_start, chunk.cached = now, cached
-            out.append(RunDenoise(s.id, i, cached))
+            chunk.denoise_start = now
+            out.append(RunDenoise(s.id, i))
         else:
             i = s.latents.popleft()
             s.chunks[i].decode_start = now

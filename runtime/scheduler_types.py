@@ -1,6 +1,8 @@
 """Vocabulary of the scheduler (runtime/scheduler.py): modes, stages, capacities, errors, actions, times.
 
-Plain data, no rules: every frozen dataclass here is a value the scheduler returns or takes. The rules (cursors,
+Plain data, no rules: every frozen dataclass here is a value the scheduler returns or takes. ``Stage`` and
+``ChunkTimes`` are wire values (``ipc.protocol``): the stage names and a chunk's times keep one shape from the
+scheduler to the client's trace file. The rules (cursors,
 windows, admission, join, emission, close) live in ``runtime.scheduler``, which re-exports every name below.
 
 Invariants of the values: ``Capacities`` fields are ints >= 1; actions are immutable; ``ChunkTimes`` are rank-0
@@ -13,20 +15,16 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Final
 
+from ipc.protocol import ChunkTimes, Stage
+
 
 class Mode(str, Enum):
     PREFETCH = "prefetch"  # the pipeline: conditions prefetched, joined with controls as they arrive
     SERIAL = "serial"  # the old design: condition and control together, one chunk at a time
 
 
-class Stage(str, Enum):
-    ENCODE = "encode"  # the condition role (VAE encode)
-    DENOISE = "denoise"  # the DiT role
-    DECODE = "decode"  # the VAE decode role
-
-
-INIT_ORDER: Final = (Stage.ENCODE, Stage.DECODE, Stage.DENOISE)
-RELEASE_ORDER: Final = (Stage.DECODE, Stage.DENOISE, Stage.ENCODE)
+INIT_ORDER: Final = (Stage.CONDITION, Stage.DECODE, Stage.DENOISE)
+RELEASE_ORDER: Final = (Stage.DECODE, Stage.DENOISE, Stage.CONDITION)
 
 
 @dataclass(frozen=True)
@@ -82,32 +80,6 @@ class AdmissionError(SchedulerError):
         return self.kind in _RETRYABLE
 
 
-@dataclass(frozen=True)
-class ChunkTimes:
-    """Rank-0 times of one chunk, as passed in with the events. Emitted with the chunk."""
-
-    control_accepted: float | None  # the latency anchor; None only if no control was accepted
-    condition_submitted: float
-    condition_ready: float
-    denoise_start: float
-    denoise_end: float
-    decode_start: float
-    decode_end: float
-    emitted: float
-    encode_start: float | None = None  # when the encode role started condition[i] (its queue wait ends)
-    cached: bool = False  # the denoise was a world-cache hit
-
-    @property
-    def control_to_output(self) -> float | None:
-        return None if self.control_accepted is None else self.emitted - self.control_accepted
-
-    @property
-    def condition_wait(self) -> float:
-        """How long the join waited for the condition after the control was accepted (0 if it was prefetched)."""
-        anchor = self.condition_submitted if self.control_accepted is None else self.control_accepted
-        return max(0.0, self.condition_ready - anchor)
-
-
 # ---- actions (what the coordinator must do, in list order) ----
 
 
@@ -118,7 +90,7 @@ class InitCache:
 
 
 @dataclass(frozen=True)
-class RunEncode:
+class RunCondition:
     session: str
     index: int
 
@@ -127,7 +99,6 @@ class RunEncode:
 class RunDenoise:
     session: str
     index: int
-    cached: bool  # world-cache hit: only advance the noise cursor and return the cached latent
 
 
 @dataclass(frozen=True)
@@ -179,7 +150,7 @@ class DitIdle:
 
 Action = (
     InitCache
-    | RunEncode
+    | RunCondition
     | RunDenoise
     | RunDecode
     | Emit

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from runtime.metrics import ChunkRecord, Span
+from ipc.protocol import ChunkFacts, Span, to_builtins
+from runtime.metrics import window
 
-ROLE_TIDS = {"coordinator": 0, "condition": 1, "dit": 2, "decode": 3, "transfer": 4, "chunks": 9}
+ROLE_TIDS = {"coordinator": 0, "condition": 1, "denoise": 2, "decode": 3, "transfer": 4, "chunks": 9}
 WINDOW_ROLE = "chunks"
 
 
-def spans_outside_window(record: ChunkRecord, slack: float = 0.0) -> list[Span]:
+def spans_outside_window(record: ChunkFacts, slack: float = 0.0) -> list[Span]:
     """Spans of ``record`` that start before its window or end after it, beyond ``slack`` seconds."""
-    start, end = record.window()
+    start, end = window(record)
     return [s for s in record.spans if s.start < start - slack or s.end > end + slack]
 
 
@@ -36,12 +37,12 @@ def _us(seconds: float) -> float:
 
 
 def chrome_trace(
-    chunks: Iterable[tuple[str, ChunkRecord]], origin: float | None = None, windows: bool = True
+    chunks: Iterable[tuple[str, ChunkFacts]], origin: float | None = None, windows: bool = True
 ) -> dict[str, object]:
     """The trace of ``(session, record)`` pairs as a Trace Event Format dict (``{"traceEvents": [...]}``)."""
     chunks = list(chunks)
     if origin is None:
-        times = [s.queued for _, r in chunks for s in r.spans] + [r.window()[0] for _, r in chunks]
+        times = [s.queued for _, r in chunks for s in r.spans] + [window(r)[0] for _, r in chunks]
         origin = min(times, default=0.0)
     tids = dict(ROLE_TIDS)
     tracks: set[tuple[int, str]] = set()
@@ -62,8 +63,8 @@ def chrome_trace(
                 "args": {"session": session, "chunk": record.index, "queued_us": _us(span.start - span.queued)},
             })
         if windows:
-            start, end = record.window()
-            latency = record.latency()
+            start, end = window(record)
+            latency = record.times.control_to_output
             tracks.add((0, WINDOW_ROLE))
             events.append({
                 "name": f"chunk {label}",
@@ -75,7 +76,7 @@ def chrome_trace(
                 "tid": tids[WINDOW_ROLE],
                 "args": {"session": session, "chunk": record.index, "frames": record.frames,
                          "latency_us": None if latency is None else _us(latency),
-                         "control": dict(record.control)},
+                         "control": to_builtins(record.control)},
             })
     meta: list[dict[str, object]] = []
     for rank in sorted({rank for rank, _ in tracks}):

@@ -22,6 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ipc.protocol import to_builtins
 from runtime.config import ConfigError, load, resolve_path
 from scripts.bench_common import (
     DEFAULT_IMAGE,
@@ -162,7 +163,7 @@ OVERHEAD_ROWS: list[tuple[str, Callable[[dict[str, Any]], Any], str]] = [
     ("chunk period p99", lambda s: s["period_s"]["p99"], "s"),
     ("chunk period mean", lambda s: s["period_s"]["mean"], "s"),
     ("control-to-output p50", lambda s: s["latency_s"]["p50"], "s"),
-    ("encode span (condition rank)", lambda s: s["overhead"]["encode_s"], "s"),
+    ("condition span (condition rank)", lambda s: s["overhead"]["condition_s"], "s"),
     ("denoise extent (all DiT ranks)", lambda s: s["overhead"]["denoise_s"], "s"),
     ("decode span (decode rank)", lambda s: s["overhead"]["decode_s"], "s"),
     ("condition broadcast (DiT rank)", lambda s: s["overhead"]["transfer_condition_s"], "s"),
@@ -200,7 +201,7 @@ def runs_json(runs: list[Run]) -> dict[str, Any]:
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"when": now_stamp(), **payload}, indent=1, default=str))
+    path.write_text(json.dumps({"when": now_stamp(), **payload}, indent=1, default=to_builtins))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from ipc.client import ChunkResult, Client
+from ipc.protocol import ChunkFacts, Span
+from runtime.metrics import stage_extent
 from scripts.client import Played, load_trace, play
 from scripts.local_server import ROOT, LocalServer
 
@@ -38,7 +40,7 @@ DEFAULT_IMAGE = ROOT / "assets" / "start.png"
 DEFAULT_TRACE = ROOT / "assets" / "demo_trace.json"
 OUT_DIR = ROOT / "out"
 STAGE_COLOURS = {
-    "encode": "#4c9be8",
+    "condition": "#4c9be8",
     "denoise": "#e8554c",
     "decode": "#4cbf6a",
     "transfer:condition": "#b28ae0",
@@ -81,7 +83,7 @@ class Run:
     config: str
     mode: str
     reactive: bool
-    chunks: list[dict[str, Any]]  # index, frames (count), frame_bytes, digest, control, facts
+    chunks: list[dict[str, Any]]  # index, frames (count), frame_bytes, shape, digest, control, facts (typed)
     summary: dict[str, Any]
     server_start_s: float
     wall_s: float
@@ -157,19 +159,9 @@ def distribution(values: Sequence[float]) -> dict[str, float | int | None]:
             "max": max(values) if values else None}
 
 
-def stage_extent(facts: dict[str, Any], stage: str) -> tuple[float, float] | None:
-    """(earliest start, latest end) of a stage's spans over every rank; falls back to the chunk times."""
-    spans = [s for s in facts["spans"] if s[0] == stage]
-    if spans:
-        return min(s[4] for s in spans), max(s[5] for s in spans)
-    times = facts["times"]
-    start, end = times.get(f"{stage}_start"), times.get(f"{stage}_end")
-    return (start, end) if start is not None and end is not None else None
-
-
-def span_seconds(facts: dict[str, Any], name: str) -> float:
+def span_seconds(facts: ChunkFacts, name: str) -> float:
     """Total seconds of one span kind in a chunk, summed over the ranks that report it."""
-    return sum(s[5] - s[4] for s in facts["spans"] if s[0] == name)
+    return sum(s.duration for s in facts.spans if s.name == name)
 
 
 def _steady(run: Run, warmup: int) -> list[dict[str, Any]]:
@@ -177,7 +169,7 @@ def _steady(run: Run, warmup: int) -> list[dict[str, Any]]:
 
 
 def periods(run: Run, warmup: int) -> list[float]:
-    emitted = [c["facts"]["times"]["emitted"] for c in run.chunks]
+    emitted = [c["facts"].times.emitted for c in run.chunks]
     return [emitted[i] - emitted[i - 1] for i in range(max(1, warmup), len(emitted))]
 
 
@@ -192,9 +184,9 @@ def dit_busy(run: Run, warmup: int) -> dict[str, Any]:
     for chunk in run.chunks:
         if chunk["index"] < warmup:
             continue
-        for name, rank, role, _queued, start, end in chunk["facts"]["spans"]:
-            if name == "denoise" and role == "dit":
-                per_rank.setdefault(rank, []).append((start, end))
+        for s in chunk["facts"].spans:
+            if s.name == "denoise" and s.role == "denoise":
+                per_rank.setdefault(s.rank, []).append((s.start, s.end))
     busy, gaps = {}, []
     for rank, spans in sorted(per_rank.items()):
         if len(spans) < 2:
@@ -212,7 +204,7 @@ def dit_skew(run: Run, warmup: int) -> float | None:
     """Mean spread of the denoise start times across the DiT ranks (the condition broadcast's stragglers)."""
     spreads = []
     for chunk in run.chunks:
-        starts = [s[4] for s in chunk["facts"]["spans"] if s[0] == "denoise" and s[2] == "dit"]
+        starts = [s.start for s in chunk["facts"].spans if s.name == "denoise" and s.role == "denoise"]
         if chunk["index"] >= warmup and len(starts) > 1:
             spreads.append(max(starts) - min(starts))
     return float(np.mean(spreads)) if spreads else None
@@ -227,19 +219,19 @@ def overhead_breakdown(run: Run, warmup: int) -> dict[str, float | None]:
         return float(np.mean(kept)) if kept else None
 
     def dispatch(c: dict[str, Any]) -> float | None:  # denoise scheduled -> DiT rank starts receiving
-        spans = [s for s in c["facts"]["spans"] if s[2] == "dit"]
-        return min(s[4] for s in spans) - c["facts"]["times"]["denoise_start"] if spans else None
+        spans = [s for s in c["facts"].spans if s.role == "denoise"]
+        return min(s.start for s in spans) - c["facts"].times.denoise_start if spans else None
 
     def tail(c: dict[str, Any]) -> float | None:  # decode finished on its rank -> emitted to the client
         extent = stage_extent(c["facts"], "decode")
-        return c["facts"]["times"]["emitted"] - extent[1] if extent else None
+        return c["facts"].times.emitted - extent[1] if extent else None
 
     return {
-        "encode_s": mean(_extent_len(c, "encode") for c in steady),
+        "condition_s": mean(_extent_len(c, "condition") for c in steady),
         "denoise_s": mean(_extent_len(c, "denoise") for c in steady),
         "decode_s": mean(_extent_len(c, "decode") for c in steady),
         "transfer_condition_s": mean(_rank_span(c, "transfer:condition", "condition_edge") for c in steady),
-        "transfer_latent_s": mean(_rank_span(c, "transfer:latent", "dit") for c in steady),
+        "transfer_latent_s": mean(_rank_span(c, "transfer:latent", "denoise") for c in steady),
         "transfer_frames_s": mean(_rank_span(c, "transfer:frames", "decode") for c in steady),
         "dispatch_to_dit_s": mean(dispatch(c) for c in steady),
         "dit_start_skew_s": dit_skew(run, warmup),
@@ -254,14 +246,14 @@ def _extent_len(chunk: dict[str, Any], stage: str) -> float | None:
 
 def _rank_span(chunk: dict[str, Any], name: str, role: str) -> float | None:
     """Longest span of ``name`` reported by a rank of ``role`` (the sender side of a transfer)."""
-    spans = [s[5] - s[4] for s in chunk["facts"]["spans"] if s[0] == name and s[2] == role]
+    spans = [s.duration for s in chunk["facts"].spans if s.name == name and s.role == role]
     return max(spans) if spans else None
 
 
 def summarize(run: Run, warmup: int) -> dict[str, Any]:
     """The measured facts of one run (see the module docstring for the definitions)."""
     steady = _steady(run, warmup)
-    latencies = [c["facts"]["control_to_output_s"] for c in steady if c["facts"]["control_to_output_s"] is not None]
+    latencies = [t for c in steady if (t := c["facts"].times.control_to_output) is not None]
     summary = run.summary
     first = summary.get("time_to_first_frame_s", {})
     peak = summary.get("peak_memory_bytes", {}) or {}
@@ -337,7 +329,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _tracks(runs: Sequence[Run], chunks: int) -> list[tuple[int, str]]:
-    seen = {(s[1], s[2]) for r in runs for c in r.chunks[:chunks] for s in c["facts"]["spans"]}
+    seen = {(s.rank, s.role) for r in runs for c in r.chunks[:chunks] for s in c["facts"].spans}
     return sorted(seen)
 
 
@@ -350,9 +342,9 @@ def plot_timeline(runs: Sequence[Run], path: Path, chunks: int = 8, title: str =
     from matplotlib.patches import Patch
 
     tracks = _tracks(runs, chunks)
-    spans_of = [[(c["index"], s) for c in r.chunks[:chunks] for s in c["facts"]["spans"]] for r in runs]
-    origins = [min((s[3] for _, s in spans), default=0.0) for spans in spans_of]
-    ends = [max((c["facts"]["times"]["emitted"] for c in r.chunks[:chunks]), default=0.0) - o
+    spans_of = [[(c["index"], s) for c in r.chunks[:chunks] for s in c["facts"].spans] for r in runs]
+    origins = [min((s.queued for _, s in spans), default=0.0) for spans in spans_of]
+    ends = [max((c["facts"].times.emitted for c in r.chunks[:chunks]), default=0.0) - o
             for r, o in zip(runs, origins, strict=True)]
     fig, axes = plt.subplots(len(runs), 1, figsize=(13, 1.1 + 0.55 * (len(tracks) + 1) * len(runs)), sharex=True,
                              squeeze=False)
@@ -375,21 +367,22 @@ def plot_timeline(runs: Sequence[Run], path: Path, chunks: int = 8, title: str =
     return path
 
 
-def _draw_panel(ax: Any, run: Run, spans: list[tuple[int, list[Any]]], origin: float,
+def _draw_panel(ax: Any, run: Run, spans: list[tuple[int, Span]], origin: float,
                 tracks: list[tuple[int, str]], chunks: int) -> None:
     rows = {track: i for i, track in enumerate(tracks)}
     emit_row = len(tracks)
-    for index, (name, rank, role, _queued, start, end) in spans:
-        row = rows[(rank, role)]
+    for index, span in spans:
+        name, start, end = span.name, span.start, span.end
+        row = rows[(span.rank, span.role)]
         is_transfer = name.startswith("transfer")
         height = 0.35 if is_transfer else 0.7
         offset = 0.35 if is_transfer else 0.0  # transfers sit in the upper half of the row, under the stage
         ax.barh(row - offset / 2, end - start, left=start - origin, height=height,
                 color=STAGE_COLOURS.get(name, "#cccccc"), edgecolor="black", linewidth=0.3)
-        if name in ("denoise", "encode", "decode") and end - start > 0:
+        if name in ("condition", "denoise", "decode") and end - start > 0:
             ax.text(start - origin + (end - start) / 2, row, str(index), ha="center", va="center", fontsize=7)
     for chunk in run.chunks[:chunks]:
-        t = chunk["facts"]["times"]["emitted"] - origin
+        t = chunk["facts"].times.emitted - origin
         ax.plot([t, t], [emit_row - 0.35, emit_row + 0.35], color="black", linewidth=1.2)
         ax.text(t + 0.004, emit_row, str(chunk["index"]), ha="left", va="center", fontsize=7)
     ax.set_yticks(range(len(tracks) + 1))

@@ -27,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ipc.protocol import to_builtins
 from scripts.bench_common import (
     DEFAULT_IMAGE,
     DEFAULT_TRACE,
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         "costs": vars(costs), "verdicts": result["verdicts"],
         "summaries": result["summaries"], "frames_differ": result["frames_differ"], "table": text,
         "runs": {k: {"summary": r.summary, "chunks": r.chunks} for k, r in result["runs"].items()},
-    }, indent=1, default=str))
+    }, indent=1, default=to_builtins))
     print(f"wrote {args.json}")
     return 0 if all(v["ok"] for v in result["verdicts"]) and not any(result["frames_differ"].values()) else 1
 

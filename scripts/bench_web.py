@@ -125,8 +125,8 @@ def photon_round_trips(server: LocalServer, gateway: LocalGateway, rounds: int) 
             with Client(server.endpoint) as client:
                 played = tool.play_live(client, (ROOT / "assets" / "start.png").read_bytes(), timeline)
             client_i2p += [v * 1000 for c in played.chunks for v in c.input_to_photon_s.values()]
-            client_c2o += [c.facts["control_to_output_s"] * 1000 for c in played.chunks
-                           if c.facts.get("control_to_output_s") is not None]
+            client_c2o += [c.facts.times.control_to_output * 1000 for c in played.chunks
+                           if c.facts.times.control_to_output is not None]
             print(f"  round {round_ + 1}: page {len(measured['i2p'])} inputs, p50 {pick(measured['i2p'], .5):.0f} "
                   f"ms; client.py --live {len(played.chunks)} chunks; gateway CPU {usage.share:.3f} cores", flush=True)
         browser.close()

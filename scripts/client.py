@@ -40,6 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import ChunkResult, Client, LiveInput, SessionClosed, closed_summary
+from ipc.protocol import to_builtins
 
 LIVE_TRACE_FORMAT = "worldstream-live-trace/1"
 DEFAULT_TIMELINE: dict[str, Any] = {  # ~2 s of a person walking, looking around, tapping keys
@@ -213,7 +214,7 @@ def recording(timeline: dict[str, Any], played: LivePlayed) -> dict[str, Any]:
         "num_chunks": timeline.get("num_chunks"),
         "pause_when_idle": bool(timeline.get("pause_when_idle")),
         "events": played.sent,
-        "applied": [{"index": c.index, "control": c.control} for c in played.chunks],
+        "applied": [{"index": c.index, "control": to_builtins(c.control)} for c in played.chunks],
         "hashes": frame_hashes(played.chunks),
         "input_to_photon_s": {str(r): v for c in played.chunks for r, v in sorted(c.input_to_photon_s.items())},
     }
@@ -319,8 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"report": facts, "summary": summary, "chunks": [
-            {"index": c.index, "frames": c.frames.shape[0], "control": c.control, "facts": c.facts}
-            for c in played.chunks]}, indent=1))
+            to_builtins(c.facts) for c in played.chunks]}, indent=1))
     if args.chrome_trace:
         write_chrome_trace(played, args.chrome_trace)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in facts.items()))
@@ -328,22 +328,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_chrome_trace(played: Played, path: Path) -> None:
-    from runtime.metrics import ChunkRecord, Span
-    from runtime.scheduler_types import ChunkTimes
     from runtime.trace import chrome_trace
 
-    records = []
-    for chunk in played.chunks:
-        t = chunk.facts["times"]
-        spans = tuple(Span(name, rank, role, queued, start, end) for name, rank, role, queued, start, end
-                      in chunk.facts["spans"])
-        times = ChunkTimes(
-            control_accepted=t["control_accepted"], condition_submitted=t["condition_submitted"],
-            condition_ready=t["condition_ready"], denoise_start=t["denoise_start"], denoise_end=t["denoise_end"],
-            decode_start=t["decode_start"], decode_end=t["decode_end"], emitted=t["emitted"])
-        records.append((played.session, ChunkRecord(chunk.index, chunk.frames.shape[0], times, chunk.control, spans)))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(records)))
+    path.write_text(json.dumps(chrome_trace((played.session, chunk.facts) for chunk in played.chunks)))
 
 
 if __name__ == "__main__":

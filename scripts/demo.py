@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import Client
+from ipc.protocol import to_builtins
 from runtime import config
 from scripts.client import load_trace, play, report, write_video
 from scripts.local_server import ROOT, LocalServer
@@ -51,9 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     frames = write_video(played.chunks, args.out, played.fps)
     facts["demo_wall_s"] = time.monotonic() - began
     facts["rank_rss_mb"] = {r: round(m["rss"] / 2**20) for r, m in stats.get("ranks", {}).items()}
-    args.json.write_text(json.dumps({"report": facts, "summary": played.summary, "chunks": [
-        {"index": c.index, "frames": c.frames.shape[0], "control": c.control, "facts": c.facts}
-        for c in played.chunks]}, indent=1))
+    args.json.write_text(json.dumps({"report": facts, "summary": played.summary,
+                                     "chunks": [to_builtins(c.facts) for c in played.chunks]}, indent=1))
     print(f"wrote {args.out} ({frames} frames) and {args.json}")
     print(f"chunks={facts['chunks']} first_frame_from_open={facts['first_frame_from_open_s']:.3f}s "
           f"first_frame_from_first_control={facts['first_frame_from_first_control_s']:.3f}s "

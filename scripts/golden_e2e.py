@@ -52,7 +52,7 @@ def checks(fixture_dir: Path) -> Iterator[Check]:
                            cfg.num_heads, cfg.head_dim, "cpu", torch.float32)
     noise = FixtureNoise(inputs, cs)
     decode = LingbotDecodeStage(vae)
-    decode.open("e2e")
+    decode.open(SessionSpec(session="e2e", seed=0, prompt=""))
     with torch.no_grad():
         text = model.text_cache(context)
         for k in range(chunks):

@@ -92,7 +92,7 @@ def _stage_checks(fixture_dir: Path, cfg: dict, vae: torch.nn.Module, cs: int, n
     yield "y", y, expected["y"]
     condition.release("golden")
     decode = LingbotDecodeStage(vae)
-    decode.open("golden")
+    decode.open(SessionSpec(session="golden", seed=0, prompt=""))
     latents = expected["latents_all"]
     for k in range(num_chunks):
         frames = decode.decode_float("golden", k, latents[:, k * cs : (k + 1) * cs])

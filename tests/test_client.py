@@ -149,8 +149,9 @@ def fake() -> Iterator[FakeServer]:
 
 def chunk(session: str, index: int, revision: int) -> protocol.Chunk:
     frames = np.full((1, 2, 2, 3), index, dtype=np.uint8)
-    return protocol.Chunk(session=session, index=index, frames=frames.tobytes(), shape=(1, 2, 2, 3),
-                          control={"keys": ["w"], "mouse": [0.0, 0.0], "revision": revision}, facts={})
+    times = protocol.ChunkTimes(None, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    facts = protocol.ChunkFacts(index, 1, protocol.ChunkControl(keys=frozenset("w"), revision=revision), times)
+    return protocol.Chunk(session=session, frames=frames.tobytes(), shape=(1, 2, 2, 3), facts=facts)
 
 
 def raised_in_thread(call: Any) -> tuple[threading.Thread, list[BaseException]]:
@@ -201,6 +202,16 @@ def test_a_session_failure_ends_its_chunk_stream_with_the_typed_error(fake: Fake
         fake.send(identity, protocol.Error(session="s2", code="failed", message="decode exploded"))
         with pytest.raises(SessionFailed, match="decode exploded"):
             client.next_chunk("s2", timeout_s=5)
+
+
+def test_an_invalid_control_is_refused_before_it_is_sent_and_a_valid_one_travels_typed(fake: FakeServer) -> None:
+    with Client(fake.endpoint, timeout_s=5) as client:
+        with pytest.raises(BadRequest, match="unknown keys") as refused:
+            client.control("s", 0, keys="wq")
+        assert refused.value.code == "bad_control"
+        client.control("s", 0, keys="Wd", mouse=(1, 2), wait=False)
+        _, sent = fake.recv(protocol.Control)
+    assert (sent.index, sent.control) == (0, protocol.ChunkControl(keys=frozenset("wd"), mouse=(1.0, 2.0)))
 
 
 def test_close_of_a_session_the_server_does_not_hold_raises_unknown_session(fake: FakeServer) -> None:
@@ -268,7 +279,8 @@ def test_timelines_need_ordered_event_times() -> None:
 
 def test_frame_hashes_and_photon_stats() -> None:
     def result(value: int, photon: dict[int, float]) -> ChunkResult:
-        return ChunkResult("s", 0, np.full((1, 2, 2, 3), value, np.uint8), {}, {}, 0.0, photon)
+        facts = protocol.ChunkFacts(0, 1, protocol.ChunkControl(), protocol.ChunkTimes(None, *[0.0] * 7))
+        return ChunkResult("s", 0, np.full((1, 2, 2, 3), value, np.uint8), facts.control, facts, 0.0, photon)
 
     a, b, c = result(1, {1: 0.2}), result(1, {2: 0.4, 3: 0.1}), result(2, {})
     assert frame_hashes([a])[0] == frame_hashes([b])[0] != frame_hashes([c])[0]

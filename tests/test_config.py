@@ -78,3 +78,21 @@ def test_bad_override_value_is_rejected_naming_the_key() -> None:
 def test_missing_config_says_where_it_looked() -> None:
     with pytest.raises(config.ConfigError, match="not found"):
         config.load("no-such-layout")
+
+
+def test_model_kind_is_a_builtin_backend_or_a_module_function() -> None:
+    plugin = "tests.faulty_backend:build"
+    assert config.load("cpu-tiny", [f"--model.kind={plugin}"]).model.kind == plugin
+    with pytest.raises(config.ConfigError, match=r"model\.kind = 'synthetc' is not one of"):
+        config.load("cpu-tiny", ["--model.kind=synthetc"])
+
+
+def test_stream_size_follows_the_image_at_max_area_or_height_times_width() -> None:
+    fixed = config.load("cpu-tiny").stream
+    assert (fixed.size, fixed.area) == ("fixed", 160 * 256)
+    image = config.load("cpu-tiny", ["--stream.size=image", "--stream.max_area=399360"]).stream
+    assert (image.size, image.area) == ("image", 480 * 832)
+    with pytest.raises(config.ConfigError, match=r"stream\.size"):
+        config.load("cpu-tiny", ["--stream.size=free"])
+    with pytest.raises(config.ConfigError, match=r"stream\.max_area must hold at least one 16x16 block"):
+        config.load("cpu-tiny", ["--stream.size=image", "--stream.max_area=100"])

@@ -8,19 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.controls import KEYS, ChunkControl
-from runtime.control_service import (
-    APPLIED_HISTORY,
-    NO_REVISION,
-    ControlState,
-    ControlStateError,
-    CutOrderError,
-    LiveControls,
-)
+from ipc import protocol
+from ipc.protocol import KEYS, MAX_MOUSE_DEGREES, ChunkControl
+from runtime.control_service import APPLIED_HISTORY, NO_REVISION, ControlStateError, CutOrderError, LiveControls
 
 
-def state(keys: str = "", revision: int = 0, mouse: tuple[float, float] = (0.0, 0.0), taps: str = "") -> ControlState:
-    return ControlState(keys=frozenset(keys), mouse=mouse, taps=tuple(taps), revision=revision)
+def state(keys: str = "", revision: int = 0, mouse: tuple[float, float] = (0.0, 0.0),
+          taps: str = "") -> protocol.ControlState:
+    return protocol.ControlState(req=0, session="s", keys=list(keys), mouse=mouse, taps=list(taps), revision=revision)
 
 
 def test_tap_is_consumed_by_exactly_one_chunk_even_if_released_before_the_cut() -> None:
@@ -142,35 +137,51 @@ def test_stale_or_repeated_revision_is_rejected_and_changes_nothing(revision: in
     assert live.cut(0, 0) == ChunkControl(keys=frozenset("w"), mouse=(1.0, 0.0), revision=3)
 
 
-def test_from_wire_accepts_a_valid_state_case_insensitively() -> None:
-    got = ControlState.from_wire({"type": "control_state", "keys": ["W", "a"], "mouse": [1, -2.5], "taps": ["J"],
-                                  "revision": 4})
-    assert got == ControlState(keys=frozenset("wa"), mouse=(1.0, -2.5), taps=("j",), revision=4)
-    assert ControlState.from_wire({"keys": [], "revision": 0}) == state()
+def test_key_names_are_case_insensitive() -> None:
+    live = LiveControls()
+    live.update(state(keys="Wa", taps="J", mouse=(1.0, -2.5), revision=4))
+    assert live.cut(0, 0) == ChunkControl(keys=frozenset("waj"), mouse=(1.0, -2.5), revision=4)
 
 
 @pytest.mark.parametrize(
-    ("body", "reason"),
+    ("bad", "reason"),
     [
-        ({"keys": ["w", "q"], "revision": 1}, "unknown_keys"),
-        ({"keys": [], "taps": ["x"], "revision": 1}, "unknown_keys"),
-        ({"keys": "wasd", "revision": 1}, "malformed"),
-        ({"keys": [1], "revision": 1}, "malformed"),
-        ({"keys": [], "revision": True}, "malformed"),
-        ({"keys": [], "revision": -1}, "malformed"),
-        ({"keys": [], "revision": "3"}, "malformed"),
-        ({"keys": []}, "malformed"),
-        ({"revision": 1}, "malformed"),
-        ({"keys": [], "mouse": [1.0], "revision": 1}, "malformed"),
-        ({"keys": [], "mouse": [math.nan, 0.0], "revision": 1}, "malformed"),
-        ({"keys": [], "mouse": [math.inf, 0.0], "revision": 1}, "malformed"),
-        ({"keys": [], "mouse": ["1", 0.0], "revision": 1}, "malformed"),
+        (state(keys="wq", revision=1), "unknown_keys"),
+        (state(taps="x", revision=1), "unknown_keys"),
+        (state(revision=-1), "malformed"),
+        (state(mouse=(math.nan, 0.0), revision=1), "malformed"),
+        (state(mouse=(0.0, math.inf), revision=1), "malformed"),
     ],
 )
-def test_from_wire_rejects_malformed_state_with_a_reason(body: dict[str, object], reason: str) -> None:
+def test_bad_live_input_is_rejected_with_a_reason_and_changes_nothing(bad: protocol.ControlState,
+                                                                      reason: str) -> None:
+    live = LiveControls()
+    live.update(state(keys="w", mouse=(1.0, 0.0), revision=0))
     with pytest.raises(ControlStateError) as err:
-        ControlState.from_wire(body)
+        live.update(bad)
     assert err.value.reason == reason
+    assert live.revision == 0 and live.cut(0, 0) == ChunkControl(keys=frozenset("w"), mouse=(1.0, 0.0), revision=0)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"keys": "wasd", "revision": 1},
+        {"keys": [1], "revision": 1},
+        {"keys": [], "revision": True},
+        {"keys": [], "revision": "3"},
+        {"keys": [], "mouse": [1.0], "revision": 1},
+        {"keys": [], "mouse": ["1", 0.0], "revision": 1},
+    ],
+)
+def test_live_state_of_the_wrong_types_never_reaches_the_service(body: dict[str, object]) -> None:
+    import msgspec
+
+    data = msgspec.msgpack.encode({"v": protocol.PROTOCOL_VERSION, "type": "control_state", "req": 1, "session": "s",
+                                   **body})
+    with pytest.raises(protocol.ProtocolViolation, match="invalid 'control_state' message") as err:
+        protocol.decode(data, "client")
+    assert err.value.req == 1  # the reply reaches the request
 
 
 def test_out_of_order_cut_is_a_caller_error_and_changes_nothing() -> None:
@@ -225,7 +236,8 @@ def test_random_timelines_keep_every_invariant(timeline: list[tuple], pause_when
         if event[0] == "state":
             _, keys, taps, mouse, step = event
             revision = max(revision, 0) + step
-            live.update(ControlState(keys=keys, mouse=mouse, taps=tuple(taps), revision=revision))
+            live.update(protocol.ControlState(req=0, session="s", keys=sorted(keys), mouse=mouse, taps=taps,
+                                              revision=revision))
             held = keys
             taps_pending |= set(taps)
             mouse_in = [mouse_in[0] + mouse[0], mouse_in[1] + mouse[1]]
@@ -260,10 +272,8 @@ def test_random_timelines_keep_every_invariant(timeline: list[tuple], pause_when
 
 
 def test_mouse_motion_beyond_a_full_turn_per_chunk_is_clamped_not_an_error() -> None:
-    from models.controls import MAX_MOUSE_DEGREES
-
     live = LiveControls()
-    live.update(ControlState(keys=frozenset(), mouse=(300.0, -300.0), revision=1))
-    live.update(ControlState(keys=frozenset(), mouse=(300.0, -300.0), revision=2))
+    live.update(state(mouse=(300.0, -300.0), revision=1))
+    live.update(state(mouse=(300.0, -300.0), revision=2))
     snapshot = live.cut(0, 0)
     assert snapshot is not None and snapshot.mouse == (MAX_MOUSE_DEGREES, -MAX_MOUSE_DEGREES)

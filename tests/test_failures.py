@@ -1,7 +1,7 @@
 """Stage failures on real ranks: one session's failure fails that session only (its client hears why, its
 caches are released, every edge stays in step for the others); a failure inside the multi-rank DiT group, which
-cannot be recovered, ends the job non-zero with the clients told. Failures are injected through the synthetic
-backend's `fail_marker` (a session's prompt names the stage and chunk that must fail)."""
+cannot be recovered, ends the job non-zero with the clients told. Failures are injected through the test backend
+``tests/faulty_backend.py`` (a session's prompt names the stage and chunk that must fail)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiprocess
 
 IMAGE = (ROOT / "assets" / "start.png").read_bytes()
 FAST = ["--synthetic.encode_s=0.01", "--synthetic.denoise_s=0.02", "--synthetic.decode_s=0.01",
-        "--synthetic.fail_marker=FAIL"]
+        "--model.kind=tests.faulty_backend:build"]
 
 
 def run_session(endpoint: str, prompt: str, chunks: int, results: dict[str, object]) -> None:
@@ -53,20 +53,20 @@ def server() -> LocalServer:
         yield running
 
 
-@pytest.mark.parametrize("stage", ["decode", "encode"])
+@pytest.mark.parametrize("stage", ["decode", "condition"])
 def test_a_failing_stage_fails_only_its_session_and_the_edges_stay_in_step(server: LocalServer, stage: str) -> None:
     bad, good = f"bad FAIL:{stage}:2", f"good twin of {stage}"
     results = concurrent(server.endpoint, [bad, good])
     received, errors, summary = results[good]
     assert received == list(range(8)) and not errors and summary["reason"] == "complete"
     received, errors, summary = results[bad]
-    expected = "not finite" if stage == "decode" else "injected encode failure"  # decode refuses a NaN latent
+    expected = "not finite" if stage == "decode" else "injected condition failure"  # decode refuses a NaN latent
     assert summary["reason"] == "failed" and expected in (summary["error"] or ""), summary["error"]
-    # chunks before the failure arrive in order and nothing after it (an encode runs ahead, so it may fail first)
+    # chunks before the failure arrive in order and nothing after it (conditions run ahead: one may fail first)
     assert received == list(range(len(received))) and len(received) <= 2
     assert stage != "decode" or received == [0, 1]
     assert {k: sorted(v) for k, v in summary["released"].items()} == {"decode": [1], "denoise": [2, 3, 4, 5, 6],
-                                                                      "encode": [0]}
+                                                                      "condition": [0]}
     # a new session afterwards streams normally: nothing on any edge was left out of step
     after = concurrent(server.endpoint, [f"after {stage}"], chunks=4)
     assert after[f"after {stage}"][0] == [0, 1, 2, 3]

@@ -70,24 +70,24 @@ def test_live_snapshots_follow_the_input_timeline_chunk_by_chunk(live_run: tool.
         folded = [states[r] for r in sorted(states) if previous < r <= revision]  # states cut into this chunk
         held = set(states[revision]["keys"]) if revision >= 0 else set()
         taps = {k for s in folded for k in s["taps"]}
-        assert set(chunk.control["keys"]) == held | taps, (chunk.index, chunk.control, folded)
+        assert set(chunk.control.keys) == held | taps, (chunk.index, chunk.control, folded)
         mouse = np.sum([s["mouse"] for s in folded], axis=0) if folded else np.zeros(2)
-        assert chunk.control["mouse"] == pytest.approx(list(mouse)), chunk.index  # motion sums, never repeats
+        assert chunk.control.mouse == pytest.approx(tuple(mouse)), chunk.index  # motion sums, never repeats
         previous = revision
     for state in live_run.sent:
         for tap in state["taps"]:
-            having = [c for c in chunks if tap in c.control["keys"]]
+            having = [c for c in chunks if tap in c.control.keys]
             first_showing = next(c for c in chunks if c.revision >= state["revision"])
             assert [c.index for c in having] == [first_showing.index], f"tap {tap} is consumed by exactly one chunk"
-    assert chunks[0].revision == -1 and chunks[0].control["keys"] == []  # still camera before any input
+    assert chunks[0].revision == -1 and chunks[0].control.keys == frozenset()  # still camera before any input
 
 
 def test_live_controls_are_never_cut_more_than_one_chunk_ahead(live_run: tool.LivePlayed) -> None:
-    times = [c.facts["times"] for c in live_run.chunks]
+    times = [c.facts.times for c in live_run.chunks]
     for j in range(2, len(times)):
         # control[j] may be accepted only once chunk j-1 is the one being produced, i.e. chunk j-2 was emitted
-        assert times[j]["control_accepted"] >= times[j - 2]["emitted"], j
-    assert any(times[j]["control_accepted"] < times[j - 1]["emitted"] for j in range(1, len(times)))  # one ahead
+        assert times[j].control_accepted >= times[j - 2].emitted, j
+    assert any(times[j].control_accepted < times[j - 1].emitted for j in range(1, len(times)))  # one ahead
 
 
 def test_every_input_revision_gets_an_input_to_photon_latency(live_run: tool.LivePlayed) -> None:
@@ -144,7 +144,7 @@ def test_pause_when_idle_stops_the_stream_until_the_next_input(server: LocalServ
                 walking.append(client.next_chunk(info.id, timeout_s=quiet_s))
             except TimeoutError:
                 break
-        assert all(c.control["keys"] == ["w"] and c.revision == 1 for c in walking)
+        assert all(c.control.keys == {"w"} and c.revision == 1 for c in walking)
         live.tap("d")
         tapped = client.next_chunk(info.id, timeout_s=10)
         with pytest.raises(TimeoutError):
@@ -152,8 +152,8 @@ def test_pause_when_idle_stops_the_stream_until_the_next_input(server: LocalServ
         live.press("a")
         resumed = client.next_chunk(info.id, timeout_s=10)
         summary = client.close(info.id)
-    assert (tapped.control["keys"], tapped.revision) == (["d"], 3)
-    assert (resumed.control["keys"], resumed.revision) == (["a"], 4)
+    assert (tapped.control.keys, tapped.revision) == ({"d"}, 3)
+    assert (resumed.control.keys, resumed.revision) == ({"a"}, 4)
     assert [c.index for c in [*walking, tapped, resumed]] == list(range(len(walking) + 2))
     assert summary["reason"] == "client"
 
@@ -252,7 +252,7 @@ def test_a_reconnecting_client_with_the_same_identity_resumes_its_session(server
         after = list(second.chunks(info.id, timeout_s=10))
         summary = second.wait_closed(info.id)
     assert [c.index for c in before + after] == [0, 1, 2, 3]
-    assert [c.control["keys"] for c in after] == [["d"], ["d"]]
+    assert [c.control.keys for c in after] == [{"d"}, {"d"}]
     assert summary["reason"] == "complete"
 
 
@@ -270,7 +270,7 @@ def test_a_client_that_drops_mid_stream_resumes_and_keeps_receiving_later_chunks
         second.close(info.id)
     indices = [c.index for c in before + after]
     assert indices == sorted(set(indices)) and after[0].index > before[-1].index  # in order, a gap allowed
-    assert all(c.control["keys"] == ["w"] for c in after)
+    assert all(c.control.keys == {"w"} for c in after)
 
 
 def test_async_client_streams_a_session_and_types_errors(server: LocalServer) -> None:
@@ -286,7 +286,7 @@ def test_async_client_streams_a_session_and_types_errors(server: LocalServer) ->
             return chunks, summary, await client.stats()
 
     chunks, summary, stats = asyncio.run(scenario())
-    assert [c.index for c in chunks] == [0, 1, 2] and all(c.control["keys"] == ["j"] for c in chunks)
+    assert [c.index for c in chunks] == [0, 1, 2] and all(c.control.keys == {"j"} for c in chunks)
     assert summary["reason"] == "complete" and stats["layout"] == "cpu-tiny"
     with Client(server.endpoint) as client:  # same seed and controls through the blocking client: same frames
         same, _ = tool.play(client, IMAGE, {"seed": 4, "chunks": [{"keys": "j"}] * 3}), None

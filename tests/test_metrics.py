@@ -9,22 +9,22 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from ipc.protocol import ChunkControl, ChunkFacts, ChunkTimes, Span
 from runtime.metrics import (
     OTHER_REASON,
-    ChunkRecord,
     IdleCause,
     ServerMetrics,
     SessionMetrics,
-    Span,
     StreamStat,
+    compute_seconds,
+    window,
 )
-from runtime.scheduler_types import ChunkTimes
 
 FPS = 16.0
 
 
-def record(index: int, emitted: float, **overrides: object) -> ChunkRecord:
-    """A chunk accepted 0.5 s before emission, compute 0.1 encode + 0.2 denoise + 0.1 decode, 12 frames.
+def record(index: int, emitted: float, **overrides: object) -> ChunkFacts:
+    """A chunk accepted 0.5 s before emission, compute 0.1 condition + 0.2 denoise + 0.1 decode, 12 frames.
     ``overrides`` name fields of the record or of its ``ChunkTimes``."""
     times: dict[str, object] = {
         "emitted": emitted,
@@ -39,18 +39,18 @@ def record(index: int, emitted: float, **overrides: object) -> ChunkRecord:
     values: dict[str, object] = {
         "index": index,
         "frames": 12,
-        "control": {"keys": ["w"], "mouse": [0.0, 0.0], "revision": index},
+        "control": ChunkControl(keys=frozenset("w"), revision=index),
         "spans": (
-            Span("encode", 0, "condition", emitted - 0.6, emitted - 0.6, emitted - 0.5),
-            Span("denoise", 2, "dit", emitted - 0.4, emitted - 0.35, emitted - 0.15),
-            Span("denoise", 3, "dit", emitted - 0.4, emitted - 0.34, emitted - 0.15),
+            Span("condition", 0, "condition", emitted - 0.6, emitted - 0.6, emitted - 0.5),
+            Span("denoise", 2, "denoise", emitted - 0.4, emitted - 0.35, emitted - 0.15),
+            Span("denoise", 3, "denoise", emitted - 0.4, emitted - 0.34, emitted - 0.15),
             Span("transfer:latent", 1, "decode", emitted - 0.15, emitted - 0.15, emitted - 0.12),
             Span("decode", 1, "decode", emitted - 0.15, emitted - 0.12, emitted - 0.02),
         ),
     }
     for name, value in overrides.items():
         (times if name in times else values)[name] = value
-    return ChunkRecord(times=ChunkTimes(**times), **values)  # type: ignore[arg-type]
+    return ChunkFacts(times=ChunkTimes(**times), **values)  # type: ignore[arg-type]
 
 
 def session(warmup_chunks: int = 0, **kwargs: object) -> SessionMetrics:
@@ -109,12 +109,12 @@ def test_chunk_period_is_the_interval_between_emissions() -> None:
 
 def test_compute_fps_counts_lockstep_dit_spans_once_and_excludes_warmup() -> None:
     m = session(warmup_chunks=2)
-    m.on_chunk(record(0, 5.0, frames=9, spans=(Span("denoise", 2, "dit", 1.0, 1.0, 4.0),)))  # slow cold start
+    m.on_chunk(record(0, 5.0, frames=9, spans=(Span("denoise", 2, "denoise", 1.0, 1.0, 4.0),)))  # slow cold start
     m.on_chunk(record(1, 6.0))
     for i in range(2, 6):
         m.on_chunk(record(i, 6.0 + i))
     compute = m.to_dict()["compute"]
-    # steady chunk: encode 0.1 + denoise 0.2 (extent over ranks 2 and 3, not 0.2 + 0.19) + decode 0.1
+    # steady chunk: condition 0.1 + denoise 0.2 (extent over ranks 2 and 3, not 0.2 + 0.19) + decode 0.1
     assert compute == {"chunks": 4, "frames": 48, "compute_s": pytest.approx(4 * 0.4),
                        "fps_weighted": pytest.approx(48 / (4 * 0.4))}
     warm = m.to_dict()["warmup"]
@@ -126,17 +126,17 @@ def test_compute_fps_counts_lockstep_dit_spans_once_and_excludes_warmup() -> Non
 
 def test_compute_falls_back_to_stage_times_without_spans() -> None:
     r = record(0, 1.0, spans=())
-    assert r.compute_seconds() == pytest.approx(0.2 + 0.1)  # denoise and decode times; encode unknown
+    assert compute_seconds(r) == pytest.approx(0.2 + 0.1)  # denoise and decode times; condition unknown
 
 
 def test_record_latency_window_and_stage_times_come_from_the_scheduler_times() -> None:
     times = ChunkTimes(control_accepted=1.0, condition_submitted=0.5, condition_ready=0.9, denoise_start=1.1,
                        denoise_end=1.3, decode_start=1.35, decode_end=1.45, emitted=1.5)
-    got = ChunkRecord(4, 12, times, {"keys": []})
-    assert got.latency() == pytest.approx(0.5) and got.window() == (0.5, 1.5)
-    assert got.compute_seconds() == pytest.approx(0.2 + 0.1)  # no spans: denoise and decode times
-    no_control = ChunkRecord(5, 12, ChunkTimes(None, 0.5, 0.9, 1.1, 1.3, 1.35, 1.45, 1.6))
-    assert no_control.latency() is None and no_control.window() == (0.5, 1.6)
+    got = ChunkFacts(4, 12, ChunkControl(), times)
+    assert got.times.control_to_output == pytest.approx(0.5) and window(got) == (0.5, 1.5)
+    assert compute_seconds(got) == pytest.approx(0.2 + 0.1)  # no spans: denoise and decode times
+    no_control = ChunkFacts(5, 12, ChunkControl(), ChunkTimes(None, 0.5, 0.9, 1.1, 1.3, 1.35, 1.45, 1.6))
+    assert no_control.times.control_to_output is None and window(no_control) == (0.5, 1.6)
 
 
 def test_real_time_factor_is_p95_period_over_chunk_media_duration() -> None:

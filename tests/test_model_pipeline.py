@@ -10,8 +10,8 @@ import torch
 from ipc.client import Client
 from models.controls import ChunkControl
 from models.stages import SessionSpec, run_in_process
-from ranks.coordinator import decode_image
 from runtime import config as config_mod
+from runtime.images import decode_image
 from scripts.local_server import ROOT, LocalServer
 
 pytestmark = pytest.mark.multiprocess
@@ -28,10 +28,11 @@ def one_process_reference(prompt: str, seed: int) -> list[np.ndarray]:
     condition = lingbot.build_condition(cfg.model, cfg.stream, device)
     denoise = lingbot.build_denoise(cfg.model, cfg.stream, cfg.controls, device, None)
     decode = lingbot.build_decode(cfg.model, cfg.stream, device)
-    raw = decode_image(IMAGE, cfg.server.max_image_pixels, cfg.stream.width, cfg.stream.height)
-    image = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(cfg.stream.height, cfg.stream.width, 3)
+    raw = decode_image(IMAGE, cfg.server.max_image_pixels)  # at its own size: the condition stage resizes it
+    image = torch.frombuffer(bytearray(raw.pixels), dtype=torch.uint8).view(raw.height, raw.width, 3)
     controls = [ChunkControl(keys=frozenset(keys)) for keys in KEYS]
-    frames = run_in_process(condition, denoise, decode, SessionSpec("ref", seed, prompt, image), controls)
+    spec = SessionSpec("ref", seed, prompt, image, cfg.stream.height, cfg.stream.width)
+    frames = run_in_process(condition, denoise, decode, spec, controls)
     return [f.numpy() for f in frames]
 
 

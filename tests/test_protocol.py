@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 
@@ -10,10 +12,14 @@ from ipc import protocol as p
 
 def test_client_messages_round_trip() -> None:
     for message in (p.Open(req=1, image=b"png", prompt="a", seed=3, num_chunks=4),
-                    p.Control(req=2, session="s", index=0, keys=["w"], mouse=(1.0, 2.0)),
+                    p.Control(req=2, session="s", index=0,
+                              control=p.ChunkControl(keys=frozenset("w"), mouse=(1.0, 2.0))),
                     p.ControlState(req=3, session="s", keys=["a"], taps=["w"], revision=5),
                     p.Close(req=4, session="s"), p.Stats(req=5), p.Heartbeat()):
         assert p.decode(p.encode(message), "client") == message
+
+
+V = p.PROTOCOL_VERSION
 
 
 def _raw(**fields: object) -> bytes:
@@ -23,12 +29,12 @@ def _raw(**fields: object) -> bytes:
 @pytest.mark.parametrize(("data", "expected"), [
     (b"\xc1\xc1 not msgpack", "not a msgpack message"),
     (msgspec.msgpack.encode([1, 2]), "must be a msgpack map"),
-    (_raw(v=1, type="teleport", req=1), "unknown message type 'teleport'"),
+    (_raw(v=V, type="teleport", req=1), "unknown message type 'teleport'"),
     (_raw(v=9, type="open", req=1, image=b""), "protocol version 9 is not supported"),
-    (_raw(v=1, type="open", image=b""), "missing required field `req`"),
-    (_raw(v=1, type="control", req=1, session="s", index="zero"), "Expected `int`, got `str` - at `$.index`"),
-    (_raw(v=1, type="close", req=1, session="s", extra=1), "unknown field `extra`"),
-    (_raw(v=1, req=1), "no 'type' field"),
+    (_raw(v=V, type="open", image=b""), "missing required field `req`"),
+    (_raw(v=V, type="control", req=1, session="s", index="zero"), "Expected `int`, got `str` - at `$.index`"),
+    (_raw(v=V, type="close", req=1, session="s", extra=1), "unknown field `extra`"),
+    (_raw(v=V, req=1), "no 'type' field"),
 ])
 def test_malformed_messages_raise_a_protocol_violation_naming_the_problem(data: bytes, expected: str) -> None:
     with pytest.raises(p.ProtocolViolation, match=expected.replace("$", r"\$").replace("(", r"\(")):
@@ -40,7 +46,59 @@ def test_oversized_message_is_rejected_before_decoding() -> None:
         p.decode(b"\x00" * 1001, "client", max_bytes=1000)
 
 
+FACTS = p.ChunkFacts(3, 12, p.ChunkControl(keys=frozenset("wd"), mouse=(1.5, 0.0), revision=7),
+                     p.ChunkTimes(1.0, 0.5, 0.9, 1.1, 1.3, 1.35, 1.45, 1.5, condition_start=0.6),
+                     (p.Span("denoise", 2, "denoise", 1.05, 1.1, 1.3), p.Span("transfer:frames", 0, "frames", 1.4,
+                                                                                1.44, 1.45)))
+
+
 def test_a_server_message_is_not_accepted_from_a_client() -> None:
     with pytest.raises(p.ProtocolViolation, match="unknown message type 'chunk'"):
-        p.decode(p.encode(p.Chunk(session="s", index=0, frames=b"", shape=(0, 0, 0, 3), control={}, facts={})),
-                 "client")
+        p.decode(p.encode(p.Chunk(session="s", frames=b"", shape=(0, 0, 0, 3), facts=FACTS)), "client")
+
+
+def test_a_chunk_carries_its_facts_to_the_client_in_one_typed_shape() -> None:
+    chunk = p.Chunk(session="s", frames=b"\0" * 3, shape=(1, 1, 1, 3), facts=FACTS)
+    got = p.decode(p.encode(chunk), "server")
+    assert got == chunk and got.facts.control.keys == frozenset("wd") and got.facts.times.control_to_output == 0.5
+    assert p.to_builtins(got.facts)["control"] == {"keys": ["d", "w"], "mouse": (1.5, 0.0), "poses": None,
+                                                   "revision": 7}
+
+
+def test_a_control_is_lower_cased_and_checked_where_it_is_made() -> None:
+    assert p.ChunkControl(keys=frozenset("WD")).keys == frozenset("wd")
+    for bad in ({"keys": frozenset("q")}, {"mouse": (math.nan, 0.0)}, {"mouse": (400.0, 0.0)},
+                {"poses": ((0.0,) * 15,)}, {"poses": ((math.inf,) * 16,)}):
+        with pytest.raises(ValueError):
+            p.ChunkControl(**bad)  # type: ignore[arg-type]
+
+
+def test_a_bad_control_on_the_wire_is_refused_naming_the_problem_and_its_request() -> None:
+    data = _raw(v=V, type="control", req=7, session="s", index=0, control={"keys": ["w", "q"]})
+    with pytest.raises(p.ProtocolViolation, match=r"unknown keys \['q'\].*\$\.control") as error:
+        p.decode(data, "client")
+    assert error.value.req == 7
+    ok = _raw(v=V, type="control", req=8, session="s", index=0, control={"keys": ["W"]})
+    assert p.decode(ok, "client").control == p.ChunkControl(keys=frozenset("w"))
+
+
+@pytest.mark.parametrize("message", [
+    p.InitCondition(session="s", seed=1, prompt="p", image=b"\1" * 12, image_height=2, image_width=2, height=16,
+                    width=32),
+    p.DenoiseChunk(session="s", index=4, control=p.ChunkControl(keys=frozenset("w")),
+                   latent=p.TensorSpec(shape=(16, 3, 2, 4), dtype="float32")),
+    p.ReceiveFrames(session="s", index=4, tensor=p.TensorSpec(shape=(12, 16, 32, 3), dtype="uint8")),
+    p.Release(session="s"), p.Shutdown(), p.Ping(seq=1, sent=2.0),
+])
+def test_every_worker_task_round_trips_as_its_own_type(message: object) -> None:
+    assert p.decode(p.encode(message), "coordinator") == message  # type: ignore[arg-type]
+
+
+def test_completions_name_their_stage_or_edge_and_failures_say_whether_the_rank_can_go_on() -> None:
+    spans = (p.WorkerSpan("decode", 1.0, 2.0),)
+    for message in (p.ChunkDone(rank=1, role="decode", session="s", spans=spans, stage=p.Stage.DECODE, index=2),
+                    p.TransferDone(rank=0, role="frames", session="s", edge=p.Edge.FRAMES, index=2),
+                    p.TaskFailed(rank=3, role="denoise", session="s", phase=p.Phase.CHUNK, stage=p.Stage.DENOISE,
+                                 index=2, error="boom", fatal=True)):
+        assert p.decode(p.encode(message), "worker") == message
+    assert p.DenoiseChunk.phase is p.Phase.CHUNK and p.ReceiveLatent.edge is p.Edge.LATENT

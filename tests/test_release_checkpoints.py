@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from ipc.client import Client
-from models.controls import ChunkControl
+from models.controls import ChunkControl, motion_speeds
 from models.dit import DiTConfig
 from models.dit_checkpoint import random_dit, save_dit
 from models.schedule import FlowMatchSchedule
 from models.stages import SessionSpec, run_in_process
 from models.t5 import T5Config, T5Encoder
 from models.vae import VAEConfig, WanVAE
-from ranks.coordinator import decode_image
 from runtime import config as config_mod
+from runtime.images import decode_image
 from scripts.local_server import ROOT, LocalServer
 from tests.test_dit_checkpoint import RELEASED_KEYS
 from tests.test_tokenizer import write_umt5_like_tokenizer
@@ -95,13 +95,14 @@ def _one_process(overrides: list[str], dit_dir: Path, seed: int) -> list[np.ndar
     cfg = config_mod.load("split7-h100", overrides)
     device = torch.device("cpu")
     denoise = LingbotDenoiseStage(lingbot.dit_config(cfg.model, cfg.stream), lingbot.lingbot_geometry(cfg.model,
-                                  cfg.stream), weights=dit_dir, speeds=lingbot.motion_speeds(cfg.controls))  # fmt: skip
+                                  cfg.stream), weights=dit_dir, speeds=motion_speeds(cfg.controls))  # fmt: skip
     stages = (lingbot.build_condition(cfg.model, cfg.stream, device), denoise,
               lingbot.build_decode(cfg.model, cfg.stream, device))  # fmt: skip
-    raw = decode_image(IMAGE, cfg.server.max_image_pixels, cfg.stream.width, cfg.stream.height)
-    image = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(cfg.stream.height, cfg.stream.width, 3)
+    raw = decode_image(IMAGE, cfg.server.max_image_pixels)  # at its own size: the condition stage resizes it
+    image = torch.frombuffer(bytearray(raw.pixels), dtype=torch.uint8).view(raw.height, raw.width, 3)
     controls = [ChunkControl(keys=frozenset(k)) for k in KEYS]
-    return [f.numpy() for f in run_in_process(*stages, SessionSpec("ref", seed, PROMPT, image), controls)]
+    spec = SessionSpec("ref", seed, PROMPT, image, cfg.stream.height, cfg.stream.width)
+    return [f.numpy() for f in run_in_process(*stages, spec, controls)]
 
 
 @pytest.mark.multiprocess

@@ -18,9 +18,9 @@ from runtime.scheduler import (
     InitCache,
     Mode,
     Release,
+    RunCondition,
     RunDecode,
     RunDenoise,
-    RunEncode,
     Scheduler,
     SessionClosed,
     SessionEvent,
@@ -32,7 +32,7 @@ from runtime.scheduler import (
     UnknownSession,
 )
 
-_STAGE_OF = {RunEncode: Stage.ENCODE, RunDenoise: Stage.DENOISE, RunDecode: Stage.DECODE}
+_STAGE_OF = {RunCondition: Stage.CONDITION, RunDenoise: Stage.DENOISE, RunDecode: Stage.DECODE}
 
 
 class Roles:
@@ -79,7 +79,7 @@ class Roles:
         if isinstance(a, InitCache):
             return self.feed(s.init_done(a.session, a.stage, now))
         done: dict[Stage, Callable[[str, int, float], list[Action]]] = {
-            Stage.ENCODE: s.encode_done,
+            Stage.CONDITION: s.condition_done,
             Stage.DENOISE: s.denoise_done,
             Stage.DECODE: s.decode_done,
         }
@@ -104,7 +104,7 @@ class Roles:
                         self.control(session, i)
             if not self.running:
                 return
-            stage = next(st for st in (Stage.DECODE, Stage.DENOISE, Stage.ENCODE) if st in self.running)
+            stage = next(st for st in (Stage.DECODE, Stage.DENOISE, Stage.CONDITION) if st in self.running)
             self.finish(stage)
         raise AssertionError("did not settle")
 
@@ -128,9 +128,9 @@ def snapshot(sched: Scheduler, session: str) -> tuple[object, ...]:
 
 def test_caches_are_initialised_one_after_another_encode_decode_denoise() -> None:
     roles = Roles(Scheduler())
-    assert roles.open("A", 4) == [InitCache("A", Stage.ENCODE)]
+    assert roles.open("A", 4) == [InitCache("A", Stage.CONDITION)]
     assert roles.sched.session_state("A") is SessionState.INITIALIZING
-    assert roles.finish(Stage.ENCODE) == [InitCache("A", Stage.DECODE)]
+    assert roles.finish(Stage.CONDITION) == [InitCache("A", Stage.DECODE)]
     out = roles.finish(Stage.DECODE)
     assert [a for a in out if not isinstance(a, DitIdle)] == [InitCache("A", Stage.DENOISE)]
     assert roles.sched.session_state("A") is SessionState.INITIALIZING
@@ -140,13 +140,13 @@ def test_two_conditions_are_submitted_after_creation_before_any_control() -> Non
     roles = Roles(Scheduler())
     out = roles.ready("A", 4)
     sched = roles.sched
-    assert out[-2:] == [RunEncode("A", 0), SessionReady("A")]
+    assert out[-2:] == [RunCondition("A", 0), SessionReady("A")]
     assert sched.session_state("A") is SessionState.READY
     assert sched.next_condition_index("A") == PREFETCH_DEPTH == 2
     assert sched.next_control_index("A") == 0
     assert sched.edges("A").condition == 2
-    roles.finish(Stage.ENCODE)
-    assert roles.running[Stage.ENCODE] == RunEncode("A", 1)  # condition[1] runs with no control in sight
+    roles.finish(Stage.CONDITION)
+    assert roles.running[Stage.CONDITION] == RunCondition("A", 1)  # condition[1] runs with no control in sight
 
 
 def test_single_chunk_session_prefetches_one_condition_and_closes_itself_when_emitted() -> None:
@@ -157,7 +157,7 @@ def test_single_chunk_session_prefetches_one_condition_and_closes_itself_when_em
     roles.run_until_idle()
     assert [a.index for a in roles.of(Emit, "A")] == [0]
     assert roles.of(SessionClosed) == [SessionClosed("A", "complete", None, ())]
-    assert [a.stage for a in roles.of(Release)] == [Stage.DECODE, Stage.DENOISE, Stage.ENCODE]
+    assert [a.stage for a in roles.of(Release)] == [Stage.DECODE, Stage.DENOISE, Stage.CONDITION]
     assert roles.sched.idle
     with pytest.raises(UnknownSession):
         roles.sched.session_state("A")
@@ -220,7 +220,7 @@ def test_full_control_edge_rejects_with_backpressure_and_can_submit_agrees() -> 
     with pytest.raises(AdmissionError) as info:
         roles.control("A", 1)
     assert (info.value.kind, info.value.retryable) == ("control_edge_full", True)
-    roles.finish(Stage.ENCODE)  # condition[0] ready: denoise 0 starts, the control edge empties
+    roles.finish(Stage.CONDITION)  # condition[0] ready: denoise 0 starts, the control edge empties
     assert roles.sched.can_submit("A", 1)
     roles.control("A", 1)
 
@@ -239,15 +239,15 @@ def test_control_with_a_missing_condition_submits_both_as_one_ingress() -> None:
     roles.ready("A", 8)
     roles.control("A", 0)
     roles.control("A", 1)  # the eager client drains the window: conditions 0 and 1 are both matched
-    roles.finish(Stage.ENCODE)  # condition[0] -> denoise 0 starts
+    roles.finish(Stage.CONDITION)  # condition[0] -> denoise 0 starts
     assert roles.sched.next_condition_index("A") == 2
     assert roles.sched.can_submit("A", 2)
     assert roles.sched.next_condition_index("A") == 2  # the query did not submit condition[2]
     roles.control("A", 2)
     assert roles.sched.next_condition_index("A") == 3
     assert roles.sched.next_control_index("A") == 3
-    roles.finish(Stage.ENCODE)  # condition[1] done; condition[2] runs next, submitted with its control
-    assert roles.running[Stage.ENCODE] == RunEncode("A", 2)
+    roles.finish(Stage.CONDITION)  # condition[1] done; condition[2] runs next, submitted with its control
+    assert roles.running[Stage.CONDITION] == RunCondition("A", 2)
 
 
 def test_full_condition_window_rejects_a_control_whose_condition_cannot_be_submitted() -> None:
@@ -262,7 +262,7 @@ def test_full_condition_window_rejects_a_control_whose_condition_cannot_be_submi
     assert roles.sched.next_condition_index("A") == 2
 
 
-# ---- join, refill, world cache ----
+# ---- join, refill, live cut ----
 
 
 def test_denoise_starts_only_when_condition_and_control_of_the_chunk_are_both_present() -> None:
@@ -270,26 +270,26 @@ def test_denoise_starts_only_when_condition_and_control_of_the_chunk_are_both_pr
     roles.ready("A", 8)
     roles.control("A", 0)  # control first: condition[0] still encoding
     assert Stage.DENOISE not in roles.running
-    roles.finish(Stage.ENCODE)
-    assert roles.running[Stage.DENOISE] == RunDenoise("A", 0, False)
-    roles.finish(Stage.ENCODE)  # condition[1] first: control[1] not there yet
+    roles.finish(Stage.CONDITION)
+    assert roles.running[Stage.DENOISE] == RunDenoise("A", 0)
+    roles.finish(Stage.CONDITION)  # condition[1] first: control[1] not there yet
     roles.finish(Stage.DENOISE)
     roles.finish(Stage.DECODE)
     assert Stage.DENOISE not in roles.running
     roles.control("A", 1)
-    assert roles.running[Stage.DENOISE] == RunDenoise("A", 1, False)
+    assert roles.running[Stage.DENOISE] == RunDenoise("A", 1)
 
 
 def test_refill_after_denoise_submits_the_condition_two_ahead() -> None:
     roles = Roles(Scheduler())
     roles.ready("A", 8)
-    roles.finish(Stage.ENCODE)
-    roles.finish(Stage.ENCODE)  # conditions 0 and 1 encoded; the encode role idles: no refill before a denoise
+    roles.finish(Stage.CONDITION)
+    roles.finish(Stage.CONDITION)  # conditions 0 and 1 encoded; the encode role idles: no refill before a denoise
     roles.control("A", 0)
     assert roles.sched.next_condition_index("A") == 2
-    assert Stage.ENCODE not in roles.running
+    assert Stage.CONDITION not in roles.running
     out = roles.finish(Stage.DENOISE)
-    assert RunEncode("A", 2) in out and RunDecode("A", 0) in out  # the next encode overlaps this decode
+    assert RunCondition("A", 2) in out and RunDecode("A", 0) in out  # the next encode overlaps this decode
     assert roles.sched.next_condition_index("A") == 3
 
 
@@ -299,29 +299,26 @@ def test_refill_stops_at_the_last_chunk() -> None:
     roles.control("A", 0)
     roles.control("A", 1)
     roles.run_until_idle()
-    assert [a.index for a in roles.of(RunEncode)] == [0, 1]
+    assert [a.index for a in roles.of(RunCondition)] == [0, 1]
     assert [a.index for a in roles.of(Emit)] == [0, 1]
 
 
-def test_world_cache_hit_marks_the_denoise_cached_and_still_waits_for_both_inputs() -> None:
-    asked: list[tuple[str, int]] = []
-
-    def cache(session: str, index: int) -> bool:
-        asked.append((session, index))
-        return index == 1
-
-    roles = Roles(Scheduler(world_cache=cache))
-    roles.ready("A", 3)
-    roles.finish(Stage.ENCODE)
-    roles.finish(Stage.ENCODE)
-    assert asked == []  # nothing dispatched without control[0]
+def test_control_wanted_names_the_next_control_only_when_the_dit_is_about_to_need_it() -> None:
+    roles = Roles(Scheduler())
+    roles.ready("A", 4)
+    roles.open("B", 4)
+    assert roles.sched.control_wanted("B") is None  # caches still initialising
+    before = snapshot(roles.sched, "A")
+    assert roles.sched.control_wanted("A") == 0
+    assert snapshot(roles.sched, "A") == before  # a pure query
     roles.control("A", 0)
-    roles.control("A", 1)
-    roles.control("A", 2)
-    roles.run_until_idle()
-    assert [a.cached for a in roles.of(RunDenoise)] == [False, True, False]
-    assert asked == [("A", 0), ("A", 1), ("A", 2)]
-    assert [e.times.cached for e in roles.of(Emit)] == [False, True, False]
+    assert roles.sched.control_wanted("A") is None  # control[0] waits for its condition
+    roles.finish(Stage.CONDITION)  # denoise 0 starts
+    assert roles.sched.control_wanted("A") is None  # a snapshot cut now would only grow older
+    roles.finish(Stage.DENOISE)
+    assert roles.sched.control_wanted("A") == 1
+    roles.close("A")
+    assert roles.sched.control_wanted("A") is None
 
 
 def test_full_latent_edge_holds_the_dit_back_with_idle_cause_edge() -> None:
@@ -329,12 +326,12 @@ def test_full_latent_edge_holds_the_dit_back_with_idle_cause_edge() -> None:
     roles.ready("A", 8)
     roles.control("A", 0)
     roles.control("A", 1)
-    roles.finish(Stage.ENCODE)  # condition[0] -> denoise 0
+    roles.finish(Stage.CONDITION)  # condition[0] -> denoise 0
     roles.control("A", 2)
-    roles.finish(Stage.ENCODE)
-    roles.finish(Stage.ENCODE)  # conditions 1 and 2 ready
+    roles.finish(Stage.CONDITION)
+    roles.finish(Stage.CONDITION)  # conditions 1 and 2 ready
     roles.finish(Stage.DENOISE)  # latent 0 goes straight to decode; denoise 1 starts
-    assert roles.running[Stage.DENOISE] == RunDenoise("A", 1, False)
+    assert roles.running[Stage.DENOISE] == RunDenoise("A", 1)
     roles.finish(Stage.DENOISE)  # latent 1 waits for the decode role: the latent edge is full
     assert roles.sched.edges("A").latent == 1
     assert Stage.DENOISE not in roles.running  # chunk 2 has both inputs but no room downstream
@@ -342,7 +339,7 @@ def test_full_latent_edge_holds_the_dit_back_with_idle_cause_edge() -> None:
     assert [type(a) for a in out] == [Emit, RunDecode, DitIdle, RunDenoise]
     idle = roles.of(DitIdle)[-1]
     assert (idle.cause, idle.end - idle.start) == ("edge", 3.0)
-    assert roles.running[Stage.DENOISE] == RunDenoise("A", 2, False)
+    assert roles.running[Stage.DENOISE] == RunDenoise("A", 2)
 
 
 # ---- metrics ----
@@ -352,7 +349,7 @@ def test_condition_only_ingress_does_not_start_the_latency_clock() -> None:
     roles = Roles(Scheduler())
     roles.ready("A", 1)
     submitted = roles.now
-    roles.finish(Stage.ENCODE, dt=1.0)
+    roles.finish(Stage.CONDITION, dt=1.0)
     roles.tick(50.0)  # the user thinks for a long time; the condition waits, prefetched
     roles.control("A", 0)
     accepted = roles.now
@@ -372,7 +369,7 @@ def test_dit_idle_is_split_by_cause_waiting_for_control_then_for_condition() -> 
     roles.tick(4.0)
     roles.control("A", 0)  # serial: the condition is submitted only now -> the DiT waits for it
     t_control = roles.now
-    roles.finish(Stage.ENCODE, dt=2.0)
+    roles.finish(Stage.CONDITION, dt=2.0)
     idles = [a for a in roles.of(DitIdle) if a.end > t_ready]
     assert [(i.start, i.end, i.cause) for i in idles] == [
         (t_ready, t_control, "control"),
@@ -386,7 +383,7 @@ def test_dit_idle_names_each_waiting_session_with_its_own_blocker() -> None:
     roles.ready("B", 2)
     roles.control("B", 0)  # serial: B's condition is only now submitted -> B waits for it, A for its control
     roles.tick(3.0)
-    roles.finish(Stage.ENCODE, dt=1.0)
+    roles.finish(Stage.CONDITION, dt=1.0)
     idles = [a for a in roles.of(DitIdle) if ("B", "condition") in a.blocked]
     assert idles and all(dict(i.blocked) == {"A": "control", "B": "condition"} for i in idles)
     assert all(i.cause == "condition" for i in idles)  # overall: the most internal blocker
@@ -401,7 +398,7 @@ def test_sessions_share_the_dit_round_robin_and_the_second_first_frame_does_not_
     for i in range(2):
         roles.control("A", i)
     for _ in range(6):  # A streams alone for a while
-        stage = next(st for st in (Stage.DECODE, Stage.DENOISE, Stage.ENCODE) if st in roles.running)
+        stage = next(st for st in (Stage.DECODE, Stage.DENOISE, Stage.CONDITION) if st in roles.running)
         roles.finish(stage)
         if roles.sched.can_submit("A", roles.sched.next_control_index("A")):
             roles.control("A", roles.sched.next_control_index("A"))
@@ -422,13 +419,13 @@ def test_stage_failure_fails_only_that_session_and_releases_its_caches_in_revers
     roles.ready("B", 4)
     roles.control("A", 0)
     roles.control("B", 0)
-    roles.finish(Stage.ENCODE)  # A0
-    assert roles.running[Stage.DENOISE] == RunDenoise("A", 0, False)
+    roles.finish(Stage.CONDITION)  # A0
+    assert roles.running[Stage.DENOISE] == RunDenoise("A", 0)
     out = roles.finish(Stage.DENOISE, ok=False)
     assert SessionFailed("A", "denoise failed on chunk 0: boom") in out
     assert roles.sched.session_state("A") is SessionState.RELEASING
     roles.run_until_idle({"B": 4})
-    assert [a.stage for a in roles.of(Release, "A")] == [Stage.DECODE, Stage.DENOISE, Stage.ENCODE]
+    assert [a.stage for a in roles.of(Release, "A")] == [Stage.DECODE, Stage.DENOISE, Stage.CONDITION]
     assert roles.of(SessionClosed, "A") == [SessionClosed("A", "failed", "denoise failed on chunk 0: boom", ())]
     assert roles.of(Emit, "A") == []
     assert [e.index for e in roles.of(Emit, "B")] == [0, 1, 2, 3]
@@ -438,11 +435,11 @@ def test_stage_failure_fails_only_that_session_and_releases_its_caches_in_revers
 def test_init_failure_releases_the_caches_whose_init_was_issued() -> None:
     roles = Roles(Scheduler())
     roles.open("A", 4)
-    roles.finish(Stage.ENCODE)
+    roles.finish(Stage.CONDITION)
     out = roles.finish(Stage.DECODE, ok=False)
     assert SessionFailed("A", "decode failed: boom") in out
     roles.run_until_idle()
-    assert [a.stage for a in roles.of(Release)] == [Stage.DECODE, Stage.ENCODE]
+    assert [a.stage for a in roles.of(Release)] == [Stage.DECODE, Stage.CONDITION]
     assert not any(isinstance(a, InitCache) and a.stage is Stage.DENOISE for a in roles.log)
 
 
@@ -454,18 +451,18 @@ def test_close_drains_the_running_task_drops_queued_work_then_releases() -> None
     roles.ready("A", 8)
     roles.control("A", 0)
     roles.control("A", 1)
-    roles.finish(Stage.ENCODE)  # denoise 0 runs; condition[1] encodes
+    roles.finish(Stage.CONDITION)  # denoise 0 runs; condition[1] encodes
     out = roles.close("A")
     assert out == [] and roles.sched.session_state("A") is SessionState.CLOSING
     with pytest.raises(AdmissionError) as info:
         roles.control("A", 2)
     assert info.value.kind == "closed"
-    assert roles.finish(Stage.ENCODE) == []  # condition[1] discarded; denoise 0 still running
+    assert roles.finish(Stage.CONDITION) == []  # condition[1] discarded; denoise 0 still running
     out = roles.finish(Stage.DENOISE)  # drained: no decode of latent 0, no refill
     assert out[0] == Release("A", Stage.DECODE)
-    assert not any(isinstance(a, (RunDecode, RunEncode, Emit)) for a in out)
+    assert not any(isinstance(a, (RunDecode, RunCondition, Emit)) for a in out)
     roles.run_until_idle()
-    assert [a.stage for a in roles.of(Release)] == [Stage.DECODE, Stage.DENOISE, Stage.ENCODE]
+    assert [a.stage for a in roles.of(Release)] == [Stage.DECODE, Stage.DENOISE, Stage.CONDITION]
     assert roles.of(SessionClosed) == [SessionClosed("A", "client", None, ())]
 
 
@@ -483,12 +480,12 @@ def test_closing_a_closing_session_is_a_no_op() -> None:
 def test_close_during_init_waits_for_the_running_init_and_releases_what_was_initialised() -> None:
     roles = Roles(Scheduler())
     roles.open("A", 4)
-    roles.finish(Stage.ENCODE)  # decode init now running
+    roles.finish(Stage.CONDITION)  # decode init now running
     roles.close("A")
     out = roles.finish(Stage.DECODE)
     assert out == [Release("A", Stage.DECODE)]
     roles.run_until_idle()
-    assert [a.stage for a in roles.of(Release)] == [Stage.DECODE, Stage.ENCODE]
+    assert [a.stage for a in roles.of(Release)] == [Stage.DECODE, Stage.CONDITION]
     assert not roles.of(SessionReady)
 
 
@@ -496,14 +493,14 @@ def test_cleanup_failure_poisons_the_session_retries_the_release_and_never_reuse
     roles = Roles(Scheduler(max_release_retries=2))
     roles.ready("A", 4)
     roles.close("A")
-    roles.finish(Stage.ENCODE)  # the running encode of condition[0] drains
+    roles.finish(Stage.CONDITION)  # the running encode of condition[0] drains
     roles.finish(Stage.DECODE)  # decode released
     roles.finish(Stage.DENOISE, ok=False)
     assert roles.sched.session_state("A") is SessionState.POISONED
     roles.finish(Stage.DENOISE, ok=False)
     roles.finish(Stage.DENOISE, ok=False)  # 1 try + 2 retries: given up, the encode release goes ahead
-    roles.finish(Stage.ENCODE)
-    assert [a.stage for a in roles.of(Release)] == [Stage.DECODE] + [Stage.DENOISE] * 3 + [Stage.ENCODE]
+    roles.finish(Stage.CONDITION)
+    assert [a.stage for a in roles.of(Release)] == [Stage.DECODE] + [Stage.DENOISE] * 3 + [Stage.CONDITION]
     assert roles.of(SessionClosed) == [SessionClosed("A", "client", None, (Stage.DENOISE,), poisoned=True)]
     assert roles.sched.session_state("A") is SessionState.POISONED
     assert roles.sched.idle
@@ -515,7 +512,7 @@ def test_cleanup_that_succeeds_on_retry_leaks_nothing_but_still_poisons_the_id()
     roles = Roles(Scheduler())
     roles.ready("A", 4)
     roles.close("A")
-    roles.finish(Stage.ENCODE)
+    roles.finish(Stage.CONDITION)
     roles.finish(Stage.DECODE, ok=False)
     roles.run_until_idle()
     assert roles.of(SessionClosed) == [SessionClosed("A", "client", None, (), poisoned=True)]
@@ -540,22 +537,23 @@ def test_a_cleanly_closed_id_can_be_opened_again_but_a_live_one_cannot() -> None
 def test_serial_mode_submits_condition_with_control_and_admits_the_next_control_after_emission() -> None:
     roles = Roles(Scheduler(mode=Mode.SERIAL))
     out = roles.ready("A", 3)
-    assert not any(isinstance(a, RunEncode) for a in out)
+    assert not any(isinstance(a, RunCondition) for a in out)
     assert roles.sched.next_condition_index("A") == 0
     out = roles.control("A", 0)
-    assert RunEncode("A", 0) in out
+    assert RunCondition("A", 0) in out
     with pytest.raises(AdmissionError) as info:
         roles.control("A", 1)
     assert info.value.kind == "serial"
-    roles.finish(Stage.ENCODE)
+    roles.finish(Stage.CONDITION)
     out = roles.finish(Stage.DENOISE)
-    assert not any(isinstance(a, RunEncode) for a in out)  # no refill in serial mode
+    assert not any(isinstance(a, RunCondition) for a in out)  # no refill in serial mode
     assert not roles.sched.can_submit("A", 1)
     roles.finish(Stage.DECODE)
     assert roles.sched.can_submit("A", 1)
     roles.run_until_idle({"A": 3})
-    order = [(type(a).__name__, a.index) for a in roles.log if isinstance(a, (RunEncode, RunDenoise, RunDecode, Emit))]
-    expected = [(n, i) for i in range(3) for n in ("RunEncode", "RunDenoise", "RunDecode", "Emit")]
+    kinds = (RunCondition, RunDenoise, RunDecode, Emit)
+    order = [(type(a).__name__, a.index) for a in roles.log if isinstance(a, kinds)]
+    expected = [(n, i) for i in range(3) for n in ("RunCondition", "RunDenoise", "RunDecode", "Emit")]
     assert order == expected
 
 
@@ -569,7 +567,7 @@ def test_endless_session_keeps_per_chunk_state_bounded() -> None:
         i = roles.sched.next_control_index("A")
         if roles.sched.can_submit("A", i):
             roles.control("A", i)
-        stage = next(st for st in (Stage.DECODE, Stage.DENOISE, Stage.ENCODE) if st in roles.running)
+        stage = next(st for st in (Stage.DECODE, Stage.DENOISE, Stage.CONDITION) if st in roles.running)
         roles.finish(stage)
         assert roles.sched.in_flight_chunks("A") <= PREFETCH_DEPTH + 2
     assert len(roles.of(Emit)) > 600
@@ -580,17 +578,17 @@ def test_illegal_events_raise_and_change_nothing() -> None:
     roles.ready("A", 4)
     before = snapshot(roles.sched, "A")
     with pytest.raises(IllegalEvent):
-        roles.sched.encode_done("A", 1, roles.tick())  # condition[0] is the one encoding
+        roles.sched.condition_done("A", 1, roles.tick())  # condition[0] is the one encoding
     with pytest.raises(IllegalEvent):
         roles.sched.denoise_done("A", 0, roles.tick())
     with pytest.raises(IllegalEvent):
-        roles.sched.init_done("A", Stage.ENCODE, roles.tick())
+        roles.sched.init_done("A", Stage.CONDITION, roles.tick())
     with pytest.raises(IllegalEvent):
         roles.sched.release_done("A", Stage.DECODE, True, roles.tick())
     with pytest.raises(IllegalEvent):
         roles.sched.stage_failed("A", Stage.DECODE, 0, "boom", roles.tick())
     with pytest.raises(UnknownSession):
-        roles.sched.encode_done("Z", 0, roles.tick())
+        roles.sched.condition_done("Z", 0, roles.tick())
     assert snapshot(roles.sched, "A") == before
 
 

@@ -25,9 +25,9 @@ from runtime.scheduler import (
     InitCache,
     Mode,
     Release,
+    RunCondition,
     RunDecode,
     RunDenoise,
-    RunEncode,
     Scheduler,
     SessionClosed,
     SessionFailed,
@@ -36,7 +36,7 @@ from runtime.scheduler import (
     Stage,
 )
 
-_STAGE_OF = {RunEncode: Stage.ENCODE, RunDenoise: Stage.DENOISE, RunDecode: Stage.DECODE}
+_STAGE_OF = {RunCondition: Stage.CONDITION, RunDenoise: Stage.DENOISE, RunDecode: Stage.DECODE}
 
 
 @dataclass
@@ -160,9 +160,9 @@ class Driver:
             self.feed(s.stage_failed(a.session, stage, index, "boom", now))
         elif isinstance(a, InitCache):
             self.feed(s.init_done(a.session, a.stage, now))
-        elif isinstance(a, RunEncode):
+        elif isinstance(a, RunCondition):
             seen.encoded.add(a.index)
-            self.feed(s.encode_done(a.session, a.index, now))
+            self.feed(s.condition_done(a.session, a.index, now))
         elif isinstance(a, RunDenoise):
             self.feed(s.denoise_done(a.session, a.index, now))
         else:
@@ -207,11 +207,9 @@ class Driver:
 @st.composite
 def schedulers(draw: st.DrawFn) -> Scheduler:
     caps = Capacities(control=draw(st.integers(1, 3)), latent=draw(st.integers(1, 2)), output=draw(st.integers(1, 2)))
-    hits = draw(st.frozensets(st.integers(0, 6), max_size=3))
     return Scheduler(
         mode=draw(st.sampled_from(Mode)),
         capacities=caps,
-        world_cache=lambda session, index: index in hits,
         max_release_retries=draw(st.integers(0, 2)),
     )
 

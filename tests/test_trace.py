@@ -6,13 +6,12 @@ import json
 
 import numpy as np
 
+from ipc.protocol import ChunkControl, ChunkFacts, ChunkTimes, Span
 from runtime.clock import ClockSync
-from runtime.metrics import ChunkRecord, Span
-from runtime.scheduler_types import ChunkTimes
 from runtime.trace import ROLE_TIDS, chrome_trace, spans_outside_window
 
 SKEWS = {1: 12.5, 2: -3.25, 3: 0.75}  # worker clock minus rank-0 clock
-ROLES = {0: "condition", 1: "decode", 2: "dit", 3: "dit"}
+ROLES = {0: "condition", 1: "decode", 2: "denoise", 3: "denoise"}
 
 
 def synced_clock(rng: np.random.Generator) -> ClockSync:
@@ -26,7 +25,7 @@ def synced_clock(rng: np.random.Generator) -> ClockSync:
     return sync
 
 
-def simulate(sync: ClockSync | None, rng: np.random.Generator) -> list[tuple[str, ChunkRecord]]:
+def simulate(sync: ClockSync | None, rng: np.random.Generator) -> list[tuple[str, ChunkFacts]]:
     """Two interleaved sessions, 6 chunks each; spans timed on each worker's clock, then converted."""
 
     def span(name: str, rank: int, queued: float, start: float, end: float) -> Span:
@@ -45,7 +44,7 @@ def simulate(sync: ClockSync | None, rng: np.random.Generator) -> list[tuple[str
             dec_start = den_end + 0.02
             dec_end = dec_start + 0.08
             spans = (
-                span("encode", 0, submitted, submitted + 0.005, enc_end),
+                span("condition", 0, submitted, submitted + 0.005, enc_end),
                 span("transfer:condition", 2, enc_end, den_start - 0.008, den_start - 0.002),
                 span("denoise", 2, den_start - 0.002, den_start, den_end),
                 span("denoise", 3, den_start - 0.002, den_start, den_end),
@@ -57,8 +56,8 @@ def simulate(sync: ClockSync | None, rng: np.random.Generator) -> list[tuple[str
                 denoise_start=den_start, denoise_end=den_end, decode_start=dec_start, decode_end=dec_end,
                 emitted=dec_end + 0.01,
             )
-            control = {"keys": ["w"], "mouse": [0.0, 0.0], "revision": i}
-            out.append((session, ChunkRecord(index=i, frames=12, times=times, control=control, spans=spans)))
+            control = ChunkControl(keys=frozenset("w"), revision=i)
+            out.append((session, ChunkFacts(index=i, frames=12, times=times, control=control, spans=spans)))
             t = den_end
     return out
 
@@ -81,7 +80,7 @@ def test_export_is_valid_chrome_trace_json_with_one_track_per_rank_and_role() ->
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
     assert processes == {r: f"rank {r}" for r in (0, 1, 2, 3)}
     assert set(threads) == {(e["pid"], e["tid"]) for e in complete}  # every track is named
-    assert threads[(2, ROLE_TIDS["dit"])] == "dit" and threads[(0, ROLE_TIDS["chunks"])] == "chunks"
+    assert threads[(2, ROLE_TIDS["denoise"])] == "denoise" and threads[(0, ROLE_TIDS["chunks"])] == "chunks"
     names = {e["name"] for e in complete}
     assert {"denoise alice#0", "decode bob#5", "transfer:latent alice#3", "chunk bob#2"} <= names
     assert len(complete) == len(chunks) * 7  # 6 spans + 1 window per chunk

@@ -93,13 +93,13 @@ def test_interleaved_sessions_decode_and_encode_exactly_as_each_alone(stages) ->
     alone = {}
     for s, seed in (("a", 1), ("b", 2)):
         stages.condition.open(_spec(s, seed))
-        stages.decode.open(s)
+        stages.decode.open(SessionSpec(s, 0, ""))
         alone[s] = [(stages.condition.encode(s, k), stages.decode.decode(s, k, lat[s][k])) for k in range(3)]
         stages.condition.release(s)
         stages.decode.release(s)
     for s, seed in (("a", 1), ("b", 2)):
         stages.condition.open(_spec(s, seed))
-        stages.decode.open(s)
+        stages.decode.open(SessionSpec(s, 0, ""))
     for k in range(3):
         for s in ("b", "a"):
             y, frames = stages.condition.encode(s, k), stages.decode.decode(s, k, lat[s][k])
@@ -107,7 +107,7 @@ def test_interleaved_sessions_decode_and_encode_exactly_as_each_alone(stages) ->
 
 
 def test_release_frees_the_session_caches(stages) -> None:  # type: ignore[no-untyped-def]
-    stages.decode.open("s")
+    stages.decode.open(SessionSpec("s", 0, ""))
     stages.condition.open(_spec("s", 1))
     stages.decode.decode("s", 0, torch.zeros(16, CS, 2, 2))
     stages.condition.encode("s", 0)
@@ -125,14 +125,14 @@ def test_release_frees_the_session_caches(stages) -> None:  # type: ignore[no-un
 
 
 def test_chunks_out_of_order_are_rejected(stages) -> None:  # type: ignore[no-untyped-def]
-    stages.decode.open("s")
+    stages.decode.open(SessionSpec("s", 0, ""))
     stages.condition.open(_spec("s", 1))
     with pytest.raises(ValueError, match="chunk 1"):
         stages.decode.decode("s", 1, torch.zeros(16, CS, 2, 2))
     with pytest.raises(ValueError, match="chunk 2"):
         stages.condition.encode("s", 2)
     with pytest.raises(KeyError, match="already open"):
-        stages.decode.open("s")
+        stages.decode.open(SessionSpec("s", 0, ""))
 
 
 def test_condition_has_the_mask_only_in_the_first_latent_frame(stages) -> None:  # type: ignore[no-untyped-def]

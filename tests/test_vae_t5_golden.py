@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from models.lingbot_vae_stages import LingbotDecodeStage
+from models.stages import SessionSpec
 from models.vae_stream import frames_to_uint8
 from scripts.check_golden import compare
 from scripts.golden_vae_t5 import checks
@@ -44,7 +45,7 @@ def test_uint8_frames_match_the_quantised_expected_frames(fixture: Path | None) 
     cs, num_chunks = cfg["stream"]["chunk_size"], cfg["stream"]["num_chunks"]
     expected = load_file(str(fixture / "expected.safetensors"))
     stage = LingbotDecodeStage(load_vae(fixture / "vae.safetensors", VAEConfig.from_fixture(cfg["vae"])))
-    stage.open("s")
+    stage.open(SessionSpec("s", 0, ""))
     for k in range(num_chunks):
         got = stage.decode("s", k, expected["latents_all"][:, k * cs : (k + 1) * cs])
         want = frames_to_uint8(expected[f"frames_c{k}"])

@@ -6,12 +6,12 @@ from __future__ import annotations
 import io
 import json
 import struct
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from ipc import protocol
 from ipc.client import ChunkResult
 from web import page_protocol as pp
 from web.bridge import BridgeSettings, SessionSlots
@@ -192,44 +192,33 @@ def test_a_frame_message_header_round_trips() -> None:
 # ------------------------------------------------------------------------------------------------ chunk adapter
 
 
-TIMES = {"control_accepted": 1.0, "condition_submitted": 0.5, "encode_start": 0.55, "condition_ready": 0.6,
-         "denoise_start": 1.0, "denoise_end": 1.2, "decode_start": 1.2, "decode_end": 1.3, "emitted": 1.3}
-SPANS = [["denoise", 2, "dit", 1.0, 1.0, 1.2], ["decode", 1, "decode", 1.2, 1.2, 1.3]]
+TIMES = protocol.ChunkTimes(control_accepted=1.0, condition_submitted=0.5, condition_start=0.55, condition_ready=0.6,
+                            denoise_start=1.0, denoise_end=1.2, decode_start=1.2, decode_end=1.3, emitted=1.3)
+SPANS = (protocol.Span("denoise", 2, "denoise", 1.0, 1.0, 1.2), protocol.Span("decode", 1, "decode", 1.2, 1.2, 1.3))
 
 
-def chunk_with(control: object, facts: object) -> ChunkResult:
-    return ChunkResult("s1", 4, np.zeros((12, 8, 8, 3), np.uint8), control, facts, received=5.0,  # type: ignore
+def chunk_with(control: protocol.ChunkControl, spans: tuple[protocol.Span, ...] = SPANS) -> ChunkResult:
+    facts = protocol.ChunkFacts(index=4, frames=12, control=control, times=TIMES, spans=spans)
+    return ChunkResult("s1", 4, np.zeros((12, 8, 8, 3), np.uint8), control, facts, received=5.0,
                        input_to_photon_s={3: 0.25})
 
 
-def test_the_adapter_reads_the_applied_control_and_facts_of_todays_maps() -> None:
-    view = read_chunk(chunk_with({"keys": ["w", "d"], "mouse": [2.0, -1.0], "revision": 3},
-                                 {"control_to_output_s": 0.3, "times": TIMES, "spans": SPANS}))
-    assert (view.index, view.keys, view.mouse, view.revision, view.control_to_output_s) == \
-        (4, ("d", "w"), (2.0, -1.0), 3, 0.3)
+def test_the_adapter_reads_the_applied_control_and_facts() -> None:
+    view = read_chunk(chunk_with(protocol.ChunkControl(keys=frozenset("wd"), mouse=(2.0, -1.0), revision=3)))
+    assert (view.index, view.keys, view.mouse, view.revision) == (4, ("d", "w"), (2.0, -1.0), 3)
+    assert view.control_to_output_s == pytest.approx(0.3)
     assert view.gateway_input_to_photon_s == {3: 0.25}
     assert view.timeline().frames == 12
 
 
-def test_the_adapter_reads_typed_structs_the_same_way() -> None:
-    # the wire forms may become typed structs: attribute access gives the same view
-    control = SimpleNamespace(keys=frozenset({"w", "d"}), mouse=(2.0, -1.0), revision=3)
-    facts = SimpleNamespace(control_to_output_s=0.3, times=TIMES, spans=[tuple(s) for s in SPANS])
-    typed = read_chunk(chunk_with(control, facts))
-    plain = read_chunk(chunk_with({"keys": ["w", "d"], "mouse": [2.0, -1.0], "revision": 3},
-                                  {"control_to_output_s": 0.3, "times": TIMES, "spans": SPANS}))
-    assert (typed.keys, typed.mouse, typed.revision, typed.control_to_output_s, typed.spans) == \
-        (plain.keys, plain.mouse, plain.revision, plain.control_to_output_s, plain.spans)
-
-
 def test_the_trace_of_a_session_has_one_event_per_span_on_each_ranks_track() -> None:
-    view = read_chunk(chunk_with({"keys": ["w"], "mouse": [0, 0], "revision": 1},
-                                 {"control_to_output_s": 0.3, "times": TIMES, "spans": SPANS}))
+    view = read_chunk(chunk_with(protocol.ChunkControl(keys=frozenset("w"), revision=1)))
     trace = chrome_trace([view.timeline()])
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"].split()[0] in ("denoise", "decode")]
     assert sorted((e["name"], e["pid"]) for e in spans) == [("decode s1#4", 1), ("denoise s1#4", 2)]
-    broken = read_chunk(chunk_with({}, {"times": {}, "spans": []}))  # facts without times are left out, not guessed
-    assert [e for e in chrome_trace([broken.timeline()])["traceEvents"] if e.get("ph") == "X"] == []
+    bare = read_chunk(chunk_with(protocol.ChunkControl(), spans=()))  # a chunk without spans adds no span events
+    assert [e for e in chrome_trace([bare.timeline()])["traceEvents"] if e.get("ph") == "X"
+            and e["name"].split()[0] in ("denoise", "decode")] == []
 
 
 # ------------------------------------------------------------------------------------------------ encoding

@@ -1,0 +1,645 @@
+"""The coordinator core: everything rank 0 decides, as a sans-io state machine (DESIGN.md sections 5-8, 11).
+
+``CoordinatorCore.step(events, now)`` takes what happened (client messages, worker completions with their rank,
+finished image decodes, failed sends, timer turns; ``runtime.core_types``) and returns what the shell must do, in
+order. No socket, thread or clock inside: ``now`` comes with every step, and each session id comes from ``new_id``.
+
+It owns each session end to end: the scheduler's cursors (``runtime.scheduler``), what rank 0 keeps of the session
+besides (``runtime.session``: its client, start image, accepted controls, spans, per-rank joins), the live controls
+(``runtime.control_service``) and the metrics. Rules that live here and nowhere else:
+
+- **Opening.** ``open`` is checked (length, prompt, session limit counting images still being decoded), then its
+  image is decoded off the loop (``DecodeImage``); sessions are created in request order once their images are
+  there. The frame size is ``stream.height x stream.width`` (``stream.size = "fixed"``) or follows the start
+  image's aspect ratio at ``stream.area`` pixels (``"image"``, ``models.stages.frame_size``); a degenerate size is
+  refused with ``bad_image``. Everything of the session uses its own geometry: the ``opened`` reply, the pose
+  count of a control, every shape announced to the ranks.
+- **Tasks.** Each scheduler action becomes per-rank tasks through the one table, ``runtime.placement.plan``; the
+  action is finished when every completion it waits for arrived (the join), and only then does the scheduler
+  hear of it. A completion that no join waits for only adds its spans. A task whose join is older than
+  ``timeouts.stage_s`` ends the job; so does a rank silent for ``timeouts.rank_dead_s`` and any fatal failure.
+- **Live controls** are cut when the scheduler wants them (``Scheduler.control_wanted``), after every event.
+- **Clients.** Any message refreshes the sessions of its identity; a session whose client is silent for
+  ``server.client_timeout_s`` is closed ("disconnect"); a client that is gone is skipped until it resumes (same
+  identity, ``heartbeat`` naming the session); one that stops reading is closed at once.
+- **Containment.** A bad request gets a clear error and changes nothing; an unexpected error while handling an
+  event costs the session it concerns (error to its client, caches released), never the server.
+- Actions never re-enter: a scheduler event's actions become outputs only; consequences that need the scheduler
+  again (a failed send, a missing chunk) come back as events of a later step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ipc import protocol
+from ipc.protocol import ChunkFacts, Edge, Phase, Stage
+from models.stages import frame_size
+from runtime import scheduler as sch
+from runtime.clock import ClockSync
+from runtime.config import LayoutConfig, MetricsConfig, SchedulerConfig, ServerConfig, StreamConfig, TimeoutsConfig
+from runtime.control_service import ControlStateError, LiveControls
+from runtime.core_types import (
+    EXIT_FAILED,
+    EXIT_OK,
+    ClientError,
+    ClientSent,
+    ClientUnreachable,
+    ClientUnreadable,
+    DecodeImage,
+    DropTensors,
+    EmitChunk,
+    Event,
+    FramesMissing,
+    ImageDecoded,
+    JobFailed,
+    MemorySampled,
+    MetricsSink,
+    Output,
+    RankLost,
+    ShutdownRequested,
+    Stop,
+    Tick,
+    ToClient,
+    ToWorker,
+    WorkerSent,
+)
+from runtime.metrics import ServerMetrics
+from runtime.placement import HEARTBEAT, Placement, StageAction, identity, placement_of, plan
+from runtime.session import Join, JoinKey, Session, Step
+
+if TYPE_CHECKING:
+    from models.stages import StreamGeometry
+
+log = logging.getLogger(__name__)
+
+BACKPRESSURE_RETRY_S = 0.002  # hint to clients whose control met a full edge
+BUSY_RETRY_S = 5.0  # hint to clients refused at the session limit
+MAX_PEERS = 1024  # client identities remembered for notices (bounded: the longest-silent are forgotten)
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class _Opening:
+    """An ``open`` whose start image is being decoded."""
+
+    ticket: int
+    identity: bytes
+    message: protocol.Open
+    result: ImageDecoded | None = None
+
+
+class CoordinatorCore:
+    """See the module docstring. Create it once every worker reported in; then ``step`` for every loop turn."""
+
+    def __init__(self, layout: LayoutConfig, server: ServerConfig, stream: StreamConfig, scheduler: SchedulerConfig,
+                 timeouts: TimeoutsConfig, metrics: MetricsConfig, geometry: StreamGeometry, now: float,
+                 sink: MetricsSink | None = None, new_id: Callable[[], str] = _new_id) -> None:
+        self.layout, self.server, self.stream, self.timeouts, self.metrics_config = (layout, server, stream,
+                                                                                      timeouts, metrics)
+        self.geometry = geometry  # the backend's, at stream.height x stream.width
+        self.where: Placement = placement_of(layout)
+        self.scheduler = sch.Scheduler(
+            mode=sch.Mode(scheduler.mode),
+            capacities=sch.Capacities(control=scheduler.control_capacity, latent=scheduler.latent_capacity,
+                                      output=scheduler.output_capacity))
+        self.metrics = ServerMetrics(started_at=now)
+        self.clock = ClockSync()
+        self.sink = sink
+        self.new_id = new_id
+        self.sessions: dict[str, Session] = {}
+        self.opening: deque[_Opening] = deque()
+        self.tickets: Iterator[int] = itertools.count()
+        self.peers: dict[bytes, float] = {}  # client identity -> last heard
+        self.last_beat = {rank: now for rank in self.where.heartbeat_ranks}
+        self.memory: dict[int, dict[str, int]] = {}
+        self.ping_seq = 0
+        self.next_ping = now
+        self.stopped = False
+        self._out: list[Output] = []
+
+    # ---------------------------------------------------------------------------------------------- step
+
+    def step(self, events: Iterable[Event], now: float) -> list[Output]:
+        """Handle ``events`` (all at rank-0 time ``now``); the outputs, in the order the shell must carry them out.
+        After a ``Stop`` the core takes nothing more."""
+        for event in events:
+            if self.stopped:
+                break
+            try:
+                self._handle(event, now)
+                self._cut_live(now)
+            except JobFailed as error:
+                log.error("job failed: %s", error)
+                self._notify_all("rank_failed", str(error))
+                self._stop(EXIT_FAILED, str(error))
+            except Exception:  # a bug outside any session (every session's work is guarded): keep serving
+                log.exception("internal error handling %s", type(event).__name__)
+        out, self._out = self._out, []
+        return out
+
+    def _handle(self, event: Event, now: float) -> None:
+        match event:
+            case ClientSent(identity=who, message=message):
+                self._from_client(who, message, now)
+            case ClientUnreadable(identity=who, error=error, req=req):
+                self._remember_peer(who, now)
+                self._refuse(who, ClientError("bad_message", error), req)
+            case ImageDecoded():
+                self._image_decoded(event, now)
+            case WorkerSent(message=protocol.Beat() as beat):
+                self._beat(beat, now)
+            case WorkerSent(message=done):
+                self._guarded(done.session, lambda: self._completion(done, now), now)  # type: ignore[arg-type]
+            case ClientUnreachable():
+                self._guarded(event.session, lambda: self._unreachable(event, now), now)
+            case FramesMissing(session=sid, index=index, error=error):
+                self._contain(sid, None, None, RuntimeError(f"frames of chunk {index} never reached rank 0: {error}"),
+                              now)
+            case MemorySampled(rank=rank, rss=rss, peak_rss=peak, cuda_peak=cuda):
+                self.memory[rank] = {"rss": rss, "peak_rss": peak, "cuda_peak": cuda}
+            case Tick():
+                self._timers(now)
+            case RankLost(reason=reason):
+                raise JobFailed(reason)
+            case ShutdownRequested(lost=lost):
+                self._shutdown(lost, now)
+
+    def _emit(self, output: Output) -> None:
+        self._out.append(output)
+
+    def _to_client(self, session: Session, message: Any) -> None:
+        if not session.gone:  # dropped until the owner resumes (or the client timeout closes the session)
+            self._emit(ToClient(session.client, message, session.id))
+
+    def _stop(self, code: int, reason: str) -> None:
+        self.stopped = True
+        self._emit(Stop(code, reason))
+
+    # ---------------------------------------------------------------------------------------------- clients
+
+    def _from_client(self, who: bytes, message: protocol.ClientMessage, now: float) -> None:
+        self._remember_peer(who, now)
+        for session in self.sessions.values():
+            if session.client == who:
+                session.last_heard = now
+        try:
+            self._request(who, message, now)
+        except ClientError as error:
+            self._refuse(who, error, getattr(message, "req", None), getattr(message, "session", None))
+        except JobFailed:
+            raise
+        except Exception as error:  # a bug must cost one request (and its session), never the server
+            log.exception("internal error handling %s", type(message).__name__)
+            self._contain(getattr(message, "session", None), who, getattr(message, "req", None), error, now)
+
+    def _request(self, who: bytes, message: protocol.ClientMessage, now: float) -> None:
+        match message:
+            case protocol.Open():
+                self._open(who, message)
+            case protocol.Control():
+                self._control(self._owned(who, message.session), message, now)
+            case protocol.ControlState():
+                session = self._owned(who, message.session)
+                if session.live is None:
+                    raise ClientError("bad_control", "this session takes indexed controls; open it with live=true")
+                try:
+                    session.live.update(message)
+                except ControlStateError as error:
+                    raise ClientError(error.reason, str(error)) from None
+            case protocol.Close():
+                self._close(self._owned(who, message.session).id, "client", now)
+            case protocol.Stats():
+                self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(now))))
+            case protocol.Heartbeat(session=sid) if sid is not None:
+                session = self.sessions.get(sid)
+                if session is None or who not in (session.owner, session.client):
+                    raise ClientError("unknown_session", f"no session {sid!r} to resume")
+                session.client, session.gone, session.last_heard = who, False, now
+                self._emit(ToClient(who, protocol.HeartbeatAck(req=message.req, session=sid)))
+            case protocol.Heartbeat():
+                self._emit(ToClient(who, protocol.HeartbeatAck(req=message.req)))
+
+    def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
+        self._reject(error.code)
+        self._emit(ToClient(who, protocol.Error(req=req, session=session, code=error.code, message=str(error),
+                                                retry_after_s=error.retry_after_s)))
+
+    def _reject(self, reason: str) -> None:
+        self.metrics.on_reject(reason)
+        if self.sink is not None:
+            self.sink.on_reject(reason)
+
+    def _remember_peer(self, who: bytes, now: float) -> None:
+        self.peers[who] = now
+        if len(self.peers) > MAX_PEERS:
+            for old in sorted(self.peers, key=self.peers.__getitem__)[: MAX_PEERS // 4]:
+                del self.peers[old]
+
+    def _owned(self, who: bytes, sid: str) -> Session:
+        session = self.sessions.get(sid)
+        if session is None or session.client != who:
+            raise ClientError("unknown_session", f"no session {sid!r} for this client")
+        return session
+
+    @property
+    def max_chunks(self) -> int:
+        """The longest session: ``server.max_chunks``, or less when the model caps it (a "full" KV cache)."""
+        cap = self.geometry.max_chunks
+        return self.server.max_chunks if cap is None else min(cap, self.server.max_chunks)
+
+    def _open(self, who: bytes, message: protocol.Open) -> None:
+        server = self.server
+        if message.num_chunks is not None and not 1 <= message.num_chunks <= self.max_chunks:
+            why = "" if self.geometry.max_chunks is None else (
+                f" (the model's KV cache keeps the whole session and holds {self.geometry.max_chunks} chunks: "
+                "model.kv_window = 'full', model.kv_full_frames)")
+            raise ClientError("bad_request", f"num_chunks must be in 1..{self.max_chunks}, got {message.num_chunks}"
+                              f"{why}")
+        if len(message.prompt) > server.max_prompt_chars:
+            raise ClientError("bad_request", f"prompt of {len(message.prompt)} characters exceeds the limit of "
+                              f"{server.max_prompt_chars}")
+        if len(self.sessions) + len(self.opening) >= server.max_sessions:
+            raise ClientError("busy", f"the server is at its limit of {server.max_sessions} sessions",
+                              retry_after_s=BUSY_RETRY_S)
+        ticket = next(self.tickets)
+        self.opening.append(_Opening(ticket, who, message))
+        self._emit(DecodeImage(ticket, message.image, server.max_image_pixels))
+
+    def _image_decoded(self, event: ImageDecoded, now: float) -> None:
+        """Sessions whose start image is decoded are created, in the order they were asked for."""
+        for opening in self.opening:
+            if opening.ticket == event.ticket:
+                opening.result = event
+        while self.opening and self.opening[0].result is not None:
+            opening = self.opening.popleft()
+            try:
+                self._create(opening, now)
+            except ClientError as error:
+                self._refuse(opening.identity, error, opening.message.req)
+            except JobFailed:
+                raise
+            except Exception as error:  # a bug costs this request only
+                log.exception("internal error opening a session")
+                self._contain(None, opening.identity, opening.message.req, error, now)
+
+    def _frame_size(self, height: int, width: int) -> tuple[int, int]:
+        if self.stream.size == "fixed":
+            return self.stream.height, self.stream.width
+        size = frame_size(height, width, self.stream.area)
+        if min(size) < 16:
+            raise ClientError("bad_image", f"a start image of {width}x{height} pixels is too narrow: its frame size "
+                              f"at {self.stream.area} pixels would be {size[1]}x{size[0]}")
+        return size
+
+    def _create(self, opening: _Opening, now: float) -> None:
+        result, message = opening.result, opening.message
+        assert result is not None
+        if result.image is None:
+            raise ClientError("bad_image", result.error)
+        geometry = self.geometry.with_size(*self._frame_size(result.image.height, result.image.width))
+        sid = self.new_id()
+        live = LiveControls(pause_when_idle=message.pause_when_idle) if message.live else None
+        metrics = self.metrics.open_session(sid, now, self.stream.fps, self.metrics_config.warmup_chunks)
+        self.sessions[sid] = Session(
+            id=sid, client=opening.identity, owner=opening.identity, open_req=message.req, seed=message.seed,
+            prompt=message.prompt, geometry=geometry, live=live, metrics=metrics,
+            num_chunks=message.num_chunks or (None if self.geometry.max_chunks is None else self.max_chunks),
+            last_heard=now, image=result.image)
+        self._guarded(sid, lambda: self._run(self.scheduler.open(sid, message.num_chunks or self.max_chunks, now),
+                                             now), now)
+
+    def _control(self, session: Session, message: protocol.Control, now: float) -> None:
+        if session.live is not None:
+            raise ClientError("bad_control", "this session is live: send control_state, not indexed controls")
+        control, frames = message.control, session.geometry.frames_in_chunk(message.index)
+        if control.poses is not None and len(control.poses) != frames:
+            raise ClientError("bad_control", f"chunk {message.index} has {frames} video frames, got "
+                              f"{len(control.poses)} poses")
+        try:
+            actions = self.scheduler.submit_control(session.id, message.index, now, payload=control)
+        except sch.AdmissionError as error:
+            if error.retryable:  # edge capacity: the same control will be accepted once work moves on
+                raise ClientError("control_backpressure", str(error), retry_after_s=BACKPRESSURE_RETRY_S) from None
+            raise ClientError("rejected_control", str(error)) from None
+        except sch.SchedulerError as error:
+            raise ClientError("rejected_control", str(error)) from None
+        session.controls[message.index] = control
+        self._run(actions, now)
+        self._emit(ToClient(session.client, protocol.Accepted(req=message.req, session=session.id,
+                                                              index=message.index), session.id))
+
+    def _cut_live(self, now: float) -> None:
+        """The non-blocking path of live sessions: a snapshot is cut when the scheduler wants the control."""
+        for session in list(self.sessions.values()):
+            if session.live is not None:
+                self._guarded(session.id, lambda s=session: self._cut(s, now), now)
+
+    def _cut(self, session: Session, now: float) -> None:
+        assert session.live is not None
+        index = self.scheduler.control_wanted(session.id)
+        if index is None:
+            return
+        snapshot = session.live.cut(index, self.scheduler.next_emit_index(session.id))
+        if snapshot is not None:
+            actions = self.scheduler.submit_control(session.id, index, now, payload=snapshot)
+            session.controls[index] = snapshot
+            self._run(actions, now)
+
+    def _unreachable(self, event: ClientUnreachable, now: float) -> None:
+        session = self.sessions.get(event.session)
+        if session is None or session.client != event.identity or session.gone:
+            return
+        session.gone = True
+        if event.why == "gone":  # disconnected: it may reconnect and resume within server.client_timeout_s
+            log.info("session %s: client disconnected; waiting %.0f s for a resume", session.id,
+                     self.server.client_timeout_s)
+        else:  # connected but not reading: never buffer without bound
+            log.info("session %s: client stopped reading, closing", session.id)
+            self._close(session.id, "disconnect", now)
+
+    def _close(self, sid: str, reason: str, now: float) -> None:
+        self._run(self.scheduler.close(sid, reason, now), now)
+
+    def _live(self, sid: str) -> bool:
+        """Open and not closing."""
+        return self.scheduler.session_state(sid) in (sch.SessionState.INITIALIZING, sch.SessionState.READY)
+
+    # ---------------------------------------------------------------------------------------------- actions
+
+    def _run(self, actions: list[sch.Action], now: float) -> None:
+        """Carry out a batch of scheduler actions: outputs only, never another scheduler event."""
+        for action in actions:
+            if not isinstance(action, sch.DitIdle) and action.session not in self.sessions:
+                log.warning("dropped %s of a session rank 0 no longer holds", action)
+                continue
+            match action:
+                case sch.DitIdle():
+                    self._idle(action)
+                case sch.Emit():
+                    self._emit_chunk(self.sessions[action.session], action)
+                case sch.SessionReady(session=sid):
+                    self._ready(self.sessions[sid])
+                case sch.SessionFailed(session=sid, error=error):
+                    self.metrics.on_error("stage_failed")
+                    self._to_client(self.sessions[sid], protocol.Error(session=sid, code="failed", message=error))
+                case sch.SessionClosed():
+                    self._closed(action, now)
+                case _:
+                    self._dispatch(action, now)
+
+    def _dispatch(self, action: StageAction, now: float) -> None:
+        """Send the per-rank tasks of a stage action (the table: ``runtime.placement.plan``) and start its join."""
+        session = self.sessions[action.session]
+        control = session.controls.get(action.index) if isinstance(action, sch.RunDenoise) else None
+        tasks = plan(action, session.facts(), self.where, control)
+        if isinstance(action, sch.InitCache) and action.stage is Stage.CONDITION:
+            session.image = None  # the condition stage has it now
+        if isinstance(action, sch.Release):
+            session.released.pop(action.stage.value, None)  # a retry counts confirmations afresh
+        self._send(session, tasks.sends, now)
+        session.joins[_key_of(action)] = Join(set(tasks.waits), now, tasks.then)
+
+    def _send(self, session: Session, tasks: Iterable[tuple[bytes, protocol.WorkerTask]], now: float) -> None:
+        for to, task in tasks:
+            self._emit(ToWorker(to, task))
+            step = _step_of(task)
+            if step is not None:  # when a chunk's work was handed over: the queue wait of its spans
+                session.queued[(step, task.index)] = now  # type: ignore[union-attr]
+
+    def _ready(self, session: Session) -> None:
+        if self.sink is not None:
+            self.sink.on_open()
+        g = session.geometry
+        self._to_client(session, protocol.Opened(
+            req=session.open_req, session=session.id, height=g.height, width=g.width, fps=self.stream.fps,
+            frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
+            num_chunks=session.num_chunks))
+
+    def _idle(self, action: sch.DitIdle) -> None:
+        self.metrics.on_idle(action.start, action.end, action.cause)
+        if self.sink is not None:
+            self.sink.on_idle(action.end - action.start, action.cause)
+        for sid, cause in action.blocked:  # each waiting session counts the idle time with its own cause
+            if sid in self.sessions:
+                self.sessions[sid].metrics.on_idle(action.start, action.end, cause)
+
+    def _emit_chunk(self, session: Session, action: sch.Emit) -> None:
+        control, spans = session.take_chunk(action.index)
+        for rank, mem in self.memory.items():
+            session.metrics.on_memory(rank, max(mem["peak_rss"], mem["cuda_peak"]))
+        facts = ChunkFacts(action.index, session.geometry.frames_in_chunk(action.index), control, action.times, spans)
+        previous = session.metrics.last_emitted
+        self.metrics.on_chunk(session.id, facts)
+        if self.sink is not None:
+            period = None if previous is None else action.times.emitted - previous
+            self.sink.on_chunk(facts.frames, action.times.control_to_output, period)
+        self._emit(EmitChunk(session.id, facts, None if session.gone else session.client))
+
+    def _closed(self, action: sch.SessionClosed, now: float) -> None:
+        session = self.sessions.pop(action.session)  # present: _run skips actions of sessions dropped
+        summary = self.metrics.close_session(session.id, now)
+        summary["clock_offsets"] = self.clock.to_dict()
+        summary["released"] = session.released  # stage -> ranks that confirmed, in release order
+        summary["leaked_caches"] = [s.value for s in action.leaked]
+        summary["poisoned"] = action.poisoned
+        self._to_client(session, protocol.Closed(session=session.id, reason=action.reason, error=action.error,
+                                                 summary=summary))
+        self._emit(DropTensors(session.id))
+        log.info("session %s closed (%s)", session.id, action.reason)
+
+    # ---------------------------------------------------------------------------------------------- workers
+
+    def _beat(self, beat: protocol.Beat, now: float) -> None:
+        self.last_beat[beat.rank] = now
+        with contextlib.suppress(ValueError):  # an impossible sample (clock step): keep the estimate
+            self.clock.add(beat.rank, beat.echo, beat.received, beat.sent, now)
+        self.memory[beat.rank] = {"rss": beat.rss, "peak_rss": beat.peak_rss, "cuda_peak": beat.cuda_peak}
+
+    def _completion(self, done: protocol.Completion, now: float) -> None:
+        if isinstance(done, protocol.TaskFailed) and done.fatal:
+            raise JobFailed(f"rank {done.rank} {done.role}: {done.error}")
+        session = self.sessions.get(done.session)
+        if session is None:
+            return  # a late answer for a session already gone
+        index = getattr(done, "index", -1)
+        step = done.edge if isinstance(done, protocol.TransferDone) else done.stage
+        if step is not None:
+            session.add_spans(index, done.rank, done.role, done.spans, self.clock,
+                              session.queued.get((step, index), now))
+        try:
+            if isinstance(done, protocol.TaskFailed):
+                self._failed(session, done, now)
+            else:
+                self._joined(session, done, now)
+        except sch.SchedulerError as error:
+            log.warning("ignored %s from rank %d for %s: %s", type(done).__name__, done.rank, done.session, error)
+
+    def _joined(self, session: Session, done: protocol.Completion, now: float) -> None:
+        key, part = _join_of(done)
+        join = None if key is None else session.joins.get(key)
+        if key is None or join is None or part not in join.waiting:
+            return  # an answer that carries spans only (a broadcast, a DiT rank other than the leader)
+        join.waiting.discard(part)
+        if isinstance(done, protocol.ReleaseDone):
+            session.confirm_release(done.stage, done.rank)
+        if join.waiting:
+            return
+        del session.joins[key]
+        self._send(session, join.then, now)
+        stage, phase, index = key
+        sid = session.id
+        if phase is Phase.INIT:
+            self._run(self.scheduler.init_done(sid, stage, now), now)
+        elif phase is Phase.RELEASE:
+            self._run(self.scheduler.release_done(sid, stage, True, now), now)
+        else:
+            done_of = {Stage.CONDITION: self.scheduler.condition_done, Stage.DENOISE: self.scheduler.denoise_done,
+                       Stage.DECODE: self.scheduler.decode_done}
+            self._run(done_of[stage](sid, index, now), now)
+
+    def _failed(self, session: Session, failed: protocol.TaskFailed, now: float) -> None:
+        """A stage task failed for this session only (fatal failures end the job before they get here)."""
+        stage = failed.stage
+        if stage is None:  # a transfer that failed leaves its edge out of step: nothing else can use it
+            raise JobFailed(f"rank {failed.rank} {failed.role}: {failed.error}")
+        index = failed.index if failed.phase is Phase.CHUNK else -1
+        session.joins.pop((stage, failed.phase, index), None)
+        error = f"{failed.role} {failed.phase.value}: {failed.error}"
+        if failed.phase is Phase.RELEASE:
+            self._run(self.scheduler.release_done(session.id, stage, False, now, error), now)
+        else:
+            self._run(self.scheduler.stage_failed(session.id, stage, None if index < 0 else index, error, now), now)
+
+    # ---------------------------------------------------------------------------------------------- timers
+
+    def _timers(self, now: float) -> None:
+        if now >= self.next_ping:
+            self.next_ping = now + self.timeouts.heartbeat_s
+            for rank in self.where.heartbeat_ranks:
+                self._emit(ToWorker(identity(rank, HEARTBEAT), protocol.Ping(seq=self.ping_seq, sent=now)))
+            self.ping_seq += 1
+            if self.sink is not None:
+                self.sink.update(len(self.sessions), self.memory)
+        for rank, seen in self.last_beat.items():
+            if now - seen > self.timeouts.rank_dead_s:
+                raise JobFailed(f"rank {rank} stopped answering (silent for {now - seen:.1f} s)")
+        for session in self.sessions.values():
+            for (stage, phase, index), join in session.joins.items():
+                if now - join.sent > self.timeouts.stage_s:
+                    ranks = ", ".join(str(rank) for _, rank in sorted(join.waiting))
+                    what = f"{stage.value} {phase.value}" + ("" if index < 0 else f" of chunk {index}")
+                    raise JobFailed(f"rank {ranks} did not finish the {what} of session {session.id} within "
+                                    f"{self.timeouts.stage_s:.0f} s")
+        timeout = self.server.client_timeout_s
+        for session in list(self.sessions.values()):
+            if now - session.last_heard > timeout and self._live(session.id):
+                log.info("session %s: client silent for %.1f s, closing", session.id, now - session.last_heard)
+                self._guarded(session.id, lambda sid=session.id: self._close(sid, "disconnect", now), now)
+
+    # ---------------------------------------------------------------------------------------------- failures
+
+    def _guarded(self, sid: str | None, work: Callable[[], object], now: float) -> None:
+        """Run ``work`` for one session; an unexpected error fails that session only."""
+        try:
+            work()
+        except JobFailed:
+            raise
+        except Exception as error:
+            log.exception("internal error in session %s", sid)
+            self._contain(sid, None, None, error, now)
+
+    def _contain(self, sid: str | None, who: bytes | None, req: int | None, error: Exception, now: float) -> None:
+        """After an unexpected error: tell the requester and fail the session it concerns (caches released)."""
+        self.metrics.on_error("internal")
+        text = f"internal error: {type(error).__name__}: {error}"
+        if who is not None:
+            self._emit(ToClient(who, protocol.Error(req=req, session=sid, code="internal", message=text)))
+        session = self.sessions.get(sid or "")
+        if session is None:
+            return
+        try:
+            if not self._live(session.id):
+                return
+            self._to_client(session, protocol.Error(session=session.id, code="failed", message=text))
+            self._close(session.id, "failed", now)
+        except JobFailed:
+            raise
+        except Exception:  # the session cannot even close cleanly: forget it rather than stop serving
+            log.exception("session %s could not be closed; dropping it", session.id)
+            self.sessions.pop(session.id, None)
+            self._emit(DropTensors(session.id))
+
+    def _notify_all(self, code: str, message: str) -> None:
+        """Tell every client we know of, sessions or not, before the job ends."""
+        for who in list(self.peers):
+            sid = next((s.id for s in self.sessions.values() if s.client == who), None)
+            self._emit(ToClient(who, protocol.Error(session=sid, code=code, message=message)))
+
+    def _shutdown(self, lost: tuple[int, ...], now: float) -> None:
+        code, message = "shutdown", "the server is shutting down"
+        if lost:  # under torchrun a dead rank reaches rank 0 as a SIGTERM: say what really happened
+            code, message = "rank_failed", f"rank {', '.join(map(str, lost))} is gone; the job is ending"
+        self._notify_all(code, message)
+        for session in list(self.sessions.values()):
+            self._to_client(session, protocol.Closed(session=session.id, reason="shutdown", error=message,
+                                                     summary=self.metrics.close_session(session.id, now)))
+        self._stop(EXIT_OK, message)
+
+    # ---------------------------------------------------------------------------------------------- queries
+
+    def stats(self, now: float) -> dict[str, Any]:
+        return {
+            **self.metrics.to_dict(now),
+            "open_sessions": len(self.sessions),
+            "ranks": {str(r): m for r, m in sorted(self.memory.items())},
+            "clock_offsets": self.clock.to_dict(),
+            "layout": self.layout.name,
+            "schedule": self.scheduler.mode.value,
+        }
+
+
+def _key_of(action: StageAction) -> JoinKey:
+    if isinstance(action, sch.InitCache):
+        return (action.stage, Phase.INIT, -1)
+    if isinstance(action, sch.Release):
+        return (action.stage, Phase.RELEASE, -1)
+    stage = {sch.RunCondition: Stage.CONDITION, sch.RunDenoise: Stage.DENOISE, sch.RunDecode: Stage.DECODE}
+    return (stage[type(action)], Phase.CHUNK, action.index)
+
+
+def _join_of(done: protocol.Completion) -> tuple[JoinKey | None, tuple[Phase, int]]:
+    """The join a completion belongs to (None: none waits for it) and the part of it that it is."""
+    match done:
+        case protocol.InitDone(stage=stage):
+            return (stage, Phase.INIT, -1), (Phase.INIT, done.rank)
+        case protocol.ReleaseDone(stage=stage):
+            return (stage, Phase.RELEASE, -1), (Phase.RELEASE, done.rank)
+        case protocol.ChunkDone(stage=stage, index=index):
+            return (stage, Phase.CHUNK, index), (Phase.CHUNK, done.rank)
+        case protocol.TransferDone(edge=Edge.FRAMES, index=index):  # the frames arrived: part of their decode
+            return (Stage.DECODE, Phase.CHUNK, index), (Phase.TRANSFER, done.rank)
+    return None, (Phase.TRANSFER, done.rank)
+
+
+_CHUNK_STEPS: dict[type, Step] = {protocol.ConditionChunk: Stage.CONDITION, protocol.DenoiseChunk: Stage.DENOISE,
+                                   protocol.DecodeChunk: Stage.DECODE}
+
+
+def _step_of(task: protocol.WorkerTask) -> Step | None:
+    """What a task of one chunk works on (a stage or an edge), for the queue time of its spans; None for the
+    session-wide tasks (inits, releases, the prompt context), whose spans stay off the chunk timeline."""
+    if isinstance(task, protocol.BroadcastContext):
+        return None
+    edge = getattr(type(task), "edge", None)
+    return edge if edge is not None else _CHUNK_STEPS.get(type(task))

@@ -1,0 +1,83 @@
+"""What rank 0 holds of one session besides the scheduler's cursors: its client, its inputs, its in-flight facts.
+
+Owned by the coordinator core (runtime/core.py), which alone mutates it. Bounded per session: controls, spans,
+queue times and joins exist only for chunks in flight and for the one stage task running, whatever the session
+length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ipc.protocol import ChunkControl, Edge, Phase, Span, Stage, WorkerSpan
+from runtime.clock import ClockSync
+from runtime.control_service import LiveControls
+from runtime.images import DecodedImage
+from runtime.metrics import SessionMetrics
+from runtime.placement import Part, SessionFacts
+
+if TYPE_CHECKING:
+    from models.stages import StreamGeometry
+
+Step = Stage | Edge  # what a task of the session works on: a stage, or a transfer
+JoinKey = tuple[Stage, Phase, int]  # a stage's init, chunk (its index) or release (index -1)
+
+
+@dataclass
+class Join:
+    """One scheduler action in flight on the ranks: the completions it still waits for."""
+
+    waiting: set[Part]
+    sent: float  # when its tasks left (for the stage deadline)
+    then: tuple = ()  # tasks to send once it is finished (``placement.Plan.then``)
+
+
+@dataclass
+class Session:
+    id: str
+    client: bytes  # the ROUTER identity chunks go to
+    owner: bytes  # the identity that opened it (a reconnect with it may resume)
+    open_req: int
+    seed: int
+    prompt: str
+    geometry: StreamGeometry  # the backend's geometry at this session's frame size
+    num_chunks: int | None
+    live: LiveControls | None
+    metrics: SessionMetrics
+    last_heard: float
+    image: DecodedImage | None  # the start image until the condition stage has it
+    gone: bool = False  # the client can no longer be reached (until it resumes)
+    controls: dict[int, ChunkControl] = field(default_factory=dict)  # accepted, not yet emitted
+    spans: dict[int, list[Span]] = field(default_factory=dict)  # chunk -> spans reported so far
+    queued: dict[tuple[Step, int], float] = field(default_factory=dict)  # (step, chunk) -> when its task left
+    joins: dict[JoinKey, Join] = field(default_factory=dict)
+    released: dict[str, list[int]] = field(default_factory=dict)  # stage -> ranks that confirmed, in order
+
+    def facts(self) -> SessionFacts:
+        image = self.image
+        return SessionFacts(self.id, self.seed, self.prompt, self.geometry,
+                            image.pixels if image else b"", image.height if image else 0, image.width if image else 0)
+
+    def add_spans(self, index: int, rank: int, role: str, spans: tuple[WorkerSpan, ...], clock: ClockSync,
+                  queued: float) -> None:
+        """A worker's spans of chunk ``index`` on its own clock -> spans on rank 0's clock (cache init and
+        release work, index -1, stays off the chunk timeline)."""
+        if index < 0 or not spans:
+            return
+        offset = clock.offset(rank) if rank in clock.ranks() else 0.0
+        kept = self.spans.setdefault(index, [])
+        for span in spans:
+            start, end = span.start - offset, span.end - offset
+            kept.append(Span(span.name, rank, role, min(queued, start), start, max(start, end)))
+
+    def take_chunk(self, index: int) -> tuple[ChunkControl, tuple[Span, ...]]:
+        """The control and spans of an emitted chunk; its bookkeeping ends here."""
+        for key in [k for k in self.queued if k[1] == index]:
+            del self.queued[key]
+        return self.controls.pop(index), tuple(self.spans.pop(index, ()))
+
+    def confirm_release(self, stage: Stage, rank: int) -> None:
+        confirmed = self.released.setdefault(stage.value, [])
+        if rank not in confirmed:
+            confirmed.append(rank)

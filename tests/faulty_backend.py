@@ -1,0 +1,76 @@
+"""A backend for the failure tests: the synthetic stages, failing where a session's prompt says.
+
+A prompt holding ``FAIL:<stage>:<chunk>`` (stage: ``condition``, ``denoise`` or ``decode``) makes that stage fail
+on that chunk of that session. The decode rank never sees a prompt, so a decode failure travels down the pipeline:
+the DiT hands it a latent of NaNs, which the synthetic decoder refuses. Selected by the tests with
+``--model.kind=tests.faulty_backend:build``; no production config can reach it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from models.stages import SessionSpec
+from models.synthetic import SyntheticCondition, SyntheticDenoise
+from ranks.backend import Backend, build_synthetic
+from runtime.config import ControlsConfig, ModelConfig, StreamConfig, SyntheticConfig
+
+MARKER = "FAIL"
+
+
+class InjectedFailure(RuntimeError):
+    """A failure asked for by the session's prompt."""
+
+
+def failure_chunk(prompt: str, stage: str) -> int | None:
+    """The chunk at which ``stage`` must fail for this prompt, or None."""
+    tag = f"{MARKER}:{stage}:"
+    at = prompt.find(tag)
+    if at < 0:
+        return None
+    rest = prompt[at + len(tag):].split()
+    return int(rest[0]) if rest and rest[0].isdigit() else None
+
+
+class FaultyCondition(SyntheticCondition):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._fail_at: dict[str, int | None] = {}
+
+    def open(self, spec: SessionSpec) -> torch.Tensor:
+        self._fail_at[spec.session] = failure_chunk(spec.prompt, "condition")
+        return super().open(spec)
+
+    def encode(self, session: str, index: int) -> torch.Tensor:
+        if self._fail_at.get(session) == index:
+            raise InjectedFailure(f"injected condition failure at chunk {index}")
+        return super().encode(session, index)
+
+
+class FaultyDenoise(SyntheticDenoise):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._fail_at: dict[str, tuple[int | None, int | None]] = {}  # session -> (denoise, decode) chunks
+
+    def open(self, spec: SessionSpec, context: torch.Tensor) -> None:
+        self._fail_at[spec.session] = (failure_chunk(spec.prompt, "denoise"), failure_chunk(spec.prompt, "decode"))
+        super().open(spec, context)
+
+    def denoise(self, session: str, index: int, condition: torch.Tensor, control: Any) -> torch.Tensor:
+        denoise_at, decode_at = self._fail_at.get(session, (None, None))
+        if denoise_at == index:  # every DiT rank knows the prompt: they all fail here, before the group's collective
+            raise InjectedFailure(f"injected denoise failure at chunk {index}")
+        latent = super().denoise(session, index, condition, control)
+        return latent.fill_(float("nan")) if decode_at == index else latent
+
+
+def build(model: ModelConfig, stream: StreamConfig, costs: SyntheticConfig, controls: ControlsConfig, roles: list[str],
+          device: torch.device, dit_group: Any | None) -> Backend:
+    backend = build_synthetic(model, stream, costs, controls, roles, device, dit_group)
+    if backend.condition is not None:
+        backend.condition = FaultyCondition(backend.geometry, costs.encode_s)
+    if backend.denoise is not None:
+        backend.denoise = FaultyDenoise(backend.geometry, costs.denoise_s, dit_group)
+    return backend
