@@ -429,12 +429,38 @@ CoordinatorMessage = Union[  # noqa: UP007
     BroadcastCondition, ReceiveLatent, ReceiveFrames, Shutdown, Ping,
 ]
 
+# ----------------------------------------------------------------------------------------------------------------
+# replica <-> router (``python -m ranks.router``): membership. Everything else between a router and its replicas is
+# the client protocol above: the router is one client of each replica.
+
+
+class Register(_Msg, tag="register"):
+    """A replica's rank 0 -> the router's registration socket, every ``replica.heartbeat_s``: here I am and this is
+    where clients reach me. Re-sent as a heartbeat, so a replica joins a router that starts after it."""
+
+    name: str  # the replica's name at the router; a requeued job keeps it and so takes its old place
+    endpoint: str  # where the router connects as a client (tcp://host:port of the replica's server)
+    max_sessions: int  # the replica's server.max_sessions: the router places at most this many sessions there
+    layout: str  # layout.name, reported in the router's stats
+    incarnation: str  # random per job start: a new one under a known name means the old job is gone
+    token: str = ""  # a shared secret, when the router requires one (router.register_token)
+
+
+class Registered(_Msg, tag="registered"):
+    """The router -> a replica, answering each ``register``: accepted, or why not (logged by the replica)."""
+
+    ok: bool
+    message: str = ""
+
+
 _encoder = msgspec.msgpack.Encoder()  # maps keep their order (a summary lists releases in the order they happened)
 _decoders = {
     "client": msgspec.msgpack.Decoder(ClientMessage),
     "server": msgspec.msgpack.Decoder(ServerMessage),
     "worker": msgspec.msgpack.Decoder(WorkerMessage),
     "coordinator": msgspec.msgpack.Decoder(CoordinatorMessage),
+    "replica": msgspec.msgpack.Decoder(Register),  # what a replica sends its router
+    "router": msgspec.msgpack.Decoder(Registered),  # what a router answers a replica
 }
 _raw = msgspec.msgpack.Decoder()
 

@@ -159,6 +159,17 @@ class MetricsConfig(_Section):
     prometheus_port: int = 0  # >0: serve counters on 127.0.0.1:PORT if prometheus-client is installed
 
 
+class ReplicaConfig(_Section):
+    """Joining a router (``python -m ranks.router``) as one of its replicas. The job is unchanged: rank 0 only
+    registers its client endpoint with the router and re-sends that registration as a heartbeat."""
+
+    router: str = ""  # the router's registration endpoint (its router.register_bind as reached from here); "": none
+    name: str = ""  # this replica's name at the router; "": "<advertised host>:<port>". A requeued job keeps it
+    advertise_host: str = ""  # the host the router connects to; "": server.host, or this node's name for 0.0.0.0
+    heartbeat_s: float = 1.0  # the registration is re-sent this often
+    token: str = ""  # the router's register_token, when it requires one
+
+
 class Config(_Section):
     layout: LayoutConfig = msgspec.field(default_factory=LayoutConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
@@ -169,6 +180,7 @@ class Config(_Section):
     synthetic: SyntheticConfig = msgspec.field(default_factory=SyntheticConfig)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    replica: ReplicaConfig = msgspec.field(default_factory=ReplicaConfig)
 
 
 _SECTIONS: dict[str, type[_Section]] = {f: type(getattr(Config(), f)) for f in Config.__struct_fields__}
@@ -256,6 +268,11 @@ def validate(config: Config, where: str) -> Config:
     for key in ("control_capacity", "latent_capacity", "output_capacity"):
         if getattr(sch, key) < 1:
             raise ConfigError(f"{where}: scheduler.{key} must be >= 1")
+    rep = config.replica
+    if rep.router and not rep.router.startswith(("tcp://", "ipc://")):
+        raise ConfigError(f"{where}: replica.router must be a ZeroMQ endpoint (tcp://host:port), got {rep.router!r}")
+    if rep.heartbeat_s <= 0:
+        raise ConfigError(f"{where}: replica.heartbeat_s must be > 0, got {rep.heartbeat_s}")
     return config
 
 

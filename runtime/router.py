@@ -1,0 +1,555 @@
+"""The router core: many unchanged worldstream jobs (replicas) behind one client endpoint, as a sans-io state machine.
+
+``RouterCore.step(events, now)`` takes what happened (client messages, replica messages, registrations, sends that
+could not be queued, timer turns; ``runtime.router_types``) and returns what the shell must do, in order. No socket,
+thread or clock inside. The router is one client of each replica: everything between them is the client protocol.
+Rules that live here and nowhere else:
+
+- **One server's protocol.** Clients see exactly what a server says. The shell decodes their messages with the same
+  ``protocol.decode`` and limits, so bad input gets the same ``bad_message`` text; an unknown or foreign session gets
+  the same ``unknown_session``. The router answers by itself: ``heartbeat`` (naming a session: a resume of a
+  session this identity owns), ``stats`` (aggregated: ``stats``) and ``busy`` (every replica full or down, with
+  ``router.busy_retry_s`` as the hint). ``open`` goes where ``runtime.replicas.choose`` says, under a router request
+  id; its answer goes back with the client's. ``control``, ``control_state`` and ``close`` go to the session's
+  replica exactly as they came, and so do the replies naming the session (``chunk``, ``accepted``, ``closed``,
+  its errors): a chunk's frames are never decoded, copied or re-encoded.
+- **Session ids are the replicas' own** (random, 12 hex digits), so nothing on the chunk path is rewritten. The
+  router holds each id once: an ``opened`` whose id another replica's session already has is closed on its replica
+  and the client told to open again. An ``opened`` nobody waits for any more is closed on its replica at once.
+- **Membership** (``runtime.replicas``): replicas from the config file and replicas that register (``register``,
+  re-sent as a heartbeat; a new ``incarnation`` under a known name is a restarted job). Every replica is pinged
+  every ``router.heartbeat_s`` on its connection; anything it sends proves it alive. An up replica silent for
+  ``router.replica_dead_s``, or one that says it is ending (``rank_failed``/``shutdown``), goes down: each of its
+  sessions ends with that error naming the replica and a ``closed``, its unanswered opens are placed elsewhere, and
+  the router opens a fresh connection (nothing queued for the old job reaches a new one). When the replica answers
+  again (a requeued job at the same endpoint, or a registration at a new one) it is up and takes sessions. A
+  replica whose stats uptime goes back restarted: its sessions end the same way.
+- **Clients.** Any message refreshes the sessions of its identity; sessions of a client silent for
+  ``router.client_timeout_s`` are closed on their replicas (the router keeps its replica connections alive with its
+  own heartbeats, so this rule must live here). A client that is gone has its chunks dropped until it resumes; one
+  that stops reading has its session closed, never buffered.
+- **Containment and bounds.** A bad request gets an error and changes nothing; an unexpected error costs the
+  request it concerns. Sessions and pending opens are bounded by the replicas' capacities (placement refuses
+  beyond), remembered client identities by ``MAX_PEERS``, replicas by ``router.max_replicas``, reject counters by
+  ``MAX_REASONS``; a registered replica down for ``router.forget_after_s`` is forgotten.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from ipc import protocol
+from runtime.core_types import EXIT_OK, ClientError
+from runtime.replicas import Replica, State, choose, summary
+from runtime.router_config import ReplicaEntry, RouterSection, check_endpoint, check_name
+from runtime.router_types import (
+    ChunkHead,
+    ClientSent,
+    ClientUnreachable,
+    ClientUnreadable,
+    Connect,
+    Disconnect,
+    Event,
+    OpenOrigin,
+    Output,
+    Payload,
+    RegisterSent,
+    RegisterUnreadable,
+    ReplicaDown,
+    ReplicaRefused,
+    ReplicaSent,
+    ReplicaUp,
+    SessionOrigin,
+    ShutdownRequested,
+    Stop,
+    Tick,
+    ToClient,
+    ToRegistrant,
+    ToReplica,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_PEERS = 1024  # client identities remembered for notices (the longest-silent without a session are forgotten)
+MAX_REASONS = 32  # distinct reject codes counted; more count as "other"
+MAX_SESSIONS_PER_REPLICA = 100_000  # a registration claiming more is refused
+SESSION_RETRY_S = 0.01  # hint when a session's message met a full replica connection
+ENDING_CODES = frozenset({"rank_failed", "shutdown"})  # a replica says its whole job is ending
+
+
+@dataclass
+class RoutedSession:
+    id: str  # the replica's id, unchanged
+    replica: str
+    client: bytes  # the identity its messages go to
+    owner: bytes  # the identity that opened it (a reconnect with it may resume)
+    last_heard: float
+    gone: bool = False  # the client disconnected: its messages are dropped until it resumes
+    closing: bool = False  # the router asked the replica to close it (client silent or not reading)
+
+
+@dataclass
+class PendingOpen:
+    req: int  # the router's request id on the replica
+    client: bytes
+    message: protocol.Open  # as the client sent it (with its own request id)
+    replica: str
+    sent: float
+    tried: set[str] = field(default_factory=set)  # replicas asked already (busy or unreachable)
+
+
+class RouterCore:
+    """See the module docstring. ``step`` once per loop turn; the first step returns the listed replicas'
+    ``Connect``."""
+
+    def __init__(self, config: RouterSection, listed: Sequence[ReplicaEntry], now: float,
+                 new_req: Callable[[], int] | None = None) -> None:
+        self.config = config
+        self.started = now
+        self.replicas: dict[str, Replica] = {}
+        self.sessions: dict[str, RoutedSession] = {}
+        self.by_client: dict[bytes, set[str]] = {}  # client identity -> its sessions
+        self.opens: dict[int, PendingOpen] = {}
+        self.peers: dict[bytes, float] = {}  # client identity -> last heard
+        self.new_req = new_req or itertools.count(1).__next__
+        self.sessions_total = 0
+        self.chunks_forwarded = 0
+        self.rejects: dict[str, int] = {}
+        self.stopped = False
+        self._out: list[Output] = []
+        for entry in listed:
+            self._add(entry.name, entry.endpoint, entry.max_sessions, True, now)
+
+    # ---------------------------------------------------------------------------------------------- step
+
+    def step(self, events: Iterable[Event], now: float) -> list[Output]:
+        """Handle ``events`` (all at time ``now``); the outputs in the order the shell must carry them out."""
+        for event in events:
+            if self.stopped:
+                break
+            try:
+                self._handle(event, now)
+            except Exception:  # a bug outside any request (requests are guarded): keep routing
+                log.exception("internal error handling %s", type(event).__name__)
+        out, self._out = self._out, []
+        return out
+
+    def _handle(self, event: Event, now: float) -> None:
+        match event:
+            case ClientSent():
+                self._from_client(event, now)
+            case ClientUnreadable(identity=who, error=error, req=req):
+                self._remember_peer(who, now)
+                self._refuse(who, ClientError("bad_message", error), req)
+            case ClientUnreachable():
+                self._unreachable(event)
+            case ReplicaSent():
+                self._from_replica(event, now)
+            case ReplicaRefused():
+                self._refused(event, now)
+            case RegisterSent(peer=peer, message=message):
+                self._register(peer, message, now)
+            case RegisterUnreadable(peer=peer, error=error):
+                self._emit(ToRegistrant(peer, protocol.Registered(ok=False, message=error)))
+            case Tick():
+                self._timers(now)
+            case ShutdownRequested():
+                self._shutdown()
+
+    def _emit(self, output: Output) -> None:
+        self._out.append(output)
+
+    # ---------------------------------------------------------------------------------------------- clients
+
+    def _from_client(self, event: ClientSent, now: float) -> None:
+        who, message = event.identity, event.message
+        self._remember_peer(who, now)
+        for sid in self.by_client.get(who, ()):
+            self.sessions[sid].last_heard = now
+        req, sid = getattr(message, "req", None), getattr(message, "session", None)
+        try:
+            self._request(who, message, event.raw, now)
+        except ClientError as error:
+            self._refuse(who, error, req, sid)
+        except Exception as error:  # a bug costs this request, never the router
+            log.exception("internal error handling %s", type(message).__name__)
+            self._refuse(who, ClientError("internal", f"internal error: {type(error).__name__}"), req, sid)
+
+    def _request(self, who: bytes, message: protocol.ClientMessage, raw: Payload, now: float) -> None:
+        match message:
+            case protocol.Open():
+                self._open(who, message, now)
+            case protocol.Control() | protocol.ControlState() | protocol.Close():
+                session = self._owned(who, message.session)
+                replica = self.replicas[session.replica]
+                kind = type(message).__struct_config__.tag
+                self._emit(ToReplica(replica.name, replica.generation, raw,
+                                     SessionOrigin(who, message.req, session.id, str(kind))))
+            case protocol.Stats():
+                self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(who, now))))
+            case protocol.Heartbeat(session=sid) if sid is not None:
+                self._resume(who, sid, message.req, now)
+            case protocol.Heartbeat():
+                self._emit(ToClient(who, protocol.HeartbeatAck(req=message.req)))
+
+    def _owned(self, who: bytes, sid: str) -> RoutedSession:
+        session = self.sessions.get(sid)
+        if session is None or session.client != who:
+            raise ClientError("unknown_session", f"no session {sid!r} for this client")
+        return session
+
+    def _resume(self, who: bytes, sid: str, req: int, now: float) -> None:
+        session = self.sessions.get(sid)
+        if session is None or session.closing or who not in (session.owner, session.client):
+            raise ClientError("unknown_session", f"no session {sid!r} to resume")
+        self.by_client.get(session.client, set()).discard(sid)
+        self.by_client.setdefault(who, set()).add(sid)
+        session.client, session.gone, session.last_heard = who, False, now
+        self._emit(ToClient(who, protocol.HeartbeatAck(req=req, session=sid)))
+
+    def _open(self, who: bytes, message: protocol.Open, now: float, tried: Iterable[str] = ()) -> None:
+        tried = set(tried)
+        replica = choose(self.replicas.values(), now, exclude=tried)
+        if replica is None:
+            raise ClientError("busy", f"every replica is at its session limit or down "
+                              f"({summary(self.replicas.values())})", retry_after_s=self.config.busy_retry_s)
+        req = self.new_req()
+        self.opens[req] = PendingOpen(req, who, message, replica.name, now, tried | {replica.name})
+        replica.opening += 1
+        self._emit(ToReplica(replica.name, replica.generation, msgspec.structs.replace(message, req=req),
+                             OpenOrigin(req)))
+
+    def _retry_open(self, pending: PendingOpen, now: float) -> None:
+        """Place an open elsewhere (its replica was busy, unreachable or went down), or tell its client why not."""
+        self._drop_open(pending)
+        try:
+            self._open(pending.client, pending.message, now, pending.tried)
+        except ClientError as error:
+            self._refuse(pending.client, error, pending.message.req)
+
+    def _drop_open(self, pending: PendingOpen) -> None:
+        self.opens.pop(pending.req, None)
+        replica = self.replicas.get(pending.replica)
+        if replica is not None:
+            replica.opening = max(0, replica.opening - 1)
+
+    def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
+        code = error.code if error.code in self.rejects or len(self.rejects) < MAX_REASONS - 1 else "other"
+        self.rejects[code] = self.rejects.get(code, 0) + 1
+        self._emit(ToClient(who, protocol.Error(req=req, session=session, code=error.code, message=str(error),
+                                                retry_after_s=error.retry_after_s)))
+
+    def _remember_peer(self, who: bytes, now: float) -> None:
+        self.peers[who] = now
+        if len(self.peers) > MAX_PEERS:
+            idle = [p for p in self.peers if not self.by_client.get(p)]
+            for old in sorted(idle, key=self.peers.__getitem__)[: MAX_PEERS // 4]:
+                del self.peers[old]
+
+    def _unreachable(self, event: ClientUnreachable) -> None:
+        session = self.sessions.get(event.session)
+        if session is None or session.client != event.identity or session.gone:
+            return
+        session.gone = True
+        if event.why == "full":  # connected but not reading: never buffer without bound
+            log.info("session %s: client stopped reading, closing it on replica %s", session.id, session.replica)
+            self._close_on_replica(session)
+
+    def _close_on_replica(self, session: RoutedSession) -> None:
+        session.closing = True
+        replica = self.replicas[session.replica]
+        self._emit(ToReplica(replica.name, replica.generation,
+                             protocol.Close(req=self.new_req(), session=session.id)))
+
+    def _add_session(self, session: RoutedSession) -> None:
+        self.sessions[session.id] = session
+        self.by_client.setdefault(session.client, set()).add(session.id)
+        self.replicas[session.replica].sessions.add(session.id)
+        self.sessions_total += 1
+
+    def _remove_session(self, session: RoutedSession) -> None:
+        self.sessions.pop(session.id, None)
+        owned = self.by_client.get(session.client)
+        if owned is not None:
+            owned.discard(session.id)
+            if not owned:
+                del self.by_client[session.client]
+        replica = self.replicas.get(session.replica)
+        if replica is not None:
+            replica.sessions.discard(session.id)
+
+    # ---------------------------------------------------------------------------------------------- replicas
+
+    def _from_replica(self, event: ReplicaSent, now: float) -> None:
+        replica = self.replicas.get(event.replica)
+        if replica is None or event.generation != replica.generation:
+            return  # from a connection closed since: its job is gone for the router
+        replica.last_heard = now
+        if replica.state is State.DOWN:
+            self._up(replica, now)
+        message = event.message
+        match message:
+            case ChunkHead(session=sid):
+                if self._to_session(replica, sid, event.raw):
+                    self.chunks_forwarded += 1
+            case protocol.Opened():
+                self._opened(replica, message, now)
+            case protocol.Error(code=code) if code in ENDING_CODES:
+                self._down(replica, f"is ending: {message.message}", now, code)
+            case protocol.Error(session=None):
+                self._open_failed(replica, message, now)
+            case protocol.Closed(session=sid):
+                session = self.sessions.get(sid)
+                if session is not None and session.replica == replica.name:
+                    self._remove_session(session)
+                    if not session.gone:
+                        self._emit(ToClient(session.client, event.raw, sid))
+            case protocol.Accepted(session=sid) | protocol.Error(session=sid):
+                self._to_session(replica, sid, event.raw)  # type: ignore[arg-type]
+            case protocol.StatsReply():
+                self._stats_reply(replica, message, now)
+            case protocol.HeartbeatAck():
+                pass  # it proved the replica alive, above
+
+    def _to_session(self, replica: Replica, sid: str, raw: Payload) -> bool:
+        session = self.sessions.get(sid)
+        if session is None or session.replica != replica.name:
+            return False  # a late message of a session that ended here
+        if not session.gone:
+            self._emit(ToClient(session.client, raw, sid))
+        return True
+
+    def _opened(self, replica: Replica, message: protocol.Opened, now: float) -> None:
+        pending = self.opens.get(message.req)
+        if pending is None or pending.replica != replica.name:
+            log.info("replica %s opened %s for an open nobody waits for: closing it", replica.name, message.session)
+            self._emit(ToReplica(replica.name, replica.generation,
+                                 protocol.Close(req=self.new_req(), session=message.session)))
+            return
+        self._drop_open(pending)
+        if message.session in self.sessions:  # another replica's session has this id (random 48 bits: rare)
+            self._emit(ToReplica(replica.name, replica.generation,
+                                 protocol.Close(req=self.new_req(), session=message.session)))
+            self._refuse(pending.client, ClientError("failed", f"session id {message.session} is in use on another "
+                                                     "replica; open again"), pending.message.req)
+            return
+        self._add_session(RoutedSession(message.session, replica.name, pending.client, pending.client, now))
+        self._emit(ToClient(pending.client, msgspec.structs.replace(message, req=pending.message.req),
+                            message.session))
+
+    def _open_failed(self, replica: Replica, error: protocol.Error, now: float) -> None:
+        pending = self.opens.get(error.req) if error.req is not None else None
+        if pending is None or pending.replica != replica.name:
+            log.warning("replica %s: error for no request of the router: %s: %s", replica.name, error.code,
+                        error.message[:200])
+            return
+        if error.code == "busy":  # other clients filled it since its last stats: try the others
+            replica.refused_until = now + self.config.stats_interval_s
+            self._retry_open(pending, now)
+            return
+        self._drop_open(pending)
+        self._refuse(pending.client, ClientError(error.code, error.message, error.retry_after_s), pending.message.req)
+
+    def _refused(self, event: ReplicaRefused, now: float) -> None:
+        origin = event.origin
+        if isinstance(origin, OpenOrigin):
+            pending = self.opens.get(origin.req)
+            if pending is not None and pending.replica == event.replica:
+                self._retry_open(pending, now)
+            return
+        code = "control_backpressure" if origin.kind == "control" else "busy"
+        self._refuse(origin.identity, ClientError(code, f"the connection to replica {event.replica} is full; send "
+                                                  "it again", retry_after_s=SESSION_RETRY_S),
+                     origin.req, origin.session)
+
+    def _stats_reply(self, replica: Replica, reply: protocol.StatsReply, now: float) -> None:
+        if reply.req != replica.stats_req:
+            return
+        replica.stats_req = None
+        if not replica.fold_stats(reply.stats, now):
+            self._end_sessions(replica, "restarted (its uptime went back)", "rank_failed")
+            for pending in [p for p in self.opens.values() if p.replica == replica.name]:
+                self._retry_open(pending, now)
+
+    def _up(self, replica: Replica, now: float) -> None:
+        replica.move(State.UP, now)
+        replica.next_stats = now  # read its load before the first placement needs it
+        log.info("replica %s is up at %s", replica.name, replica.endpoint)
+        self._emit(ReplicaUp(replica.name, replica.endpoint))
+
+    def _down(self, replica: Replica, reason: str, now: float, code: str = "rank_failed") -> None:
+        if replica.state is State.DOWN:
+            return
+        lost = self._end_sessions(replica, reason, code)
+        replica.move(State.DOWN, now)
+        replica.down_reason = reason
+        for pending in [p for p in self.opens.values() if p.replica == replica.name]:
+            self._retry_open(pending, now)
+        self._connect(replica, now)
+        log.warning("replica %s is down: %s (%d sessions lost)", replica.name, reason, lost)
+        self._emit(ReplicaDown(replica.name, reason, lost))
+
+    def _end_sessions(self, replica: Replica, reason: str, code: str) -> int:
+        """Each session on the replica ends: its client gets ``code`` naming the replica, then ``closed``."""
+        text = f"replica {replica.name} ({replica.endpoint}) {reason}; its sessions are lost: open a new one"
+        lost = [self.sessions[sid] for sid in sorted(replica.sessions)]
+        for session in lost:
+            self._remove_session(session)
+            if not session.gone:
+                self._emit(ToClient(session.client, protocol.Error(session=session.id, code=code, message=text),
+                                    session.id))
+                self._emit(ToClient(session.client, protocol.Closed(
+                    session=session.id, reason="shutdown" if code == "shutdown" else "failed", error=text,
+                    summary={"replica": replica.name}), session.id))
+        return len(lost)
+
+    def _add(self, name: str, endpoint: str, max_sessions: int, listed: bool, now: float) -> Replica:
+        replica = Replica(name=name, endpoint=endpoint, max_sessions=max_sessions, listed=listed, since=now)
+        self.replicas[name] = replica
+        self._connect(replica, now)
+        return replica
+
+    def _connect(self, replica: Replica, now: float) -> None:
+        replica.forget_connection()
+        replica.last_heard = replica.next_ping = now
+        self._emit(Connect(replica.name, replica.endpoint, replica.generation))
+
+    # ---------------------------------------------------------------------------------------------- membership
+
+    def _register(self, peer: bytes, message: protocol.Register, now: float) -> None:
+        token = self.config.register_token
+        why = None
+        if token and not hmac.compare_digest(message.token.encode(), token.encode()):
+            why = "wrong or missing token: replica.token must equal the router's register_token"
+        else:
+            why = check_name(message.name) or check_endpoint(message.endpoint)
+            if why is None and not 1 <= message.max_sessions <= MAX_SESSIONS_PER_REPLICA:
+                why = f"max_sessions must be in 1..{MAX_SESSIONS_PER_REPLICA}, got {message.max_sessions}"
+        replica = self.replicas.get(message.name)
+        if why is None and replica is None and len(self.replicas) >= self.config.max_replicas:
+            why = f"the router is at its limit of {self.config.max_replicas} replicas"
+        if why is not None:
+            log.warning("registration refused: %s", why)
+            self._emit(ToRegistrant(peer, protocol.Registered(ok=False, message=why)))
+            return
+        if replica is None:
+            log.info("replica %s registered at %s", message.name, message.endpoint)
+            replica = self._add(message.name, message.endpoint, message.max_sessions, False, now)
+        else:
+            restarted = bool(replica.incarnation) and replica.incarnation != message.incarnation
+            moved = replica.endpoint != message.endpoint
+            if restarted or moved:
+                old = replica.endpoint
+                replica.endpoint = message.endpoint
+                why = "restarted (a new job registered under its name)" if restarted else \
+                    f"moved from {old} (it registered again at {message.endpoint})"
+                if replica.state is State.UP:
+                    self._down(replica, why, now)  # ends its sessions and connects afresh
+                else:
+                    self._connect(replica, now)
+        replica.incarnation = message.incarnation
+        replica.max_sessions, replica.layout, replica.registered_at = message.max_sessions, message.layout, now
+        self._emit(ToRegistrant(peer, protocol.Registered(ok=True)))
+
+    # ---------------------------------------------------------------------------------------------- timers
+
+    def _timers(self, now: float) -> None:
+        config = self.config
+        for replica in list(self.replicas.values()):
+            if now >= replica.next_ping:
+                replica.next_ping = now + config.heartbeat_s
+                self._emit(ToReplica(replica.name, replica.generation, protocol.Heartbeat(req=self.new_req())))
+            if replica.state is State.UP:
+                silent = now - replica.last_heard
+                if silent > config.replica_dead_s:
+                    self._down(replica, f"stopped answering (silent for {silent:.1f} s)", now)
+                elif now >= replica.next_stats and (replica.stats_req is None
+                                                    or now - replica.stats_sent > config.replica_dead_s):
+                    replica.stats_req, replica.stats_sent = self.new_req(), now
+                    replica.next_stats = now + config.stats_interval_s
+                    self._emit(ToReplica(replica.name, replica.generation, protocol.Stats(req=replica.stats_req)))
+            elif not replica.listed and min(now - replica.since, now - (replica.registered_at or 0.0)) > \
+                    config.forget_after_s:
+                log.info("replica %s forgotten (down for %.0f s)", replica.name, now - replica.since)
+                del self.replicas[replica.name]
+                self._emit(Disconnect(replica.name))
+        for pending in list(self.opens.values()):
+            if now - pending.sent > config.open_timeout_s:
+                self._drop_open(pending)
+                self._refuse(pending.client, ClientError("failed", f"replica {pending.replica} did not open the "
+                                                         f"session within {config.open_timeout_s:.0f} s"),
+                             pending.message.req)
+        for session in list(self.sessions.values()):
+            if not session.closing and now - session.last_heard > config.client_timeout_s:
+                log.info("session %s: client silent for %.1f s, closing it on replica %s", session.id,
+                         now - session.last_heard, session.replica)
+                session.gone = True
+                self._close_on_replica(session)
+
+    def _shutdown(self) -> None:
+        message = "the router is shutting down"
+        for session in list(self.sessions.values()):
+            self._close_on_replica(session)  # its replica releases its caches now, not after a client timeout
+            if not session.gone:
+                self._emit(ToClient(session.client, protocol.Error(session=session.id, code="shutdown",
+                                                                   message=message), session.id))
+                self._emit(ToClient(session.client, protocol.Closed(session=session.id, reason="shutdown",
+                                                                    error=message), session.id))
+        for who in self.peers:
+            if not self.by_client.get(who):
+                self._emit(ToClient(who, protocol.Error(code="shutdown", message=message)))
+        self.stopped = True
+        self._emit(Stop(EXIT_OK, message))
+
+    # ---------------------------------------------------------------------------------------------- queries
+
+    def stats(self, who: bytes, now: float) -> dict[str, Any]:
+        """The router's stats for client ``who``: totals over the up replicas (the keys a server has, summed), the
+        router's own counters, every replica (its state, load and its own latest stats without per-session
+        entries) and ``per_session`` for ``who``'s sessions only (with the replica each is on)."""
+        up = [r for r in self.replicas.values() if r.state is State.UP]
+
+        def total(key: str) -> int:
+            return sum(int(v) for r in up if r.stats and isinstance(v := r.stats.get(key), int | float))
+
+        def merged(key: str) -> dict[str, int]:
+            out = dict(self.rejects) if key == "rejects" else {}
+            for r in up:
+                for name, n in ((r.stats or {}).get(key) or {}).items():
+                    out[name] = out.get(name, 0) + int(n)
+            return out
+
+        mine = {}
+        for sid in sorted(self.by_client.get(who, ())):
+            session = self.sessions[sid]
+            entry = ((self.replicas[session.replica].stats or {}).get("per_session") or {}).get(sid) or {}
+            mine[sid] = {**entry, "replica": session.replica}
+        return {
+            "layout": "router",
+            "uptime_s": now - self.started,
+            "open_sessions": sum(len(r.sessions) + r.external for r in up),
+            "sessions": {"open": len(self.sessions), "total": self.sessions_total},
+            "chunks_emitted": total("chunks_emitted"),
+            "frames_emitted": total("frames_emitted"),
+            "rejects": dict(self.rejects),
+            "total": {
+                "replicas_up": len(up), "replicas": len(self.replicas),
+                "max_sessions": sum(r.max_sessions for r in up),
+                "open_sessions": sum(len(r.sessions) + r.external for r in up),
+                "sessions_total": sum(int(((r.stats or {}).get("sessions") or {}).get("total", 0)) for r in up),
+                "chunks_emitted": total("chunks_emitted"), "frames_emitted": total("frames_emitted"),
+                "rejects": merged("rejects"), "errors": merged("errors"),
+            },
+            "router": {"chunks_forwarded": self.chunks_forwarded, "opening": len(self.opens),
+                       "sessions_total": self.sessions_total},
+            "replicas": {name: r.describe(now) for name, r in sorted(self.replicas.items())},
+            "per_session": mine,
+        }
+

@@ -1,0 +1,132 @@
+"""Configuration of the router (``python -m ranks.router --config configs/router.toml``): TOML in frozen structs.
+
+Two parts: ``[router]`` (its client endpoint, limits and deadlines: what the core and the shell receive) and any
+number of ``[[replicas]]`` (the worldstream jobs it serves, by name and client endpoint). Replicas may also register
+themselves (``replica.router`` in their own config) on ``router.register_bind``; the list may then be empty. The
+same rules as the server's config: unknown keys are rejected with the valid ones listed, ``--router.key=value``
+overrides are applied before validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from runtime.config import CONFIG_DIR, ConfigError, _apply, _parse_override, tomllib
+
+ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+MAX_NAME_CHARS = 128
+MAX_ENDPOINT_CHARS = 256
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class RouterSection(_Section):
+    """The router's client endpoint (the same client protocol as one server), its limits and its deadlines."""
+
+    host: str = "127.0.0.1"  # client endpoint; loopback unless you mean to expose it
+    port: int = 5560  # 0 picks a free port (written to WORLDSTREAM_PORT_FILE if set)
+    max_message_bytes: int = 16 * 1024 * 1024  # larger client messages are rejected before decoding (as a server)
+    send_hwm: int = 64  # ZeroMQ send queue per client; a client that stops reading is dropped, never buffered
+    client_timeout_s: float = 10.0  # sessions of a client silent this long are closed on their replica
+    # where replicas register themselves (a ZeroMQ bind address, e.g. "tcp://0.0.0.0:5561"); empty: only the list
+    register_bind: str = ""
+    register_token: str = ""  # when set, a registration must carry it (replica.token)
+    heartbeat_s: float = 0.5  # each replica is pinged (a client heartbeat) this often, up or down
+    replica_dead_s: float = 5.0  # an up replica silent this long is down: its sessions end with rank_failed
+    stats_interval_s: float = 1.0  # each up replica's stats are read this often (load, chunk period, totals)
+    open_timeout_s: float = 120.0  # an open the replica has not answered by then fails (the real model loads caches)
+    busy_retry_s: float = 5.0  # retry hint of the busy answer when every replica is full or down
+    forget_after_s: float = 600.0  # a registered replica down this long is forgotten (listed ones stay)
+    max_replicas: int = 64  # registrations beyond this many replicas are refused
+    replica_hwm: int = 1000  # ZeroMQ queue (messages) each way on the connection to one replica
+
+
+class ReplicaEntry(_Section):
+    """One replica the router knows from the start."""
+
+    name: str  # how stats, logs and errors name it
+    endpoint: str  # the replica's client endpoint, e.g. "tcp://node17:5555"
+    max_sessions: int = 4  # its server.max_sessions (a replica that registers says so itself)
+
+
+class RouterConfig(_Section):
+    router: RouterSection = msgspec.field(default_factory=RouterSection)
+    replicas: list[ReplicaEntry] = msgspec.field(default_factory=list)
+
+
+def check_endpoint(endpoint: str) -> str | None:
+    """Why ``endpoint`` is not one the router can connect to, or None."""
+    if not endpoint.startswith(ENDPOINT_SCHEMES) or len(endpoint) > MAX_ENDPOINT_CHARS:
+        return f"endpoint {endpoint[:MAX_ENDPOINT_CHARS]!r} must start with one of {', '.join(ENDPOINT_SCHEMES)} " \
+               f"and be at most {MAX_ENDPOINT_CHARS} characters"
+    return None
+
+
+def check_name(name: str) -> str | None:
+    if not name or len(name) > MAX_NAME_CHARS or not name.isprintable():
+        return f"a replica name must be 1..{MAX_NAME_CHARS} printable characters, got {name[:MAX_NAME_CHARS]!r}"
+    return None
+
+
+def validate(config: RouterConfig, where: str) -> RouterConfig:
+    r = config.router
+    if not 0 < r.heartbeat_s < r.replica_dead_s:
+        raise ConfigError(f"{where}: router.heartbeat_s must be > 0 and below router.replica_dead_s, got "
+                          f"{r.heartbeat_s} and {r.replica_dead_s}")
+    for key in ("client_timeout_s", "stats_interval_s", "open_timeout_s", "forget_after_s"):
+        if getattr(r, key) <= 0:
+            raise ConfigError(f"{where}: router.{key} must be > 0")
+    if r.busy_retry_s < 0:
+        raise ConfigError(f"{where}: router.busy_retry_s must be >= 0")
+    for key in ("max_message_bytes", "send_hwm", "max_replicas", "replica_hwm"):
+        if getattr(r, key) < 1:
+            raise ConfigError(f"{where}: router.{key} must be >= 1")
+    if r.register_bind and (why := check_endpoint(r.register_bind)):
+        raise ConfigError(f"{where}: router.register_bind: {why}")
+    names = [e.name for e in config.replicas]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where}: replica names must be unique, got {names}")
+    if len(names) > r.max_replicas:
+        raise ConfigError(f"{where}: {len(names)} replicas listed but router.max_replicas is {r.max_replicas}")
+    for entry in config.replicas:
+        why = check_name(entry.name) or check_endpoint(entry.endpoint)
+        if why:
+            raise ConfigError(f"{where}: [[replicas]] {entry.name!r}: {why}")
+        if entry.max_sessions < 1:
+            raise ConfigError(f"{where}: [[replicas]] {entry.name!r}: max_sessions must be >= 1")
+    if not config.replicas and not r.register_bind:
+        raise ConfigError(f"{where}: no [[replicas]] listed and no router.register_bind: the router has nothing "
+                          "to route to")
+    return config
+
+
+def load(name: str | Path, overrides: Sequence[str] = ()) -> RouterConfig:
+    """Load a router config by path (or by bare name from ``configs/``), apply overrides, validate."""
+    path = Path(name)
+    if not path.exists():
+        candidate = CONFIG_DIR / (path.name if path.suffix == ".toml" else f"{path.name}.toml")
+        if not candidate.exists():
+            raise ConfigError(f"router config {name!s} not found (looked in . and {CONFIG_DIR})")
+        path = candidate
+    where = str(path)
+    try:
+        tree = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{where}: not valid TOML: {error}") from None
+    for text in overrides:
+        keys, value = _parse_override(text)
+        _apply(tree, keys, value, f"{where} (override {text})")
+    try:
+        config = msgspec.convert(tree, RouterConfig)
+    except msgspec.ValidationError as error:
+        message = f"{where}: {error}"
+        if "unknown field" in str(error):
+            message += (f" (valid keys of [router]: {', '.join(RouterSection.__struct_fields__)}; of [[replicas]]: "
+                        f"{', '.join(ReplicaEntry.__struct_fields__)})")
+        raise ConfigError(message) from None
+    return validate(config, where)

@@ -1,0 +1,186 @@
+"""Vocabulary of the router core (runtime/router.py): the events it takes and the outputs it returns.
+
+Plain data, no rules. An event is something that happened at the router (a client message, a replica message, a
+registration, a send that could not be queued, a timer turn); an output is something the shell must do, in list
+order (send to a client, a replica or a registering replica; open a fresh connection to a replica; log a replica
+going up or down; stop).
+
+``Payload`` is what the shell received, kept as it came (bytes or a ``zmq.Frame``): the core never reads it, it
+only hands it back in an output, so a chunk's frames cross the router without being decoded or copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ipc import protocol
+
+Payload = Any  # bytes or a zmq.Frame, forwarded as received
+
+# ---- events ----
+
+
+@dataclass(frozen=True)
+class ClientSent:
+    """A client message, decoded (``message``) and as it came (``raw``, forwarded unchanged to its replica)."""
+
+    identity: bytes
+    message: protocol.ClientMessage
+    raw: Payload
+
+
+@dataclass(frozen=True)
+class ClientUnreadable:
+    """A client message that did not decode (``protocol.ProtocolViolation``)."""
+
+    identity: bytes
+    error: str
+    req: int | None = None
+
+
+@dataclass(frozen=True)
+class ClientUnreachable:
+    """A message to a client's session could not be queued: ``gone`` (it may reconnect and resume) or ``full``
+    (connected but not reading: its session is closed, never buffered)."""
+
+    identity: bytes
+    session: str
+    why: Literal["gone", "full"]
+
+
+@dataclass(frozen=True)
+class ChunkHead:
+    """A replica's ``chunk``, read only as far as its session (``ipc.relay.peek``)."""
+
+    session: str
+
+
+@dataclass(frozen=True)
+class ReplicaSent:
+    """A message from the connection ``generation`` to replica ``replica``: decoded in full, or a chunk's head."""
+
+    replica: str
+    generation: int
+    message: protocol.ServerMessage | ChunkHead
+    raw: Payload
+
+
+@dataclass(frozen=True)
+class OpenOrigin:
+    """An ``open`` the router forwarded under its own request id ``req``."""
+
+    req: int
+
+
+@dataclass(frozen=True)
+class SessionOrigin:
+    """A client's session message the router forwarded as it came."""
+
+    identity: bytes
+    req: int | None
+    session: str
+    kind: str  # the message type ("control", "control_state", "close")
+
+
+Origin = OpenOrigin | SessionOrigin
+
+
+@dataclass(frozen=True)
+class ReplicaRefused:
+    """A message to a replica could not be queued (no connection, or its queue is full): nothing was sent."""
+
+    replica: str
+    generation: int
+    origin: Origin
+
+
+@dataclass(frozen=True)
+class RegisterSent:
+    """A registration (or its periodic repeat) from a replica's rank 0, on the registration socket."""
+
+    peer: bytes  # the registration socket's identity of that replica
+    message: protocol.Register
+
+
+@dataclass(frozen=True)
+class RegisterUnreadable:
+    peer: bytes
+    error: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    """A turn of the loop: timers (pings, stats polls, deadlines, silent clients, expired opens) are due."""
+
+
+@dataclass(frozen=True)
+class ShutdownRequested:
+    """Stop routing: every session is closed on its replica and its client told."""
+
+
+Event = (ClientSent | ClientUnreadable | ClientUnreachable | ReplicaSent | ReplicaRefused | RegisterSent
+         | RegisterUnreadable | Tick | ShutdownRequested)
+
+# ---- outputs ----
+
+
+@dataclass(frozen=True)
+class ToClient:
+    identity: bytes
+    message: protocol.ServerMessage | Payload  # a typed message (encoded by the shell) or a payload as received
+    session: str | None = None  # the session it belongs to: a failed send comes back as ``ClientUnreachable``
+
+
+@dataclass(frozen=True)
+class ToReplica:
+    replica: str
+    generation: int  # the connection it was meant for: none other may carry it
+    message: protocol.ClientMessage | Payload
+    origin: Origin | None = None  # who is told when it cannot be queued (None: nobody, a deadline covers it)
+
+
+@dataclass(frozen=True)
+class ToRegistrant:
+    peer: bytes
+    message: protocol.Registered
+
+
+@dataclass(frozen=True)
+class Connect:
+    """Open a fresh connection to ``endpoint`` for the replica (closing any older one, with whatever it still
+    queued): nothing meant for an earlier incarnation of the replica reaches a later one. Messages from it carry
+    ``generation``."""
+
+    replica: str
+    endpoint: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class Disconnect:
+    """Close the replica's connection: it is forgotten."""
+
+    replica: str
+
+
+@dataclass(frozen=True)
+class ReplicaUp:
+    replica: str
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class ReplicaDown:
+    replica: str
+    reason: str
+    sessions_lost: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    code: int
+    reason: str
+
+
+Output = ToClient | ToReplica | ToRegistrant | Connect | Disconnect | ReplicaUp | ReplicaDown | Stop

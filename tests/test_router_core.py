@@ -1,0 +1,558 @@
+"""The router core without processes: each test plays the clients and the replicas by feeding events (with their
+time) and checks what the core asks the shell to do, one rule per test."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from ipc import protocol as p
+from ipc import relay
+from runtime.config import ConfigError
+from runtime.core_types import ClientError
+from runtime.replicas import IllegalTransition, Replica, State
+from runtime.router import MAX_PEERS, MAX_REASONS, RouterCore
+from runtime.router_config import ReplicaEntry, RouterSection, load
+from runtime.router_types import (
+    ChunkHead,
+    ClientSent,
+    ClientUnreachable,
+    ClientUnreadable,
+    Connect,
+    Disconnect,
+    OpenOrigin,
+    Output,
+    RegisterSent,
+    ReplicaDown,
+    ReplicaRefused,
+    ReplicaSent,
+    ReplicaUp,
+    SessionOrigin,
+    ShutdownRequested,
+    Stop,
+    Tick,
+    ToClient,
+    ToRegistrant,
+    ToReplica,
+)
+
+A, B, C = b"client-a", b"client-b", b"client-c"
+DEAD_S = 2.0
+
+
+def stats_of(open_sessions: int = 0, chunks: int = 0, uptime: float = 10.0, **extra: Any) -> dict[str, Any]:
+    """A replica's stats reply, as a server builds it (the keys the router reads)."""
+    return {"uptime_s": uptime, "open_sessions": open_sessions, "chunks_emitted": chunks, "frames_emitted": 12 * chunks,
+            "sessions": {"open": open_sessions, "total": open_sessions}, "rejects": {}, "errors": {},
+            "layout": "cpu-mini", "per_session": {}, **extra}
+
+
+class Fleet:
+    """The router core with replicas (listed ``name -> max_sessions``) and clients around it. Replica answers are
+    fed as the shell would: the message decoded, its bytes as the payload (a chunk: its head only)."""
+
+    def __init__(self, listed: dict[str, int] | None = None, **router: Any) -> None:
+        listed = {"a": 2, "b": 2} if listed is None else listed
+        self.config = RouterSection(**{"heartbeat_s": 0.5, "replica_dead_s": DEAD_S, "stats_interval_s": 1.0,
+                                       "client_timeout_s": 10.0, "open_timeout_s": 30.0, "busy_retry_s": 5.0,
+                                       "forget_after_s": 60.0, **router})
+        self.core = RouterCore(self.config, [ReplicaEntry(name=n, endpoint=f"tcp://{n}:5555", max_sessions=m)
+                                             for n, m in listed.items()], 0.0)
+        self.now = 0.0
+        self.log: list[Output] = []
+        self.generation: dict[str, int] = {}
+        self.req = itertools.count(1)
+        self.ids = (f"{n:012x}" for n in itertools.count(1))
+        self.step()
+
+    # ---- driving
+
+    def step(self, *events: Any, dt: float = 0.001) -> list[Output]:
+        self.now += dt
+        out = self.core.step(events, self.now)
+        self.log += out
+        for o in out:
+            if isinstance(o, Connect):
+                self.generation[o.replica] = o.generation
+        return out
+
+    def client(self, who: bytes, message: p.ClientMessage) -> list[Output]:
+        return self.step(ClientSent(who, message, p.encode(message)))
+
+    def replica(self, name: str, message: Any, generation: int | None = None) -> list[Output]:
+        raw = p.encode(message)
+        head = ChunkHead(message.session) if isinstance(message, p.Chunk) else message
+        return self.step(ReplicaSent(name, self.generation[name] if generation is None else generation, head, raw))
+
+    def up(self, *names: str, **stats: Any) -> None:
+        """Each replica answers a heartbeat, then the stats poll that follows."""
+        for name in names:
+            self.replica(name, p.HeartbeatAck(req=0))
+            self.step(Tick())
+            self.answer_stats(name, stats_of(**stats))
+
+    def answer_stats(self, name: str, stats: dict[str, Any]) -> list[Output]:
+        """The replica answers the stats poll in flight (time moves on to the next poll when none is)."""
+        replica = self.core.replicas[name]
+        if replica.stats_req is None:
+            self.step(Tick(), dt=max(0.001, replica.next_stats - self.now + 0.001))
+        assert replica.stats_req is not None, f"no stats poll of {name}"
+        return self.replica(name, p.StatsReply(req=replica.stats_req, stats=stats))
+
+    def sent_open(self) -> ToReplica:
+        return [o for o in self.log if isinstance(o, ToReplica) and isinstance(o.message, p.Open)][-1]
+
+    def open(self, who: bytes = A) -> tuple[str, str]:
+        """Open a session for ``who``; the replica the router picked opens it. (session id, replica)"""
+        req = next(self.req)
+        self.client(who, p.Open(req=req, image=b"png", num_chunks=8))
+        sent = self.sent_open()
+        sid = next(self.ids)
+        self.replica(sent.replica, opened(sent.message.req, sid))
+        replies = self.to(who, p.Opened)
+        assert replies and replies[-1].session == sid and replies[-1].req == req
+        return sid, sent.replica
+
+    def advance(self, seconds: float, answering: tuple[str, ...] = ()) -> None:
+        """Let time pass in ticks; the replicas in ``answering`` answer each heartbeat."""
+        end = self.now + seconds
+        while self.now < end:
+            self.step(Tick(), dt=0.1)
+            for name in answering:
+                self.replica(name, p.HeartbeatAck(req=0))
+
+    # ---- reading
+
+    def to(self, who: bytes, kind: type) -> list[Any]:
+        """Messages of ``kind`` the core sent to ``who`` (payloads as received are decoded to compare)."""
+        out = []
+        for o in self.log:
+            if isinstance(o, ToClient) and o.identity == who:
+                message = o.message if not isinstance(o.message, bytes) else p.decode(o.message, "server")
+                if isinstance(message, kind):
+                    out.append(message)
+        return out
+
+    def to_replica(self, name: str, kind: type | None = None) -> list[ToReplica]:
+        return [o for o in self.log if isinstance(o, ToReplica) and o.replica == name
+                and (kind is None or isinstance(o.message, (bytes, kind)))
+                and not isinstance(o.message, p.Heartbeat | p.Stats)]
+
+    def errors(self, who: bytes) -> list[p.Error]:
+        return self.to(who, p.Error)
+
+    def clear(self) -> None:
+        self.log.clear()
+
+
+def opened(req: int, sid: str) -> p.Opened:
+    return p.Opened(req=req, session=sid, height=160, width=256, fps=16.0, frames_first_chunk=9, frames_per_chunk=12,
+                    num_chunks=8)
+
+
+def chunk(sid: str, index: int) -> p.Chunk:
+    times = p.ChunkTimes(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    return p.Chunk(session=sid, frames=bytes(12), shape=(1, 2, 2, 3),
+                   facts=p.ChunkFacts(index, 1, p.ChunkControl(), times))
+
+
+@pytest.fixture
+def fleet() -> Fleet:
+    f = Fleet()
+    f.up("a", "b")
+    return f
+
+
+# ------------------------------------------------------------------------------------------------ placement
+
+
+def test_listed_replicas_are_connected_and_down_until_they_answer() -> None:
+    f = Fleet()
+    assert [(o.replica, o.endpoint) for o in f.log if isinstance(o, Connect)] == [("a", "tcp://a:5555"),
+                                                                              ("b", "tcp://b:5555")]
+    f.client(A, p.Open(req=1, image=b"png"))
+    (error,) = f.errors(A)
+    assert error.code == "busy" and error.retry_after_s == 5.0 and "a down, b down" in error.message
+    f.replica("a", p.HeartbeatAck(req=0))
+    assert [o.replica for o in f.log if isinstance(o, ReplicaUp)] == ["a"]
+
+
+def test_new_sessions_spread_by_share_of_capacity_until_every_replica_is_full() -> None:
+    f = Fleet({"a": 2, "b": 4})
+    f.up("a", "b")
+    placed = [f.open(A)[1] for _ in range(6)]
+    assert sorted(placed) == ["a", "a", "b", "b", "b", "b"]
+    assert placed[0] == "b"  # (0 + 1) / 4 < (0 + 1) / 2: the emptier share first
+    f.client(B, p.Open(req=9, image=b"png"))
+    (error,) = f.errors(B)
+    assert error.code == "busy" and error.req == 9 and error.retry_after_s == 5.0
+    assert "a 2/2, b 4/4" in error.message
+    assert len(f.core.sessions) == 6 and not f.core.opens  # the refusal changed nothing
+
+
+def test_sessions_of_other_clients_seen_in_stats_count_as_load(fleet: Fleet) -> None:
+    fleet.answer_stats("a", stats_of(open_sessions=2))  # two direct clients fill a
+    assert [fleet.open(A)[1] for _ in range(2)] == ["b", "b"]
+    fleet.client(A, p.Open(req=5, image=b"png"))
+    assert fleet.errors(A)[-1].code == "busy"
+
+
+def test_a_tie_goes_to_the_replica_with_the_shorter_recent_chunk_period(fleet: Fleet) -> None:
+    fleet.open(A)  # on a (the name breaks the first tie)
+    fleet.open(B)  # on b
+    for chunks_a, chunks_b in ((0, 0), (5, 20)):  # over 1.1 s: a session's chunk every 0.22 s on a, 0.055 s on b
+        fleet.step(Tick(), dt=1.1)
+        fleet.answer_stats("a", stats_of(open_sessions=1, chunks=chunks_a))
+        fleet.answer_stats("b", stats_of(open_sessions=1, chunks=chunks_b))
+    assert fleet.core.replicas["b"].period_s < fleet.core.replicas["a"].period_s
+    assert fleet.open(C)[1] == "b"
+
+
+def test_a_replica_answering_busy_gets_the_open_placed_on_another(fleet: Fleet) -> None:
+    fleet.client(A, p.Open(req=3, image=b"png"))
+    first = fleet.sent_open()
+    fleet.replica(first.replica, p.Error(req=first.message.req, code="busy", message="at its limit", retry_after_s=5))
+    second = fleet.sent_open()
+    assert second.replica != first.replica and second.message.req != first.message.req
+    assert second.message.image == b"png" and not fleet.errors(A)
+    fleet.replica(second.replica, opened(second.message.req, "0000000000aa"))
+    assert fleet.to(A, p.Opened)[-1].req == 3
+
+
+def test_an_open_no_replica_can_take_gets_busy_after_each_refused(fleet: Fleet) -> None:
+    fleet.client(A, p.Open(req=3, image=b"png"))
+    first = fleet.sent_open()
+    fleet.step(ReplicaRefused(first.replica, fleet.generation[first.replica], OpenOrigin(first.message.req)))
+    second = fleet.sent_open()
+    assert second.replica != first.replica
+    fleet.replica(second.replica, p.Error(req=second.message.req, code="busy", message="full", retry_after_s=5))
+    (error,) = fleet.errors(A)
+    assert error.code == "busy" and error.req == 3
+    assert not fleet.core.opens and all(r.opening == 0 for r in fleet.core.replicas.values())
+
+
+# ------------------------------------------------------------------------------------------------ forwarding
+
+
+def test_an_open_gets_the_clients_request_id_back_and_so_do_its_errors(fleet: Fleet) -> None:
+    fleet.client(A, p.Open(req=41, image=b"GIF8"))
+    sent = fleet.sent_open()
+    assert sent.message.req != 41  # the router's own request id on the replica
+    fleet.replica(sent.replica, p.Error(req=sent.message.req, code="bad_image", message="could not be decoded"))
+    (error,) = fleet.errors(A)
+    assert (error.req, error.code, error.message) == (41, "bad_image", "could not be decoded")
+    assert not fleet.core.opens and not fleet.core.sessions
+
+
+def test_chunks_and_replies_of_a_session_reach_its_client_as_the_same_payload(fleet: Fleet) -> None:
+    sid, name = fleet.open(A)
+    payload = p.encode(chunk(sid, 0))
+    out = fleet.step(ReplicaSent(name, fleet.generation[name], ChunkHead(sid), payload))
+    assert out == [ToClient(A, payload, sid)] and out[0].message is payload  # forwarded, never re-encoded
+    control = p.Control(req=7, session=sid, index=0)
+    raw = p.encode(control)
+    out = fleet.step(ClientSent(A, control, raw))
+    assert len(out) == 1 and out[0].replica == name and out[0].message is raw  # the client's own bytes
+    fleet.replica(name, p.Accepted(req=7, session=sid, index=0))
+    fleet.replica(name, p.Closed(session=sid, reason="complete", summary={"chunks": 1}))
+    assert fleet.to(A, p.Accepted)[-1].req == 7 and fleet.to(A, p.Closed)[-1].summary == {"chunks": 1}
+    assert sid not in fleet.core.sessions and not fleet.core.replicas[name].sessions
+    assert fleet.core.chunks_forwarded == 1
+
+
+def test_a_session_is_only_reachable_by_its_client_with_the_servers_error(fleet: Fleet) -> None:
+    sid, name = fleet.open(A)
+    fleet.clear()
+    for message in (p.Control(req=2, session=sid, index=0), p.Close(req=3, session=sid),
+                    p.ControlState(req=4, session=sid, keys=["w"], revision=1)):
+        fleet.client(B, message)
+    assert not fleet.to_replica(name)  # nothing reached the replica
+    assert [(e.req, e.code, e.message) for e in fleet.errors(B)] == [
+        (req, "unknown_session", f"no session {sid!r} for this client") for req in (2, 3, 4)]
+    fleet.client(A, p.Control(req=5, session="nope", index=0))
+    assert fleet.errors(A)[-1].message == "no session 'nope' for this client"
+
+
+def test_a_message_for_a_session_that_ended_is_dropped(fleet: Fleet) -> None:
+    sid, name = fleet.open(A)
+    fleet.replica(name, p.Closed(session=sid, reason="client"))
+    fleet.clear()
+    fleet.replica(name, chunk(sid, 3))
+    fleet.replica("b" if name == "a" else "a", chunk(sid, 3))  # another replica naming it: not its session
+    assert not [o for o in fleet.log if isinstance(o, ToClient)]
+
+
+def test_bad_input_gets_bad_message_with_its_request_id_and_changes_nothing(fleet: Fleet) -> None:
+    fleet.open(A)
+    before = len(fleet.core.sessions)
+    fleet.step(ClientUnreadable(B, "invalid 'open' message: Expected `int`, got `str` - at `$.seed`", 12))
+    (error,) = fleet.errors(B)
+    assert (error.req, error.code) == (12, "bad_message") and "$.seed" in error.message
+    assert len(fleet.core.sessions) == before and fleet.core.rejects["bad_message"] == 1
+
+
+def test_a_session_message_meeting_a_full_replica_connection_is_refused_with_a_retry_hint(fleet: Fleet) -> None:
+    sid, name = fleet.open(A)
+    fleet.step(ReplicaRefused(name, fleet.generation[name], SessionOrigin(A, 8, sid, "control")))
+    (error,) = fleet.errors(A)
+    assert (error.req, error.session, error.code) == (8, sid, "control_backpressure") and error.retry_after_s > 0
+
+
+def test_a_late_opened_is_closed_on_its_replica_and_leaves_nothing_behind(fleet: Fleet) -> None:
+    fleet.client(A, p.Open(req=1, image=b"png"))
+    sent = fleet.sent_open()
+    fleet.advance(31, answering=("a", "b"))  # router.open_timeout_s = 30
+    (error,) = fleet.errors(A)
+    assert error.code == "failed" and error.req == 1 and f"replica {sent.replica} did not open" in error.message
+    fleet.clear()
+    fleet.replica(sent.replica, opened(sent.message.req, "00000000late"))
+    closes = fleet.to_replica(sent.replica, p.Close)
+    assert [c.message.session for c in closes] == ["00000000late"] and not fleet.to(A, p.Opened)
+    assert not fleet.core.sessions
+
+
+def test_a_session_id_already_held_on_another_replica_is_refused_and_closed_there(fleet: Fleet) -> None:
+    sid, name = fleet.open(A)
+    fleet.client(B, p.Open(req=2, image=b"png"))
+    sent = fleet.sent_open()
+    assert sent.replica != name
+    fleet.replica(sent.replica, opened(sent.message.req, sid))
+    assert fleet.errors(B)[-1].code == "failed" and "in use" in fleet.errors(B)[-1].message
+    assert [c.message.session for c in fleet.to_replica(sent.replica, p.Close)] == [sid]
+    assert fleet.core.sessions[sid].client == A and fleet.core.sessions[sid].replica == name
+
+
+# ------------------------------------------------------------------------------------------------ clients
+
+
+def test_sessions_of_a_silent_client_are_closed_on_their_replica(fleet: Fleet) -> None:
+    sid, name = fleet.open(A)
+    other, _ = fleet.open(B)
+    for _ in range(12):
+        fleet.advance(1.0, answering=("a", "b"))
+        fleet.client(B, p.Heartbeat())
+    closes = [c.message.session for c in fleet.to_replica(name, p.Close)]
+    assert closes == [sid]  # B kept beating: its session stays
+    fleet.replica(name, p.Closed(session=sid, reason="client"))
+    assert sid not in fleet.core.sessions and other in fleet.core.sessions
+
+
+def test_a_client_that_stops_reading_has_its_session_closed_never_buffered(fleet: Fleet) -> None:
+    sid, name = fleet.open(A)
+    fleet.clear()
+    fleet.step(ClientUnreachable(A, sid, "full"))
+    assert [c.message.session for c in fleet.to_replica(name, p.Close)] == [sid]
+    fleet.replica(name, chunk(sid, 0))
+    assert not [o for o in fleet.log if isinstance(o, ToClient)]  # dropped while it closes
+
+
+def test_a_gone_client_resumes_with_a_heartbeat_and_only_its_owner_may(fleet: Fleet) -> None:
+    sid, name = fleet.open(A)
+    fleet.step(ClientUnreachable(A, sid, "gone"))
+    fleet.clear()
+    fleet.replica(name, chunk(sid, 0))
+    assert not [o for o in fleet.log if isinstance(o, ToClient)]  # dropped while away
+    fleet.client(B, p.Heartbeat(req=3, session=sid))
+    assert fleet.errors(B)[-1].message == f"no session {sid!r} to resume"
+    fleet.client(A, p.Heartbeat(req=4, session=sid))
+    assert fleet.to(A, p.HeartbeatAck)[-1].session == sid
+    fleet.replica(name, chunk(sid, 1))
+    assert fleet.to(A, p.Chunk)[-1].facts.index == 1
+    assert not fleet.to_replica(name, p.Heartbeat)  # answered by the router itself
+
+
+# ------------------------------------------------------------------------------------------------ membership
+
+
+def test_a_silent_replica_goes_down_its_sessions_end_naming_it_and_new_sessions_go_elsewhere(fleet: Fleet) -> None:
+    sid_a, _ = fleet.open(A)
+    sid_b, _ = fleet.open(B)
+    assert fleet.core.sessions[sid_b].replica == "b"
+    fleet.advance(DEAD_S + 0.5, answering=("a",))
+    (down,) = [o for o in fleet.log if isinstance(o, ReplicaDown)]
+    assert down.replica == "b" and down.sessions_lost == 1 and "stopped answering" in down.reason
+    (error,) = fleet.errors(B)
+    assert error.code == "rank_failed" and error.session == sid_b and "replica b (tcp://b:5555)" in error.message
+    closed = fleet.to(B, p.Closed)[-1]
+    assert closed.session == sid_b and closed.reason == "failed" and "replica b" in closed.error
+    assert not fleet.errors(A) and sid_a in fleet.core.sessions  # a's session streams on
+    assert fleet.open(C)[1] == "a"
+    fleet.client(B, p.Control(req=9, session=sid_b, index=0))
+    assert fleet.errors(B)[-1].code == "unknown_session"
+
+
+def test_a_replica_saying_its_job_ends_goes_down_at_once_and_its_opens_go_elsewhere(fleet: Fleet) -> None:
+    _, name = fleet.open(A)
+    fleet.client(B, p.Open(req=2, image=b"png"))
+    pending = fleet.sent_open()
+    assert pending.replica != name  # b got the second open; make that one end
+    fleet.clear()
+    fleet.replica(pending.replica, p.Error(code="rank_failed", message="rank 1 is gone; the job is ending"))
+    down = [o for o in fleet.log if isinstance(o, ReplicaDown)]
+    assert down and down[0].replica == pending.replica and "rank 1 is gone" in down[0].reason
+    moved = fleet.sent_open()
+    assert moved.replica == name and not fleet.errors(B)  # the client never saw it
+    assert [o.generation for o in fleet.log if isinstance(o, Connect)] == [fleet.generation[pending.replica]]
+
+
+def test_a_down_replica_rejoins_on_a_fresh_connection_and_takes_sessions_again(fleet: Fleet) -> None:
+    fleet.open(A)
+    old = fleet.generation["b"]
+    fleet.advance(DEAD_S + 0.5, answering=("a",))
+    assert fleet.generation["b"] == old + 1 and fleet.core.replicas["b"].state is State.DOWN
+    fleet.clear()
+    fleet.replica("b", p.HeartbeatAck(req=0), generation=old)  # the old connection: ignored
+    assert fleet.core.replicas["b"].state is State.DOWN
+    fleet.replica("b", p.HeartbeatAck(req=0))
+    assert fleet.core.replicas["b"].state is State.UP and [o.replica for o in fleet.log if isinstance(o, ReplicaUp)]
+    assert fleet.open(B)[1] == "b"
+
+
+def test_a_replica_whose_uptime_went_back_restarted_and_its_sessions_end(fleet: Fleet) -> None:
+    sid, name = fleet.open(A)
+    other, other_name = fleet.open(B)
+    for uptime, other_uptime in ((20.0, 20.0), (0.5, 21.1)):
+        fleet.step(Tick(), dt=1.1)
+        fleet.answer_stats(name, stats_of(uptime=uptime))
+        fleet.answer_stats(other_name, stats_of(uptime=other_uptime))
+    error = fleet.errors(A)[-1]
+    assert error.code == "rank_failed" and error.session == sid and "restarted" in error.message
+    assert f"replica {name}" in error.message and sid not in fleet.core.sessions
+    assert other in fleet.core.sessions and not fleet.errors(B)  # the other replica's session stays
+    assert fleet.core.replicas[name].state is State.UP  # it serves: it takes new sessions
+
+
+def test_a_replica_registers_itself_and_a_new_incarnation_ends_its_old_sessions() -> None:
+    f = Fleet({}, register_bind="tcp://127.0.0.1:5561")
+    register = p.Register(name="n7", endpoint="tcp://node7:5555", max_sessions=3, layout="split7", incarnation="one")
+    out = f.step(RegisterSent(b"peer", register))
+    assert Connect("n7", "tcp://node7:5555", 1) in out and ToRegistrant(b"peer", p.Registered(ok=True)) in out
+    f.up("n7")
+    sid, name = f.open(A)
+    assert name == "n7" and f.core.replicas["n7"].max_sessions == 3
+    f.step(RegisterSent(b"peer", register))  # the heartbeat: nothing changes
+    assert sid in f.core.sessions
+    f.clear()
+    f.step(RegisterSent(b"peer2", msgspec.structs.replace(register, incarnation="two", endpoint="tcp://node9:5555")))
+    error = f.errors(A)[-1]
+    assert error.code == "rank_failed" and "replica n7" in error.message and "restarted" in error.message
+    assert [(o.endpoint, o.generation) for o in f.log if isinstance(o, Connect)] == [("tcp://node9:5555", 2)]
+    f.replica("n7", p.HeartbeatAck(req=0))
+    assert f.open(B)[1] == "n7"
+
+
+def test_registrations_with_a_wrong_token_bad_fields_or_beyond_the_limit_are_refused() -> None:
+    f = Fleet({"a": 2}, register_bind="tcp://127.0.0.1:5561", register_token="s3cret", max_replicas=2)
+    good = p.Register(name="r", endpoint="tcp://r:1", max_sessions=1, layout="x", incarnation="i", token="s3cret")
+    cases = [(msgspec.structs.replace(good, token="guess"), "token"),
+             (msgspec.structs.replace(good, endpoint="http://r:1"), "must start with"),
+             (msgspec.structs.replace(good, name=""), "replica name"),
+             (msgspec.structs.replace(good, max_sessions=0), "max_sessions")]
+    for message, why in cases:
+        (answer,) = [o.message for o in f.step(RegisterSent(b"p", message)) if isinstance(o, ToRegistrant)]
+        assert not answer.ok and why in answer.message
+    assert list(f.core.replicas) == ["a"]
+    assert f.step(RegisterSent(b"p", good))[-1] == ToRegistrant(b"p", p.Registered(ok=True))
+    (answer,) = [o.message for o in f.step(RegisterSent(b"p", msgspec.structs.replace(good, name="third")))
+                 if isinstance(o, ToRegistrant)]
+    assert not answer.ok and "limit of 2 replicas" in answer.message and len(f.core.replicas) == 2
+
+
+def test_a_registered_replica_down_for_long_is_forgotten_and_a_listed_one_stays() -> None:
+    f = Fleet({"a": 2}, register_bind="tcp://127.0.0.1:5561", forget_after_s=5.0)
+    f.step(RegisterSent(b"p", p.Register(name="r", endpoint="tcp://r:1", max_sessions=1, layout="x",
+                                         incarnation="i")))
+    f.advance(6.0)
+    assert list(f.core.replicas) == ["a"] and Disconnect("r") in f.log
+
+
+# ------------------------------------------------------------------------------------------------ stats, ending
+
+
+def test_stats_sum_the_up_replicas_and_show_a_client_only_its_own_sessions(fleet: Fleet) -> None:
+    sid_a, name_a = fleet.open(A)
+    sid_b, name_b = fleet.open(B)
+    fleet.step(Tick(), dt=1.1)
+    for name, sid in ((name_a, sid_a), (name_b, sid_b)):
+        fleet.answer_stats(name, stats_of(open_sessions=1, chunks=4, rejects={"busy": 1},
+                                          per_session={sid: {"chunks": 4}}))
+    fleet.client(A, p.Stats(req=5))
+    (reply,) = fleet.to(A, p.StatsReply)
+    stats = reply.stats
+    assert reply.req == 5 and stats["layout"] == "router"
+    assert stats["chunks_emitted"] == 8 and stats["sessions"] == {"open": 2, "total": 2}
+    assert stats["total"]["replicas_up"] == 2 and stats["total"]["max_sessions"] == 4
+    assert stats["total"]["rejects"] == {"busy": 2}
+    assert stats["per_session"] == {sid_a: {"chunks": 4, "replica": name_a}}  # not B's
+    assert set(stats["replicas"]) == {"a", "b"} and stats["replicas"][name_a]["sessions"] == 1
+    assert all("per_session" not in r["stats"] for r in stats["replicas"].values())
+    assert not fleet.to_replica(name_a, p.Stats)  # answered from what the router knows
+
+
+def test_shutdown_closes_every_session_on_its_replica_and_tells_its_client(fleet: Fleet) -> None:
+    sid, name = fleet.open(A)
+    fleet.client(C, p.Heartbeat())
+    fleet.clear()
+    out = fleet.step(ShutdownRequested())
+    assert [c.message.session for c in fleet.to_replica(name, p.Close)] == [sid]
+    assert fleet.errors(A)[-1].code == "shutdown" and fleet.to(A, p.Closed)[-1].reason == "shutdown"
+    assert fleet.errors(C)[-1].code == "shutdown"
+    assert isinstance(out[-1], Stop) and out[-1].code == 0
+    assert fleet.step(Tick()) == []  # nothing more after a stop
+
+
+def test_remembered_peers_and_reject_reasons_stay_bounded(fleet: Fleet) -> None:
+    fleet.open(A)
+    for n in range(MAX_PEERS + 50):
+        fleet.step(ClientUnreadable(f"peer-{n}".encode(), "not a msgpack message"), dt=0.0001)
+    assert len(fleet.core.peers) <= MAX_PEERS and A in fleet.core.peers  # a client with a session stays
+    for n in range(MAX_REASONS + 10):
+        fleet.core._refuse(B, ClientError(f"code{n}", "x"), None)
+    assert len(fleet.core.rejects) <= MAX_REASONS and fleet.core.rejects["other"] > 0
+
+
+def test_a_replica_moves_only_along_its_transitions() -> None:
+    replica = Replica(name="a", endpoint="tcp://a:1", max_sessions=1, listed=True, since=0.0)
+    with pytest.raises(IllegalTransition, match="down -> down"):
+        replica.move(State.DOWN, 1.0)
+    assert replica.state is State.DOWN and replica.since == 0.0
+    replica.move(State.UP, 2.0)
+    assert replica.state is State.UP and replica.since == 2.0
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+
+
+def test_peek_reads_a_chunks_session_whatever_its_size_and_rejects_what_is_not_a_message() -> None:
+    big = p.encode(msgspec.structs.replace(chunk("0123456789ab", 4), frames=bytes(32 << 20)))
+    head = relay.peek(memoryview(big))
+    assert (head.type, head.session) == ("chunk", "0123456789ab")
+    for bad in (b"\x93\x01\x02\x03", b"\xc1", msgspec.msgpack.encode({"type": 3}),
+                msgspec.msgpack.encode({"type": "chunk", "v": 9})):
+        with pytest.raises(p.ProtocolViolation):
+            relay.peek(bad)
+
+
+def test_router_config_rejects_unknown_keys_duplicate_names_and_bad_deadlines(tmp_path: Path) -> None:
+    def write(text: str) -> Path:
+        path = tmp_path / "router.toml"
+        path.write_text(text)
+        return path
+
+    entry = '[[replicas]]\nname = "a"\nendpoint = "tcp://a:5555"\n'
+    assert load(write(entry)).replicas[0].max_sessions == 4
+    with pytest.raises(ConfigError, match="valid keys of \\[router\\]"):
+        load(write("[router]\nprot = 1\n" + entry))
+    with pytest.raises(ConfigError, match="unique"):
+        load(write(entry + entry))
+    with pytest.raises(ConfigError, match="heartbeat_s"):
+        load(write(entry), ["--router.heartbeat_s=9"])
+    with pytest.raises(ConfigError, match="must start with"):
+        load(write('[[replicas]]\nname = "a"\nendpoint = "a:5555"\n'))
+    with pytest.raises(ConfigError, match="nothing to route to"):
+        load(write("[router]\nport = 1\n"))
+    assert load(write("[router]\nregister_bind = \"tcp://127.0.0.1:0\"\n")).replicas == []
