@@ -1,0 +1,290 @@
+"""What the router costs and how fast it fails over (issue 14), measured side by side on one machine.
+
+    python scripts/bench_router.py [--sessions 4] [--chunks 40] [--rounds 3] [--no-failover]
+
+Two replicas (``cpu-mini``: 2 ranks each, synthetic backend, E/D/V = 25/60/30 ms) and one router, all on loopback.
+Each round plays the same eager trace in three ways, one after the other (the order rotates between rounds):
+
+- **direct**: K/2 sessions straight to replica a and K/2 straight to replica b, at once: each replica's own rate
+  and the per-chunk delivery latency without a router;
+- **routed**: K sessions through the router, which places K/2 on each replica;
+- **mixed**: K/2 sessions through the router and K/2 straight to the replicas (K/4 to each), at the same time: the
+  two kinds of chunk leave the same replicas in the same seconds under the same machine load, so their latencies
+  compare side by side even on a shared, loaded machine.
+
+Delivery latency of a chunk = its client's arrival time - the replica's emission time (``facts.times.emitted``; one
+machine: every process reads the same CLOCK_MONOTONIC); the first two chunks of each session are warm-up and left
+out. Reported: the router's added latency per chunk, p50 and p99 of routed minus direct, from the mixed phases
+(headline) and from the separate phases; the router's CPU per stream (its process CPU seconds over the routed
+phase's wall time, divided by K) and per forwarded chunk; the aggregate chunk rate through the router (routed) over
+the sum of the two replicas' own rates (direct), each over the window in which all its sessions stream.
+
+Failover (unless ``--no-failover``), with the router's default deadlines (heartbeat 0.5 s, replica_dead_s 5 s):
+one session streams on each replica, a rank of replica b is SIGKILLed (rank 1: the replica's rank 0 notices and
+tells the router; rank 0: only the router's heartbeat deadline notices), and we time kill -> b's client gets
+``rank_failed``, kill -> a new session opened through the router (on a), and, after b is restarted at its endpoint,
+restart -> b serving -> the router has it up again. Saves ``out/bench_router.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ipc.client import Busy, Client
+from scripts.bench_common import distribution, fmt, table
+from scripts.client import Played, load_trace, play
+from scripts.local_router import LocalRouter, Streamer
+from scripts.local_server import ROOT, LocalServer
+
+WARMUP = 2
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def overlap_rate(plays: list[Played]) -> float | None:
+    """Chunks per second while every one of ``plays`` streams (from the latest first steady chunk to the earliest
+    last chunk)."""
+    steady = [[c.received for c in p.chunks if c.index >= WARMUP] for p in plays]
+    if any(len(s) < 2 for s in steady):
+        return None
+    start, end = max(s[0] for s in steady), min(s[-1] for s in steady)
+    inside = sorted(t for s in steady for t in s if start <= t <= end)
+    return (len(inside) - 1) / (inside[-1] - inside[0]) if len(inside) > 2 else None
+
+
+def run_phase(endpoints: list[str], image: bytes, trace: dict[str, Any], router_pid: int | None,
+              router_endpoint: str = "") -> dict[str, Any]:
+    """Play one session per endpoint at once; what each client saw (latencies split by the router's endpoint)."""
+    plays: dict[int, Played] = {}
+    errors: list[BaseException] = []
+    clients = [Client(e, timeout_s=120) for e in endpoints]
+
+    def run(n: int) -> None:
+        try:
+            plays[n] = play(clients[n], image, trace)
+        except BaseException as error:  # surfaced below
+            errors.append(error)
+
+    cpu0 = cpu_seconds(router_pid) if router_pid else 0.0
+    began = time.monotonic()
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(len(endpoints))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    wall = time.monotonic() - began
+    cpu = (cpu_seconds(router_pid) - cpu0) if router_pid else None
+    for c in clients:
+        c.close_client()
+    if errors:
+        raise errors[0]
+    ordered = [plays[n] for n in range(len(endpoints))]
+
+    def delivery(routed: bool) -> list[float]:
+        return [c.received - c.facts.times.emitted for e, p in zip(endpoints, ordered)
+                if (e == router_endpoint) == routed for c in p.chunks if c.index >= WARMUP]
+
+    latencies = delivery(True) + delivery(False)
+    by_endpoint: dict[str, list[Played]] = {}
+    for endpoint, p in zip(endpoints, ordered):
+        by_endpoint.setdefault(endpoint, []).append(p)
+    rates = {e: overlap_rate(ps) for e, ps in by_endpoint.items()}
+    chunks = sum(len(p.chunks) for p in ordered)
+    return {"latencies": latencies, "routed_latencies": delivery(True), "direct_latencies": delivery(False),
+            "rates": rates, "rate": overlap_rate(ordered), "wall_s": wall,
+            "router_cpu_s": cpu, "chunks": chunks,
+            "in_order": all([c.index for c in p.chunks] == list(range(len(trace["chunks"]))) for p in ordered)}
+
+
+def settle(router: LocalRouter) -> None:
+    """Wait until the router's view of every replica is empty again (its stats are read every second): the next
+    phase starts from the same placement."""
+    with Client(router.endpoint, timeout_s=10) as probe:
+        while any(r["load"] for r in probe.stats()["replicas"].values()):
+            time.sleep(0.1)
+
+
+def failover(kind: int, router: LocalRouter, a: LocalServer, b: LocalServer, image: bytes,
+             b_overrides: list[str]) -> tuple[dict[str, float], LocalServer]:
+    """Kill rank ``kind`` of b under a streaming session; time what follows. Returns the timings and the new b."""
+    clients = [Client(router.endpoint, timeout_s=30) for _ in range(3)]
+    try:
+        streamers = []
+        for client in clients[:2]:
+            info = client.open(image)
+            streamers.append(Streamer(client, info.id, client.stats()["per_session"][info.id]["replica"]))
+        assert sorted(s.replica for s in streamers) == ["a", "b"], [s.replica for s in streamers]
+        threads = [s.start() for s in streamers]
+        while not all(len(s.chunks) >= 3 for s in streamers):
+            time.sleep(0.02)
+        lost = next(s for s in streamers if s.replica == "b")
+        kept = next(s for s in streamers if s.replica == "a")
+        killed = time.monotonic()
+        b.kill_rank(kind)
+        while lost.error is None:
+            time.sleep(0.005)
+        told = lost.error_at - killed
+        while True:
+            try:
+                opened = clients[2].open(image, num_chunks=2)
+                break
+            except Busy as error:
+                time.sleep(min(0.2, error.retry_after_s or 0.2))
+        new_session = time.monotonic() - killed
+        where = clients[2].stats()["per_session"][opened.id]["replica"]
+        clients[2].close(opened.id)
+        b.wait(timeout_s=60)
+        relaunched = time.monotonic()
+        restarted = LocalServer("cpu-mini", b_overrides).start()
+        serving = time.monotonic()
+        with Client(router.endpoint, timeout_s=10) as probe:
+            while probe.stats()["replicas"]["b"]["state"] != "up":
+                time.sleep(0.02)
+        up = time.monotonic()
+        kept.stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        assert kept.error is None and lost.error is not None and lost.error.code == "rank_failed", lost.error
+        assert "replica b" in lost.error.message and where == "a"
+        return {"kill_to_client_error_s": told, "kill_to_new_session_s": new_session,
+                "restart_to_serving_s": serving - relaunched, "serving_to_rejoined_s": up - serving,
+                "restart_to_rejoined_s": up - relaunched, "error": lost.error.message}, restarted
+    finally:
+        for c in clients:
+            c.close_client()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, default=4, help="K, even: K/2 per replica")
+    parser.add_argument("--chunks", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-failover", action="store_true")
+    parser.add_argument("--json", type=Path, default=ROOT / "out" / "bench_router.json")
+    args = parser.parse_args(argv)
+    k = args.sessions
+    if k < 2 or k % 2:
+        parser.error("--sessions must be even and >= 2")
+    trace = load_trace(ROOT / "assets" / "demo_trace.json")
+    trace = {**trace, "chunks": (trace["chunks"] * (args.chunks // len(trace["chunks"]) + 1))[: args.chunks]}
+    image = (ROOT / "assets" / "start.png").read_bytes()
+    ports = {"a": free_port(), "b": free_port()}
+    replica = ["--server.max_sessions=" + str(k), "--server.send_hwm=512"]
+    overrides = {n: [*replica, f"--server.port={p}"] for n, p in ports.items()}
+    log_dir = ROOT / "out"
+    log_dir.mkdir(exist_ok=True)
+    a = LocalServer("cpu-mini", overrides["a"], log_path=log_dir / "bench-router-a.log")
+    b = LocalServer("cpu-mini", overrides["b"], log_path=log_dir / "bench-router-b.log")
+    router = LocalRouter([(n, f"tcp://127.0.0.1:{p}", k) for n, p in ports.items()],
+                         log_path=log_dir / "bench-router.log")
+    phases: dict[str, list[dict[str, Any]]] = {"direct": [], "routed": [], "mixed": []}
+    failovers: dict[str, dict[str, float]] = {}
+    servers = [a, b]
+    try:
+        for server in (a, b):
+            server.start()
+        router.start()
+        assert router.process is not None
+        with Client(router.endpoint) as probe:
+            while {r["state"] for r in probe.stats()["replicas"].values()} != {"up"}:
+                time.sleep(0.05)
+        print(f"two cpu-mini replicas and the router up; {k} sessions x {args.chunks} chunks, {args.rounds} rounds",
+              flush=True)
+        modes = ("direct", "routed", "mixed")
+        plans = {"direct": [a.endpoint] * (k // 2) + [b.endpoint] * (k // 2), "routed": [router.endpoint] * k,
+                 "mixed": [router.endpoint] * (k // 2) + [a.endpoint] * (k // 4) + [b.endpoint] * (k // 2 - k // 4)}
+        for n in range(args.rounds):
+            for mode in modes[n % 3:] + modes[: n % 3]:
+                result = run_phase(plans[mode], image, trace, router.process.pid if mode == "routed" else None,
+                                   router.endpoint)
+                phases[mode].append(result)
+                print(f"  round {n + 1} {mode}: p50 delivery routed "
+                      f"{fmt(distribution(result['routed_latencies'])['p50'])}, direct "
+                      f"{fmt(distribution(result['direct_latencies'])['p50'])}; {result['chunks']} chunks in "
+                      f"{result['wall_s']:.1f} s", flush=True)
+                settle(router)
+        if not args.no_failover:
+            for kind, label in ((1, "kill_rank_1"), (0, "kill_rank_0")):
+                settle(router)
+                failovers[label], b = failover(kind, router, a, b, image, overrides["b"])
+                servers.append(b)
+                timings = {key: round(v, 3) for key, v in failovers[label].items() if key != "error"}
+                print(f"  failover {label}: {json.dumps(timings)}", flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+        router.stop()
+
+    direct = distribution([x for r in phases["direct"] for x in r["latencies"]])
+    routed = distribution([x for r in phases["routed"] for x in r["latencies"]])
+    mixed_direct = distribution([x for r in phases["mixed"] for x in r["direct_latencies"]])
+    mixed_routed = distribution([x for r in phases["mixed"] for x in r["routed_latencies"]])
+    direct_rate = [sum(v for v in r["rates"].values() if v) for r in phases["direct"]]
+    routed_rate = [r["rate"] or 0.0 for r in phases["routed"]]
+    cpu = [r["router_cpu_s"] / r["wall_s"] for r in phases["routed"]]
+    per_chunk = [r["router_cpu_s"] / r["chunks"] for r in phases["routed"]]
+    facts = {
+        "sessions": k, "chunks": args.chunks, "rounds": args.rounds, "layout": "cpu-mini",
+        "mixed_delivery_latency_direct_s": mixed_direct, "mixed_delivery_latency_routed_s": mixed_routed,
+        "added_latency_p50_s": mixed_routed["p50"] - mixed_direct["p50"],
+        "added_latency_p99_s": mixed_routed["p99"] - mixed_direct["p99"],
+        "added_latency_p50_by_mixed_round_s": [distribution(r["routed_latencies"])["p50"]
+                                               - distribution(r["direct_latencies"])["p50"] for r in phases["mixed"]],
+        "delivery_latency_direct_s": direct, "delivery_latency_routed_s": routed,
+        "phases_added_latency_p50_s": routed["p50"] - direct["p50"],
+        "phases_added_latency_p99_s": routed["p99"] - direct["p99"],
+        "router_cores": sum(cpu) / len(cpu), "router_cores_per_stream": sum(cpu) / len(cpu) / k,
+        "router_cpu_per_chunk_s": sum(per_chunk) / len(per_chunk),
+        "aggregate_rate_direct_per_s": direct_rate, "aggregate_rate_routed_per_s": routed_rate,
+        "rate_ratio": sum(routed_rate) / sum(direct_rate),
+        "rate_ratio_by_round": [r / d for d, r in zip(direct_rate, routed_rate)],
+        "every_chunk_in_order": all(r["in_order"] for rs in phases.values() for r in rs),
+        "failover": failovers,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(facts, indent=1))
+    rows = [
+        ["mixed: delivery latency p50 (replica emit -> client)", fmt(mixed_direct["p50"]), fmt(mixed_routed["p50"]),
+         fmt(facts["added_latency_p50_s"])],
+        ["mixed: delivery latency p99", fmt(mixed_direct["p99"]), fmt(mixed_routed["p99"]),
+         fmt(facts["added_latency_p99_s"])],
+        ["phases: delivery latency p50", fmt(direct["p50"]), fmt(routed["p50"]),
+         fmt(facts["phases_added_latency_p50_s"])],
+        ["phases: delivery latency p99", fmt(direct["p99"]), fmt(routed["p99"]),
+         fmt(facts["phases_added_latency_p99_s"])],
+        ["aggregate chunk rate (chunks/s)", f"{sum(direct_rate) / len(direct_rate):.2f}",
+         f"{sum(routed_rate) / len(routed_rate):.2f}", f"ratio {facts['rate_ratio']:.3f}"],
+    ]
+    print(table(["", "direct", "routed", "router adds"], rows))
+    print(f"router CPU: {facts['router_cores']:.3f} cores for {k} streams = {facts['router_cores_per_stream']:.4f} "
+          f"cores per stream, {facts['router_cpu_per_chunk_s'] * 1e6:.0f} us per forwarded chunk")
+    for label, f in failovers.items():
+        print(f"{label}: kill -> client error {f['kill_to_client_error_s']:.2f} s, kill -> new session on the "
+              f"survivor {f['kill_to_new_session_s']:.2f} s, restart -> serving {f['restart_to_serving_s']:.1f} s, "
+              f"serving -> rejoined {f['serving_to_rejoined_s']:.2f} s")
+    print(f"saved {args.json}")
+    return 0 if facts["every_chunk_in_order"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Start a router on this machine as a subprocess (multi-process tests, ``scripts/bench_router.py``).
+
+    with LocalRouter([("a", server_a.endpoint, 2)], register_port=free_port()) as router:
+        client = Client(router.endpoint)
+
+It writes a router config (the listed replicas, ``router.register_bind`` on loopback when ``register_port`` is
+given), runs ``python -m ranks.router`` on a free client port, waits until it serves, and on exit stops it with
+SIGTERM and returns its exit code. ``Streamer`` is a session that streams until told to stop or until it fails (the
+failover test and benchmark kill replicas under it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ipc.client import Client, ServerError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class RouterFailed(RuntimeError):
+    pass
+
+
+class LocalRouter:
+    def __init__(self, replicas: list[tuple[str, str, int]], overrides: list[str] | None = None,
+                 register_port: int | None = None, log_path: Path | None = None, startup_s: float = 30.0) -> None:
+        self.replicas = replicas
+        self.overrides = list(overrides or [])
+        self.register_port = register_port
+        self.startup_s = startup_s
+        self._dir = tempfile.TemporaryDirectory(prefix="worldstream-router-")
+        self.log_path = log_path or Path(self._dir.name) / "router.log"
+        self.config_path = Path(self._dir.name) / "router.toml"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def register_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.register_port}"
+
+    def start(self) -> LocalRouter:
+        lines = ["[router]", 'host = "127.0.0.1"', "port = 0"]
+        if self.register_port is not None:
+            lines.append(f'register_bind = "tcp://127.0.0.1:{self.register_port}"')
+        for name, endpoint, max_sessions in self.replicas:
+            lines += ["", "[[replicas]]", f'name = "{name}"', f'endpoint = "{endpoint}"',
+                      f"max_sessions = {max_sessions}"]
+        self.config_path.write_text("\n".join(lines) + "\n")
+        port_file = Path(self._dir.name) / "port"
+        env = {**os.environ, "WORLDSTREAM_PORT_FILE": str(port_file), "PYTHONUNBUFFERED": "1"}
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - kept open for the router's lifetime
+        began = time.monotonic()
+        self.process = subprocess.Popen([sys.executable, "-m", "ranks.router", "--config", str(self.config_path),
+                                         *self.overrides], cwd=ROOT, env=env, stdout=self._log,
+                                        stderr=subprocess.STDOUT)
+        while not port_file.exists():
+            if self.process.poll() is not None:
+                raise RouterFailed(f"router exited with {self.process.returncode}:\n{self.log()}")
+            if time.monotonic() - began > self.startup_s:
+                self.stop()
+                raise RouterFailed(f"router not serving after {self.startup_s:.0f} s:\n{self.log()}")
+            time.sleep(0.05)
+        self.port = int(port_file.read_text())
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> LocalRouter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._log.close()
+
+
+@dataclass
+class Streamer:
+    """A session that streams one chunk per control (sent once the previous chunk arrived) until ``stop`` is set,
+    then closes; or until the session fails, keeping the error and when it came (client monotonic clock)."""
+
+    client: Client
+    session: str
+    replica: str = ""
+    chunks: list[tuple[int, float]] = field(default_factory=list)  # (index, arrival)
+    error: ServerError | None = None
+    error_at: float = 0.0
+    summary: dict[str, Any] | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        index = 0
+        try:
+            while not self.stop.is_set():
+                # fire and forget: a control in flight when its replica dies gets no answer; the session's error does
+                self.client.control(self.session, index, keys="w", wait=False)
+                chunk = self.client.next_chunk(self.session, timeout_s=30)
+                self.chunks.append((chunk.index, time.monotonic()))
+                index += 1
+            self.summary = self.client.close(self.session)
+        except ServerError as error:
+            self.error, self.error_at = error, time.monotonic()
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self.run, daemon=True)
+        thread.start()
+        return thread
