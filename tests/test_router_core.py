@@ -556,3 +556,24 @@ def test_router_config_rejects_unknown_keys_duplicate_names_and_bad_deadlines(tm
     with pytest.raises(ConfigError, match="nothing to route to"):
         load(write("[router]\nport = 1\n"))
     assert load(write("[router]\nregister_bind = \"tcp://127.0.0.1:0\"\n")).replicas == []
+
+
+def test_a_replica_registers_under_its_name_and_a_reachable_endpoint() -> None:
+    from ranks.registration import advertised
+    from runtime.config import ReplicaConfig, ServerConfig
+
+    router = "tcp://r:5561"
+    assert advertised(ReplicaConfig(router=router), ServerConfig(host="127.0.0.1"), 5555) == (
+        "127.0.0.1:5555", "tcp://127.0.0.1:5555")
+    name, endpoint = advertised(ReplicaConfig(router=router, name="n1"), ServerConfig(host="0.0.0.0"), 6000)
+    assert name == "n1" and endpoint != "tcp://0.0.0.0:6000" and endpoint.endswith(":6000")  # the node's name
+    assert advertised(ReplicaConfig(router=router, advertise_host="node7.cluster"), ServerConfig(host="0.0.0.0"),
+                      6000) == ("node7.cluster:6000", "tcp://node7.cluster:6000")
+
+
+def test_a_server_config_with_a_router_that_is_not_an_endpoint_is_rejected() -> None:
+    from runtime import config as config_mod
+
+    with pytest.raises(ConfigError, match=r"replica\.router must be a ZeroMQ endpoint"):
+        config_mod.load("cpu-mini", ["--replica.router=router-host:5561"])
+    assert config_mod.load("cpu-mini", ["--replica.router=tcp://router-host:5561"]).replica.name == ""
