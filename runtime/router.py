@@ -121,6 +121,7 @@ class RouterCore:
         self.new_req = new_req or itertools.count(1).__next__
         self.sessions_total = 0
         self.chunks_forwarded = 0
+        self.client_messages = 0
         self.rejects: dict[str, int] = {}
         self.stopped = False
         self._out: list[Output] = []
@@ -170,6 +171,7 @@ class RouterCore:
 
     def _from_client(self, event: ClientSent, now: float) -> None:
         who, message = event.identity, event.message
+        self.client_messages += 1
         self._remember_peer(who, now)
         for sid in self.by_client.get(who, ()):
             self.sessions[sid].last_heard = now
@@ -547,8 +549,8 @@ class RouterCore:
                 "chunks_emitted": total("chunks_emitted"), "frames_emitted": total("frames_emitted"),
                 "rejects": merged("rejects"), "errors": merged("errors"),
             },
-            "router": {"chunks_forwarded": self.chunks_forwarded, "opening": len(self.opens),
-                       "sessions_total": self.sessions_total},
+            "router": {"chunks_forwarded": self.chunks_forwarded, "client_messages": self.client_messages,
+                       "opening": len(self.opens), "sessions_total": self.sessions_total},
             "replicas": {name: r.describe(now) for name, r in sorted(self.replicas.items())},
             "per_session": mine,
         }

@@ -3,21 +3,25 @@
     python scripts/bench_router.py [--sessions 4] [--chunks 40] [--rounds 3] [--no-failover]
 
 Two replicas (``cpu-mini``: 2 ranks each, synthetic backend, E/D/V = 25/60/30 ms) and one router, all on loopback.
-Each round plays the same eager trace in three ways, one after the other (the order rotates between rounds):
+Each round runs four phases of K sessions, one after the other (the order rotates between rounds):
 
-- **direct**: K/2 sessions straight to replica a and K/2 straight to replica b, at once: each replica's own rate
-  and the per-chunk delivery latency without a router;
-- **routed**: K sessions through the router, which places K/2 on each replica;
-- **mixed**: K/2 sessions through the router and K/2 straight to the replicas (K/4 to each), at the same time: the
-  two kinds of chunk leave the same replicas in the same seconds under the same machine load, so their latencies
-  compare side by side even on a shared, loaded machine.
+- **direct** (eager clients: every control sent ahead, as a recorded trace): K/2 sessions straight to replica a and
+  K/2 straight to replica b at once: the two replicas' own chunk rates, saturated;
+- **routed** (eager): K sessions through the router, which places K/2 on each replica: the aggregate rate through it;
+- **mixed** (reactive clients: control[i] sent once chunk i-1 arrived, as a player): K/2 sessions through the router
+  and K/2 straight to the replicas (K/4 to each) at the same time, so routed and direct chunks leave the same
+  replicas in the same seconds under the same machine load and their latencies compare side by side even on a
+  shared, loaded machine;
+- **player** (reactive): K sessions through the router: the router's CPU per stream for player-like clients.
 
 Delivery latency of a chunk = its client's arrival time - the replica's emission time (``facts.times.emitted``; one
 machine: every process reads the same CLOCK_MONOTONIC); the first two chunks of each session are warm-up and left
-out. Reported: the router's added latency per chunk, p50 and p99 of routed minus direct, from the mixed phases
-(headline) and from the separate phases; the router's CPU per stream (its process CPU seconds over the routed
-phase's wall time, divided by K) and per forwarded chunk; the aggregate chunk rate through the router (routed) over
-the sum of the two replicas' own rates (direct), each over the window in which all its sessions stream.
+out. Reported: the router's added latency per chunk, p50 and p99 of routed minus direct within the mixed phases
+(headline; the eager phases' difference too); the router's CPU per stream (its process CPU seconds over the phase's
+wall time, less what it spends idle, divided by K) and per forwarded chunk, with the client messages it carried per
+chunk (eager clients resend a control every 2 ms while its edge is full: that, not the chunks, is most of an eager
+stream's cost); the aggregate chunk rate through the router (routed) over the sum of the two replicas' own rates
+(direct), each over the window in which all its sessions stream.
 
 Failover (unless ``--no-failover``), with the router's default deadlines (heartbeat 0.5 s, replica_dead_s 5 s):
 one session streams on each replica, a rank of replica b is SIGKILLed (rank 1: the replica's rank 0 notices and
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import threading
@@ -48,6 +53,7 @@ from scripts.local_router import LocalRouter, Streamer
 from scripts.local_server import ROOT, LocalServer
 
 WARMUP = 2
+IDLE_S = 5.0
 
 
 def free_port() -> int:
@@ -72,16 +78,24 @@ def overlap_rate(plays: list[Played]) -> float | None:
     return (len(inside) - 1) / (inside[-1] - inside[0]) if len(inside) > 2 else None
 
 
-def run_phase(endpoints: list[str], image: bytes, trace: dict[str, Any], router_pid: int | None,
-              router_endpoint: str = "") -> dict[str, Any]:
+def router_counters(router: LocalRouter) -> dict[str, int]:
+    with Client(router.endpoint, timeout_s=10) as probe:
+        return probe.stats()["router"]
+
+
+def run_phase(endpoints: list[str], image: bytes, trace: dict[str, Any], router: LocalRouter, reactive: bool,
+              measure_router: bool) -> dict[str, Any]:
     """Play one session per endpoint at once; what each client saw (latencies split by the router's endpoint)."""
+    router_endpoint = router.endpoint
+    router_pid = router.process.pid if measure_router and router.process is not None else None
+    before = router_counters(router) if router_pid else {}
     plays: dict[int, Played] = {}
     errors: list[BaseException] = []
     clients = [Client(e, timeout_s=120) for e in endpoints]
 
     def run(n: int) -> None:
         try:
-            plays[n] = play(clients[n], image, trace)
+            plays[n] = play(clients[n], image, trace, reactive=reactive)
         except BaseException as error:  # surfaced below
             errors.append(error)
 
@@ -94,6 +108,7 @@ def run_phase(endpoints: list[str], image: bytes, trace: dict[str, Any], router_
         t.join(timeout=600)
     wall = time.monotonic() - began
     cpu = (cpu_seconds(router_pid) - cpu0) if router_pid else None
+    after = router_counters(router) if router_pid else {}
     for c in clients:
         c.close_client()
     if errors:
@@ -113,6 +128,7 @@ def run_phase(endpoints: list[str], image: bytes, trace: dict[str, Any], router_
     return {"latencies": latencies, "routed_latencies": delivery(True), "direct_latencies": delivery(False),
             "rates": rates, "rate": overlap_rate(ordered), "wall_s": wall,
             "router_cpu_s": cpu, "chunks": chunks,
+            "client_messages": after.get("client_messages", 0) - before.get("client_messages", 0),
             "in_order": all([c.index for c in p.chunks] == list(range(len(trace["chunks"]))) for p in ordered)}
 
 
@@ -197,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     b = LocalServer("cpu-mini", overrides["b"], log_path=log_dir / "bench-router-b.log")
     router = LocalRouter([(n, f"tcp://127.0.0.1:{p}", k) for n, p in ports.items()],
                          log_path=log_dir / "bench-router.log")
-    phases: dict[str, list[dict[str, Any]]] = {"direct": [], "routed": [], "mixed": []}
+    phases: dict[str, list[dict[str, Any]]] = {"direct": [], "routed": [], "mixed": [], "player": []}
     failovers: dict[str, dict[str, float]] = {}
     servers = [a, b]
     try:
@@ -210,13 +226,17 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.05)
         print(f"two cpu-mini replicas and the router up; {k} sessions x {args.chunks} chunks, {args.rounds} rounds",
               flush=True)
-        modes = ("direct", "routed", "mixed")
-        plans = {"direct": [a.endpoint] * (k // 2) + [b.endpoint] * (k // 2), "routed": [router.endpoint] * k,
+        cpu0, began = cpu_seconds(router.process.pid), time.monotonic()
+        time.sleep(IDLE_S)  # its heartbeats, stats reads and timer turns with no session: subtracted below
+        idle_cores = (cpu_seconds(router.process.pid) - cpu0) / (time.monotonic() - began)
+        modes = ("direct", "routed", "mixed", "player")
+        direct_ends = [a.endpoint] * (k // 2) + [b.endpoint] * (k // 2)
+        plans = {"direct": direct_ends, "routed": [router.endpoint] * k, "player": [router.endpoint] * k,
                  "mixed": [router.endpoint] * (k // 2) + [a.endpoint] * (k // 4) + [b.endpoint] * (k // 2 - k // 4)}
         for n in range(args.rounds):
-            for mode in modes[n % 3:] + modes[: n % 3]:
-                result = run_phase(plans[mode], image, trace, router.process.pid if mode == "routed" else None,
-                                   router.endpoint)
+            for mode in modes[n % 4:] + modes[: n % 4]:
+                result = run_phase(plans[mode], image, trace, router, reactive=mode in ("mixed", "player"),
+                                   measure_router=mode in ("routed", "player"))
                 phases[mode].append(result)
                 print(f"  round {n + 1} {mode}: p50 delivery routed "
                       f"{fmt(distribution(result['routed_latencies'])['p50'])}, direct "
@@ -235,26 +255,34 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
         router.stop()
 
-    direct = distribution([x for r in phases["direct"] for x in r["latencies"]])
-    routed = distribution([x for r in phases["routed"] for x in r["latencies"]])
-    mixed_direct = distribution([x for r in phases["mixed"] for x in r["direct_latencies"]])
-    mixed_routed = distribution([x for r in phases["mixed"] for x in r["routed_latencies"]])
+    def pooled(mode: str, key: str) -> dict[str, Any]:
+        return distribution([x for r in phases[mode] for x in r[key]])
+
+    mixed_direct, mixed_routed = pooled("mixed", "direct_latencies"), pooled("mixed", "routed_latencies")
     direct_rate = [sum(v for v in r["rates"].values() if v) for r in phases["direct"]]
     routed_rate = [r["rate"] or 0.0 for r in phases["routed"]]
-    cpu = [r["router_cpu_s"] / r["wall_s"] for r in phases["routed"]]
-    per_chunk = [r["router_cpu_s"] / r["chunks"] for r in phases["routed"]]
+
+    def cost(mode: str) -> dict[str, float]:
+        runs = phases[mode]
+        wall = sum(r["wall_s"] for r in runs)
+        cores = sum(r["router_cpu_s"] for r in runs) / wall - idle_cores
+        chunks = sum(r["chunks"] for r in runs)
+        return {"router_cores": cores, "router_cores_per_stream": cores / k,
+                "router_cpu_per_chunk_s": cores * wall / chunks,
+                "client_messages_per_chunk": sum(r["client_messages"] for r in runs) / chunks}
+
     facts = {
         "sessions": k, "chunks": args.chunks, "rounds": args.rounds, "layout": "cpu-mini",
+        "load_average": list(os.getloadavg()), "cpus": os.cpu_count(), "router_idle_cores": idle_cores,
         "mixed_delivery_latency_direct_s": mixed_direct, "mixed_delivery_latency_routed_s": mixed_routed,
         "added_latency_p50_s": mixed_routed["p50"] - mixed_direct["p50"],
         "added_latency_p99_s": mixed_routed["p99"] - mixed_direct["p99"],
         "added_latency_p50_by_mixed_round_s": [distribution(r["routed_latencies"])["p50"]
                                                - distribution(r["direct_latencies"])["p50"] for r in phases["mixed"]],
-        "delivery_latency_direct_s": direct, "delivery_latency_routed_s": routed,
-        "phases_added_latency_p50_s": routed["p50"] - direct["p50"],
-        "phases_added_latency_p99_s": routed["p99"] - direct["p99"],
-        "router_cores": sum(cpu) / len(cpu), "router_cores_per_stream": sum(cpu) / len(cpu) / k,
-        "router_cpu_per_chunk_s": sum(per_chunk) / len(per_chunk),
+        "delivery_latency_player_routed_s": pooled("player", "latencies"),
+        "delivery_latency_direct_eager_s": pooled("direct", "latencies"),
+        "delivery_latency_routed_eager_s": pooled("routed", "latencies"),
+        "cost_player": cost("player"), "cost_eager": cost("routed"),
         "aggregate_rate_direct_per_s": direct_rate, "aggregate_rate_routed_per_s": routed_rate,
         "rate_ratio": sum(routed_rate) / sum(direct_rate),
         "rate_ratio_by_round": [r / d for d, r in zip(direct_rate, routed_rate)],
@@ -263,21 +291,23 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(facts, indent=1))
+    eager, routed_eager = pooled("direct", "latencies"), pooled("routed", "latencies")
     rows = [
-        ["mixed: delivery latency p50 (replica emit -> client)", fmt(mixed_direct["p50"]), fmt(mixed_routed["p50"]),
+        ["mixed (reactive): delivery p50", fmt(mixed_direct["p50"]), fmt(mixed_routed["p50"]),
          fmt(facts["added_latency_p50_s"])],
-        ["mixed: delivery latency p99", fmt(mixed_direct["p99"]), fmt(mixed_routed["p99"]),
+        ["mixed (reactive): delivery p99", fmt(mixed_direct["p99"]), fmt(mixed_routed["p99"]),
          fmt(facts["added_latency_p99_s"])],
-        ["phases: delivery latency p50", fmt(direct["p50"]), fmt(routed["p50"]),
-         fmt(facts["phases_added_latency_p50_s"])],
-        ["phases: delivery latency p99", fmt(direct["p99"]), fmt(routed["p99"]),
-         fmt(facts["phases_added_latency_p99_s"])],
-        ["aggregate chunk rate (chunks/s)", f"{sum(direct_rate) / len(direct_rate):.2f}",
+        ["eager phases: delivery p50", fmt(eager["p50"]), fmt(routed_eager["p50"]),
+         fmt(routed_eager["p50"] - eager["p50"])],
+        ["aggregate chunk rate (eager, chunks/s)", f"{sum(direct_rate) / len(direct_rate):.2f}",
          f"{sum(routed_rate) / len(routed_rate):.2f}", f"ratio {facts['rate_ratio']:.3f}"],
     ]
     print(table(["", "direct", "routed", "router adds"], rows))
-    print(f"router CPU: {facts['router_cores']:.3f} cores for {k} streams = {facts['router_cores_per_stream']:.4f} "
-          f"cores per stream, {facts['router_cpu_per_chunk_s'] * 1e6:.0f} us per forwarded chunk")
+    print(f"router CPU idle (heartbeats, stats, timers): {idle_cores:.4f} cores; above that:")
+    for label, c in (("player clients", facts["cost_player"]), ("eager clients", facts["cost_eager"])):
+        print(f"router CPU, {label}: {c['router_cores']:.3f} cores for {k} streams = "
+              f"{c['router_cores_per_stream']:.4f} cores per stream, {c['router_cpu_per_chunk_s'] * 1e6:.0f} us per "
+              f"chunk ({c['client_messages_per_chunk']:.1f} client messages per chunk)")
     for label, f in failovers.items():
         print(f"{label}: kill -> client error {f['kill_to_client_error_s']:.2f} s, kill -> new session on the "
               f"survivor {f['kill_to_new_session_s']:.2f} s, restart -> serving {f['restart_to_serving_s']:.1f} s, "
