@@ -1,6 +1,6 @@
 """The router's process: the I/O shell around the router core (``runtime.router``).
 
-    python -m ranks.router --config configs/router.toml [--router.key=value ...]
+    python -m ranks.router --config configs/router/router.toml [--router.key=value ...]
 
 One thread owns every socket: the clients' ROUTER (the same socket, options and limits as a server's), one DEALER
 per replica (the router is a client of each), and the registration ROUTER when ``router.register_bind`` is set.
@@ -260,7 +260,7 @@ def _payload(message: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="worldstream router: many replicas behind one client endpoint")
-    parser.add_argument("--config", required=True, help="a router TOML file, or a name from configs/ (router)")
+    parser.add_argument("--config", required=True, help="a router TOML file, or a name from configs/router/ (router)")
     parser.add_argument("--log-level", default=os.environ.get("WORLDSTREAM_LOG", "INFO"))
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

@@ -105,13 +105,16 @@ def validate(config: RouterConfig, where: str) -> RouterConfig:
     return config
 
 
+ROUTER_CONFIG_DIR = CONFIG_DIR / "router"  # apart from the layouts: a router config is not a server config
+
+
 def load(name: str | Path, overrides: Sequence[str] = ()) -> RouterConfig:
-    """Load a router config by path (or by bare name from ``configs/``), apply overrides, validate."""
+    """Load a router config by path (or by bare name from ``configs/router/``), apply overrides, validate."""
     path = Path(name)
     if not path.exists():
-        candidate = CONFIG_DIR / (path.name if path.suffix == ".toml" else f"{path.name}.toml")
+        candidate = ROUTER_CONFIG_DIR / (path.name if path.suffix == ".toml" else f"{path.name}.toml")
         if not candidate.exists():
-            raise ConfigError(f"router config {name!s} not found (looked in . and {CONFIG_DIR})")
+            raise ConfigError(f"router config {name!s} not found (looked in . and {ROUTER_CONFIG_DIR})")
         path = candidate
     where = str(path)
     try:

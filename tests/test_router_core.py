@@ -556,6 +556,8 @@ def test_router_config_rejects_unknown_keys_duplicate_names_and_bad_deadlines(tm
     with pytest.raises(ConfigError, match="nothing to route to"):
         load(write("[router]\nport = 1\n"))
     assert load(write("[router]\nregister_bind = \"tcp://127.0.0.1:0\"\n")).replicas == []
+    shipped = load("router")  # configs/router/router.toml, by its bare name
+    assert shipped.router.port == 5560 and shipped.router.register_bind.endswith(":5561")
 
 
 def test_a_replica_registers_under_its_name_and_a_reachable_endpoint() -> None:
