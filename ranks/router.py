@@ -29,12 +29,14 @@ import zmq
 from ipc import protocol, relay, transport
 from runtime import router_types as rt
 from runtime.config import ConfigError
+from runtime.metrics import StreamStat
 from runtime.router import RouterCore
 from runtime.router_config import RouterConfig, load
 
 log = logging.getLogger("worldstream.router")
 
 TICK_S = 0.05  # timers (pings, stats, deadlines) are looked at this often
+TIMES_S = 1.0  # the shell's own measures reach the core (and stats) this often
 DRAIN_MAX = 256  # messages read from one socket per turn, so no socket starves the others
 REPLICA_MESSAGE_BYTES = 1 << 31  # a chunk at a large frame size is big; replicas are this router's own jobs
 REGISTER_MESSAGE_BYTES = 1 << 16
@@ -73,6 +75,8 @@ class RouterShell:
         if self.registry is not None:
             self.poller.register(self.registry, zmq.POLLIN)
         self.carried: list[rt.Event] = []
+        self.read_at: dict[int, float] = {}  # this turn's chunks: id(frame) -> when read off its replica's socket
+        self.hold = StreamStat()  # a chunk's stay in the router: read -> queued for its client (reported in stats)
         self.stopping = False  # set by a signal handler
         self.core = RouterCore(self.section, config.replicas, time.monotonic())
 
@@ -90,7 +94,7 @@ class RouterShell:
             os.replace(f"{port_file}.tmp", port_file)
         log.info("routing on %s for %d listed replicas%s", self.endpoint, len(self.config.replicas),
                  f"; registrations on {self.register_endpoint}" if self.registry is not None else "")
-        next_tick = time.monotonic() + TICK_S
+        next_tick = next_times = time.monotonic() + TICK_S
         while code is None:
             if self.stopping:
                 return self._shutdown()
@@ -107,6 +111,9 @@ class RouterShell:
             if now >= next_tick:
                 next_tick = now + TICK_S
                 events.append(rt.Tick())
+            if now >= next_times:  # its percentiles cost a little: once a second is fresh enough for stats
+                next_times = now + TIMES_S
+                events.append(rt.ShellTimes(self.hold.to_dict()))
             if events:
                 code = self._carry_out(self.core.step(events, now))
             if code is None and self.clients in ready:
@@ -127,6 +134,7 @@ class RouterShell:
             try:
                 head = relay.peek(frame.buffer)
                 if head.type == "chunk" and head.session is not None:
+                    self.read_at[id(frame)] = time.perf_counter()
                     yield rt.ReplicaSent(name, generation, rt.ChunkHead(head.session), frame)
                 else:
                     message = protocol.decode(frame.buffer, "server", max_bytes=REPLICA_MESSAGE_BYTES)
@@ -169,6 +177,12 @@ class RouterShell:
     # ---------------------------------------------------------------------------------------------- outputs
 
     def _carry_out(self, outputs: list[rt.Output]) -> int | None:
+        try:
+            return self._carry_out_all(outputs)
+        finally:
+            self.read_at.clear()  # a chunk the core dropped is not held any more
+
+    def _carry_out_all(self, outputs: list[rt.Output]) -> int | None:
         for output in outputs:
             if isinstance(output, rt.ToClient):
                 self._to_client(output)
@@ -188,6 +202,9 @@ class RouterShell:
         payload = _payload(output.message)
         try:
             self.clients.send_multipart([output.identity, payload], flags=zmq.NOBLOCK, copy=False)
+            read_at = self.read_at.pop(id(payload), None)
+            if read_at is not None:
+                self.hold.add(time.perf_counter() - read_at)
         except zmq.ZMQError as error:
             why = {zmq.EHOSTUNREACH: "gone", zmq.EAGAIN: "full"}.get(error.errno)
             if why is None:

@@ -67,6 +67,7 @@ from runtime.router_types import (
     ReplicaSent,
     ReplicaUp,
     SessionOrigin,
+    ShellTimes,
     ShutdownRequested,
     Stop,
     Tick,
@@ -122,6 +123,7 @@ class RouterCore:
         self.sessions_total = 0
         self.chunks_forwarded = 0
         self.client_messages = 0
+        self.hold_s: dict[str, Any] = {}  # the shell's measure of a chunk's stay in the router (``ShellTimes``)
         self.rejects: dict[str, int] = {}
         self.stopped = False
         self._out: list[Output] = []
@@ -161,6 +163,8 @@ class RouterCore:
                 self._emit(ToRegistrant(peer, protocol.Registered(ok=False, message=error)))
             case Tick():
                 self._timers(now)
+            case ShellTimes(hold_s=hold):
+                self.hold_s = hold
             case ShutdownRequested():
                 self._shutdown()
 
@@ -550,7 +554,7 @@ class RouterCore:
                 "rejects": merged("rejects"), "errors": merged("errors"),
             },
             "router": {"chunks_forwarded": self.chunks_forwarded, "client_messages": self.client_messages,
-                       "opening": len(self.opens), "sessions_total": self.sessions_total},
+                       "opening": len(self.opens), "sessions_total": self.sessions_total, "chunk_hold_s": self.hold_s},
             "replicas": {name: r.describe(now) for name, r in sorted(self.replicas.items())},
             "per_session": mine,
         }

@@ -115,12 +115,20 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class ShellTimes:
+    """What the shell measured of itself, for ``stats``: how long a chunk stayed in the router, from the moment
+    it was read off a replica's socket to the moment it was queued for its client (a distribution, seconds)."""
+
+    hold_s: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class ShutdownRequested:
     """Stop routing: every session is closed on its replica and its client told."""
 
 
 Event = (ClientSent | ClientUnreadable | ClientUnreachable | ReplicaSent | ReplicaRefused | RegisterSent
-         | RegisterUnreadable | Tick | ShutdownRequested)
+         | RegisterUnreadable | Tick | ShellTimes | ShutdownRequested)
 
 # ---- outputs ----
 

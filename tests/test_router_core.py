@@ -32,6 +32,7 @@ from runtime.router_types import (
     ReplicaSent,
     ReplicaUp,
     SessionOrigin,
+    ShellTimes,
     ShutdownRequested,
     Stop,
     Tick,
@@ -480,6 +481,7 @@ def test_stats_sum_the_up_replicas_and_show_a_client_only_its_own_sessions(fleet
     for name, sid in ((name_a, sid_a), (name_b, sid_b)):
         fleet.answer_stats(name, stats_of(open_sessions=1, chunks=4, rejects={"busy": 1},
                                           per_session={sid: {"chunks": 4}}))
+    fleet.step(ShellTimes({"count": 2, "p50": 0.0002}))
     fleet.client(A, p.Stats(req=5))
     (reply,) = fleet.to(A, p.StatsReply)
     stats = reply.stats
@@ -490,6 +492,8 @@ def test_stats_sum_the_up_replicas_and_show_a_client_only_its_own_sessions(fleet
     assert stats["per_session"] == {sid_a: {"chunks": 4, "replica": name_a}}  # not B's
     assert set(stats["replicas"]) == {"a", "b"} and stats["replicas"][name_a]["sessions"] == 1
     assert all("per_session" not in r["stats"] for r in stats["replicas"].values())
+    assert stats["router"]["chunk_hold_s"] == {"count": 2, "p50": 0.0002}  # the shell's own measure
+    assert stats["router"]["client_messages"] == 3  # two opens and this stats
     assert not fleet.to_replica(name_a, p.Stats)  # answered from what the router knows
 
 
