@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(0.75: the media rate of a 12-frame chunk at 16 fps)")
     parser.add_argument("--paced-chunks", type=int, default=20)
     parser.add_argument("--no-failover", action="store_true")
+    parser.add_argument("--size", default="160x256", help="frame height x width of the replicas' streams")
     parser.add_argument("--json", type=Path, default=ROOT / "out" / "bench_router.json")
     args = parser.parse_args(argv)
     k = args.sessions
@@ -263,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     paced, trace = cut(args.paced_chunks), cut(args.chunks)
     image = (ROOT / "assets" / "start.png").read_bytes()
     ports = {"a": free_port(), "b": free_port()}
-    replica = [f"--server.max_sessions={2 * k}", "--server.send_hwm=512"]  # the mixed phase holds 3K/2
+    height, width = (int(v) for v in args.size.split("x"))
+    replica = [f"--server.max_sessions={2 * k}", "--server.send_hwm=512",  # the mixed phase holds 3K/2
+               f"--stream.height={height}", f"--stream.width={width}"]
     overrides = {n: [*replica, f"--server.port={p}"] for n, p in ports.items()}
     log_dir = ROOT / "out"
     log_dir.mkdir(exist_ok=True)
@@ -346,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
     facts = {
         "sessions": k, "chunks": args.chunks, "rounds": args.rounds, "layout": "cpu-mini", "pace_s": args.pace,
+        "size": args.size,
         "paced_chunks": args.paced_chunks,
         "load_average": list(os.getloadavg()), "cpus": os.cpu_count(), "router_idle_cores": idle_cores,
         "mixed_delivery_latency_direct_s": mixed_direct, "mixed_delivery_latency_routed_s": mixed_routed,
