@@ -22,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ranks.processes import die_with_parent
 from runtime import config as config_mod
 
 if TYPE_CHECKING:  # torch and zmq load only in the ranks, not in the self-launching parent
@@ -60,7 +61,9 @@ def self_launch(args: argparse.Namespace, overrides: list[str]) -> int:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={cfg.layout.world_size}", "--monitor-interval=0.2",
                    str(Path(__file__).resolve()), "--config", args.config, "--log-level", args.log_level, *overrides]
-        child = subprocess.Popen(command, env=env, start_new_session=True)
+        # torchrun dies with this launcher (and every rank with torchrun): a killed launcher leaves no orphans
+        child = subprocess.Popen(command, env=env, start_new_session=True,
+                                 preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         stop_requested = False
 
         def forward(signum: int, _frame: object) -> None:
@@ -93,6 +96,8 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
 
     cfg = config_mod.load(args.config, overrides)
     lay = cfg.layout
+    # No rank outlives its launcher (torchrun's agent, srun's step): rank 0 shuts down cleanly, the others go at once.
+    die_with_parent(signal.SIGTERM if rank == lay.coordinator else signal.SIGKILL)
     if world != lay.world_size:
         raise config_mod.ConfigError(f"{args.config}: layout.world_size is {lay.world_size} but the launcher "
                                      f"started {world} ranks (torchrun --nproc-per-node / srun --ntasks)")
@@ -114,7 +119,8 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     if rank == lay.coordinator:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         workers, endpoint = transport.worker_router(context, "127.0.0.1" if host == "localhost" else host)
-        clients, port = transport.client_router(context, cfg.server.host, cfg.server.port, cfg.server.send_hwm)
+        clients, port = transport.client_router(context, cfg.server.host, cfg.server.port, cfg.server.send_hwm,
+                                                cfg.server.max_message_bytes)
         shared = [endpoint]
     else:
         shared = [None]

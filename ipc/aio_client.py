@@ -35,6 +35,7 @@ from ipc.client import (
     ControlBackpressure,
     LiveInput,
     ServerError,
+    ServerGone,
     SessionClosed,
     SessionInfo,
     SessionState,
@@ -49,14 +50,16 @@ class AsyncClient:
     """An asyncio client; use it from one event loop (``async with``, or ``await start()`` / ``await aclose()``)."""
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", identity: bytes | None = None,
-                 timeout_s: float = 60.0, heartbeat_s: float = 1.0) -> None:
+                 timeout_s: float = 60.0, heartbeat_s: float = 1.0, server_silent_s: float = 5.0) -> None:
         self.endpoint = endpoint
         self.identity = identity or f"aclient-{uuid.uuid4().hex[:10]}".encode()
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
+        self.server_silent_s = server_silent_s  # no reply this long (heartbeats included): ``ServerGone``
         self._req = itertools.count(1)
         self._errors: asyncio.Queue[ServerError] = asyncio.Queue(maxsize=256)
-        self._core: ClientCore[asyncio.Queue[Any], asyncio.Future[Any]] = ClientCore(asyncio.Queue, self._put_error)
+        self._core: ClientCore[asyncio.Queue[Any], asyncio.Future[Any]] = ClientCore(
+            asyncio.Queue, self._put_error, close_orphan=self._close_orphan)
         self._outbox: asyncio.Queue[tuple[bytes, tuple[str, int] | None]] = asyncio.Queue()
         self._context = zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
@@ -140,8 +143,9 @@ class AsyncClient:
         waiting = asyncio.ensure_future(self.wait_closed(session, timeout_s))
         try:
             done, _ = await asyncio.wait({waiting, refused}, return_when=asyncio.FIRST_COMPLETED)
-            if refused in done and refused.exception() is not None:
-                raise refused.exception()  # type: ignore[misc]
+            error = refused.exception() if refused in done else None
+            if error is not None and getattr(error, "code", None) != "closing":  # closing: the closed follows
+                raise error
             return await waiting
         finally:
             waiting.cancel()
@@ -192,9 +196,16 @@ class AsyncClient:
             if remaining <= 0:
                 raise TimeoutError(f"session {session} not closed in time")
             try:
-                await self.next_chunk(session, remaining)
+                await self.next_chunk(session, min(remaining, 0.25))
             except SessionClosed as closed:
                 return closed_summary(closed.closed)
+            except ServerGone as gone:
+                if gone.code == "server_gone":  # found by this client: no closed will come
+                    raise
+            except TimeoutError:
+                if self._core.silent:  # nothing queued, and the server no longer answers
+                    raise ServerGone("server_gone", f"no reply from the server: session {session} cannot be "
+                                     "closed") from None
             except ServerError:
                 continue
 
@@ -227,6 +238,10 @@ class AsyncClient:
         self._core.quiet(req)
         self._put((protocol.encode(message), stamp))
 
+    def _close_orphan(self, session: str) -> None:
+        req = next(self._req)
+        self._send_quiet(req, protocol.Close(req=req, session=session))
+
     def _put(self, item: tuple[bytes, tuple[str, int] | None]) -> None:
         if self._sock is None:
             raise RuntimeError("the client is not started (use `async with AsyncClient(...)` or `await start()`)")
@@ -247,6 +262,7 @@ class AsyncClient:
         while True:
             self._outbox.put_nowait((beat, None))
             await asyncio.sleep(self.heartbeat_s)
+            self._core.check_server(self.server_silent_s)
 
     async def _reader(self) -> None:
         assert self._sock is not None

@@ -120,9 +120,10 @@ class SessionFailed(ServerError):
 
 
 class ServerGone(ServerError):
-    """The server is shutting down or a rank died: every session of it ends."""
+    """The server is shutting down or a rank died (codes from the server), or it stopped answering heartbeats or
+    restarted (``server_gone``, found by the client itself): every session of it ends."""
 
-    codes = ("shutdown", "rank_failed")
+    codes = ("shutdown", "rank_failed", "server_gone")
 
 
 _ERROR_TYPES: dict[str, type[ServerError]] = {
@@ -315,10 +316,15 @@ class ClientCore(Generic[Q, F]):
     callers and its I/O thread may share a core (the asyncio client uses it from its loop only)."""
 
     def __init__(self, new_events: Callable[[], Q], put_error: Callable[[ServerError], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 close_orphan: Callable[[str], None] | None = None) -> None:
         self._new_events = new_events
         self._put_error = put_error
+        self._close_orphan = close_orphan  # sends ``close`` for a session opened after its caller stopped waiting
         self._clock = clock
+        self._heard = clock()  # the last message from the server (any kind; heartbeat acks at least once a beat)
+        self._server_id = ""  # from heartbeat acks: a different one means the server restarted
+        self._gone = False
         self._lock = threading.Lock()
         self._pending: dict[int, F] = {}
         self._quiet: OrderedDict[int, None] = OrderedDict()  # fire-and-forget reqs (bounded)
@@ -354,13 +360,49 @@ class ClientCore(Generic[Q, F]):
         if stamp is not None:
             self.session(stamp[0]).photon.sent(stamp[1], self._clock())
 
+    @property
+    def silent(self) -> bool:
+        """The server is silent past the limit now (``ServerGone`` was raised and nothing came since)."""
+        return self._gone
+
+    def check_server(self, silent_after_s: float) -> None:
+        """Called by the I/O loop: a server silent for ``silent_after_s`` (no heartbeat ack, nothing) is gone."""
+        silent = self._clock() - self._heard
+        if not self._gone and silent > silent_after_s:
+            self._server_gone(f"no reply from the server for {silent:.1f} s: it is down or unreachable")
+
+    def _server_gone(self, why: str, fail_requests: bool = True) -> None:
+        """Every open session's stream ends with ``ServerGone``, and every waiting request fails unless
+        ``fail_requests`` is False (after a restart: those reached the new server, which will answer them)."""
+        self._gone = True
+        error = ServerGone("server_gone", why)
+        with self._lock:
+            pending = list(self._pending.values()) if fail_requests else []
+            if fail_requests:
+                self._pending = {}
+            open_sessions = [s for s in self._sessions.values() if s.closed is None]
+        for future in pending:
+            if not future.done():
+                future.set_exception(error)
+        for state in open_sessions:
+            state.events.put_nowait(error)
+        self._put_error(error)
+
     def route(self, data: bytes) -> None:
         """One message from the server."""
+        self._heard = self._clock()
+        self._gone = False  # answering again (a restart is told apart by its id below)
         try:
             message = protocol.decode(data, "server", max_bytes=1 << 31)
         except protocol.ProtocolViolation as error:
             self._put_error(ServerError.of("bad_reply", str(error)))
             return
+        if isinstance(message, protocol.HeartbeatAck) and message.server:
+            if self._server_id and message.server != self._server_id:
+                self._server_gone("the server restarted: the sessions of its previous run are gone",
+                                  fail_requests=False)
+                self._gone = False
+            self._server_id = message.server
         if isinstance(message, protocol.Chunk):
             received = self._clock()
             state = self.session(message.session)
@@ -397,6 +439,8 @@ class ClientCore(Generic[Q, F]):
             return
         if future is not None:
             future.set_result(message)
+        elif isinstance(message, protocol.Opened) and self._close_orphan is not None:
+            self._close_orphan(message.session)  # its open timed out or failed here: close it, never leak it
 
 
 # ------------------------------------------------------------------------------------------------ client
@@ -407,14 +451,16 @@ class Client:
     reconnects with the identity that opened a session may ``resume`` it while the server still holds it."""
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", identity: bytes | None = None,
-                 timeout_s: float = 60.0, heartbeat_s: float = 1.0) -> None:
+                 timeout_s: float = 60.0, heartbeat_s: float = 1.0, server_silent_s: float = 5.0) -> None:
         self.endpoint = endpoint
         self.identity = identity or f"client-{uuid.uuid4().hex[:10]}".encode()
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
+        self.server_silent_s = server_silent_s  # no reply this long (heartbeats included): ``ServerGone``
         self._req = itertools.count(1)
         self._errors: queue.Queue[ServerError] = queue.Queue(maxsize=256)  # errors tied to no waiting request
-        self._core: ClientCore[queue.Queue[Any], Future[Any]] = ClientCore(queue.Queue, self._put_error)
+        self._core: ClientCore[queue.Queue[Any], Future[Any]] = ClientCore(
+            queue.Queue, self._put_error, close_orphan=self._close_orphan)
         self._outbox: queue.Queue[tuple[bytes, tuple[str, int] | None]] = queue.Queue()
         self._stop = threading.Event()
         self._context = zmq.Context.instance()
@@ -540,8 +586,9 @@ class Client:
         whose error (e.g. the close was refused) ends the wait by raising it."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
-            if refused is not None and refused.done() and refused.exception() is not None:
-                raise refused.exception()  # type: ignore[misc]
+            error = refused.exception() if refused is not None and refused.done() else None
+            if error is not None and getattr(error, "code", None) != "closing":  # closing: the closed follows
+                raise error
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"session {session} not closed within {timeout_s or self.timeout_s:.1f} s")
@@ -549,7 +596,14 @@ class Client:
                 self.next_chunk(session, min(remaining, 0.05))
             except SessionClosed as closed:
                 return closed_summary(closed.closed)
-            except (ServerError, TimeoutError):
+            except ServerGone as gone:
+                if gone.code == "server_gone":  # found by this client: no closed will come
+                    raise
+            except TimeoutError:
+                if self._core.silent:  # nothing queued, and the server no longer answers
+                    raise ServerGone("server_gone", f"no reply from the server: session {session} cannot be "
+                                     "closed") from None
+            except ServerError:
                 continue
 
     def error(self, timeout_s: float = 0.0) -> ServerError | None:
@@ -575,6 +629,7 @@ class Client:
         try:
             return future.result(timeout=timeout_s)
         except TimeoutError:
+            future.cancel()  # a late reply finds no one waiting (a late ``opened`` is closed, not leaked)
             raise TimeoutError(f"no reply from {self.endpoint} within {timeout_s:.1f} s") from None
 
     def _session(self, session: str) -> SessionState[queue.Queue[Any]]:
@@ -587,6 +642,10 @@ class Client:
     def _send_quiet(self, req: int, message: Any, stamp: tuple[str, int] | None = None) -> None:
         self._core.quiet(req)
         self._send(message, stamp)
+
+    def _close_orphan(self, session: str) -> None:
+        req = self._next_req()
+        self._send_quiet(req, protocol.Close(req=req, session=session))
 
     def _wake(self) -> None:
         with self._wake_lock:
@@ -622,6 +681,8 @@ class Client:
                     sock.send(protocol.encode(protocol.Heartbeat()))
                 while sock.poll(0):
                     self._core.route(sock.recv())
+                if self.heartbeat_s > 0:
+                    self._core.check_server(self.server_silent_s)
         finally:
             sock.close()
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar, Union
 
 import msgspec
 
@@ -26,14 +26,32 @@ DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 
 KEYS = frozenset("wasdijkl")  # W/S forward/back, A/D strafe, I/K pitch, J/L yaw
 MAX_MOUSE_DEGREES = 360.0  # per chunk; more is a client bug, not a turn
+MAX_POSE_TRANSLATION = 1e6  # scene units from the origin: far beyond any walk (0.05 units a frame for days)
+POSE_ORTHONORMAL_TOLERANCE = 1e-3  # |R^T R - I| of an explicit pose's rotation
+MAX_DEPTH = 16  # nesting of a client message: the deepest legitimate one (a control's poses) is 4
+MAX_ITEMS = 8192  # msgpack items in one client message: the largest legitimate one (256 poses) holds about 4.2k
+MAX_INTERNAL_ITEMS = 1_000_000  # from the server or another rank: trusted, only bounded against runaway work
+MAX_ERROR_CHARS = 300  # error texts never echo unbounded input
+
+# Field types with the bounds every client message is held to while it is decoded (not after).
+SessionId = Annotated[str, msgspec.Meta(max_length=64)]
+Key = Annotated[str, msgspec.Meta(max_length=8)]
+KeyList = Annotated[list[Key], msgspec.Meta(max_length=16)]
+
+
+def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (an error text must not grow with the input that caused it)."""
+    suffix = " ... (clipped)"
+    return text if len(text) <= limit else text[: limit - len(suffix)] + suffix
 
 
 class ProtocolViolation(ValueError):
-    """A message from outside is malformed; the message text says what is wrong. ``req`` is the request id of
-    the message when it could still be read, so the error reaches the caller waiting for it."""
+    """A message from outside is malformed; the message text says what is wrong (clipped, never echoing unbounded
+    input). ``req`` is the request id of the message when it could still be read, so the error reaches the caller
+    waiting for it."""
 
     def __init__(self, message: str, req: int | None = None) -> None:
-        super().__init__(message)
+        super().__init__(clip(message))
         self.req = req
 
 
@@ -69,9 +87,10 @@ class Edge(str, Enum):
 class ChunkControl(_Value):
     """The control applied to one chunk: what the client asked for and exactly what the model sees."""
 
-    keys: frozenset[str] = frozenset()  # keys held for the whole chunk (taps included); lower-cased
+    keys: Annotated[frozenset[Key], msgspec.Meta(max_length=16)] = frozenset()  # held for the whole chunk (taps too)
     mouse: tuple[float, float] = (0.0, 0.0)  # yaw, pitch in degrees over the whole chunk
-    poses: tuple[tuple[float, ...], ...] | None = None  # explicit c2w per video frame, 16 floats row-major
+    # explicit c2w per video frame, 16 floats row-major (a chunk has at most 4 * chunk_latent_frames frames)
+    poses: Annotated[tuple[tuple[float, ...], ...], msgspec.Meta(max_length=256)] | None = None
     revision: int = -1  # client revision of the live input this snapshot came from (-1: indexed control)
 
     def __post_init__(self) -> None:
@@ -83,10 +102,35 @@ class ChunkControl(_Value):
         if not all(math.isfinite(v) and abs(v) <= MAX_MOUSE_DEGREES for v in self.mouse):
             raise ValueError(f"mouse must be two finite angles within ±{MAX_MOUSE_DEGREES} degrees, got {self.mouse}")
         if self.poses is not None:
-            if any(len(p) != 16 for p in self.poses):
-                raise ValueError("each pose must be a 4x4 camera-to-world matrix given as 16 floats")
-            if not all(math.isfinite(v) for p in self.poses for v in p):
-                raise ValueError("poses must hold finite numbers")
+            for i, pose in enumerate(self.poses):
+                why = pose_problem(pose)
+                if why is not None:
+                    raise ValueError(f"pose {i}: {why}")
+
+
+def pose_problem(pose: tuple[float, ...]) -> str | None:
+    """Why 16 floats are not a camera-to-world pose the model can take, or None: a rigid transform (orthonormal
+    rotation with determinant 1, last row 0 0 0 1) within ``MAX_POSE_TRANSLATION`` of the origin."""
+    if len(pose) != 16:
+        return f"a pose is a 4x4 camera-to-world matrix given as 16 floats, got {len(pose)}"
+    if not all(math.isfinite(v) for v in pose):
+        return "a pose must hold finite numbers"
+    if any(abs(a - b) > POSE_ORTHONORMAL_TOLERANCE for a, b in zip(pose[12:], (0.0, 0.0, 0.0, 1.0))):
+        return "the last row of a pose must be 0 0 0 1"
+    if max(abs(pose[3]), abs(pose[7]), abs(pose[11])) > MAX_POSE_TRANSLATION:
+        return f"a pose's translation must stay within {MAX_POSE_TRANSLATION:g} scene units of the origin"
+    rows = [pose[0:3], pose[4:7], pose[8:11]]
+    for i in range(3):
+        for j in range(3):
+            dot = sum(rows[k][i] * rows[k][j] for k in range(3))  # (R^T R)[i][j]
+            if abs(dot - (i == j)) > POSE_ORTHONORMAL_TOLERANCE:
+                return "a pose's rotation must be orthonormal (a rigid camera, no scale or shear)"
+    det = (rows[0][0] * (rows[1][1] * rows[2][2] - rows[1][2] * rows[2][1])
+           - rows[0][1] * (rows[1][0] * rows[2][2] - rows[1][2] * rows[2][0])
+           + rows[0][2] * (rows[1][0] * rows[2][1] - rows[1][1] * rows[2][0]))  # fmt: skip
+    if det < 0:
+        return "a pose's rotation must not mirror (determinant -1)"
+    return None
 
 
 class Span(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -157,7 +201,7 @@ class TensorSpec(_Value):
 class Open(_Msg, tag="open"):
     req: int  # client request id, echoed in the reply
     image: bytes  # start image, PNG or JPEG bytes; its size sets the session's frame size when stream.size="image"
-    prompt: str = ""  # text prompt
+    prompt: Annotated[str, msgspec.Meta(max_length=100_000)] = ""  # text prompt (server.max_prompt_chars is tighter)
     seed: int = 0  # noise seed: same seed + image + prompt + controls -> same frames
     num_chunks: int | None = None  # session length in chunks; None: until closed (bounded by server.max_chunks)
     live: bool = False  # live mode: controls come as held-key state (control_state), cut into per-chunk snapshots
@@ -166,23 +210,23 @@ class Open(_Msg, tag="open"):
 
 class Control(_Msg, tag="control"):
     req: int
-    session: str
+    session: SessionId
     index: int  # chunk index this control applies to; must be the next expected one
     control: ChunkControl = ChunkControl()  # keys, mouse or poses of that chunk (no keys: a still camera)
 
 
 class ControlState(_Msg, tag="control_state"):
     req: int
-    session: str
-    keys: list[str] = []  # every key held now
+    session: SessionId
+    keys: KeyList = []  # every key held now
     mouse: tuple[float, float] = (0.0, 0.0)  # mouse motion (yaw, pitch degrees) since the previous message
-    taps: list[str] = []  # keys pressed and released since the previous message
+    taps: KeyList = []  # keys pressed and released since the previous message
     revision: int = 0  # client input revision, strictly increasing; echoed on the chunk that applied it
 
 
 class Close(_Msg, tag="close"):
     req: int
-    session: str
+    session: SessionId
 
 
 class Stats(_Msg, tag="stats"):
@@ -191,7 +235,7 @@ class Stats(_Msg, tag="stats"):
 
 class Heartbeat(_Msg, tag="heartbeat"):
     req: int = 0
-    session: str | None = None  # resume: a reconnecting client re-attaches to a session it still owns
+    session: SessionId | None = None  # resume: a reconnecting client re-attaches to a session it still owns
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -245,6 +289,7 @@ class StatsReply(_Msg, tag="stats_reply"):
 class HeartbeatAck(_Msg, tag="heartbeat_ack"):
     req: int = 0
     session: str | None = None
+    server: str = ""  # this server's id for its lifetime: a client sees a restarted server (its sessions are gone)
 
 
 ClientMessage = Union[Open, Control, ControlState, Close, Stats, Heartbeat]  # noqa: UP007
@@ -361,6 +406,8 @@ class Ping(_Msg, tag="ping"):
 class Hello(_Msg, tag="hello"):
     rank: int
     role: str  # which worker thread of the rank this is
+    pid: int = 0  # the rank's process: rank 0 watches the processes on its own host to name a dead rank
+    host: str = ""  # the rank's host name (a pid means something on that host only)
 
 
 class WorkerSpan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -477,17 +524,113 @@ def to_builtins(value: Any) -> Any:
 
 def decode(data: bytes, direction: str, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
     """Decode one message read by ``direction`` ("client": what a client sends, "server": what it receives,
-    "worker"/"coordinator" likewise inside the job). Raises ``ProtocolViolation`` naming the problem."""
+    "worker"/"coordinator" likewise inside the job). Raises ``ProtocolViolation`` naming the problem, and nothing
+    else: the size, the nesting depth and item count (a list nested 2000 deep is a few kilobytes and would exhaust
+    the decoder's recursion), and that it is one msgpack map are checked before it is decoded."""
     if len(data) > max_bytes:
         raise ProtocolViolation(f"message of {len(data)} bytes exceeds the limit of {max_bytes} bytes")
+    keys = scan(data, max_items=MAX_ITEMS if direction == "client" else MAX_INTERNAL_ITEMS)
+    if direction == "client" and "v" not in keys:
+        try:
+            req = _request_id(_raw.decode(data))
+        except msgspec.DecodeError:
+            req = None
+        raise ProtocolViolation("message has no protocol version field 'v'", req)
     try:
         message = _decoders[direction].decode(data)
     except msgspec.DecodeError as error:
         raise _explain(data, error) from None
+    except (RecursionError, MemoryError, OverflowError, ValueError, TypeError) as error:  # never out of decode
+        raise ProtocolViolation(f"message could not be decoded ({type(error).__name__})") from None
     if message.v != PROTOCOL_VERSION:
         raise ProtocolViolation(f"protocol version {message.v} is not supported (server speaks {PROTOCOL_VERSION})",
                                 getattr(message, "req", None))
     return message
+
+
+_FIXED = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2,
+          0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}  # type byte -> payload bytes
+_SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC7: 1, 0xC8: 2, 0xC9: 4}  # length-prefix bytes
+_CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}  # length bytes, items per entry
+
+
+def scan(data: bytes, max_depth: int = MAX_DEPTH, max_items: int = MAX_ITEMS) -> set[str]:
+    """Walk a msgpack message's structure without building it (iteratively: bounded work, no recursion) and
+    return the string keys of its top-level map. ``ProtocolViolation`` when it is not exactly one map, nests
+    deeper than ``max_depth``, holds more than ``max_items`` items, or is truncated."""
+    pos, items, keys = 0, 0, set()
+    pending: list[int] = []  # items still to read in each open container, innermost last
+    top_map = False
+    end = len(data)
+    while True:
+        if pending and pending[-1] == 0:
+            pending.pop()
+            if not pending:
+                break
+            continue
+        if pos >= end:
+            raise ProtocolViolation("not a msgpack message (truncated)")
+        is_key = top_map and len(pending) == 1 and pending[0] % 2 == 0
+        if pending:
+            pending[-1] -= 1
+        items += 1
+        if items > max_items:
+            raise ProtocolViolation(f"message holds more than {max_items} items")
+        head = data[pos]
+        pos += 1
+        children = 0
+        if head <= 0x7F or head >= 0xE0:
+            pass
+        elif 0x80 <= head <= 0x8F:
+            children = 2 * (head & 0x0F)
+        elif 0x90 <= head <= 0x9F:
+            children = head & 0x0F
+        elif 0xA0 <= head <= 0xBF:
+            size = head & 0x1F
+            if is_key:
+                keys.add(data[pos : pos + size].decode("utf-8", "replace"))
+            pos += size
+        elif head in _FIXED:
+            pos += _FIXED[head]
+        elif head in _SIZED:
+            width = _SIZED[head]
+            size = int.from_bytes(data[pos : pos + width], "big")
+            if is_key and head in (0xD9, 0xDA, 0xDB):
+                keys.add(data[pos + width : pos + width + size].decode("utf-8", "replace"))
+            pos += width + size + (1 if head in (0xC7, 0xC8, 0xC9) else 0)  # ext: one type byte
+        elif head in _CONTAINERS:
+            width, per_entry = _CONTAINERS[head]
+            children = per_entry * int.from_bytes(data[pos : pos + width], "big")
+            pos += width
+        else:
+            raise ProtocolViolation("not a msgpack message")
+        if children:
+            if not pending:
+                top_map = 0x80 <= head <= 0x8F or head == 0xDE or head == 0xDF
+                if not top_map:
+                    raise ProtocolViolation("a message must be a msgpack map, got an array")
+            if len(pending) >= max_depth:
+                raise ProtocolViolation(f"message nests deeper than {max_depth} levels")
+            if items + children // 2 > max_items:
+                raise ProtocolViolation(f"message holds more than {max_items} items")
+            pending.append(children)
+        elif not pending:
+            if 0x80 <= head <= 0x8F or head in (0xDE, 0xDF):
+                break  # an empty map
+            if pos != end:
+                raise ProtocolViolation("not a msgpack message")
+            raise ProtocolViolation("a message must be a msgpack map, got " +
+                                    ("an array" if 0x90 <= head <= 0x9F or head in (0xDC, 0xDD) else "a scalar"))
+    if pos > end:
+        raise ProtocolViolation("not a msgpack message (truncated)")
+    if pos < end:
+        raise ProtocolViolation("not a msgpack message (bytes after the message)")
+    return keys
+
+
+def _request_id(raw: object) -> int | None:
+    req = raw.get("req") if isinstance(raw, dict) else None
+    return req if isinstance(req, int) and not isinstance(req, bool) else None
 
 
 def _explain(data: bytes, error: msgspec.DecodeError) -> ProtocolViolation:
@@ -497,8 +640,7 @@ def _explain(data: bytes, error: msgspec.DecodeError) -> ProtocolViolation:
         return ProtocolViolation("not a msgpack message")
     if not isinstance(raw, dict):
         return ProtocolViolation(f"a message must be a msgpack map, got {type(raw).__name__}")
-    req = raw.get("req")
-    req = req if isinstance(req, int) and not isinstance(req, bool) else None
+    req = _request_id(raw)
     version = raw.get("v", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION:
         return ProtocolViolation(f"protocol version {version!r} is not supported (this server speaks "

@@ -114,16 +114,20 @@ _side_streams = threading.local()
 
 
 @contextmanager
-def side_stream(device: torch.device) -> Iterator[None]:
+def side_stream(device: torch.device, sends: bool = False) -> Iterator[None]:
     """On CUDA, run a transfer thread's NCCL work on its own stream and wait for it before handing the tensor
     over: transfer threads never queue behind (or ahead of) the compute thread's default stream, whose
-    collectives other ranks may order differently (a cross-rank wait cycle). A no-op on CPU."""
+    collectives other ranks may order differently (a cross-rank wait cycle). ``sends``: this rank sends a tensor
+    that a stage made on the default stream, so the side stream first waits (on the GPU) for the default stream's
+    work queued so far, and NCCL never reads it half written; a receive waits for nothing. A no-op on CPU."""
     if device.type != "cuda":
         yield
         return
     stream = getattr(_side_streams, "stream", None)
     if stream is None:
         stream = _side_streams.stream = torch.cuda.Stream(device=device)
+    if sends:
+        stream.wait_stream(torch.cuda.default_stream(device))
     with torch.cuda.stream(stream):
         yield
     stream.synchronize()

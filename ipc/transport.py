@@ -1,13 +1,19 @@
 """ZeroMQ sockets of the control plane. One thread owns each socket; nothing here is shared across threads.
 
 - ``client_router``: the coordinator's client-facing ROUTER, loopback by default, ``ROUTER_MANDATORY`` set so a
-  message to a vanished or full peer raises instead of vanishing, and a bounded send queue per peer.
+  message to a vanished or full peer raises instead of vanishing, a bounded send queue per peer, and
+  ``MAXMSGSIZE``: a frame larger than the message limit (plus a margin that still earns a ``bad_message`` reply)
+  makes ZeroMQ drop the connection before buffering it, so a huge frame never costs rank 0 its size in memory.
+  The limit is per frame (a message of many frames is buffered whole before it can be refused) and the receive
+  queue is bounded in messages, not bytes: the port is for trusted clients, loopback unless exposed on purpose.
 - ``worker_router``: the coordinator's ROUTER for the role workers of every rank.
 - ``WorkerLink``: one worker thread's DEALER to the coordinator, identity ``"<rank>:<role>"``.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any
 
 import zmq
@@ -17,11 +23,16 @@ from ipc import protocol
 LINGER_MS = 200  # pending messages get this long to leave at close; never block shutdown
 
 
-def client_router(context: zmq.Context, host: str, port: int, send_hwm: int) -> tuple[zmq.Socket, int]:
+OVERSIZE_MARGIN = 1 << 20  # frames up to max_message_bytes + this are read and answered; larger ones drop the peer
+
+
+def client_router(context: zmq.Context, host: str, port: int, send_hwm: int,
+                  max_message_bytes: int) -> tuple[zmq.Socket, int]:  # fmt: skip
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + OVERSIZE_MARGIN)
     sock.setsockopt(zmq.SNDHWM, send_hwm)
-    sock.setsockopt(zmq.RCVHWM, 1000)
+    sock.setsockopt(zmq.RCVHWM, 100)  # per client; legitimate clients have a few requests in flight
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     if port == 0:
         port = sock.bind_to_random_port(f"tcp://{host}")
@@ -68,7 +79,7 @@ class WorkerLink:
         self.sock.setsockopt(zmq.IDENTITY, f"{rank}:{role}".encode())
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         self.sock.connect(endpoint)
-        self.send(protocol.Hello(rank=rank, role=role))
+        self.send(protocol.Hello(rank=rank, role=role, pid=os.getpid(), host=socket.gethostname()))
 
     def send(self, message: Any) -> None:
         self.sock.send(protocol.encode(message))

@@ -38,7 +38,7 @@ from models.dit import ARCH_FIELDS, ChunkCamera, DiTConfig, WanModelFast, apply_
 from models.dit_checkpoint import load_dit, load_state_dict_strict, random_dit
 from models.kv_cache import KVCache, TextCache, kv_cache_bytes, new_kv_cache
 from models.schedule import FlowMatchSchedule, Step, renoise, x0_from_velocity
-from models.stages import SessionSpec, StreamGeometry
+from models.stages import SessionSpec, StreamGeometry, agree_prepared
 
 log = logging.getLogger(__name__)
 
@@ -198,11 +198,27 @@ class LingbotDenoiseStage:
 
     @torch.no_grad()
     def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl) -> torch.Tensor:
-        """Clean latent ``[16, cs, h, w]`` (float32, on the stage's device) of chunk ``index``; same on every rank."""
+        """Clean latent ``[16, cs, h, w]`` (float32, on the stage's device) of chunk ``index``; same on every rank.
+
+        The chunk's per-session inputs (poses, camera modulation, condition) are prepared first and the DiT group
+        agrees that every rank succeeded before the passes, whose all-to-alls a failing rank would leave hanging:
+        a bad input fails its session on every rank alike (``SessionInputError``); only a failure inside the
+        passes ends the job."""
+        error: Exception | None = None
+        try:
+            st, cam, y = self._prepare(session, index, condition, control)
+        except Exception as e:
+            error = e
+        agree_prepared(self.model.sp.group, self.device, error)
+        return denoise_chunk(self.model, self.steps, st.noise, index, y, cam, st.text, st.cache)
+
+    def _prepare(self, session: str, index: int, condition: torch.Tensor,
+                 control: ChunkControl) -> tuple[_Session, ChunkCamera, torch.Tensor]:  # fmt: skip
         if session not in self.sessions:
             raise KeyError(f"unknown session {session!r}")
         st = self.sessions[session]
-        assert tuple(condition.shape) == tuple(st.geometry.condition_shape), f"condition {tuple(condition.shape)}"
+        if tuple(condition.shape) != tuple(st.geometry.condition_shape):
+            raise ValueError(f"condition {tuple(condition.shape)} is not {st.geometry.condition_shape}")
         if index != st.next_index:
             raise ValueError(f"session {session!r} expects chunk {st.next_index}, got {index}")
         cap = self.cfg.max_chunks
@@ -212,11 +228,12 @@ class LingbotDenoiseStage:
         first = index == 0
         poses = integrate(st.camera.last_video_pose, control, st.geometry.frames_in_chunk(index), self.speeds,
                           first_is_start=first)  # fmt: skip
-        ctrl = st.camera.control(np.asarray(poses), first)  # [1, 384, cs, h, w]
+        ctrl = st.camera.control(np.asarray(poses), first)  # [1, 384, cs, h, w] on the device
+        if not bool(torch.isfinite(ctrl).all()):
+            raise ValueError(f"the camera of chunk {index} is not finite")
         st.next_index += 1
         cam = self.model.camera_modulation(ctrl)
-        y = condition.to(device=self.device, dtype=self.dtype)
-        return denoise_chunk(self.model, self.steps, st.noise, index, y, cam, st.text, st.cache)
+        return st, cam, condition.to(device=self.device, dtype=self.dtype)
 
     def release(self, session: str) -> None:
         self.sessions.pop(session, None)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -91,6 +91,35 @@ class SessionSpec:
     image: torch.Tensor | None = None  # uint8 [H0, W0, 3] at the start image's own size; the stage resizes it
     height: int = 0  # the session's frame size (0: the stage's configured geometry)
     width: int = 0
+
+
+class SessionInputError(RuntimeError):
+    """A session's own inputs for one chunk could not be prepared on some rank of the DiT group (a control the
+    camera math cannot take, say), found before the group entered any collective: every rank raises it alike, so
+    the group stays in step and only that session fails (a failure inside a collective still ends the job)."""
+
+
+def agree_prepared(group: Any, device: torch.device | str, error: BaseException | None) -> None:
+    """Each rank of ``group`` prepared a chunk's per-session inputs (``error``: what went wrong on this rank, or
+    None). One small collective tells every rank whether all succeeded; when one did not, every rank raises the same
+    ``SessionInputError`` naming the first rank that failed and its error. ``group`` None: this rank alone, which
+    raises ``error`` itself (nothing to agree on; a lone rank fails only the session whatever it raises)."""
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    import torch.distributed as dist
+
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    first = torch.tensor([size if error is None else me], dtype=torch.int64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)  # the lowest failing rank, or size when none failed
+    failed = int(first.item())
+    if failed == size:
+        return
+    why = [None if error is None else f"{type(error).__name__}: {error}"]
+    src = dist.get_global_rank(group, failed)
+    dist.broadcast_object_list(why, src=src, group=group, device=torch.device(device))
+    raise SessionInputError(f"rank {src} could not prepare the chunk: {why[0]}") from error
 
 
 class ConditionStage(Protocol):

@@ -26,13 +26,14 @@ import torch.nn.functional as F
 from PIL import Image
 
 from models.controls import ChunkControl, MotionSpeeds, integrate
-from models.stages import SessionSpec, StreamGeometry
+from models.stages import SessionSpec, StreamGeometry, agree_prepared
 
 # Scaled to the default key speeds (2 degrees, 0.05 units per frame), so a held key moves the picture by about
 # half a pixel per frame at 160x256 and a few seconds of holding stay on screen.
 PIXELS_PER_DEGREE = 0.009  # pan in normalised image units ([-1, 1] spans the frame) per degree of rotation
 PAN_PER_UNIT = 0.96  # pan per scene unit of sideways translation
 ZOOM_PER_UNIT = 0.8  # log-zoom per scene unit of forward translation
+MAX_LOG_ZOOM = 2.5  # the zoom stops at e^2.5 (12x) in or out
 NOISE_LEVEL = 0.02
 
 
@@ -85,12 +86,16 @@ def resize_uint8(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 
 def view_parameters(pose: np.ndarray) -> tuple[float, float, float]:
-    """(pan_x, pan_y, log_zoom) of a camera-to-world pose, in normalised image units."""
+    """(pan_x, pan_y, log_zoom) of a camera-to-world pose, in normalised image units, bounded however far the camera
+    went: the picture tiles the plane, so a pan is taken modulo the tile (2), and the zoom stops at ``MAX_LOG_ZOOM``
+    (an hour of W, or a pose a million units away, renders like any other frame)."""
     forward = pose[:3, 2]
     yaw = math.degrees(math.atan2(forward[0], forward[2]))
     pitch = math.degrees(math.asin(max(-1.0, min(1.0, -forward[1]))))
     x, _, z = pose[:3, 3]
-    return yaw * PIXELS_PER_DEGREE + x * PAN_PER_UNIT, -pitch * PIXELS_PER_DEGREE, z * ZOOM_PER_UNIT
+    pan_x = math.fmod(yaw * PIXELS_PER_DEGREE + x * PAN_PER_UNIT, 2.0)
+    log_zoom = max(-MAX_LOG_ZOOM, min(MAX_LOG_ZOOM, z * ZOOM_PER_UNIT))
+    return pan_x, -pitch * PIXELS_PER_DEGREE, log_zoom
 
 
 def render(image: torch.Tensor, poses: np.ndarray, height: int, width: int) -> torch.Tensor:
@@ -151,8 +156,21 @@ class SyntheticDenoise:
 
     def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl) -> torch.Tensor:
         """The rendered chunk on the group's first rank (the leader, whose latent is used); the other ranks keep
-        the same camera and noise state and return zeros, without spending the CPU on a render."""
+        the same camera and noise state and return zeros, without spending the CPU on a render. The group agrees
+        that every rank prepared its part before it ends together (as the real stage does before its passes)."""
         started = time.monotonic()
+        error: Exception | None = None
+        latent: torch.Tensor | None = None
+        try:
+            latent = self._render(session, index, condition, control)
+        except Exception as e:
+            error = e
+        _spend(self.cost_s - (time.monotonic() - started))
+        agree_prepared(self.group, "cpu", error)  # also the step's end together, as a sequence-parallel step
+        assert latent is not None  # every rank prepared its part, or agree_prepared raised
+        return latent
+
+    def _render(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl) -> torch.Tensor:
         state, poses, noise = self._advance(session, index, control)
         total, _, h, w = state.geometry.latent_shape
         latent = torch.zeros(state.geometry.latent_shape)
@@ -160,11 +178,6 @@ class SyntheticDenoise:
             frames = render(condition.float().cpu(), poses, h, w)
             first = total - len(poses)
             latent[first:] = (frames + NOISE_LEVEL * noise[first:]).clamp(0, 1)
-        _spend(self.cost_s - (time.monotonic() - started))
-        if self.group is not None:  # end together, as a real sequence-parallel step does
-            import torch.distributed as dist
-
-            dist.all_reduce(torch.zeros(1), group=self.group)
         return latent
 
     def release(self, session: str) -> None:

@@ -9,6 +9,7 @@ a worker unreachable, frames missing, an image decoded) is an event of the next 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from ipc import protocol
 from ipc import tensor_plane as tp
 from ipc.transport import send_or_why, send_to
 from ranks import prometheus
+from ranks.processes import RankWatch
 from ranks.worker import RankContext, memory_facts
 from runtime import core_types as ct
 from runtime.config import Config
@@ -34,6 +36,14 @@ TURN_BUDGET_S = 0.02  # client messages read per loop turn stop after this, so p
 WORKER_MESSAGE_BYTES = 1 << 26
 EMIT_WAIT_S = 1.0  # frames are in the mailbox before decode counts as done; a miss fails the session
 SHUTDOWN_WAIT_S = 5.0
+PROBE_S = 0.1  # how often the rank processes on this host are looked at (a few status reads: ~0.3 ms)
+FATAL_HOLD_S = 0.5  # a peer's report of a broken collective waits this long for the dead rank to show
+
+
+def _breaks_the_job(event: ct.Event) -> bool:
+    if isinstance(event, ct.WorkerSent):
+        return isinstance(event.message, protocol.TaskFailed) and event.message.fatal
+    return isinstance(event, ct.RankLost)
 
 
 class Coordinator:
@@ -49,10 +59,22 @@ class Coordinator:
         self.image_decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="image-decode")
         self.carried: list[ct.Event] = []  # learnt while carrying out outputs: events of the next turn
         self.next_memory = 0.0
+        self.next_probe = 0.0
+        self.held: list[ct.Event] = []  # reports that end the job, waiting (briefly) for the dead rank to show
+        self.hold_until = math.inf
+        self.fatal_reported = False
         self.exporter = prometheus.start(config.metrics.prometheus_port)
+        self.watch = RankWatch()  # the rank processes on this host, from the workers' hellos
 
     def run(self, port: int) -> int:
-        """Serve until shutdown or a lost rank; returns the process exit code."""
+        """Serve until shutdown or a lost rank; returns the process exit code. A failed job ends the other ranks on
+        this host before it returns, so no frozen rank holds the job (and its GPUs) open."""
+        code = self._serve(port)
+        if code != ct.EXIT_OK:
+            self.watch.end_others()
+        return code
+
+    def _serve(self, port: int) -> int:
         if not self._await_workers():
             return ct.EXIT_FAILED
         c = self.config
@@ -70,6 +92,11 @@ class Coordinator:
         poller.register(self.workers, zmq.POLLIN)
         while True:
             if self.stopping:
+                dead = self._dead_ranks()  # under torchrun a rank's death reaches rank 0 as a SIGTERM: name it
+                if dead:
+                    code = self._carry_out(self.core.step(dead, time.monotonic()))
+                    if code is not None:
+                        return code
                 return self._shutdown()
             ready = dict(poller.poll(POLL_MS))
             # Workers first, and their tasks sent before clients are read: the ranks never wait on a client flood.
@@ -89,30 +116,56 @@ class Coordinator:
                 return False
             if self.workers.poll(100):
                 identity, data = self.workers.recv_multipart()
-                if isinstance(protocol.decode(data, "worker", max_bytes=WORKER_MESSAGE_BYTES), protocol.Hello):
+                hello = protocol.decode(data, "worker", max_bytes=WORKER_MESSAGE_BYTES)
+                if isinstance(hello, protocol.Hello):
                     expected.discard(identity)
+                    self.watch.add(hello.rank, hello.pid, hello.host)
         return True
 
     # ---------------------------------------------------------------------------------------------- inputs
 
     def _gather(self, workers: bool) -> list[ct.Event]:
         """Everything but client messages: what the last turn learnt, workers' messages, decoded images, timers."""
-        events, self.carried = self.carried, []
-        if self.fatal is not None:
-            events.append(ct.RankLost(f"rank {self.ctx.rank}: {self.fatal}"))
-        if workers:
-            events.extend(self._drain_workers())
+        carried, self.carried = self.carried, []
+        now = time.monotonic()
+        arrived = self.held + (list(self._drain_workers()) if workers else [])
+        if self.fatal is not None and not self.fatal_reported:
+            self.fatal_reported = True
+            arrived.insert(0, ct.RankLost(f"rank {self.ctx.rank}: {self.fatal}"))
+        events: list[ct.Event] = []
+        # A broken collective is reported by the survivors (this rank included) in their own name, often within
+        # microseconds of a peer's death, before its process is seen gone: the rank that died is looked for first,
+        # and such reports wait up to FATAL_HOLD_S for it to show, so the job's error names the rank that died.
+        self.held = []
+        if any(_breaks_the_job(e) for e in arrived):
+            dead = self._dead_ranks()
+            if dead or now >= self.hold_until:
+                events.extend(dead)
+                self.hold_until = math.inf
+            else:
+                self.hold_until = min(self.hold_until, now + FATAL_HOLD_S)
+                self.held = [e for e in arrived if _breaks_the_job(e)]
+                arrived = [e for e in arrived if not _breaks_the_job(e)]
+        events.extend(carried)
+        events.extend(arrived)
         for ticket in [t for t, future in self.decoding.items() if future.done()]:
             future = self.decoding.pop(ticket)
             error = future.exception()
             events.append(ct.ImageDecoded(ticket, None, str(error)) if error is not None  # BadImage says why
                           else ct.ImageDecoded(ticket, future.result()))  # type: ignore[arg-type]
-        now = time.monotonic()
         if now >= self.next_memory:  # rank 0 has no heartbeat thread of its own
             self.next_memory = now + self.timeouts.heartbeat_s
             events.append(ct.MemorySampled(self.ctx.rank, *memory_facts()))
+        if now >= self.next_probe:  # often: a dead rank is named before the launcher tears the others down
+            self.next_probe = now + PROBE_S
+            events.extend(self._dead_ranks())
         events.append(ct.Tick())
         return events
+
+    def _dead_ranks(self) -> list[ct.Event]:
+        """The first rank found dead (the core ends the job on the first ``RankLost``; more would say nothing)."""
+        return [ct.RankLost(f"rank {rank} ({', '.join(self.config.layout.roles_of(rank))}) died: {why}")
+                for rank, why in self.watch.dead()[:1]]
 
     def _drain_workers(self) -> Iterator[ct.Event]:
         while True:
@@ -132,13 +185,15 @@ class Coordinator:
         began = time.monotonic()
         while time.monotonic() - began < TURN_BUDGET_S:  # bounded per turn: pings and workers are served too
             try:
-                identity, data = self.clients.recv_multipart(zmq.NOBLOCK)
+                identity, *frames = self.clients.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            except ValueError:
-                continue  # a frame count we do not speak: not a DEALER client
+            if len(frames) != 1:  # a DEALER sends one frame per message; anything else is answered, not dropped
+                yield ct.ClientUnreadable(identity, f"a message is one ZeroMQ frame, got {len(frames)}", None)
+                continue
             try:
-                yield ct.ClientSent(identity, protocol.decode(data, "client", max_bytes=self.server.max_message_bytes))
+                yield ct.ClientSent(identity, protocol.decode(frames[0], "client",
+                                                              max_bytes=self.server.max_message_bytes))
             except protocol.ProtocolViolation as error:
                 yield ct.ClientUnreadable(identity, str(error), error.req)
 

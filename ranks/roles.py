@@ -15,7 +15,7 @@ import torch
 from ipc import protocol
 from ipc import tensor_plane as tp
 from ipc.protocol import Stage, TensorSpec
-from models.stages import SessionSpec
+from models.stages import SessionInputError, SessionSpec
 from ranks.worker import Fatal, RankContext, Spans, serve, tensor_plane
 from runtime.placement import CONDITION_EDGE, FRAMES_RECEIVER, LATENT_RECEIVER
 
@@ -78,7 +78,8 @@ def condition_edge(ctx: RankContext) -> None:
                     tensor = box.take(key, ctx.timeouts.stage_s)
                 except tp.Dropped:  # released meanwhile: the peers still wait, send zeros they will discard
                     tensor = zeros(task.tensor)
-            with spans.span(f"transfer:{task.edge.value}"), tp.side_stream(ctx.groups.device):
+            # the span inside the side stream: it ends when this transfer did, not the rank's compute
+            with tp.side_stream(ctx.groups.device, sends=source), spans.span(f"transfer:{task.edge.value}"):
                 tensor = tp.broadcast(tensor, shape, dtype, lay.condition, ctx.groups, ctx.groups.condition)
         if dit:
             ctx.dit_inputs.put(key, tensor)
@@ -111,6 +112,8 @@ def denoise_worker(ctx: RankContext) -> None:
         try:
             with spans.span("denoise"):
                 latent = stage.denoise(task.session, task.index, condition, task.control)
+        except SessionInputError as error:  # found before the collectives, alike on every rank: the group is whole
+            failure, latent = error, zeros(task.latent)
         except Exception as error:
             if group_ranks > 1:  # the other ranks are inside a collective with this one: the group can only end
                 raise Fatal(f"denoise of {task.session}/{task.index} on a {group_ranks}-rank DiT group: "
@@ -143,8 +146,8 @@ def latent_receiver(ctx: RankContext) -> None:
     """On a decode rank that is not the DiT leader: posts the receive for each announced latent."""
 
     def receive(task: protocol.ReceiveLatent, spans: Spans) -> None:
-        with spans.span("transfer:latent"), tensor_plane(f"receive latent {task.session}/{task.index}"), \
-                tp.side_stream(ctx.groups.device):
+        with tp.side_stream(ctx.groups.device), spans.span("transfer:latent"), \
+                tensor_plane(f"receive latent {task.session}/{task.index}"):
             latent = tp.recv(tuple(task.tensor.shape), dtype_of(task.tensor), ctx.layout.dit_leader, ctx.groups,
                              ctx.groups.latent)
         ctx.latents.put((task.session, task.index), latent)
@@ -192,8 +195,8 @@ def frames_receiver(ctx: RankContext) -> None:
     """On the coordinator rank when decode lives elsewhere: receives each announced chunk of frames."""
 
     def receive(task: protocol.ReceiveFrames, spans: Spans) -> None:
-        with spans.span("transfer:frames"), tensor_plane(f"receive frames {task.session}/{task.index}"), \
-                tp.side_stream(ctx.groups.device):
+        with tp.side_stream(ctx.groups.device), spans.span("transfer:frames"), \
+                tensor_plane(f"receive frames {task.session}/{task.index}"):
             frames = tp.recv(tuple(task.tensor.shape), torch.uint8, ctx.layout.decode, ctx.groups, ctx.groups.frames)
         ctx.frames.put((task.session, task.index), frames.cpu())
 

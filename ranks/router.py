@@ -57,7 +57,7 @@ class RouterShell:
         self.section = config.router
         self.context = context or zmq.Context.instance()
         self.clients, self.port = transport.client_router(self.context, self.section.host, self.section.port,
-                                                          self.section.send_hwm)
+                                                          self.section.send_hwm, self.section.max_message_bytes)
         self.registry: zmq.Socket | None = None
         self.register_endpoint = ""
         if self.section.register_bind:

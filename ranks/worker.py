@@ -66,14 +66,15 @@ FATAL_GRACE_S = 2.0
 
 
 def die(ctx: RankContext, message: str) -> None:
-    """End the process now with a non-zero code: peers notice through their deadlines and heartbeats. On the
-    coordinator's rank (``ctx.on_fatal`` set) the loop first gets ``FATAL_GRACE_S`` to tell every client (it exits
-    by itself)."""
+    """End the process with a non-zero code. On the coordinator's rank (``ctx.on_fatal`` set) the loop first gets
+    ``FATAL_GRACE_S`` to tell every client (it exits by itself). Another rank, having reported the error, stays up
+    for ``FATAL_GRACE_S`` first: a rank that lost a peer must not die before rank 0 has seen which rank died first
+    (it names that one, then ends the job's ranks itself); heartbeats and deadlines cover a rank 0 that is gone."""
     log.error("fatal: %s", message)
     sys.stderr.flush()
     if ctx.on_fatal is not None:
         ctx.on_fatal(message)
-        time.sleep(FATAL_GRACE_S)
+    time.sleep(FATAL_GRACE_S)
     os._exit(EXIT_FATAL)
 
 
@@ -87,14 +88,20 @@ def tensor_plane(what: str) -> Iterator[None]:
 
 
 class Spans:
-    def __init__(self) -> None:
+    """The spans of one task. On CUDA a span ends once the GPU finished what it launched (a stream sync): kernels
+    run asynchronously, so without it a span would time the launches, and the next stage's time the work."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
         self.items: list[WorkerSpan] = []
+        self.cuda = device is not None and device.type == "cuda"
 
     @contextmanager
     def span(self, name: str) -> Iterator[None]:
         start = time.monotonic()
         try:
             yield
+            if self.cuda:
+                torch.cuda.current_stream().synchronize()
         finally:
             self.items.append(WorkerSpan(name, start, time.monotonic()))
 
@@ -132,7 +139,7 @@ def serve(ctx: RankContext, role: str, stage: Stage | None, handlers: dict[type,
                 break
             if task is None or isinstance(task, protocol.Ping):
                 continue
-            spans = Spans()
+            spans = Spans(ctx.groups.device)
             try:
                 handler = handlers.get(type(task))
                 if handler is None:  # the coordinator and this rank disagree on the layout: nothing can be trusted

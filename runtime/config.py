@@ -74,7 +74,7 @@ class ServerConfig(_Section):
     max_prompt_chars: int = 2000  # longer prompts are rejected (each DiT rank holds the session's context)
     max_chunks: int = 100_000  # maximum session length in chunks
     client_timeout_s: float = 10.0  # a session whose client sent nothing (not even a heartbeat) this long is closed
-    send_hwm: int = 64  # ZeroMQ high-water mark per client; a client that does not read is dropped, never buffered
+    send_hwm: int = 8  # messages queued per client (a 480x832 chunk is 14 MB); one that does not read is dropped
 
 
 class StreamConfig(_Section):

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ipc import protocol
-from ipc.protocol import ChunkFacts, Edge, Phase, Stage
+from ipc.protocol import ChunkFacts, Edge, Phase, Stage, clip
 from models.stages import frame_size
 from runtime import scheduler as sch
 from runtime.clock import ClockSync
@@ -104,7 +104,8 @@ class CoordinatorCore:
 
     def __init__(self, layout: LayoutConfig, server: ServerConfig, stream: StreamConfig, scheduler: SchedulerConfig,
                  timeouts: TimeoutsConfig, metrics: MetricsConfig, geometry: StreamGeometry, now: float,
-                 sink: MetricsSink | None = None, new_id: Callable[[], str] = _new_id) -> None:
+                 sink: MetricsSink | None = None, new_id: Callable[[], str] = _new_id,
+                 server_id: str | None = None) -> None:  # fmt: skip
         self.layout, self.server, self.stream, self.timeouts, self.metrics_config = (layout, server, stream,
                                                                                       timeouts, metrics)
         self.geometry = geometry  # the backend's, at stream.height x stream.width
@@ -117,6 +118,7 @@ class CoordinatorCore:
         self.clock = ClockSync()
         self.sink = sink
         self.new_id = new_id
+        self.server_id = server_id or _new_id()  # in every heartbeat ack: a client tells a restarted server apart
         self.sessions: dict[str, Session] = {}
         self.opening: deque[_Opening] = deque()
         self.tickets: Iterator[int] = itertools.count()
@@ -218,21 +220,24 @@ class CoordinatorCore:
                 except ControlStateError as error:
                     raise ClientError(error.reason, str(error)) from None
             case protocol.Close():
-                self._close(self._owned(who, message.session).id, "client", now)
+                sid = self._owned(who, message.session).id
+                if not self._live(sid):  # a repeated close: answered, and the one ``closed`` still follows
+                    raise ClientError("closing", f"session {sid} is already closing; its closed message follows")
+                self._close(sid, "client", now)
             case protocol.Stats():
-                self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(now))))
+                self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(now, who))))
             case protocol.Heartbeat(session=sid) if sid is not None:
                 session = self.sessions.get(sid)
                 if session is None or who not in (session.owner, session.client):
                     raise ClientError("unknown_session", f"no session {sid!r} to resume")
                 session.client, session.gone, session.last_heard = who, False, now
-                self._emit(ToClient(who, protocol.HeartbeatAck(req=message.req, session=sid)))
+                self._emit(ToClient(who, protocol.HeartbeatAck(req=message.req, session=sid, server=self.server_id)))
             case protocol.Heartbeat():
-                self._emit(ToClient(who, protocol.HeartbeatAck(req=message.req)))
+                self._emit(ToClient(who, protocol.HeartbeatAck(req=message.req, server=self.server_id)))
 
     def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
         self._reject(error.code)
-        self._emit(ToClient(who, protocol.Error(req=req, session=session, code=error.code, message=str(error),
+        self._emit(ToClient(who, protocol.Error(req=req, session=session, code=error.code, message=clip(str(error)),
                                                 retry_after_s=error.retry_after_s)))
 
     def _reject(self, reason: str) -> None:
@@ -538,7 +543,7 @@ class CoordinatorCore:
             for (stage, phase, index), join in session.joins.items():
                 if now - join.sent > self.timeouts.stage_s:
                     ranks = ", ".join(str(rank) for _, rank in sorted(join.waiting))
-                    what = f"{stage.value} {phase.value}" + ("" if index < 0 else f" of chunk {index}")
+                    what = f"{stage.value} of chunk {index}" if phase is Phase.CHUNK else f"{stage.value} {phase.value}"
                     raise JobFailed(f"rank {ranks} did not finish the {what} of session {session.id} within "
                                     f"{self.timeouts.stage_s:.0f} s")
         timeout = self.server.client_timeout_s
@@ -562,7 +567,7 @@ class CoordinatorCore:
     def _contain(self, sid: str | None, who: bytes | None, req: int | None, error: Exception, now: float) -> None:
         """After an unexpected error: tell the requester and fail the session it concerns (caches released)."""
         self.metrics.on_error("internal")
-        text = f"internal error: {type(error).__name__}: {error}"
+        text = clip(f"internal error: {type(error).__name__}: {error}")
         if who is not None:
             self._emit(ToClient(who, protocol.Error(req=req, session=sid, code="internal", message=text)))
         session = self.sessions.get(sid or "")
@@ -598,9 +603,11 @@ class CoordinatorCore:
 
     # ---------------------------------------------------------------------------------------------- queries
 
-    def stats(self, now: float) -> dict[str, Any]:
+    def stats(self, now: float, who: bytes | None = None) -> dict[str, Any]:
+        """Server-wide figures, and the sessions of client ``who`` only (None: every session, for operators)."""
+        visible = None if who is None else {sid for sid, s in self.sessions.items() if who in (s.client, s.owner)}
         return {
-            **self.metrics.to_dict(now),
+            **self.metrics.to_dict(now, visible),
             "open_sessions": len(self.sessions),
             "ranks": {str(r): m for r, m in sorted(self.memory.items())},
             "clock_offsets": self.clock.to_dict(),

@@ -35,6 +35,6 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
             rgb = np.asarray(img.convert("RGB"), dtype=np.uint8)
     except BadImage:
         raise
-    except Exception as error:
-        raise BadImage(f"the start image could not be decoded as PNG or JPEG: {error}") from None
+    except Exception as error:  # the decoder's own text can echo internals (object reprs): name the kind only
+        raise BadImage(f"the start image could not be decoded as PNG or JPEG ({type(error).__name__})") from None
     return DecodedImage(pixels=rgb.tobytes(), height=rgb.shape[0], width=rgb.shape[1])

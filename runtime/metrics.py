@@ -411,8 +411,11 @@ class ServerMetrics:
         del self.sessions[session]
         return metrics.to_dict()
 
-    def to_dict(self, now: float) -> dict[str, object]:
+    def to_dict(self, now: float, visible: set[str] | None = None) -> dict[str, object]:
+        """Server-wide counters, and the per-session metrics of ``visible`` sessions only (None: all of them; a
+        client's ``stats`` sees its own sessions, never another client's ids)."""
         uptime = max(0.0, now - self.started_at)
+        shown = self.sessions if visible is None else {s: m for s, m in self.sessions.items() if s in visible}
         return {
             "uptime_s": uptime,
             "sessions": {"open": len(self.sessions), "total": self.sessions_total},
@@ -421,7 +424,7 @@ class ServerMetrics:
             "rejects": dict(self.rejects.counts),
             "errors": dict(self.errors.counts),
             "dit_idle": self.idle.to_dict(uptime),
-            "per_session": {sid: m.to_dict(now) for sid, m in self.sessions.items()},
+            "per_session": {sid: m.to_dict(now) for sid, m in shown.items()},
         }
 
     def _get(self, session: str) -> SessionMetrics:

@@ -31,7 +31,7 @@ class RouterSection(_Section):
     host: str = "127.0.0.1"  # client endpoint; loopback unless you mean to expose it
     port: int = 5560  # 0 picks a free port (written to WORLDSTREAM_PORT_FILE if set)
     max_message_bytes: int = 16 * 1024 * 1024  # larger client messages are rejected before decoding (as a server)
-    send_hwm: int = 64  # ZeroMQ send queue per client; a client that stops reading is dropped, never buffered
+    send_hwm: int = 8  # chunks queued per client (a 480x832 chunk is 14 MB, as on a server); a non-reader is dropped
     client_timeout_s: float = 10.0  # sessions of a client silent this long are closed on their replica
     # where replicas register themselves (a ZeroMQ bind address, e.g. "tcp://0.0.0.0:5561"); empty: only the list
     register_bind: str = ""

@@ -27,6 +27,7 @@ from runtime.config import ConfigError, load, resolve_path
 from scripts.bench_common import (
     DEFAULT_IMAGE,
     DEFAULT_TRACE,
+    EXIT_FRAMES_DIFFER,
     OUT_DIR,
     Costs,
     Play,
@@ -42,7 +43,6 @@ from scripts.bench_common import (
 )
 
 MODEL_CONFIG = "cpu-tiny-model"
-EXIT_FRAMES_DIFFER = 2
 
 # (row label, how to read it from a summary, unit)
 ROWS: list[tuple[str, Callable[[dict[str, Any]], Any], str]] = [
@@ -141,20 +141,24 @@ def overhead(args: argparse.Namespace) -> int:
             *serve_and_play(args.config, "prefetch", zero.overrides(), [Play("prefetch")], args.image, args.trace,
                             args.chunks)]
     summaries = [summarize(r, args.warmup) for r in runs]
+    differ = compare_frames(*runs)
     payloads = payload_bytes(args.config)
     rows = [[label, *[fmt(get(s), unit) for s in summaries]] for label, get, unit in OVERHEAD_ROWS]
     text = "\n".join([
         f"bench --overhead: {args.config}, all synthetic stage costs 0, {args.chunks} chunks, warm-up {args.warmup}",
         "", table(["metric", *[r.label for r in runs]], rows), "",
         "payload per chunk: " + ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in payloads.items()),
-        frames_line(compare_frames(*runs), len(runs[0].chunks))])
+        frames_line(differ, len(runs[0].chunks))])
     print("\n" + text)
     png = args.png.with_name("bench_overhead_timeline.png")
     plot_timeline(runs, png, chunks=8, title=f"{args.config}, zero-cost stages")
     write_json(args.json.with_name("bench_overhead.json"), {"kind": "overhead", "table": text,
                                                             "payload_bytes": payloads, "summaries": summaries,
-                                                            "runs": runs_json(runs)})
+                                                            "frames_differ": differ, "runs": runs_json(runs)})
     print(f"wrote {args.json.with_name('bench_overhead.json')} and {png}")
+    if differ:  # the schedule must never change what is computed
+        print(f"FAIL: serial and prefetch frames are not bit-identical (chunks {differ})", file=sys.stderr)
+        return EXIT_FRAMES_DIFFER
     return 0
 
 

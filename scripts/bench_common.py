@@ -39,6 +39,7 @@ RATIO = (0.25, 0.60, 0.30)  # E:D:V of the design note
 DEFAULT_IMAGE = ROOT / "assets" / "start.png"
 DEFAULT_TRACE = ROOT / "assets" / "demo_trace.json"
 OUT_DIR = ROOT / "out"
+EXIT_FRAMES_DIFFER = 2  # every benchmark's exit code when its frames are not what they must be
 STAGE_COLOURS = {
     "condition": "#4c9be8",
     "denoise": "#e8554c",

@@ -8,6 +8,9 @@ chunks eagerly; once A has emitted 4 chunks, session B opens and streams half as
 first frame next to A's (alone), when B's first frame came relative to A's last, both sessions' chunk periods
 while they overlap (ideal: 2 D each, the DiT alternating), the combined emission rate during the overlap against
 the DiT's 1 / D, and the longest wait between two chunks of B (no starvation). Saves out/bench_sessions.json.
+
+Correctness: B plays the first half of A's controls with A's image and seed, so B's frames must equal A's first
+chunks bit for bit (sharing the ranks changes nothing a session computes); exit code 2 when they do not.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import Client
+from scripts.bench_common import EXIT_FRAMES_DIFFER, frame_digest
 from scripts.client import Played, load_trace, play
 from scripts.local_server import ROOT, LocalServer
 
@@ -75,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         "b_longest_gap_s": float(np.max(np.diff(b_chunks))) if len(b_chunks) > 1 else None,
         **overlap_stats(a, b, d),
     }
+    a_digests, b_digests = [frame_digest(c) for c in a.chunks], [frame_digest(c) for c in b.chunks]
+    differ = [i for i in range(args.chunks // 2) if i >= len(b_digests) or b_digests[i] != a_digests[i]]
+    facts["frames_differ"] = differ
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(facts, indent=1))
     print(f"two sessions, synthetic E/D/V = {e * 1e3:.0f}/{d * 1e3:.0f}/{v * 1e3:.0f} ms, prefetch")
@@ -83,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     rate = facts["combined_chunks_per_s"]
     print(f"combined rate / DiT rate = {rate * d:.3f} (ideal 1.0); B's first frame came "
           f"{facts['b_first_frame_before_a_end_s']:.2f} s before A's stream ended")
+    if differ or len(a.chunks) != args.chunks:
+        print(f"FAIL: B's frames are not A's first {args.chunks // 2} chunks bit for bit (chunks {differ}), or A "
+              f"got {len(a.chunks)} of {args.chunks} chunks", file=sys.stderr)
+        return EXIT_FRAMES_DIFFER
+    print(f"frames: B's {len(b_digests)} chunks bit-identical to A's first {len(b_digests)}")
     return 0
 
 

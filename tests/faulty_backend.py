@@ -2,15 +2,21 @@
 
 A prompt holding ``FAIL:<stage>:<chunk>`` (stage: ``condition``, ``denoise`` or ``decode``) makes that stage fail
 on that chunk of that session. The decode rank never sees a prompt, so a decode failure travels down the pipeline:
-the DiT hands it a latent of NaNs, which the synthetic decoder refuses. Selected by the tests with
-``--model.kind=tests.faulty_backend:build``; no production config can reach it.
+the DiT hands it a latent of NaNs, which the synthetic decoder refuses. ``FAIL:prepare:<chunk>`` makes the second
+rank of the DiT group alone fail while it prepares that chunk's inputs (before the group's collective), as a
+control the camera math cannot take would. ``HANG:denoise:<chunk>`` makes every DiT rank sleep through that chunk's
+denoise (their heartbeats go on), as a stuck kernel would. Selected by the tests with
+``--model.kind=tests.faulty_backend:build``; ``build_never_ready`` is a backend whose decode rank never finishes
+loading. No production config can reach either.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from models.stages import SessionSpec
 from models.synthetic import SyntheticCondition, SyntheticDenoise
@@ -18,15 +24,16 @@ from ranks.backend import Backend, build_synthetic
 from runtime.config import ControlsConfig, ModelConfig, StreamConfig, SyntheticConfig
 
 MARKER = "FAIL"
+HANG_S = 3600.0  # "forever": the job's deadlines end it long before
 
 
 class InjectedFailure(RuntimeError):
     """A failure asked for by the session's prompt."""
 
 
-def failure_chunk(prompt: str, stage: str) -> int | None:
-    """The chunk at which ``stage`` must fail for this prompt, or None."""
-    tag = f"{MARKER}:{stage}:"
+def failure_chunk(prompt: str, stage: str, marker: str = MARKER) -> int | None:
+    """The chunk at which ``stage`` must fail (or hang, with marker ``HANG``) for this prompt, or None."""
+    tag = f"{marker}:{stage}:"
     at = prompt.find(tag)
     if at < 0:
         return None
@@ -53,15 +60,27 @@ class FaultyDenoise(SyntheticDenoise):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self._fail_at: dict[str, tuple[int | None, int | None]] = {}  # session -> (denoise, decode) chunks
+        self._prepare_fails: dict[str, int | None] = {}
+        self._hang_at: dict[str, int | None] = {}
+        self._group_rank = 0 if self.group is None else dist.get_rank(self.group)
 
     def open(self, spec: SessionSpec, context: torch.Tensor) -> None:
         self._fail_at[spec.session] = (failure_chunk(spec.prompt, "denoise"), failure_chunk(spec.prompt, "decode"))
+        self._prepare_fails[spec.session] = failure_chunk(spec.prompt, "prepare")
+        self._hang_at[spec.session] = failure_chunk(spec.prompt, "denoise", "HANG")
         super().open(spec, context)
+
+    def _render(self, session: str, index: int, condition: torch.Tensor, control: Any) -> torch.Tensor:
+        if self._prepare_fails.get(session) == index and self._group_rank == 1:
+            raise InjectedFailure(f"injected failure preparing chunk {index} on one DiT rank")
+        return super()._render(session, index, condition, control)
 
     def denoise(self, session: str, index: int, condition: torch.Tensor, control: Any) -> torch.Tensor:
         denoise_at, decode_at = self._fail_at.get(session, (None, None))
         if denoise_at == index:  # every DiT rank knows the prompt: they all fail here, before the group's collective
             raise InjectedFailure(f"injected denoise failure at chunk {index}")
+        if self._hang_at.get(session) == index:
+            time.sleep(HANG_S)
         latent = super().denoise(session, index, condition, control)
         return latent.fill_(float("nan")) if decode_at == index else latent
 
@@ -74,3 +93,11 @@ def build(model: ModelConfig, stream: StreamConfig, costs: SyntheticConfig, cont
     if backend.denoise is not None:
         backend.denoise = FaultyDenoise(backend.geometry, costs.denoise_s, dit_group)
     return backend
+
+
+def build_never_ready(model: ModelConfig, stream: StreamConfig, costs: SyntheticConfig, controls: ControlsConfig,
+                      roles: list[str], device: torch.device, dit_group: Any | None) -> Backend:
+    """The decode rank never finishes building (a stuck weight load); every other rank builds as usual."""
+    if "decode" in roles:
+        time.sleep(HANG_S)
+    return build(model, stream, costs, controls, roles, device, dit_group)

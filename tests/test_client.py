@@ -223,6 +223,43 @@ def test_close_of_a_session_the_server_does_not_hold_raises_unknown_session(fake
     assert len(raised) == 1 and isinstance(raised[0], UnknownSession)
 
 
+def test_a_silent_server_fails_waiting_calls_with_server_gone_and_close_does_not_wait_out_its_timeout(
+        fake: FakeServer) -> None:
+    with Client(fake.endpoint, timeout_s=30, heartbeat_s=0.1, server_silent_s=0.5) as client:
+        thread, raised = raised_in_thread(client.stats)  # the fake never answers, not even heartbeats
+        thread.join(timeout=10)
+        assert len(raised) == 1 and isinstance(raised[0], ServerGone) and raised[0].code == "server_gone"
+        with pytest.raises(ServerGone):
+            client.close("s1", timeout_s=20)
+
+
+def test_a_restarted_server_ends_the_old_sessions_and_still_answers_new_requests(fake: FakeServer) -> None:
+    with Client(fake.endpoint, timeout_s=10, heartbeat_s=0.1, server_silent_s=30) as client:
+        identity, _ = fake.recv(protocol.Heartbeat)
+        fake.send(identity, protocol.HeartbeatAck(server="run-1"))
+        fake.send(identity, chunk("s1", 0, revision=-1))
+        assert client.next_chunk("s1", timeout_s=5).index == 0
+        thread, raised = raised_in_thread(client.stats)
+        _, stats = fake.recv(protocol.Stats)
+        fake.send(identity, protocol.HeartbeatAck(server="run-2"))  # the restarted server, which got the request
+        fake.send(identity, protocol.StatsReply(req=stats.req, stats={"open_sessions": 0}))
+        thread.join(timeout=5)
+        assert not raised  # answered by the new run: not failed as lost
+        with pytest.raises(ServerGone, match="restarted"):
+            client.next_chunk("s1", timeout_s=5)
+
+
+def test_an_open_answered_after_its_caller_gave_up_is_closed_not_leaked(fake: FakeServer) -> None:
+    with Client(fake.endpoint, timeout_s=0.3) as client:
+        with pytest.raises(TimeoutError):
+            client.open(b"png")
+        identity, opening = fake.recv(protocol.Open)
+        fake.send(identity, protocol.Opened(req=opening.req, session="late", height=1, width=1, fps=16.0,
+                                            frames_first_chunk=1, frames_per_chunk=4, num_chunks=None))
+        _, close = fake.recv(protocol.Close)
+    assert close.session == "late"
+
+
 def test_async_client_has_the_same_api_shape_and_error_typing(fake: FakeServer) -> None:
     async def scenario() -> tuple[Any, ...]:
         async with AsyncClient(fake.endpoint, timeout_s=5, heartbeat_s=0.1) as client:

@@ -501,7 +501,7 @@ def test_a_task_past_its_deadline_ends_the_job_naming_the_rank() -> None:
     sid = job.open()
     assert not [o for o in job.step(Tick(), dt=9.0) if isinstance(o, Stop)]
     (stop,) = [o for o in job.step(Tick(), dt=2.0) if isinstance(o, Stop)]
-    assert stop.reason == f"rank 0 did not finish the condition chunk of chunk 0 of session {sid} within 10 s"
+    assert stop.reason == f"rank 0 did not finish the condition of chunk 0 of session {sid} within 10 s"
 
 
 def test_a_lost_rank_ends_the_job() -> None:
@@ -615,3 +615,29 @@ def test_shutdown_tells_every_client_and_closes_every_session(lost: tuple[int, .
     (closed,) = job.to(A, p.Closed, out)
     assert (closed.session, closed.reason) == (sid, "shutdown") and isinstance(closed.summary, dict)
     assert out[-1].code == EXIT_OK and (not lost or "rank 3 is gone" in out[-1].reason)
+
+
+# ---- closing twice, privacy
+
+
+def test_a_second_close_while_the_first_drains_is_answered_closing_and_the_session_closes_once() -> None:
+    job = Job()
+    sid = job.open()
+    control(job, sid, 0)
+    job.send(A, p.Close(req=50, session=sid))
+    out = job.send(A, p.Close(req=51, session=sid))
+    assert [(e.req, e.code) for e in job.to(A, p.Error, out)] == [(51, "closing")]
+    job.settle(p.ConditionChunk, p.DenoiseChunk, p.DecodeChunk, p.ReceiveFrames, p.Release)
+    assert [c.session for c in job.to(A, p.Closed)] == [sid]
+    out = job.send(A, p.Close(req=52, session=sid))
+    assert [(e.req, e.code) for e in job.to(A, p.Error, out)] == [(52, "unknown_session")]
+
+
+def test_stats_show_a_client_its_own_sessions_and_operators_all_of_them() -> None:
+    job = Job()
+    mine, theirs = job.open(A), job.open(B)
+    out = job.send(A, p.Stats(req=60))
+    (reply,) = job.to(A, p.StatsReply, out)
+    assert list(reply.stats["per_session"]) == [mine] and reply.stats["open_sessions"] == 2
+    assert theirs not in str(reply.stats)
+    assert set(job.core.stats(job.now)["per_session"]) == {mine, theirs}  # no client: the operator's view

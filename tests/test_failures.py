@@ -47,10 +47,9 @@ def concurrent(endpoint: str, prompts: list[str], chunks: int = 8) -> dict[str, 
     return results
 
 
-@pytest.fixture(scope="module")
-def server() -> LocalServer:
-    with LocalServer("cpu-tiny", FAST) as running:
-        yield running
+@pytest.fixture
+def server(shared_server: LocalServer) -> LocalServer:
+    return shared_server  # the session's server runs this backend (tests/conftest.py)
 
 
 @pytest.mark.parametrize("stage", ["decode", "condition"])
@@ -70,6 +69,20 @@ def test_a_failing_stage_fails_only_its_session_and_the_edges_stay_in_step(serve
     # a new session afterwards streams normally: nothing on any edge was left out of step
     after = concurrent(server.endpoint, [f"after {stage}"], chunks=4)
     assert after[f"after {stage}"][0] == [0, 1, 2, 3]
+
+
+def test_a_failure_preparing_a_chunk_on_one_dit_rank_fails_only_its_session_and_the_job_serves_on(
+        server: LocalServer) -> None:
+    bad = "bad FAIL:prepare:2"
+    results = concurrent(server.endpoint, [bad, "good twin"])
+    received, _, summary = results[bad]
+    assert summary["reason"] == "failed", summary
+    assert "rank 3 could not prepare the chunk" in summary["error"] and "injected failure preparing" in summary["error"]
+    assert received in ([], [0], [0, 1])  # in order, and nothing from chunk 2 on (those in flight are dropped)
+    assert results["good twin"][0] == list(range(8)) and results["good twin"][2]["reason"] == "complete"
+    assert sorted(summary["released"]["denoise"]) == [2, 3, 4, 5, 6]  # every DiT rank released its caches
+    assert concurrent(server.endpoint, ["after a prepare failure"], chunks=4)["after a prepare failure"][0] == \
+        [0, 1, 2, 3]
 
 
 def test_a_denoise_failure_with_one_dit_rank_fails_only_that_session(tmp_path: Path) -> None:

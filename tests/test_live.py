@@ -1,8 +1,8 @@
 """Live mode and session limits end to end on the 7-rank CPU layout: real ranks, real sockets.
 
-One server is shared by the module, started with a short client timeout and small limits
-(``client_timeout_s=2``, ``max_sessions=3``, ``max_chunks=64``, ``max_image_pixels=65536``). Tests that need the
-server to themselves (the session limit, heartbeat loss) check that they left nothing open.
+The tests run on the session's shared server (``tests/conftest.py``: a short client timeout and small limits) and
+never assume they are alone on it: the session limit is reached from however many sessions are open, and what
+another client's sessions do is read from the server log.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import io
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +22,15 @@ from PIL import Image
 
 from ipc import protocol
 from ipc.aio_client import AsyncClient
-from ipc.client import BadRequest, Busy, Client, UnknownSession
+from ipc.client import BadRequest, Busy, Client, SessionInfo, UnknownSession
 from scripts import client as tool
 from scripts.local_server import ROOT, LocalServer
+from tests.shared import CLIENT_TIMEOUT_S, MAX_CHUNKS, MAX_IMAGE_PIXELS, MAX_SESSIONS
 
 pytestmark = pytest.mark.multiprocess
 
 IMAGE = (ROOT / "assets" / "start.png").read_bytes()
-FAST = ["--synthetic.encode_s=0.01", "--synthetic.denoise_s=0.03", "--synthetic.decode_s=0.015"]
-TIMEOUT_S = 2.0
-LIMITS = [f"--server.client_timeout_s={TIMEOUT_S}", "--server.max_sessions=3", "--server.max_chunks=64",
-          "--server.max_image_pixels=65536"]
+TIMEOUT_S = CLIENT_TIMEOUT_S
 TIMELINE: dict[str, Any] = {  # i, k and j are only ever tapped, never held
     "prompt": "live", "seed": 5, "num_chunks": 40, "events": [
         {"t": 0.10, "keys": "w"}, {"t": 0.25, "keys": "w", "taps": "i"}, {"t": 0.40, "keys": "wd"},
@@ -43,19 +40,14 @@ TIMELINE: dict[str, Any] = {  # i, k and j are only ever tapped, never held
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LocalServer]:
-    with LocalServer("cpu-tiny", FAST + LIMITS) as running:
-        yield running
+def server(shared_server: LocalServer) -> LocalServer:
+    return shared_server
 
 
 @pytest.fixture(scope="module")
 def live_run(server: LocalServer) -> tool.LivePlayed:
     with Client(server.endpoint) as client:
         return tool.play_live(client, IMAGE, TIMELINE)
-
-
-def open_sessions(client: Client) -> int:
-    return client.stats()["open_sessions"]
 
 
 def test_live_snapshots_follow_the_input_timeline_chunk_by_chunk(live_run: tool.LivePlayed) -> None:
@@ -93,7 +85,7 @@ def test_live_controls_are_never_cut_more_than_one_chunk_ahead(live_run: tool.Li
 def test_every_input_revision_gets_an_input_to_photon_latency(live_run: tool.LivePlayed) -> None:
     measured = {r: v for c in live_run.chunks for r, v in c.input_to_photon_s.items()}
     assert sorted(measured) == sorted(s["revision"] for s in live_run.sent)
-    assert all(0 < v < 5 for v in measured.values())
+    assert all(0 < v < 30 for v in measured.values())  # measured (each after its revision left), never negative
     stats = tool.photon_stats(live_run.chunks)
     period = live_run.summary["chunk_period_s"]["p50"]
     print(f"\ninput-to-photon on cpu-tiny: {stats} (chunk period p50 {period:.3f} s)")
@@ -160,17 +152,18 @@ def test_pause_when_idle_stops_the_stream_until_the_next_input(server: LocalServ
 
 def test_a_session_beyond_the_limit_is_refused_busy_while_the_others_keep_streaming(server: LocalServer) -> None:
     with Client(server.endpoint) as client:
-        assert open_sessions(client) == 0
-        infos = [client.open(IMAGE, live=True) for _ in range(3)]  # endless, still camera: they stream
-        seen = {i.id: client.next_chunk(i.id, timeout_s=10).index for i in infos}
-        with pytest.raises(Busy) as refused:
-            client.open(IMAGE, num_chunks=2)
+        infos: list[SessionInfo] = []
+        with pytest.raises(Busy) as refused:  # up to the limit (whatever other clients hold), then one more
+            for _ in range(MAX_SESSIONS + 1):
+                infos.append(client.open(IMAGE, live=True))
+        assert infos, "another test left every session slot taken"
+        seen = {i.id: client.next_chunk(i.id, timeout_s=10).index for i in infos}  # endless, still camera: streaming
         after = {i.id: [client.next_chunk(i.id, timeout_s=10).index for _ in range(2)] for i in infos}
         for info in infos:
             client.close(info.id)
-        assert open_sessions(client) == 0
+        assert client.open(IMAGE, num_chunks=1).id  # a slot is free again
     assert refused.value.retry_after_s and refused.value.retry_after_s > 0
-    assert "limit of 3 sessions" in refused.value.message
+    assert f"limit of {MAX_SESSIONS} sessions" in refused.value.message
     assert all(after[s] == [seen[s] + 1, seen[s] + 2] for s in seen)
 
 
@@ -178,11 +171,13 @@ def test_session_length_and_image_size_beyond_the_limits_are_refused(server: Loc
     big = io.BytesIO()
     Image.new("RGB", (300, 300)).save(big, format="PNG")
     with Client(server.endpoint) as client:
-        with pytest.raises(BadRequest, match=r"num_chunks must be in 1\.\.64, got 65"):
-            client.open(IMAGE, num_chunks=65)
-        with pytest.raises(BadRequest, match="300x300 pixels exceeds the limit of 65536 pixels"):
+        with pytest.raises(BadRequest, match=rf"num_chunks must be in 1\.\.{MAX_CHUNKS}, got {MAX_CHUNKS + 1}"):
+            client.open(IMAGE, num_chunks=MAX_CHUNKS + 1)
+        with pytest.raises(BadRequest, match=f"300x300 pixels exceeds the limit of {MAX_IMAGE_PIXELS} pixels"):
             client.open(big.getvalue(), num_chunks=2)
-        assert open_sessions(client) == 0
+        with pytest.raises(BadRequest, match="exceeds the limit of 2000"):
+            client.open(IMAGE, prompt="p" * 2001, num_chunks=2)  # server.max_prompt_chars
+        assert client.stats()["per_session"] == {}  # nothing was opened
 
 
 def test_silent_clients_have_their_sessions_closed_and_caches_released_after_the_timeout(
@@ -200,30 +195,26 @@ def test_silent_clients_have_their_sessions_closed_and_caches_released_after_the
     opened = protocol.decode(raw.recv(), "server", max_bytes=1 << 30)
     assert isinstance(opened, protocol.Opened), opened
     raw.send(protocol.encode(protocol.ControlState(req=2, session=opened.session, keys=["w"], revision=1)))
-    raw_silent = time.monotonic()
+    raw_silent = time.monotonic()  # its last word
+    first = protocol.decode(raw.recv(), "server", max_bytes=1 << 30) if raw.poll(30_000) else None
+    assert isinstance(first, protocol.Chunk), first  # it was streaming to the socket that now goes silent
     stopped = Client(server.endpoint)
     paused = stopped.open(IMAGE, live=True, pause_when_idle=True)
     stopped.close_client()
     stopped_silent = time.monotonic()
     closed_after: dict[str, float] = {}
-    with Client(server.endpoint) as observer:
-        time.sleep(1.0)
-        streaming = observer.stats()
-        assert streaming["open_sessions"] == 2, "closed before the timeout"
-        assert streaming["per_session"][opened.session]["chunks"] > 0  # it was streaming to the silent socket
-        while len(closed_after) < 2 and time.monotonic() - raw_silent < TIMEOUT_S + 5:
-            per_session = observer.stats()["per_session"]
-            for sid, since in ((opened.session, raw_silent), (paused.id, stopped_silent)):
-                if sid not in per_session and sid not in closed_after:
-                    closed_after[sid] = time.monotonic() - since
-            time.sleep(0.05)
-        assert open_sessions(observer) == 0
+    while len(closed_after) < 2 and time.monotonic() - raw_silent < TIMEOUT_S + 10:
+        log = server.log_path.read_text(errors="replace")  # another client's sessions: only the log may tell
+        for sid, since in ((opened.session, raw_silent), (paused.id, stopped_silent)):
+            if f"session {sid} closed (disconnect)" in log and sid not in closed_after:
+                closed_after[sid] = time.monotonic() - since
+        time.sleep(0.05)
     raw.close(linger=0)
     assert set(closed_after) == {opened.session, paused.id}
-    assert all(TIMEOUT_S - 0.2 < t < TIMEOUT_S + 1.5 for t in closed_after.values()), closed_after
-    log = server.log()
+    assert all(t > TIMEOUT_S - 0.2 for t in closed_after.values()), closed_after  # never before the timeout
+    log = server.log_path.read_text(errors="replace")
     for sid in closed_after:
-        assert f"session {sid}: client silent" in log and f"session {sid} closed (disconnect)" in log
+        assert f"session {sid}: client silent" in log
     # the closing waits for every rank's release: a closed session's caches are gone on every rank
     time.sleep(0.2)
     with Client(server.endpoint, identity=identity) as returning:
@@ -290,9 +281,41 @@ def test_async_client_streams_a_session_and_types_errors(server: LocalServer) ->
     assert summary["reason"] == "complete" and stats["layout"] == "cpu-tiny"
     with Client(server.endpoint) as client:  # same seed and controls through the blocking client: same frames
         same, _ = tool.play(client, IMAGE, {"seed": 4, "chunks": [{"keys": "j"}] * 3}), None
-    assert all(np.array_equal(a.frames, b.frames) for a, b in zip(chunks, same.chunks))
+    assert len(chunks) == len(same.chunks) == 3
+    assert all(np.array_equal(a.frames, b.frames) for a, b in zip(chunks, same.chunks, strict=True))
 
 
-def test_zz_server_shuts_down_cleanly(server: LocalServer) -> None:
-    assert server.stop() == 0
+def test_live_input_with_unknown_keys_or_a_stale_revision_is_refused_by_the_server(server: LocalServer) -> None:
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(server.endpoint)
 
+    def answer(req: int) -> object:
+        while True:
+            assert raw.poll(30_000), f"no answer to {req}"
+            message = protocol.decode(raw.recv(), "server", max_bytes=1 << 30)
+            if getattr(message, "req", None) == req:
+                return message
+
+    try:
+        raw.send(protocol.encode(protocol.Open(req=1, image=IMAGE, live=True, pause_when_idle=True)))
+        opened = answer(1)
+        assert isinstance(opened, protocol.Opened)
+        raw.send(protocol.encode(protocol.ControlState(req=2, session=opened.session, keys=["w"], revision=5)))
+        raw.send(protocol.encode(protocol.ControlState(req=3, session=opened.session, keys=["q"], revision=6)))
+        unknown = answer(3)
+        raw.send(protocol.encode(protocol.ControlState(req=4, session=opened.session, keys=["a"], revision=5)))
+        stale = answer(4)
+        assert isinstance(unknown, protocol.Error) and unknown.code == "unknown_keys" and "q" in unknown.message
+        assert isinstance(stale, protocol.Error) and stale.code == "stale_revision"
+        chunk: object = None  # the refusals changed nothing: the accepted state drives the stream
+        while not isinstance(chunk, protocol.Chunk):
+            assert raw.poll(30_000)
+            chunk = protocol.decode(raw.recv(), "server", max_bytes=1 << 30)
+        assert chunk.facts.control.keys == {"w"} and chunk.facts.control.revision == 5
+        raw.send(protocol.encode(protocol.Close(req=9, session=opened.session)))
+        while not isinstance(chunk, protocol.Closed):  # closed before the socket goes: nothing left streaming
+            assert raw.poll(30_000)
+            chunk = protocol.decode(raw.recv(), "server", max_bytes=1 << 30)
+    finally:
+        raw.close()

@@ -47,7 +47,8 @@ def test_seven_rank_real_model_stream_matches_the_one_process_stages() -> None:
     assert [c.frames.shape for c in chunks] == [(9, 64, 96, 3), (12, 64, 96, 3), (12, 64, 96, 3)]
     assert summary["reason"] == "complete"
     reference = one_process_reference("a red house", 5)
-    for got, want in zip(chunks, reference):
+    assert len(reference) == len(chunks) == len(KEYS)
+    for got, want in zip(chunks, reference, strict=True):
         # Ulysses over 5 ranks vs one process: float32 sums in another order, at most one uint8 level apart
         assert np.abs(got.frames.astype(int) - want.astype(int)).max() <= 1
     assert not np.array_equal(chunks[1].frames, chunks[2].frames)

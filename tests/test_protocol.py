@@ -102,3 +102,69 @@ def test_completions_name_their_stage_or_edge_and_failures_say_whether_the_rank_
                                  index=2, error="boom", fatal=True)):
         assert p.decode(p.encode(message), "worker") == message
     assert p.DenoiseChunk.phase is p.Phase.CHUNK and p.ReceiveLatent.edge is p.Edge.LATENT
+
+
+# ------------------------------------------------------------------------------------------------ hostile input
+
+
+def _nested(depth: int) -> bytes:
+    """A map whose ``x`` holds lists nested ``depth`` deep, built by hand (msgpack's encoder would recurse)."""
+    return b"\x83\xa1v" + bytes([V]) + b"\xa4type\xa4open\xa1x" + b"\x91" * depth + b"\xc0"
+
+
+@pytest.mark.parametrize("direction", ["client", "server", "worker", "coordinator"])
+def test_a_message_nested_thousands_deep_is_refused_in_every_direction_before_it_is_built(direction: str) -> None:
+    with pytest.raises(p.ProtocolViolation, match=f"nests deeper than {p.MAX_DEPTH} levels"):
+        p.decode(_nested(100_000), direction)
+
+
+def test_the_scan_allows_the_deepest_legitimate_message_and_counts_items() -> None:
+    poses = [tuple(float(v) for v in (1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1))] * 256
+    deepest = p.encode(p.Control(req=1, session="s", index=0, control=p.ChunkControl(poses=poses)))
+    assert {"v", "type", "req", "session", "index", "control"} <= p.scan(deepest)
+    with pytest.raises(p.ProtocolViolation, match=f"more than {p.MAX_ITEMS} items"):
+        p.decode(_raw(v=V, type="stats", req=1, x=[0] * p.MAX_ITEMS), "client")
+
+
+@pytest.mark.parametrize(("data", "expected"), [
+    (msgspec.msgpack.encode(7), "must be a msgpack map, got a scalar"),
+    (msgspec.msgpack.encode({"v": V, "type": "stats", "req": 1}) + b"\x00", "bytes after the message"),
+    (msgspec.msgpack.encode({"v": V, "type": "stats", "req": 1})[:-1], "truncated"),
+    (b"\xdd\xff\xff\xff\xff", "must be a msgpack map, got an array"),
+])
+def test_a_message_that_is_not_exactly_one_map_is_refused(data: bytes, expected: str) -> None:
+    with pytest.raises(p.ProtocolViolation, match=expected):
+        p.decode(data, "client")
+
+
+def test_a_message_without_a_version_is_refused_with_its_request_id() -> None:
+    with pytest.raises(p.ProtocolViolation, match="no protocol version field 'v'") as refused:
+        p.decode(msgspec.msgpack.encode({"type": "stats", "req": 42}), "client")
+    assert refused.value.req == 42
+
+
+def test_error_texts_are_clipped_and_never_echo_unbounded_input() -> None:
+    with pytest.raises(p.ProtocolViolation) as refused:
+        p.decode(_raw(v=V, type="close", req=1, session="s" * 10_000), "client")
+    assert len(str(refused.value)) <= p.MAX_ERROR_CHARS
+    assert p.clip("x" * 1000).endswith("(clipped)") and len(p.clip("x" * 1000)) == p.MAX_ERROR_CHARS
+    assert p.clip("short") == "short"
+
+
+IDENTITY = (1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize(("pose", "expected"), [
+    (IDENTITY, None),
+    ((0.0, -1.0, 0.0, 5.0, 1.0, 0.0, 0.0, -3.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 1.0), None),  # a turn, moved
+    (IDENTITY[:15], "16 floats"),
+    ((*IDENTITY[:3], float("nan"), *IDENTITY[4:]), "finite"),
+    ((2.0, *IDENTITY[1:]), "rotation"),  # a scale is not rigid
+    ((-1.0, *IDENTITY[1:5], 1.0, *IDENTITY[6:]), "rotation"),  # a mirror (determinant -1)
+    ((*IDENTITY[:12], 0.0, 0.0, 1.0, 1.0), "last row"),
+    ((*IDENTITY[:3], 2e6, *IDENTITY[4:]), "translation"),
+])
+def test_a_pose_must_be_a_rigid_camera_to_world_transform_near_the_origin(pose: tuple[float, ...],
+                                                                         expected: str | None) -> None:
+    problem = p.pose_problem(pose)
+    assert problem is None if expected is None else expected in (problem or ""), problem

@@ -131,5 +131,5 @@ def test_a_released_layout_streams_through_the_split7_config_path(releases: dict
     dit_dir = releases["v1"] / "lingbot_world_fast" if version == "v1" else releases["v2"] / "transformers"
     reference = _one_process(overrides, dit_dir, seed=3)
     assert len(reference) == len(chunks)
-    for got, want in zip(chunks, reference):
+    for got, want in zip(chunks, reference, strict=True):
         assert np.abs(got.frames.astype(int) - want.astype(int)).max() <= 1

@@ -1,0 +1,23 @@
+"""The flags of the session-wide shared server (``tests/conftest.py``), for the tests that check its limits."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+PROMETHEUS_PORT = free_port()
+CLIENT_TIMEOUT_S = 2.0
+MAX_SESSIONS = 4
+MAX_CHUNKS = 500
+MAX_IMAGE_PIXELS = 65536
+FAST = ["--synthetic.encode_s=0.01", "--synthetic.denoise_s=0.03", "--synthetic.decode_s=0.015"]
+SHARED_FLAGS = [*FAST, "--model.kind=tests.faulty_backend:build", f"--metrics.prometheus_port={PROMETHEUS_PORT}",
+                f"--server.client_timeout_s={CLIENT_TIMEOUT_S}", f"--server.max_sessions={MAX_SESSIONS}",
+                f"--server.max_chunks={MAX_CHUNKS}", f"--server.max_image_pixels={MAX_IMAGE_PIXELS}",
+                "--server.send_hwm=4"]  # fmt: skip
