@@ -1,5 +1,7 @@
 """Faults and abuse on the real 7-rank CPU layout: no message kills the server, one session's bad state stays in
-that session, a dead or frozen rank is named and ends the job fast, and no process of the job outlives it.
+that session, a dead or frozen rank is named and ends the job fast, and no process of the job outlives it. The
+times measured (fault to client error, fault to the exit of every process; rank 0's memory under a huge frame)
+are printed as a table and saved to out/faults.json.
 
 Abuse cases run on the session's shared server (``tests/conftest.py``); each rank fault starts its own. Bounds
 are generous for a busy 2-core machine but far below the old behaviour they guard against (a frozen DiT rank kept
@@ -8,10 +10,12 @@ the job alive 35 s; a killed launcher orphaned the whole job).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -33,9 +37,24 @@ DEAD_S = 3.0  # timeouts.rank_dead_s of the fault servers
 EXIT_BOUND_S = DEAD_S + 10
 
 
+MEASURED: dict[str, dict[str, float]] = {}  # case -> seconds (or bytes), for the table
+
+
 @pytest.fixture
 def server(shared_server: LocalServer) -> LocalServer:
     return shared_server
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fault_table() -> Iterator[None]:
+    yield
+    if not MEASURED:
+        return
+    (ROOT / "out").mkdir(exist_ok=True)
+    (ROOT / "out" / "faults.json").write_text(json.dumps(MEASURED, indent=1))
+    print()
+    for case, facts in MEASURED.items():
+        print(f"{case}: " + ", ".join(f"{name} {value:.2f}" for name, value in facts.items()))
 
 
 def wait_logged(server: LocalServer, text: str, timeout_s: float, beat: zmq.Socket | None = None) -> bool:
@@ -69,6 +88,14 @@ def reply(sock: zmq.Socket, timeout_s: float = 30.0) -> object:
 
 def rank0_rss(client: Client) -> int:
     return int(client.stats()["ranks"]["0"]["rss"])
+
+
+def peak_rss(pid: int) -> int:
+    """The process's peak resident memory so far (VmHWM), bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {pid}")
 
 
 def enc(**fields: object) -> bytes:
@@ -109,6 +136,7 @@ def test_no_message_kills_the_server_and_each_gets_a_clear_bounded_error(server:
 def test_a_huge_frame_is_dropped_before_it_is_buffered(server: LocalServer) -> None:
     with Client(server.endpoint) as client:
         before = rank0_rss(client)
+        peak_before = peak_rss(server.ranks()[0].pid)
         sock = raw_socket(server.endpoint)
         try:
             sock.send(enc(type="open", req=1, image=b"\0" * (16 * 2**20 + 4096)))  # just over: read and refused
@@ -119,7 +147,11 @@ def test_a_huge_frame_is_dropped_before_it_is_buffered(server: LocalServer) -> N
         finally:
             sock.close()
         time.sleep(1.5)  # two memory samples later
-        assert rank0_rss(client) - before < 64 * 2**20
+        after, peak_after = rank0_rss(client), peak_rss(server.ranks()[0].pid)
+        MEASURED["huge frame (256 MiB): rank 0 RSS / peak RSS, MiB"] = {
+            "rss_before_mib": before / 2**20, "rss_after_mib": after / 2**20,
+            "peak_before_mib": peak_before / 2**20, "peak_after_mib": peak_after / 2**20}
+        assert after - before < 64 * 2**20 and peak_after - peak_before < 64 * 2**20
         info = client.open(IMAGE, num_chunks=2)  # and it serves on
         for index in range(2):
             client.control(info.id, index, keys="w")
@@ -186,7 +218,9 @@ def test_a_vanished_client_has_its_session_closed_and_released(server: LocalServ
     info = client.open(IMAGE, num_chunks=None)
     client.control(info.id, 0, keys="w")
     client.close_client()  # no close, no more heartbeats
+    began = time.monotonic()
     assert wait_logged(server, f"session {info.id} closed (disconnect)", 15)
+    MEASURED["client vanishes (client_timeout_s 2): session closed after"] = {"to_error_s": time.monotonic() - began}
 
 
 def test_a_client_that_stops_reading_is_dropped_not_buffered(server: LocalServer) -> None:
@@ -197,7 +231,9 @@ def test_a_client_that_stops_reading_is_dropped_not_buffered(server: LocalServer
         assert isinstance(opened, protocol.Opened)
         sock.send(enc(type="control_state", req=2, session=opened.session, keys=["w"], revision=1))
         # then it never reads again, only beats (not silent, not gone): its queue on the server fills
+        began = time.monotonic()
         assert wait_logged(server, f"session {opened.session}: client stopped reading", 60, beat=sock)
+        MEASURED["client stops reading (send_hwm 4): dropped after"] = {"to_error_s": time.monotonic() - began}
         assert wait_logged(server, f"session {opened.session} closed (disconnect)", 10)
     finally:
         sock.close()
@@ -256,9 +292,12 @@ def fault(rank: int, sig: int, mid_stream: bool, tmp_path: Path,
         return error, to_error, to_exit, server.log()
 
 
-@pytest.mark.parametrize(("rank", "role", "mid_stream"), [(1, "decode", True), (4, "denoise", False)])
+@pytest.mark.parametrize(("rank", "role", "mid_stream"), [
+    (1, "decode", True), (2, "denoise", True), (4, "denoise", True), (1, "decode", False), (4, "denoise", False)])
 def test_a_killed_rank_is_named_and_the_job_ends_fast(tmp_path: Path, rank: int, role: str, mid_stream: bool) -> None:
     error, to_error, to_exit, log = fault(rank, signal.SIGKILL, mid_stream, tmp_path)
+    MEASURED[f"SIGKILL rank {rank} ({role}), {'mid-stream' if mid_stream else 'idle'}"] = {
+        "to_error_s": to_error, "to_exit_s": to_exit}
     assert error is not None and error.code == "rank_failed", error
     assert f"rank {rank} ({role}) died" in error.message, error.message
     assert f"rank {rank} ({role}) died" in log
@@ -266,13 +305,17 @@ def test_a_killed_rank_is_named_and_the_job_ends_fast(tmp_path: Path, rank: int,
 
 
 def test_a_frozen_dit_rank_ends_the_job_within_its_deadline(tmp_path: Path) -> None:
-    error, _, to_exit, _ = fault(4, signal.SIGSTOP, True, tmp_path)
+    error, to_error, to_exit, _ = fault(4, signal.SIGSTOP, True, tmp_path)
+    MEASURED[f"SIGSTOP rank 4 (denoise), mid-stream, rank_dead_s {DEAD_S:.0f}"] = {
+        "to_error_s": to_error, "to_exit_s": to_exit}
     assert error is not None and "rank 4 stopped answering" in error.message, error
     assert to_exit < EXIT_BOUND_S, to_exit
 
 
 def test_a_killed_coordinator_is_noticed_by_the_client_from_missed_heartbeats(tmp_path: Path) -> None:
     error, to_error, to_exit, _ = fault(0, signal.SIGKILL, True, tmp_path, silent_s=3.0)
+    MEASURED["SIGKILL rank 0 (coordinator, condition), mid-stream, server_silent_s 3"] = {
+        "to_error_s": to_error, "to_exit_s": to_exit}
     assert isinstance(error, ServerGone) and error.code == "server_gone", error
     assert to_error < 3.0 + 3 and to_exit < 15, (to_error, to_exit)
 
@@ -281,8 +324,10 @@ def test_a_killed_launcher_leaves_no_process_and_frees_the_port(tmp_path: Path) 
     with LocalServer("cpu-tiny", FAST, log_path=tmp_path / "server.log") as server:
         processes = job_processes(server)
         assert len(processes) >= 9  # launcher, torchrun, 7 ranks
+        began = time.monotonic()
         server.process.send_signal(signal.SIGKILL)
         assert not wait_gone(processes, 15)
+        MEASURED["SIGKILL of python launch.py (every process gone)"] = {"to_exit_s": time.monotonic() - began}
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", server.port))
 
@@ -296,12 +341,16 @@ def test_a_stage_past_its_deadline_ends_the_job_naming_the_ranks(tmp_path: Path)
         for index in range(4):
             client.control(info.id, index, keys="w")
         assert client.next_chunk(info.id, timeout_s=30).index == 0  # chunk 1's denoise never ends
+        began = time.monotonic()  # about when chunk 1's denoise was sent
         error = client.error(timeout_s=30)
+        to_error = time.monotonic() - began
         assert error is not None and error.code == "rank_failed", error
         # the DiT leader (rank 2) answers for its group
         assert f"rank 2 did not finish the denoise of chunk 1 of session {info.id} within 2 s" in error.message, error
         assert server.wait(30) != 0
         assert not wait_gone(processes, 15)  # the sleeping DiT ranks were ended, not left holding the job
+        MEASURED["denoise hangs past timeouts.stage_s 2 (from chunk 0's arrival)"] = {
+            "to_error_s": to_error, "to_exit_s": time.monotonic() - began}
 
 
 def test_a_rank_that_never_reports_in_fails_the_start_after_startup_s(tmp_path: Path) -> None:
