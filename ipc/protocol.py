@@ -522,7 +522,7 @@ def to_builtins(value: Any) -> Any:
     return msgspec.to_builtins(value, order="deterministic")
 
 
-def decode(data: bytes, direction: str, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+def decode(data: bytes | memoryview, direction: str, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
     """Decode one message read by ``direction`` ("client": what a client sends, "server": what it receives,
     "worker"/"coordinator" likewise inside the job). Raises ``ProtocolViolation`` naming the problem, and nothing
     else: the size, the nesting depth and item count (a list nested 2000 deep is a few kilobytes and would exhaust
@@ -554,7 +554,7 @@ _SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC7: 1, 0xC8: 2
 _CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}  # length bytes, items per entry
 
 
-def scan(data: bytes, max_depth: int = MAX_DEPTH, max_items: int = MAX_ITEMS) -> set[str]:
+def scan(data: bytes | memoryview, max_depth: int = MAX_DEPTH, max_items: int = MAX_ITEMS) -> set[str]:
     """Walk a msgpack message's structure without building it (iteratively: bounded work, no recursion) and
     return the string keys of its top-level map. ``ProtocolViolation`` when it is not exactly one map, nests
     deeper than ``max_depth``, holds more than ``max_items`` items, or is truncated."""
@@ -588,7 +588,7 @@ def scan(data: bytes, max_depth: int = MAX_DEPTH, max_items: int = MAX_ITEMS) ->
         elif 0xA0 <= head <= 0xBF:
             size = head & 0x1F
             if is_key:
-                keys.add(data[pos : pos + size].decode("utf-8", "replace"))
+                keys.add(str(data[pos : pos + size], "utf-8", "replace"))
             pos += size
         elif head in _FIXED:
             pos += _FIXED[head]
@@ -596,7 +596,7 @@ def scan(data: bytes, max_depth: int = MAX_DEPTH, max_items: int = MAX_ITEMS) ->
             width = _SIZED[head]
             size = int.from_bytes(data[pos : pos + width], "big")
             if is_key and head in (0xD9, 0xDA, 0xDB):
-                keys.add(data[pos + width : pos + width + size].decode("utf-8", "replace"))
+                keys.add(str(data[pos + width : pos + width + size], "utf-8", "replace"))
             pos += width + size + (1 if head in (0xC7, 0xC8, 0xC9) else 0)  # ext: one type byte
         elif head in _CONTAINERS:
             width, per_entry = _CONTAINERS[head]

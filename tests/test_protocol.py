@@ -126,6 +126,14 @@ def test_the_scan_allows_the_deepest_legitimate_message_and_counts_items() -> No
         p.decode(_raw(v=V, type="stats", req=1, x=[0] * p.MAX_ITEMS), "client")
 
 
+def test_a_zero_copy_frame_buffer_decodes_like_bytes() -> None:
+    """ZeroMQ frames read with ``copy=False`` hand out memoryviews; the pre-scan must read them as bytes."""
+    message = p.Open(req=3, image=b"\x89PNG" * 10, prompt="a" * 40, seed=2)  # str8 keys and values
+    data = p.encode(message)
+    assert p.decode(memoryview(data), "client") == p.decode(data, "client") == message
+    assert p.scan(memoryview(data)) == p.scan(data)
+
+
 @pytest.mark.parametrize(("data", "expected"), [
     (msgspec.msgpack.encode(7), "must be a msgpack map, got a scalar"),
     (msgspec.msgpack.encode({"v": V, "type": "stats", "req": 1}) + b"\x00", "bytes after the message"),
