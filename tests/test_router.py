@@ -163,7 +163,7 @@ def test_bad_input_at_the_router_gets_the_same_typed_errors_as_at_a_server(fleet
             enc(type="warp", req=1),
             msgspec.msgpack.encode({"v": 99, "type": "stats", "req": 2}),
             enc(type="open", image=IMAGE),
-            enc(type="open", req=3, image=b"\0" * (17 * 2**20)),
+            enc(type="open", req=3, image=b"\0" * (16 * 2**20 + 4096)),  # over the limit, under MAXMSGSIZE
             enc(type="open", req=4, image=b"GIF89a-but-not-really"),
             enc(type="open", req=5, image=IMAGE, num_chunks=0),
             enc(type="open", req=6, image=IMAGE, prompt="x" * 5000),
