@@ -80,7 +80,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BACKPRESSURE_RETRY_S = 0.002  # hint to clients whose control met a full edge
+# A control that met a full edge is accepted once the DiT moves on, about once per chunk period: its retry hint is
+# an eighth of the session's latest period within these bounds, so an eager client does not cost rank 0 (and a
+# router) a decode and a reply every 2 ms for the whole period (300 per chunk at a GPU's 0.6 s).
+BACKPRESSURE_RETRY_MIN_S = 0.002
+BACKPRESSURE_RETRY_MAX_S = 0.1
+BACKPRESSURE_RETRY_COLD_S = 0.02  # before the session's second chunk (the cold start: nothing moves for a while)
 BUSY_RETRY_S = 5.0  # hint to clients refused at the session limit
 MAX_PEERS = 1024  # client identities remembered for notices (bounded: the longest-silent are forgotten)
 
@@ -335,7 +340,8 @@ class CoordinatorCore:
             actions = self.scheduler.submit_control(session.id, message.index, now, payload=control)
         except sch.AdmissionError as error:
             if error.retryable:  # edge capacity: the same control will be accepted once work moves on
-                raise ClientError("control_backpressure", str(error), retry_after_s=BACKPRESSURE_RETRY_S) from None
+                raise ClientError("control_backpressure", str(error),
+                                  retry_after_s=backpressure_retry_s(session.metrics.last_period)) from None
             raise ClientError("rejected_control", str(error)) from None
         except sch.SchedulerError as error:
             raise ClientError("rejected_control", str(error)) from None
@@ -650,3 +656,10 @@ def _step_of(task: protocol.WorkerTask) -> Step | None:
         return None
     edge = getattr(type(task), "edge", None)
     return edge if edge is not None else _CHUNK_STEPS.get(type(task))
+
+
+def backpressure_retry_s(period: float | None) -> float:
+    """The retry hint of ``control_backpressure`` for a session whose latest chunk period is ``period``."""
+    if period is None:
+        return BACKPRESSURE_RETRY_COLD_S
+    return min(BACKPRESSURE_RETRY_MAX_S, max(BACKPRESSURE_RETRY_MIN_S, period / 8))

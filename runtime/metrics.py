@@ -242,6 +242,7 @@ class SessionMetrics:
         self._recent: deque[ChunkFacts] = deque(maxlen=keep_last)
         self._last_index = -1
         self._last_emitted: float | None = None
+        self._last_period: float | None = None  # between the last two emissions, warm-up included
         self._last_denoise_end: float | None = None
         self._first_emitted: float | None = None
         self._first_control: float | None = None
@@ -271,6 +272,8 @@ class SessionMetrics:
         if self._first_emitted is None:
             self._first_emitted = record.times.emitted
         self._last_index = record.index
+        if self._last_emitted is not None:
+            self._last_period = record.times.emitted - self._last_emitted
         self._last_emitted = record.times.emitted
         self._last_denoise_end = record.times.denoise_end
         self._recent.append(record)
@@ -294,6 +297,11 @@ class SessionMetrics:
     def last_emitted(self) -> float | None:
         """When the session's latest chunk was emitted (the start of the next chunk period)."""
         return self._last_emitted
+
+    @property
+    def last_period(self) -> float | None:
+        """Seconds between the session's last two emitted chunks; None before its second chunk."""
+        return self._last_period
 
     def recent(self) -> Iterator[ChunkFacts]:
         """The last ``keep_last`` chunk records, oldest first (for traces and debugging)."""

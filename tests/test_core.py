@@ -14,7 +14,13 @@ from ipc import protocol as p
 from models.synthetic import synthetic_geometry
 from ranks.worker import completion
 from runtime.config import LayoutConfig, MetricsConfig, SchedulerConfig, ServerConfig, StreamConfig, TimeoutsConfig
-from runtime.core import CoordinatorCore
+from runtime.core import (
+    BACKPRESSURE_RETRY_COLD_S,
+    BACKPRESSURE_RETRY_MAX_S,
+    BACKPRESSURE_RETRY_MIN_S,
+    CoordinatorCore,
+    backpressure_retry_s,
+)
 from runtime.core_types import (
     EXIT_FAILED,
     EXIT_OK,
@@ -305,9 +311,16 @@ def test_a_full_control_edge_is_backpressure_with_a_retry_hint() -> None:
     control(job, sid, 0)  # waits for condition[0]
     out = control(job, sid, 1)
     (error,) = job.to(A, p.Error, out)
-    assert error.code == "control_backpressure" and error.retry_after_s and error.req is not None
+    assert error.code == "control_backpressure" and error.req is not None
+    assert error.retry_after_s == BACKPRESSURE_RETRY_COLD_S  # no chunk period known yet
     job.answer(p.ConditionChunk, sid, 0)  # denoise 0 starts: the edge has room again
     assert job.to(A, p.Accepted, control(job, sid, 1))
+
+
+def test_the_backpressure_hint_is_an_eighth_of_the_chunk_period_within_bounds() -> None:
+    assert backpressure_retry_s(0.6) == pytest.approx(0.075)  # a GPU stream: 8 retries a chunk, not 300
+    assert backpressure_retry_s(0.004) == BACKPRESSURE_RETRY_MIN_S
+    assert backpressure_retry_s(30.0) == BACKPRESSURE_RETRY_MAX_S
 
 
 def test_poses_must_match_the_sessions_own_frame_count() -> None:

@@ -107,6 +107,16 @@ def test_chunk_period_is_the_interval_between_emissions() -> None:
     assert summary["chunk_period_s"]["p50"] == pytest.approx(0.5, rel=0.01)  # type: ignore[index]
 
 
+def test_the_latest_period_is_known_from_the_second_chunk_warm_up_included() -> None:
+    m = session(warmup_chunks=2)
+    m.on_chunk(record(0, 1.0))
+    assert m.last_period is None
+    m.on_chunk(record(1, 1.75))
+    assert m.last_period == pytest.approx(0.75)
+    m.on_chunk(record(2, 2.25))
+    assert m.last_period == pytest.approx(0.5)
+
+
 def test_compute_fps_counts_lockstep_dit_spans_once_and_excludes_warmup() -> None:
     m = session(warmup_chunks=2)
     m.on_chunk(record(0, 5.0, frames=9, spans=(Span("denoise", 2, "denoise", 1.0, 1.0, 4.0),)))  # slow cold start
