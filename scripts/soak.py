@@ -70,20 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     marks = {round(args.chunks * k / args.samples) - 1 for k in range(1, args.samples + 1)} | {min(50, args.chunks - 1)}
     runs: dict[str, dict[str, object]] = {}
+    sessions = HOLDS if args.hold else {"wl": None}
     with LocalServer(args.config, [*ZERO_COST, *overrides]) as server, Client(server.endpoint) as client:
-        if args.hold:
-            for name, control in HOLDS.items():
-                runs[name] = soak(client, args.chunks, marks, lambda _i, c=control: c)
-        else:
-            runs["wl"] = soak(client, args.chunks, marks, lambda i: {"keys": "wl"[i % 2]})
-    failed = False
-    for name, run in runs.items():
-        print(f"{name}: {run['chunks']} chunks in {run['seconds']:.1f} s; RSS per rank (MB) after chunk:")
-        for index, rss in sorted(run["rss_mb"].items()):  # type: ignore[attr-defined]
-            print(f"  {index + 1:6d}: {rss}")
-        for error in run["errors"]:  # type: ignore[attr-defined]
-            print(f"  ERROR {error}")
-            failed = True
+        for name, held in sessions.items():
+            control = (lambda _i, c=held: c) if held is not None else (lambda i: {"keys": "wl"[i % 2]})
+            runs[name] = run = soak(client, args.chunks, marks, control)
+            print(f"{name}: {run['chunks']} chunks in {run['seconds']:.1f} s; RSS per rank (MB) after chunk:")
+            for index, rss in sorted(run["rss_mb"].items()):  # type: ignore[attr-defined]
+                print(f"  {index + 1:6d}: {rss}")
+            for error in run["errors"]:  # type: ignore[attr-defined]
+                print(f"  ERROR {error}")
+            sys.stdout.flush()  # one session's result as soon as it ends: a 5 x 5000-chunk soak takes a while
+    failed = any(run["errors"] for run in runs.values())
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(runs, indent=1))
     return 1 if failed else 0
