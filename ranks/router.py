@@ -78,7 +78,7 @@ class RouterShell:
         self.read_at: dict[int, float] = {}  # this turn's chunks: id(frame) -> when read off its replica's socket
         self.hold = StreamStat()  # a chunk's stay in the router: read -> queued for its client (reported in stats)
         self.stopping = False  # set by a signal handler
-        self.core = RouterCore(self.section, config.replicas, time.monotonic())
+        self.core = RouterCore(self.section, config.replicas, time.monotonic(), router_id=f"router-{self.me}")
 
     @property
     def endpoint(self) -> str:
@@ -151,7 +151,7 @@ class RouterShell:
                 return
             identity = frames[0].bytes
             if len(frames) != 2:
-                yield rt.ClientUnreadable(identity, f"a message must be one frame, got {len(frames) - 1}")
+                yield rt.ClientUnreadable(identity, f"a message is one ZeroMQ frame, got {len(frames) - 1}")
                 continue
             data = frames[1]
             try:

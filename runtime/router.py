@@ -39,6 +39,7 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,7 @@ class RoutedSession:
     last_heard: float
     gone: bool = False  # the client disconnected: its messages are dropped until it resumes
     closing: bool = False  # the router asked the replica to close it (client silent or not reading)
+    close_sent: float = 0.0  # when it last asked: a close lost on a full or fresh link is sent again
 
 
 @dataclass
@@ -111,8 +113,9 @@ class RouterCore:
     ``Connect``."""
 
     def __init__(self, config: RouterSection, listed: Sequence[ReplicaEntry], now: float,
-                 new_req: Callable[[], int] | None = None) -> None:
+                 new_req: Callable[[], int] | None = None, router_id: str = "") -> None:
         self.config = config
+        self.id = router_id  # in every heartbeat ack, as a server's id: a client sees a restarted router
         self.started = now
         self.replicas: dict[str, Replica] = {}
         self.sessions: dict[str, RoutedSession] = {}
@@ -152,7 +155,7 @@ class RouterCore:
                 self._remember_peer(who, now)
                 self._refuse(who, ClientError("bad_message", error), req)
             case ClientUnreachable():
-                self._unreachable(event)
+                self._unreachable(event, now)
             case ReplicaSent():
                 self._from_replica(event, now)
             case ReplicaRefused():
@@ -166,7 +169,7 @@ class RouterCore:
             case ShellTimes(hold_s=hold):
                 self.hold_s = hold
             case ShutdownRequested():
-                self._shutdown()
+                self._shutdown(now)
 
     def _emit(self, output: Output) -> None:
         self._out.append(output)
@@ -203,7 +206,7 @@ class RouterCore:
             case protocol.Heartbeat(session=sid) if sid is not None:
                 self._resume(who, sid, message.req, now)
             case protocol.Heartbeat():
-                self._emit(ToClient(who, protocol.HeartbeatAck(req=message.req)))
+                self._emit(ToClient(who, protocol.HeartbeatAck(req=message.req, server=self.id)))
 
     def _owned(self, who: bytes, sid: str) -> RoutedSession:
         session = self.sessions.get(sid)
@@ -218,7 +221,7 @@ class RouterCore:
         self.by_client.get(session.client, set()).discard(sid)
         self.by_client.setdefault(who, set()).add(sid)
         session.client, session.gone, session.last_heard = who, False, now
-        self._emit(ToClient(who, protocol.HeartbeatAck(req=req, session=sid)))
+        self._emit(ToClient(who, protocol.HeartbeatAck(req=req, session=sid, server=self.id)))
 
     def _open(self, who: bytes, message: protocol.Open, now: float, tried: Iterable[str] = ()) -> None:
         tried = set(tried)
@@ -249,8 +252,8 @@ class RouterCore:
     def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
         code = error.code if error.code in self.rejects or len(self.rejects) < MAX_REASONS - 1 else "other"
         self.rejects[code] = self.rejects.get(code, 0) + 1
-        self._emit(ToClient(who, protocol.Error(req=req, session=session, code=error.code, message=str(error),
-                                                retry_after_s=error.retry_after_s)))
+        self._emit(ToClient(who, protocol.Error(req=req, session=session, code=error.code,
+                                                message=protocol.clip(str(error)), retry_after_s=error.retry_after_s)))
 
     def _remember_peer(self, who: bytes, now: float) -> None:
         self.peers[who] = now
@@ -259,17 +262,17 @@ class RouterCore:
             for old in sorted(idle, key=self.peers.__getitem__)[: MAX_PEERS // 4]:
                 del self.peers[old]
 
-    def _unreachable(self, event: ClientUnreachable) -> None:
+    def _unreachable(self, event: ClientUnreachable, now: float) -> None:
         session = self.sessions.get(event.session)
         if session is None or session.client != event.identity or session.gone:
             return
         session.gone = True
         if event.why == "full":  # connected but not reading: never buffer without bound
             log.info("session %s: client stopped reading, closing it on replica %s", session.id, session.replica)
-            self._close_on_replica(session)
+            self._close_on_replica(session, now)
 
-    def _close_on_replica(self, session: RoutedSession) -> None:
-        session.closing = True
+    def _close_on_replica(self, session: RoutedSession, now: float) -> None:
+        session.closing, session.close_sent = True, now
         replica = self.replicas[session.replica]
         self._emit(ToReplica(replica.name, replica.generation,
                              protocol.Close(req=self.new_req(), session=session.id)))
@@ -451,6 +454,11 @@ class RouterCore:
         else:
             restarted = bool(replica.incarnation) and replica.incarnation != message.incarnation
             moved = replica.endpoint != message.endpoint
+            why = self._taken(replica, restarted, moved, now)
+            if why is not None:
+                log.warning("registration of %s at %s refused: %s", message.name, message.endpoint, why)
+                self._emit(ToRegistrant(peer, protocol.Registered(ok=False, message=why)))
+                return
             if restarted or moved:
                 old = replica.endpoint
                 replica.endpoint = message.endpoint
@@ -463,6 +471,19 @@ class RouterCore:
         replica.incarnation = message.incarnation
         replica.max_sessions, replica.layout, replica.registered_at = message.max_sessions, message.layout, now
         self._emit(ToRegistrant(peer, protocol.Registered(ok=True)))
+
+    def _taken(self, replica: Replica, restarted: bool, moved: bool, now: float) -> str | None:
+        """Why a registration under ``replica``'s name is refused: a listed replica's endpoint is the config's,
+        and a replica that registered within ``replica_dead_s`` and is up is alive, so another job under its name
+        (a second array submitted with the same names, a stranger) must not end its sessions every heartbeat. A
+        requeued job is taken once its predecessor went quiet or down."""
+        if replica.listed and moved:
+            return f"{replica.name} is a listed replica at {replica.endpoint}; registrations cannot move it"
+        age = math.inf if replica.registered_at is None else now - replica.registered_at
+        if (restarted or moved) and replica.state is State.UP and age <= self.config.replica_dead_s:
+            return (f"the name {replica.name} is held by a live replica at {replica.endpoint} (registered "
+                    f"{age:.1f} s ago); choose another replica.name")
+        return None
 
     # ---------------------------------------------------------------------------------------------- timers
 
@@ -497,12 +518,14 @@ class RouterCore:
                 log.info("session %s: client silent for %.1f s, closing it on replica %s", session.id,
                          now - session.last_heard, session.replica)
                 session.gone = True
-                self._close_on_replica(session)
+                self._close_on_replica(session, now)
+            elif session.closing and now - session.close_sent > config.replica_dead_s:
+                self._close_on_replica(session, now)  # no `closed` yet: the close (or its answer) was lost
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, now: float) -> None:
         message = "the router is shutting down"
         for session in list(self.sessions.values()):
-            self._close_on_replica(session)  # its replica releases its caches now, not after a client timeout
+            self._close_on_replica(session, now)  # its replica releases its caches now, not after a client timeout
             if not session.gone:
                 self._emit(ToClient(session.client, protocol.Error(session=session.id, code="shutdown",
                                                                    message=message), session.id))
@@ -522,21 +545,28 @@ class RouterCore:
         entries) and ``per_session`` for ``who``'s sessions only (with the replica each is on)."""
         up = [r for r in self.replicas.values() if r.state is State.UP]
 
+        def count(value: object) -> int:  # a replica of another version must not break every client's stats
+            return int(value) if isinstance(value, int | float) and math.isfinite(value) else 0
+
+        def section(r: Replica, key: str) -> dict[str, Any]:
+            value = (r.stats or {}).get(key)
+            return value if isinstance(value, dict) else {}
+
         def total(key: str) -> int:
-            return sum(int(v) for r in up if r.stats and isinstance(v := r.stats.get(key), int | float))
+            return sum(count((r.stats or {}).get(key)) for r in up)
 
         def merged(key: str) -> dict[str, int]:
             out = dict(self.rejects) if key == "rejects" else {}
             for r in up:
-                for name, n in ((r.stats or {}).get(key) or {}).items():
-                    out[name] = out.get(name, 0) + int(n)
+                for name, n in section(r, key).items():
+                    out[str(name)] = out.get(str(name), 0) + count(n)
             return out
 
         mine = {}
         for sid in sorted(self.by_client.get(who, ())):
             session = self.sessions[sid]
-            entry = ((self.replicas[session.replica].stats or {}).get("per_session") or {}).get(sid) or {}
-            mine[sid] = {**entry, "replica": session.replica}
+            entry = section(self.replicas[session.replica], "per_session").get(sid)
+            mine[sid] = {**(entry if isinstance(entry, dict) else {}), "replica": session.replica}
         return {
             "layout": "router",
             "uptime_s": now - self.started,
@@ -549,7 +579,7 @@ class RouterCore:
                 "replicas_up": len(up), "replicas": len(self.replicas),
                 "max_sessions": sum(r.max_sessions for r in up),
                 "open_sessions": sum(len(r.sessions) + r.external for r in up),
-                "sessions_total": sum(int(((r.stats or {}).get("sessions") or {}).get("total", 0)) for r in up),
+                "sessions_total": sum(count(section(r, "sessions").get("total")) for r in up),
                 "chunks_emitted": total("chunks_emitted"), "frames_emitted": total("frames_emitted"),
                 "rejects": merged("rejects"), "errors": merged("errors"),
             },

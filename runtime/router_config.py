@@ -1,4 +1,4 @@
-"""Configuration of the router (``python -m ranks.router --config configs/router.toml``): TOML in frozen structs.
+"""Configuration of the router (``python -m ranks.router --config configs/router/router.toml``): TOML in frozen structs.
 
 Two parts: ``[router]`` (its client endpoint, limits and deadlines: what the core and the shell receive) and any
 number of ``[[replicas]]`` (the worldstream jobs it serves, by name and client endpoint). Replicas may also register

@@ -22,9 +22,9 @@ out. Reported: the router's added latency per chunk, p50 and p99 of routed minus
 (headline; the eager phases' difference too), and how much of it one more ZeroMQ hop costs by itself (bare minus
 direct); the router's CPU per stream (its process CPU seconds over the phase's
 wall time, less what it spends idle, divided by K) and per forwarded chunk, with the client messages it carried per
-chunk (eager clients resend a control every 2 ms while its edge is full: that, not the chunks, is most of an eager
-stream's cost); the aggregate chunk rate through the router (routed) over the sum of the two replicas' own rates
-(direct), each over the window in which all its sessions stream.
+chunk (eager clients resend a control at the server's retry hint while its edge is full: that, not the chunks, is
+most of an eager stream's cost); the aggregate chunk rate through the router (routed) over the sum of the two
+replicas' own rates (direct), each over the window in which all its sessions stream.
 
 Failover (unless ``--no-failover``), with the router's default deadlines (heartbeat 0.5 s, replica_dead_s 5 s):
 one session streams on each replica, a rank of replica b is SIGKILLed (rank 1: the replica's rank 0 notices and

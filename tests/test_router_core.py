@@ -43,6 +43,7 @@ from runtime.router_types import (
 
 A, B, C = b"client-a", b"client-b", b"client-c"
 DEAD_S = 2.0
+ROUTER_ID = "router-test"
 
 
 def stats_of(open_sessions: int = 0, chunks: int = 0, uptime: float = 10.0, **extra: Any) -> dict[str, Any]:
@@ -62,7 +63,7 @@ class Fleet:
                                        "client_timeout_s": 10.0, "open_timeout_s": 30.0, "busy_retry_s": 5.0,
                                        "forget_after_s": 60.0, **router})
         self.core = RouterCore(self.config, [ReplicaEntry(name=n, endpoint=f"tcp://{n}:5555", max_sessions=m)
-                                             for n, m in listed.items()], 0.0)
+                                             for n, m in listed.items()], 0.0, router_id=ROUTER_ID)
         self.now = 0.0
         self.log: list[Output] = []
         self.generation: dict[str, int] = {}
@@ -337,9 +338,29 @@ def test_sessions_of_a_silent_client_are_closed_on_their_replica(fleet: Fleet) -
         fleet.advance(1.0, answering=("a", "b"))
         fleet.client(B, p.Heartbeat())
     closes = [c.message.session for c in fleet.to_replica(name, p.Close)]
-    assert closes == [sid]  # B kept beating: its session stays
+    assert set(closes) == {sid}  # B kept beating: its session stays
     fleet.replica(name, p.Closed(session=sid, reason="client"))
     assert sid not in fleet.core.sessions and other in fleet.core.sessions
+
+
+def test_a_close_the_replica_never_answered_is_sent_again_until_closed(fleet: Fleet) -> None:
+    sid, name = fleet.open(A)
+    fleet.clear()
+    fleet.step(ClientUnreachable(A, sid, "full"))  # the close may be lost (a full link, a fresh connection)
+    fleet.advance(DEAD_S / 2, answering=("a", "b"))
+    assert len(fleet.to_replica(name, p.Close)) == 1  # not before replica_dead_s
+    fleet.advance(DEAD_S, answering=("a", "b"))
+    assert len(fleet.to_replica(name, p.Close)) == 2  # no `closed`: asked again, never left open on the replica
+    fleet.replica(name, p.Closed(session=sid, reason="client"))
+    fleet.advance(3 * DEAD_S, answering=("a", "b"))
+    assert len(fleet.to_replica(name, p.Close)) == 2 and sid not in fleet.core.sessions
+
+
+def test_heartbeat_acks_carry_the_routers_id_so_a_client_sees_a_restarted_router(fleet: Fleet) -> None:
+    sid, _ = fleet.open(A)
+    fleet.client(A, p.Heartbeat(req=7))
+    fleet.client(A, p.Heartbeat(req=8, session=sid))
+    assert [ack.server for ack in fleet.to(A, p.HeartbeatAck)] == [ROUTER_ID, ROUTER_ID]
 
 
 def test_a_client_that_stops_reading_has_its_session_closed_never_buffered(fleet: Fleet) -> None:
@@ -438,7 +459,12 @@ def test_a_replica_registers_itself_and_a_new_incarnation_ends_its_old_sessions(
     f.step(RegisterSent(b"peer", register))  # the heartbeat: nothing changes
     assert sid in f.core.sessions
     f.clear()
-    f.step(RegisterSent(b"peer2", msgspec.structs.replace(register, incarnation="two", endpoint="tcp://node9:5555")))
+    rival = msgspec.structs.replace(register, incarnation="two", endpoint="tcp://node9:5555")
+    (refused,) = [o.message for o in f.step(RegisterSent(b"peer2", rival)) if isinstance(o, ToRegistrant)]
+    assert not refused.ok and "held by a live replica" in refused.message  # "one" registered just now: alive
+    assert sid in f.core.sessions and not f.errors(A)
+    f.advance(DEAD_S + 0.5, answering=("n7",))  # "one" stops registering (its job died; the endpoint still answers)
+    f.step(RegisterSent(b"peer2", rival))
     error = f.errors(A)[-1]
     assert error.code == "rank_failed" and "replica n7" in error.message and "restarted" in error.message
     assert [(o.endpoint, o.generation) for o in f.log if isinstance(o, Connect)] == [("tcp://node9:5555", 2)]
@@ -495,6 +521,17 @@ def test_stats_sum_the_up_replicas_and_show_a_client_only_its_own_sessions(fleet
     assert stats["router"]["chunk_hold_s"] == {"count": 2, "p50": 0.0002}  # the shell's own measure
     assert stats["router"]["client_messages"] == 3  # two opens and this stats
     assert not fleet.to_replica(name_a, p.Stats)  # answered from what the router knows
+
+
+def test_a_replica_with_malformed_stats_does_not_break_the_fleets_stats(fleet: Fleet) -> None:
+    sid, name = fleet.open(A)
+    fleet.step(Tick(), dt=1.1)
+    fleet.answer_stats(name, stats_of(chunks=3, rejects=["busy"], errors={"x": "many"}, sessions=7,
+                                      per_session={sid: "?"}) | {"frames_emitted": float("inf")})
+    fleet.client(A, p.Stats(req=6))
+    (reply,) = fleet.to(A, p.StatsReply)
+    assert reply.stats["chunks_emitted"] == 3 and reply.stats["frames_emitted"] == 0
+    assert reply.stats["total"]["errors"] == {"x": 0} and reply.stats["per_session"] == {sid: {"replica": name}}
 
 
 def test_shutdown_closes_every_session_on_its_replica_and_tells_its_client(fleet: Fleet) -> None:
@@ -583,3 +620,13 @@ def test_a_server_config_with_a_router_that_is_not_an_endpoint_is_rejected() -> 
     with pytest.raises(ConfigError, match=r"replica\.router must be a ZeroMQ endpoint"):
         config_mod.load("cpu-mini", ["--replica.router=router-host:5561"])
     assert config_mod.load("cpu-mini", ["--replica.router=tcp://router-host:5561"]).replica.name == ""
+
+
+def test_a_registration_cannot_move_a_listed_replica() -> None:
+    f = Fleet({"a": 2}, register_bind="tcp://127.0.0.1:5561")
+    f.up("a")
+    sid, _ = f.open(A)
+    thief = p.Register(name="a", endpoint="tcp://elsewhere:5555", max_sessions=2, layout="x", incarnation="i")
+    (refused,) = [o.message for o in f.step(RegisterSent(b"peer", thief)) if isinstance(o, ToRegistrant)]
+    assert not refused.ok and "listed replica" in refused.message
+    assert f.core.replicas["a"].endpoint == "tcp://a:5555" and sid in f.core.sessions and not f.errors(A)
