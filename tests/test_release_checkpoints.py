@@ -36,8 +36,8 @@ KEYS = ["w", "wl", "d"]
 PROMPT = "“a lake” at dawn"
 TINY_DIT = DiTConfig.from_name("tiny")  # 5 heads: divisible by split7's 5 DiT ranks
 T5_CFG = T5Config(vocab=320, dim=TINY_DIT.text_dim, dim_attn=32, dim_ffn=64, num_heads=4, num_layers=2)
-CPU = ["--layout.backend=gloo", "--stream.height=64", "--stream.width=96", "--model.dtype=float32",
-       "--model.vae_dtype=float32", "--timeouts.startup_s=300"]  # fmt: skip
+CPU = ["--layout.backend=gloo", "--stream.size=fixed", "--stream.height=64", "--stream.width=96",
+       "--model.dtype=float32", "--model.vae_dtype=float32", "--timeouts.startup_s=300"]  # fmt: skip
 
 
 def _components(folder: Path) -> None:
