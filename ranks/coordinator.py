@@ -9,7 +9,6 @@ a worker unreachable, frames missing, an image decoded) is an event of the next 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from ipc import protocol
 from ipc import tensor_plane as tp
 from ipc.transport import send_or_why, send_to
 from ranks import prometheus
-from ranks.processes import RankWatch
+from ranks.processes import DeathHold, RankWatch
 from ranks.worker import RankContext, memory_facts
 from runtime import core_types as ct
 from runtime.config import Config
@@ -40,12 +39,6 @@ PROBE_S = 0.1  # how often the rank processes on this host are looked at (a few 
 FATAL_HOLD_S = 0.5  # a peer's report of a broken collective waits this long for the dead rank to show
 
 
-def _breaks_the_job(event: ct.Event) -> bool:
-    if isinstance(event, ct.WorkerSent):
-        return isinstance(event.message, protocol.TaskFailed) and event.message.fatal
-    return isinstance(event, ct.RankLost)
-
-
 class Coordinator:
     def __init__(self, ctx: RankContext, config: Config, clients: zmq.Socket, workers: zmq.Socket) -> None:
         self.ctx, self.clients, self.workers = ctx, clients, workers
@@ -60,8 +53,7 @@ class Coordinator:
         self.carried: list[ct.Event] = []  # learnt while carrying out outputs: events of the next turn
         self.next_memory = 0.0
         self.next_probe = 0.0
-        self.held: list[ct.Event] = []  # reports that end the job, waiting (briefly) for the dead rank to show
-        self.hold_until = math.inf
+        self.hold = DeathHold(FATAL_HOLD_S)
         self.fatal_reported = False
         self.exporter = prometheus.start(config.metrics.prometheus_port)
         self.watch = RankWatch()  # the rank processes on this host, from the workers' hellos
@@ -128,26 +120,12 @@ class Coordinator:
         """Everything but client messages: what the last turn learnt, workers' messages, decoded images, timers."""
         carried, self.carried = self.carried, []
         now = time.monotonic()
-        arrived = self.held + (list(self._drain_workers()) if workers else [])
+        arrived = list(self._drain_workers()) if workers else []
         if self.fatal is not None and not self.fatal_reported:
             self.fatal_reported = True
             arrived.insert(0, ct.RankLost(f"rank {self.ctx.rank}: {self.fatal}"))
-        events: list[ct.Event] = []
-        # A broken collective is reported by the survivors (this rank included) in their own name, often within
-        # microseconds of a peer's death, before its process is seen gone: the rank that died is looked for first,
-        # and such reports wait up to FATAL_HOLD_S for it to show, so the job's error names the rank that died.
-        self.held = []
-        if any(_breaks_the_job(e) for e in arrived):
-            dead = self._dead_ranks()
-            if dead or now >= self.hold_until:
-                events.extend(dead)
-                self.hold_until = math.inf
-            else:
-                self.hold_until = min(self.hold_until, now + FATAL_HOLD_S)
-                self.held = [e for e in arrived if _breaks_the_job(e)]
-                arrived = [e for e in arrived if not _breaks_the_job(e)]
-        events.extend(carried)
-        events.extend(arrived)
+        dead, arrived = self.hold.sift(arrived, self._dead_ranks, now)  # the rank that died is named first
+        events: list[ct.Event] = [*dead, *carried, *arrived]
         for ticket in [t for t, future in self.decoding.items() if future.done()]:
             future = self.decoding.pop(ticket)
             error = future.exception()

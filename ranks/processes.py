@@ -7,18 +7,24 @@
   whose process is gone is named at once, before the errors its surviving peers report (a peer's "connection reset"
   names the peer, not the dead rank); when the job fails, the ranks still on this host are killed, so a frozen
   (``SIGSTOP``) or stuck rank cannot hold the job open for the launcher's grace period.
+- ``DeathHold``: reports that end the job wait briefly for the rank that died to show, so the error names it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
+
+from ipc import protocol
+from runtime import core_types as ct
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +93,34 @@ class RankWatch:
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
             log.info("ended rank %d (pid %d)", rank.rank, rank.process.pid)
+
+
+def breaks_the_job(event: ct.Event) -> bool:
+    if isinstance(event, ct.WorkerSent):
+        return isinstance(event.message, protocol.TaskFailed) and event.message.fatal
+    return isinstance(event, ct.RankLost)
+
+
+class DeathHold:
+    """A broken collective is reported by the survivors in their own name, often within microseconds of a peer's
+    death and before its process is seen gone. Such reports wait up to ``hold_s`` for the dead rank to show (looked
+    for first), so the job's error names the rank that died, not the first peer that noticed."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self.held: list[ct.Event] = []
+        self.until = math.inf
+
+    def sift(self, arrived: list[ct.Event], dead: Callable[[], list[ct.Event]],
+             now: float) -> tuple[list[ct.Event], list[ct.Event]]:  # fmt: skip
+        """(the dead ranks found: they go first, what goes on now); job-ending reports are held while none shows."""
+        arrived, self.held = self.held + arrived, []
+        if not any(breaks_the_job(e) for e in arrived):
+            return [], arrived
+        found = dead()
+        if found or now >= self.until:
+            self.until = math.inf
+            return found, arrived
+        self.until = min(self.until, now + self.hold_s)
+        self.held = [e for e in arrived if breaks_the_job(e)]
+        return [], [e for e in arrived if not breaks_the_job(e)]

@@ -1,5 +1,6 @@
 """Rank processes on one host, with real processes: rank 0's watch names a dead rank (reaped or a zombie) and ends
-the others; a process armed with ``die_with_parent`` does not outlive its parent."""
+the others; a process armed with ``die_with_parent`` does not outlive its parent; reports that end the job wait
+briefly for the dead rank to show."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import time
 
 import psutil
 
-from ranks.processes import RankWatch
+from ranks.processes import DeathHold, RankWatch
+from runtime import core_types as ct
 
 HOST = socket.gethostname()
 
@@ -71,3 +73,19 @@ def test_a_process_armed_to_die_with_its_parent_does_not_outlive_it() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_reports_that_end_the_job_wait_for_the_dead_rank_which_is_named_first() -> None:
+    hold, dead = DeathHold(0.5), []
+    report, tick = ct.RankLost("rank 5: connection reset by peer"), ct.Tick()
+    assert hold.sift([report, tick], lambda: dead, 0.0) == ([], [tick])  # held: the dead rank may show any moment
+    dead.append(ct.RankLost("rank 4 (denoise) died"))
+    assert hold.sift([], lambda: dead, 0.1) == (dead, [report])  # the rank that died goes first
+
+
+def test_a_held_report_goes_on_by_itself_when_no_dead_rank_shows() -> None:
+    hold, report = DeathHold(0.5), ct.RankLost("rank 3: stage failed inside a collective")
+    assert hold.sift([report], list, 0.0) == ([], [])
+    assert hold.sift([], list, 0.4) == ([], [])
+    assert hold.sift([], list, 0.6) == ([], [report])
+    assert hold.sift([ct.Tick()], list, 0.7) == ([], [ct.Tick()])  # nothing held any more
