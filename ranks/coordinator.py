@@ -124,8 +124,9 @@ class Coordinator:
         if self.fatal is not None and not self.fatal_reported:
             self.fatal_reported = True
             arrived.insert(0, ct.RankLost(f"rank {self.ctx.rank}: {self.fatal}"))
-        dead, arrived = self.hold.sift(arrived, self._dead_ranks, now)  # the rank that died is named first
-        events: list[ct.Event] = [*dead, *carried, *arrived]
+        # a failed send to a rank is a job-ending report too: it waits for the dead rank like a peer's report
+        dead, arrived = self.hold.sift([*carried, *arrived], self._dead_ranks, now)
+        events: list[ct.Event] = [*dead, *arrived]
         for ticket in [t for t, future in self.decoding.items() if future.done()]:
             future = self.decoding.pop(ticket)
             error = future.exception()

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,8 +83,8 @@ def test_srun_style_a_frozen_dit_rank_mid_stream_ends_every_rank_within_its_dead
     ranks, endpoint = srun_job
     with Client(endpoint) as client:
         info = client.open(IMAGE, num_chunks=200)
-        threading.Thread(target=lambda: [client.control(info.id, i, keys="w") for i in range(200)],
-                         daemon=True).start()
+        for index in range(5):  # accepted as the stream moves: chunks 3 and 4 are in flight when the rank freezes
+            client.control(info.id, index, keys="w")
         chunks = client.chunks(info.id, timeout_s=30)
         assert [next(chunks).index for _ in range(3)] == [0, 1, 2]
         frozen = time.monotonic()
