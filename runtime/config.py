@@ -316,28 +316,34 @@ def model_heads(model: ModelConfig) -> int | None:
     return PRESET_HEADS.get(model.preset)
 
 
-def resolve_path(name: str | Path) -> Path:
-    """A config given by path, or by bare name from ``configs/`` (``cpu-tiny`` -> ``configs/cpu-tiny.toml``)."""
+def resolve_path(name: str | Path, directory: Path = CONFIG_DIR) -> Path:
+    """A config given by path, or by bare name from ``directory`` (``cpu-tiny`` -> ``configs/cpu-tiny.toml``)."""
     path = Path(name)
     if path.exists():
         return path
-    candidate = CONFIG_DIR / (path.name if path.suffix == ".toml" else f"{path.name}.toml")
+    candidate = directory / (path.name if path.suffix == ".toml" else f"{path.name}.toml")
     if candidate.exists():
         return candidate
-    raise ConfigError(f"config {name!s} not found (looked in . and {CONFIG_DIR})")
+    raise ConfigError(f"config {name!s} not found (looked in . and {directory})")
+
+
+def read_tree(path: Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """A config file's TOML with ``--section.key=value`` overrides applied, not yet validated."""
+    try:
+        tree = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: not valid TOML: {error}") from None
+    for text in overrides:
+        keys, value = _parse_override(text)
+        _apply(tree, keys, value, f"{path} (override {text})")
+    return tree
 
 
 def load(name: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Load, override and validate a config file."""
     path = resolve_path(name)
     where = str(path)
-    try:
-        tree = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{where}: not valid TOML: {error}") from None
-    for text in overrides:
-        keys, value = _parse_override(text)
-        _apply(tree, keys, value, f"{where} (override {text})")
+    tree = read_tree(path, overrides)
     try:
         config = msgspec.convert(tree, Config)
     except msgspec.ValidationError as error:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from runtime.config import CONFIG_DIR, ConfigError, _apply, _parse_override, tomllib
+from runtime.config import CONFIG_DIR, ConfigError, read_tree, resolve_path
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 MAX_NAME_CHARS = 128
@@ -110,20 +110,9 @@ ROUTER_CONFIG_DIR = CONFIG_DIR / "router"  # apart from the layouts: a router co
 
 def load(name: str | Path, overrides: Sequence[str] = ()) -> RouterConfig:
     """Load a router config by path (or by bare name from ``configs/router/``), apply overrides, validate."""
-    path = Path(name)
-    if not path.exists():
-        candidate = ROUTER_CONFIG_DIR / (path.name if path.suffix == ".toml" else f"{path.name}.toml")
-        if not candidate.exists():
-            raise ConfigError(f"router config {name!s} not found (looked in . and {ROUTER_CONFIG_DIR})")
-        path = candidate
+    path = resolve_path(name, ROUTER_CONFIG_DIR)
     where = str(path)
-    try:
-        tree = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{where}: not valid TOML: {error}") from None
-    for text in overrides:
-        keys, value = _parse_override(text)
-        _apply(tree, keys, value, f"{where} (override {text})")
+    tree = read_tree(path, overrides)
     try:
         config = msgspec.convert(tree, RouterConfig)
     except msgspec.ValidationError as error:
