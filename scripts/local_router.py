@@ -12,10 +12,7 @@ failover test and benchmark kill replicas under it).
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,26 +20,25 @@ from pathlib import Path
 from typing import Any
 
 from ipc.client import Client, ServerError
-
-ROOT = Path(__file__).resolve().parent.parent
+from scripts.local_server import LocalProcess
 
 
 class RouterFailed(RuntimeError):
     pass
 
 
-class LocalRouter:
+class LocalRouter(LocalProcess):
+    kind = "router"
+    failure = RouterFailed
+    stop_timeout_s = 10.0
+
     def __init__(self, replicas: list[tuple[str, str, int]], overrides: list[str] | None = None,
                  register_port: int | None = None, log_path: Path | None = None, startup_s: float = 30.0) -> None:
+        super().__init__(startup_s, log_path)
         self.replicas = replicas
         self.overrides = list(overrides or [])
         self.register_port = register_port
-        self.startup_s = startup_s
-        self._dir = tempfile.TemporaryDirectory(prefix="worldstream-router-")
-        self.log_path = log_path or Path(self._dir.name) / "router.log"
         self.config_path = Path(self._dir.name) / "router.toml"
-        self.process: subprocess.Popen[bytes] | None = None
-        self.port = 0
 
     @property
     def endpoint(self) -> str:
@@ -60,47 +56,9 @@ class LocalRouter:
             lines += ["", "[[replicas]]", f'name = "{name}"', f'endpoint = "{endpoint}"',
                       f"max_sessions = {max_sessions}"]
         self.config_path.write_text("\n".join(lines) + "\n")
-        port_file = Path(self._dir.name) / "port"
-        env = {**os.environ, "WORLDSTREAM_PORT_FILE": str(port_file), "PYTHONUNBUFFERED": "1"}
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - kept open for the router's lifetime
-        began = time.monotonic()
-        self.process = subprocess.Popen([sys.executable, "-m", "ranks.router", "--config", str(self.config_path),
-                                         *self.overrides], cwd=ROOT, env=env, stdout=self._log,
-                                        stderr=subprocess.STDOUT)
-        while not port_file.exists():
-            if self.process.poll() is not None:
-                raise RouterFailed(f"router exited with {self.process.returncode}:\n{self.log()}")
-            if time.monotonic() - began > self.startup_s:
-                self.stop()
-                raise RouterFailed(f"router not serving after {self.startup_s:.0f} s:\n{self.log()}")
-            time.sleep(0.05)
-        self.port = int(port_file.read_text())
+        env = {**os.environ, "WORLDSTREAM_PORT_FILE": str(self.port_file), "PYTHONUNBUFFERED": "1"}
+        self._spawn([sys.executable, "-m", "ranks.router", "--config", str(self.config_path), *self.overrides], env)
         return self
-
-    def stop(self, timeout_s: float = 10.0) -> int:
-        if self.process is None:
-            return 0
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-6000:]
-        except OSError:
-            return ""
-
-    def __enter__(self) -> LocalRouter:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-        self._log.close()
 
 
 @dataclass
