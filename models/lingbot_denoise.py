@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from models.attention import measure_attention, select_attention
 from models.camera import StreamingCamera
-from models.controls import ChunkControl, MotionSpeeds, integrate
+from models.controls import OFFICIAL_INTRINSICS, ChunkControl, MotionSpeeds, integrate
 from models.dit import ARCH_FIELDS, ChunkCamera, DiTConfig, WanModelFast, apply_sequence_parallel
 from models.dit_checkpoint import load_dit, load_state_dict_strict, random_dit
 from models.kv_cache import KVCache, TextCache, kv_cache_bytes, new_kv_cache
@@ -42,8 +42,6 @@ from models.stages import SessionSpec, StreamGeometry, agree_prepared
 
 log = logging.getLogger(__name__)
 
-# (fx, fy, cx, cy) for a 480x832 frame, used when the session gives none (about 77 degrees horizontal FOV).
-DEFAULT_INTRINSICS = (520.0, 520.0, 416.0, 240.0)
 Trace = Callable[[str, torch.Tensor], None]
 
 
@@ -115,7 +113,7 @@ class LingbotDenoiseStage:
         dtype: torch.dtype = torch.float32,
         group: dist.ProcessGroup | None = None,
         weights: WanModelFast | dict[str, torch.Tensor] | str | Path | None = None,
-        intrinsics: tuple[float, float, float, float] = DEFAULT_INTRINSICS,
+        intrinsics: tuple[float, float, float, float] = OFFICIAL_INTRINSICS,
         speeds: MotionSpeeds | None = None,
         init_seed: int = 0,
         translation_scale: float = 1.0,
@@ -123,7 +121,8 @@ class LingbotDenoiseStage:
         """``args``: the DiT's sizes and streaming settings. ``weights``: a state dict, a checkpoint directory (its
         config.json gives the architecture, ``args`` the streaming settings), a built model of the same architecture
         (shared, e.g. by benchmarks running v1 and v2 recipes on one set of weights) or ``None`` for seeded random
-        weights (``init_seed``, identical on every rank of a device kind)."""
+        weights (``init_seed``, identical on every rank of a device kind). ``intrinsics``: the camera of sessions that
+        bring none, ``(fx, fy, cx, cy)`` in pixels of a 480x832 frame, scaled to each session's frame size."""
         assert geometry.chunk_latent_frames == args.chunk_size, "geometry and DiT disagree on the chunk size"
         self.geometry, self.device, self.dtype = geometry, torch.device(device), dtype
         self.intrinsics = torch.tensor(intrinsics, dtype=torch.float32)
@@ -178,10 +177,12 @@ class LingbotDenoiseStage:
 
     @torch.no_grad()
     def open(self, spec: SessionSpec, context: torch.Tensor) -> None:
-        """Text cache from ``context [text_len, text_dim]``, an empty KV cache, seeded noise, identity camera, all
-        at the session's frame size (``spec.height x spec.width``; 0: the configured geometry)."""
+        """Text cache from ``context [text_len, text_dim]``, an empty KV cache, seeded noise, identity camera with
+        the session's intrinsics (``spec.intrinsics``; None: the stage's), all at the session's frame size
+        (``spec.height x spec.width``; 0: the configured geometry)."""
         if spec.session in self.sessions:
             raise ValueError(f"session {spec.session!r} is already open")
+        intrinsics = self.intrinsics if spec.intrinsics is None else torch.tensor(spec.intrinsics, dtype=torch.float32)
         geometry = self.geometry.with_size(spec.height, spec.width) if spec.height else self.geometry
         _, _, h, w = geometry.latent_shape
         heads = self.model.sp.local_heads(self.cfg.num_heads)
@@ -192,7 +193,7 @@ class LingbotDenoiseStage:
             noise=NoiseSource(spec.seed, self.device),
             text=self.model.text_cache(context.to(self.device)),
             cache=cache,
-            camera=StreamingCamera(self.intrinsics, geometry.height, geometry.width, self.device,
+            camera=StreamingCamera(intrinsics, geometry.height, geometry.width, self.device,
                                    self.translation_scale),
         )
 

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from models.controls import MotionSpeeds
+from ipc.protocol import intrinsics_problem
+from models.controls import OFFICIAL_INTRINSICS, MotionSpeeds
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -142,6 +143,9 @@ class ControlsConfig(_Section):
     turn_deg: float = 2.0  # I/K pitch and J/L yaw, degrees per frame
     pitch_limit_deg: float = 85.0  # the camera never pitches beyond this
     translation_scale: float = 1.0  # DiT: the per-chunk normalised camera steps times this (TeleFuser uses 3)
+    # the camera (fx, fy, cx, cy) in pixels of a 480x832 frame, scaled to each session's frame size, for sessions
+    # whose open request gives none; default: the official fast examples' (about 90 degrees horizontal)
+    intrinsics: tuple[float, float, float, float] = OFFICIAL_INTRINSICS
 
 
 class TimeoutsConfig(_Section):
@@ -255,6 +259,9 @@ def validate(config: Config, where: str) -> Config:
         raise ConfigError(f"{where}: [controls] {error}") from None
     if not 0 < ctl.translation_scale <= 100:
         raise ConfigError(f"{where}: controls.translation_scale must be in (0, 100], got {ctl.translation_scale}")
+    why = intrinsics_problem(ctl.intrinsics)
+    if why is not None:
+        raise ConfigError(f"{where}: controls.intrinsics: {why}")
     st = config.stream
     if st.max_area < 0 or (st.size == "image" and st.area < 16 * 16):
         raise ConfigError(f"{where}: stream.max_area must hold at least one 16x16 block, got {st.max_area}")
