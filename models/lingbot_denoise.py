@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from models.attention import measure_attention, select_attention
+from models.attention import AttentionShapes, Timing, pin_sdpa_backend, resolve_attention, select_attention
 from models.camera import StreamingCamera
 from models.controls import OFFICIAL_INTRINSICS, ChunkControl, MotionSpeeds, integrate
 from models.dit import ARCH_FIELDS, ChunkCamera, DiTConfig, WanModelFast, apply_sequence_parallel
@@ -145,30 +145,38 @@ class LingbotDenoiseStage:
             self.cfg.timestep_indices
         )
         self.sessions: dict[str, _Session] = {}
-        self.attention_ms = self._choose_attention()
+        self.attention, self.sdpa_backend, self.attention_table = self._choose_attention()
         cfg = self.cfg
         log.info("DiT %d layers x %d heads (dim %d), %s on %s: chunks of %d latent frames, timesteps %s, KV window %d "
-                 "latent frames %s, attention %s", cfg.num_layers, cfg.num_heads, cfg.dim, dtype, self.device,
-                 cfg.chunk_size, [s.timestep for s in self.steps], cfg.local_attn_size,
-                 f"with {cfg.sink_size} sink" if cfg.kv_eviction else "(full: no eviction)",
-                 min(self.attention_ms, key=self.attention_ms.__getitem__) if self.attention_ms else
-                 "sdpa" if cfg.attention == "auto" else cfg.attention)
+                 "latent frames %s, attention %s (SDPA kernel %s)", cfg.num_layers, cfg.num_heads, cfg.dim, dtype,
+                 self.device, cfg.chunk_size, [s.timestep for s in self.steps], cfg.local_attn_size,
+                 f"with {cfg.sink_size} sink" if cfg.kv_eviction else "(full: no eviction)", self.attention,
+                 self.sdpa_backend if self.sdpa_backend != "sdpa" else "in PyTorch's order")  # fmt: skip
 
-    def _choose_attention(self) -> dict[str, float]:
-        """Resolve ``attention = auto`` by timing the kernels at this stage's steady self-attention shapes. In a
-        DiT group the first rank's choice is everyone's (timing noise must not split a group between kernels)."""
+    def attention_shapes(self) -> AttentionShapes:
+        """The attention calls of one steady chunk on this rank at the configured frame size."""
         _, cs, h, w = self.geometry.latent_shape
-        fs = (h // 2) * (w // 2)
-        heads = self.model.sp.local_heads(self.cfg.num_heads)
-        fn, ms = measure_attention(self.cfg.attention, heads, cs * fs, self.cfg.local_attn_size * fs,
-                                   self.cfg.head_dim, self.device, self.dtype)  # fmt: skip
+        tokens = cs * (h // 2) * (w // 2)
+        sp = self.model.sp
+        return AttentionShapes(heads=sp.local_heads(self.cfg.num_heads), tokens=tokens,
+                               window=self.cfg.local_attn_size * (h // 2) * (w // 2), head_dim=self.cfg.head_dim,
+                               cross_heads=self.cfg.num_heads, local_tokens=sp.padded(tokens) // sp.size,
+                               text_len=self.cfg.text_len)  # fmt: skip
+
+    def _choose_attention(self) -> tuple[str, str, dict[str, Timing]]:
+        """Resolve ``model.attention`` at this stage's steady shapes (``auto`` on CUDA: timed) and pin the SDPA kernel
+        for the process, once, here. In a DiT group the first rank's choice is everyone's (timing noise must not
+        split a group between kernels)."""
+        attend, backend, table = resolve_attention(self.cfg.attention, self.attention_shapes(), self.device,
+                                                   self.dtype)  # fmt: skip
         group = self.model.sp.group
-        if ms and group is not None and self.model.sp.size > 1:
-            choice = [min(ms, key=ms.__getitem__)]
+        if table and group is not None and self.model.sp.size > 1:
+            choice = [attend, backend]
             dist.broadcast_object_list(choice, src=dist.get_global_rank(group, 0), group=group)
-            fn = select_attention(choice[0])
-        self.model.set_attention(fn)
-        return ms
+            attend, backend = choice
+        pin_sdpa_backend(backend)
+        self.model.set_attention(select_attention(attend))
+        return attend, backend, table
 
     def kv_cache_bytes(self, height: int, width: int) -> int:
         """Bytes of one session's KV cache on this rank at a ``height x width`` frame size."""

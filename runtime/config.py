@@ -126,7 +126,9 @@ class ModelConfig(_Section):
     vae_file: str = "Wan2.1_VAE.pth"  # relative: looked up in checkpoint_dir, then components_dir
     t5_file: str = "models_t5_umt5-xxl-enc-bf16.pth"
     tokenizer_dir: str = "google/umt5-xxl"  # tokenizer.json (or spiece.model)
-    attention: Literal["auto", "sdpa", "sage"] = "auto"  # auto: flash SDPA unless Sage is measured faster here
+    # auto: on CUDA every fused SDPA kernel (and Sage, if installed) is timed at the DiT's shapes at start and the
+    # fastest pinned for the process; sdpa: PyTorch's own kernel order; flash/cudnn/efficient: that kernel first
+    attention: Literal["auto", "sdpa", "sage", "flash", "cudnn", "efficient"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # DiT and umT5: auto is bf16 on CUDA, fp32 on CPU
     vae_dtype: Literal["tf32", "float32", "bfloat16"] = "tf32"  # VAE on CUDA: fp32 with TF32 convs, strict, or bf16
     kv_window: int | Literal["preset", "full"] = "preset"  # KV window in latent frames; full: official v1, no eviction
