@@ -204,8 +204,15 @@ def time_attention(shapes: AttentionShapes, device: torch.device, dtype: torch.d
     """Time every fused SDPA kernel alone (and Sage, if it imports and takes these tensors, on self-attention) at
     ``shapes`` on ``device``: the table ``choose_attention`` reads (None: the kernel refused)."""
     s = shapes
-    self_qkv = _inputs(s.heads, s.tokens, s.window, s.head_dim, device, dtype)
-    cross_qkv = _inputs(s.cross_heads, s.local_tokens, s.text_len, s.head_dim, device, dtype)
+    table = _time_kernels(_inputs(s.heads, s.tokens, s.window, s.head_dim, device, dtype),
+                          _inputs(s.cross_heads, s.local_tokens, s.text_len, s.head_dim, device, dtype), device, repeat)
+    if device.type == "cuda":  # the probe tensors (about 0.7 GB at single-GPU v1 shapes) go back to the device, so
+        torch.cuda.empty_cache()  # free-memory readings taken after start-up do not count them
+    return table
+
+
+def _time_kernels(self_qkv: tuple[torch.Tensor, ...], cross_qkv: tuple[torch.Tensor, ...], device: torch.device,
+                  repeat: int) -> dict[str, Timing]:  # fmt: skip
     table: dict[str, Timing] = {}
     for name, backend in SDPA_BACKENDS.items():
         with sdpa_kernel([backend]):
