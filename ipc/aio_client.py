@@ -42,6 +42,7 @@ from ipc.client import (
     _norm,
     chunk_control,
     closed_summary,
+    open_message,
     session_info,
 )
 
@@ -97,12 +98,11 @@ class AsyncClient:
     # ------------------------------------------------------------------------------------------ requests
 
     async def open(self, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None,
-                   live: bool = False, pause_when_idle: bool = False) -> SessionInfo:
-        req = next(self._req)
-        reply = await self._request(req, protocol.Open(req=req, image=image, prompt=prompt, seed=seed,
-                                                       num_chunks=num_chunks, live=live,
-                                                       pause_when_idle=pause_when_idle))
-        return session_info(reply)
+                   live: bool = False, pause_when_idle: bool = False,
+                   intrinsics: tuple[float, float, float, float] | None = None) -> SessionInfo:  # fmt: skip
+        """Open a session; see ``Client.open`` (``intrinsics``: the camera at 480x832, checked before sending)."""
+        message = open_message(next(self._req), image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics)
+        return session_info(await self._request(message.req, message))
 
     async def control(self, session: str, index: int, keys: Iterable[str] = (),
                       mouse: tuple[float, float] = (0.0, 0.0), poses: list[list[float]] | None = None,

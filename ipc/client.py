@@ -158,6 +158,7 @@ class SessionInfo:
     frames_first_chunk: int
     frames_per_chunk: int
     num_chunks: int | None
+    intrinsics: tuple[float, float, float, float] | None = None  # (fx, fy, cx, cy) at this frame size: the camera used
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ class ChunkResult:
 
 def session_info(opened: protocol.Opened) -> SessionInfo:
     return SessionInfo(opened.session, opened.height, opened.width, opened.fps, opened.frames_first_chunk,
-                       opened.frames_per_chunk, opened.num_chunks)
+                       opened.frames_per_chunk, opened.num_chunks, opened.intrinsics)
 
 
 class InputToPhoton:
@@ -269,6 +270,19 @@ def chunk_control(keys: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0
                                      poses=None if poses is None else tuple(tuple(map(float, p)) for p in poses))
     except (ValueError, TypeError) as error:
         raise BadRequest("bad_control", str(error), session) from None
+
+
+def open_message(req: int, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None,
+                 live: bool = False, pause_when_idle: bool = False,
+                 intrinsics: Iterable[float] | None = None) -> protocol.Open:  # fmt: skip
+    """An ``open`` request; ``BadRequest`` (code ``bad_request``) when its camera intrinsics are not valid, before
+    anything is sent."""
+    try:
+        camera = None if intrinsics is None else tuple(float(v) for v in intrinsics)
+        return protocol.Open(req=req, image=image, prompt=prompt, seed=seed, num_chunks=num_chunks, live=live,
+                             pause_when_idle=pause_when_idle, intrinsics=camera)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as error:
+        raise BadRequest("bad_request", str(error)) from None
 
 
 # ------------------------------------------------------------------------------------------------ routing
@@ -475,13 +489,16 @@ class Client:
     # ------------------------------------------------------------------------------------------ requests
 
     def open(self, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None, live: bool = False,
-             pause_when_idle: bool = False) -> SessionInfo:
+             pause_when_idle: bool = False,
+             intrinsics: tuple[float, float, float, float] | None = None) -> SessionInfo:  # fmt: skip
         """Open a session and wait until its caches are ready. Raises ``Busy`` (with ``retry_after_s``) when the
-        server is at its session limit, ``BadRequest`` for a bad image or a length beyond the server's limit."""
-        req = self._next_req()
-        future = self._expect(req)
-        self._send(protocol.Open(req=req, image=image, prompt=prompt, seed=seed, num_chunks=num_chunks, live=live,
-                                 pause_when_idle=pause_when_idle))
+        server is at its session limit, ``BadRequest`` for a bad image or a length beyond the server's limit.
+        ``intrinsics``: the camera ``(fx, fy, cx, cy)`` in pixels of a 480x832 frame, scaled to the session's frame
+        size (None: the server's ``controls.intrinsics``); bad values raise ``BadRequest`` before anything is sent.
+        ``SessionInfo.intrinsics`` says what applies, at the session's frame size."""
+        message = open_message(self._next_req(), image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics)
+        future = self._expect(message.req)
+        self._send(message)
         return session_info(self._wait(future, self.timeout_s))
 
     def control(self, session: str, index: int, keys: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0.0),

@@ -32,6 +32,8 @@ MAX_DEPTH = 16  # nesting of a client message: the deepest legitimate one (a con
 MAX_ITEMS = 8192  # msgpack items in one client message: the largest legitimate one (256 poses) holds about 4.2k
 MAX_INTERNAL_ITEMS = 1_000_000  # from the server or another rank: trusted, only bounded against runaway work
 MAX_ERROR_CHARS = 300  # error texts never echo unbounded input
+INTRINSICS_HEIGHT, INTRINSICS_WIDTH = 480, 832  # camera intrinsics are given for this frame (the official convention)
+MAX_FOCAL_PIXELS = 1e5  # at 832 pixels wide a field of view of about half a degree: more is a unit mistake
 
 # Field types with the bounds every client message is held to while it is decoded (not after).
 SessionId = Annotated[str, msgspec.Meta(max_length=64)]
@@ -106,6 +108,22 @@ class ChunkControl(_Value):
                 why = pose_problem(pose)
                 if why is not None:
                     raise ValueError(f"pose {i}: {why}")
+
+
+def intrinsics_problem(values: tuple[float, ...]) -> str | None:
+    """Why ``(fx, fy, cx, cy)`` (pixels of a 480x832 frame) is not a camera the model can take, or None: finite,
+    positive focal lengths up to ``MAX_FOCAL_PIXELS``, the principal point inside the frame."""
+    if len(values) != 4:
+        return f"intrinsics are 4 numbers (fx, fy, cx, cy), got {len(values)}"
+    if not all(math.isfinite(v) for v in values):
+        return f"intrinsics must be finite, got {values}"
+    fx, fy, cx, cy = values
+    if not (0 < fx <= MAX_FOCAL_PIXELS and 0 < fy <= MAX_FOCAL_PIXELS):
+        return f"focal lengths fx, fy must be positive (at most {MAX_FOCAL_PIXELS:g} pixels), got {fx:g}, {fy:g}"
+    if not (0 <= cx <= INTRINSICS_WIDTH and 0 <= cy <= INTRINSICS_HEIGHT):
+        return (f"the principal point (cx, cy) = ({cx:g}, {cy:g}) must lie inside the {INTRINSICS_WIDTH}x"
+                f"{INTRINSICS_HEIGHT} frame the intrinsics are given for")
+    return None
 
 
 def pose_problem(pose: tuple[float, ...]) -> str | None:
@@ -206,6 +224,14 @@ class Open(_Msg, tag="open"):
     num_chunks: int | None = None  # session length in chunks; None: until closed (bounded by server.max_chunks)
     live: bool = False  # live mode: controls come as held-key state (control_state), cut into per-chunk snapshots
     pause_when_idle: bool = False  # live mode: pause generation while no input is held
+    # the camera (fx, fy, cx, cy) in pixels of a 480x832 frame (the official examples' convention), scaled to the
+    # session's frame size; None: the server's controls.intrinsics. The DiT's camera rays are computed with it.
+    intrinsics: tuple[float, float, float, float] | None = None
+
+    def __post_init__(self) -> None:
+        why = None if self.intrinsics is None else intrinsics_problem(self.intrinsics)
+        if why is not None:
+            raise ValueError(why)
 
 
 class Control(_Msg, tag="control"):
@@ -251,6 +277,9 @@ class Opened(_Msg, tag="opened"):
     frames_first_chunk: int  # video frames of chunk 0 (the first latent frame gives one frame)
     frames_per_chunk: int  # video frames of every later chunk
     num_chunks: int | None
+    # the camera the DiT's rays use for this session: (fx, fy, cx, cy) in pixels of *this session's* frame (the open
+    # request's or the server's intrinsics, scaled from 480x832); None from a server that predates the field
+    intrinsics: tuple[float, float, float, float] | None = None
 
 
 class Accepted(_Msg, tag="accepted"):
@@ -329,6 +358,7 @@ class InitDenoise(_Task, tag="init_denoise"):
     prompt: str
     height: int  # the session's frame size
     width: int
+    intrinsics: tuple[float, float, float, float] | None = None  # the session's camera at 480x832; None: the stage's
 
 
 class InitDecode(_Task, tag="init_decode"):

@@ -26,6 +26,11 @@ import numpy as np
 
 from ipc.protocol import KEYS, MAX_MOUSE_DEGREES, ChunkControl  # noqa: F401  # the wire form is the model's input
 
+# The camera (fx, fy, cx, cy) in pixels of a 480x832 frame when neither the config nor the session gives one: the
+# official fast examples' (robbyant/lingbot-world-v2 examples/03 and 04, the camera of run_fast.sh; about 90 degrees
+# horizontal field of view), as float32 values of their intrinsics.npy.
+OFFICIAL_INTRINSICS = (415.5298, 415.6922, 415.77786, 239.77779)
+
 MOVE_KEYS = frozenset("wasd")
 TURN_KEYS = frozenset("ijkl")
 

@@ -152,4 +152,5 @@ def build_denoise(model: Any, stream: Any, controls: Any, device: torch.device,
     return LingbotDenoiseStage(dit_config(model, stream), lingbot_geometry(model, stream), device=device,
                                dtype=compute_dtype(model, device), group=group, weights=weights,
                                speeds=motion_speeds(controls), init_seed=model.weights_seed,
-                               translation_scale=controls.translation_scale)  # fmt: skip
+                               translation_scale=controls.translation_scale,
+                               intrinsics=tuple(controls.intrinsics))  # fmt: skip

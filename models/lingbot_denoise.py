@@ -31,9 +31,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from models.attention import measure_attention, select_attention
+from models.attention import AttentionShapes, Timing, pin_sdpa_backend, resolve_attention, select_attention
 from models.camera import StreamingCamera
-from models.controls import ChunkControl, MotionSpeeds, integrate
+from models.controls import OFFICIAL_INTRINSICS, ChunkControl, MotionSpeeds, integrate
 from models.dit import ARCH_FIELDS, ChunkCamera, DiTConfig, WanModelFast, apply_sequence_parallel
 from models.dit_checkpoint import load_dit, load_state_dict_strict, random_dit
 from models.kv_cache import KVCache, TextCache, kv_cache_bytes, new_kv_cache
@@ -42,8 +42,6 @@ from models.stages import SessionSpec, StreamGeometry, agree_prepared
 
 log = logging.getLogger(__name__)
 
-# (fx, fy, cx, cy) for a 480x832 frame, used when the session gives none (about 77 degrees horizontal FOV).
-DEFAULT_INTRINSICS = (520.0, 520.0, 416.0, 240.0)
 Trace = Callable[[str, torch.Tensor], None]
 
 
@@ -115,7 +113,7 @@ class LingbotDenoiseStage:
         dtype: torch.dtype = torch.float32,
         group: dist.ProcessGroup | None = None,
         weights: WanModelFast | dict[str, torch.Tensor] | str | Path | None = None,
-        intrinsics: tuple[float, float, float, float] = DEFAULT_INTRINSICS,
+        intrinsics: tuple[float, float, float, float] = OFFICIAL_INTRINSICS,
         speeds: MotionSpeeds | None = None,
         init_seed: int = 0,
         translation_scale: float = 1.0,
@@ -123,7 +121,8 @@ class LingbotDenoiseStage:
         """``args``: the DiT's sizes and streaming settings. ``weights``: a state dict, a checkpoint directory (its
         config.json gives the architecture, ``args`` the streaming settings), a built model of the same architecture
         (shared, e.g. by benchmarks running v1 and v2 recipes on one set of weights) or ``None`` for seeded random
-        weights (``init_seed``, identical on every rank of a device kind)."""
+        weights (``init_seed``, identical on every rank of a device kind). ``intrinsics``: the camera of sessions that
+        bring none, ``(fx, fy, cx, cy)`` in pixels of a 480x832 frame, scaled to each session's frame size."""
         assert geometry.chunk_latent_frames == args.chunk_size, "geometry and DiT disagree on the chunk size"
         self.geometry, self.device, self.dtype = geometry, torch.device(device), dtype
         self.intrinsics = torch.tensor(intrinsics, dtype=torch.float32)
@@ -146,30 +145,38 @@ class LingbotDenoiseStage:
             self.cfg.timestep_indices
         )
         self.sessions: dict[str, _Session] = {}
-        self.attention_ms = self._choose_attention()
+        self.attention, self.sdpa_backend, self.attention_table = self._choose_attention()
         cfg = self.cfg
         log.info("DiT %d layers x %d heads (dim %d), %s on %s: chunks of %d latent frames, timesteps %s, KV window %d "
-                 "latent frames %s, attention %s", cfg.num_layers, cfg.num_heads, cfg.dim, dtype, self.device,
-                 cfg.chunk_size, [s.timestep for s in self.steps], cfg.local_attn_size,
-                 f"with {cfg.sink_size} sink" if cfg.kv_eviction else "(full: no eviction)",
-                 min(self.attention_ms, key=self.attention_ms.__getitem__) if self.attention_ms else
-                 "sdpa" if cfg.attention == "auto" else cfg.attention)
+                 "latent frames %s, attention %s (SDPA kernel %s)", cfg.num_layers, cfg.num_heads, cfg.dim, dtype,
+                 self.device, cfg.chunk_size, [s.timestep for s in self.steps], cfg.local_attn_size,
+                 f"with {cfg.sink_size} sink" if cfg.kv_eviction else "(full: no eviction)", self.attention,
+                 self.sdpa_backend if self.sdpa_backend != "sdpa" else "in PyTorch's order")  # fmt: skip
 
-    def _choose_attention(self) -> dict[str, float]:
-        """Resolve ``attention = auto`` by timing the kernels at this stage's steady self-attention shapes. In a
-        DiT group the first rank's choice is everyone's (timing noise must not split a group between kernels)."""
+    def attention_shapes(self) -> AttentionShapes:
+        """The attention calls of one steady chunk on this rank at the configured frame size."""
         _, cs, h, w = self.geometry.latent_shape
-        fs = (h // 2) * (w // 2)
-        heads = self.model.sp.local_heads(self.cfg.num_heads)
-        fn, ms = measure_attention(self.cfg.attention, heads, cs * fs, self.cfg.local_attn_size * fs,
-                                   self.cfg.head_dim, self.device, self.dtype)  # fmt: skip
+        tokens = cs * (h // 2) * (w // 2)
+        sp = self.model.sp
+        return AttentionShapes(heads=sp.local_heads(self.cfg.num_heads), tokens=tokens,
+                               window=self.cfg.local_attn_size * (h // 2) * (w // 2), head_dim=self.cfg.head_dim,
+                               cross_heads=self.cfg.num_heads, local_tokens=sp.padded(tokens) // sp.size,
+                               text_len=self.cfg.text_len)  # fmt: skip
+
+    def _choose_attention(self) -> tuple[str, str, dict[str, Timing]]:
+        """Resolve ``model.attention`` at this stage's steady shapes (``auto`` on CUDA: timed) and pin the SDPA kernel
+        for the process, once, here. In a DiT group the first rank's choice is everyone's (timing noise must not
+        split a group between kernels)."""
+        attend, backend, table = resolve_attention(self.cfg.attention, self.attention_shapes(), self.device,
+                                                   self.dtype)  # fmt: skip
         group = self.model.sp.group
-        if ms and group is not None and self.model.sp.size > 1:
-            choice = [min(ms, key=ms.__getitem__)]
+        if table and group is not None and self.model.sp.size > 1:
+            choice = [attend, backend]
             dist.broadcast_object_list(choice, src=dist.get_global_rank(group, 0), group=group)
-            fn = select_attention(choice[0])
-        self.model.set_attention(fn)
-        return ms
+            attend, backend = choice
+        pin_sdpa_backend(backend)
+        self.model.set_attention(select_attention(attend))
+        return attend, backend, table
 
     def kv_cache_bytes(self, height: int, width: int) -> int:
         """Bytes of one session's KV cache on this rank at a ``height x width`` frame size."""
@@ -178,10 +185,12 @@ class LingbotDenoiseStage:
 
     @torch.no_grad()
     def open(self, spec: SessionSpec, context: torch.Tensor) -> None:
-        """Text cache from ``context [text_len, text_dim]``, an empty KV cache, seeded noise, identity camera, all
-        at the session's frame size (``spec.height x spec.width``; 0: the configured geometry)."""
+        """Text cache from ``context [text_len, text_dim]``, an empty KV cache, seeded noise, identity camera with
+        the session's intrinsics (``spec.intrinsics``; None: the stage's), all at the session's frame size
+        (``spec.height x spec.width``; 0: the configured geometry)."""
         if spec.session in self.sessions:
             raise ValueError(f"session {spec.session!r} is already open")
+        intrinsics = self.intrinsics if spec.intrinsics is None else torch.tensor(spec.intrinsics, dtype=torch.float32)
         geometry = self.geometry.with_size(spec.height, spec.width) if spec.height else self.geometry
         _, _, h, w = geometry.latent_shape
         heads = self.model.sp.local_heads(self.cfg.num_heads)
@@ -192,7 +201,7 @@ class LingbotDenoiseStage:
             noise=NoiseSource(spec.seed, self.device),
             text=self.model.text_cache(context.to(self.device)),
             cache=cache,
-            camera=StreamingCamera(self.intrinsics, geometry.height, geometry.width, self.device,
+            camera=StreamingCamera(intrinsics, geometry.height, geometry.width, self.device,
                                    self.translation_scale),
         )
 

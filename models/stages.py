@@ -91,6 +91,7 @@ class SessionSpec:
     image: torch.Tensor | None = None  # uint8 [H0, W0, 3] at the start image's own size; the stage resizes it
     height: int = 0  # the session's frame size (0: the stage's configured geometry)
     width: int = 0
+    intrinsics: tuple[float, float, float, float] | None = None  # camera at 480x832 (None: the stage's default)
 
 
 class SessionInputError(RuntimeError):

@@ -212,7 +212,9 @@ class AttentionBlock(nn.Module):
         b, c, t, h, w = x.shape
         frames = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
         qkv = self.to_qkv(self.norm(frames))  # [bt, 3c, h, w]
-        q, k, v = qkv.reshape(b * t, 1, 3 * c, h * w).transpose(-1, -2).chunk(3, dim=-1)  # [bt, 1, hw, c]
+        # contiguous before the split (as the reference does): q/k/v then have a unit last stride, which every fused
+        # SDPA kernel requires; a transposed view sends the call to the float32-accumulating math path.
+        q, k, v = qkv.reshape(b * t, 1, 3 * c, h * w).transpose(-1, -2).contiguous().chunk(3, dim=-1)  # [bt, 1, hw, c]
         out = F.scaled_dot_product_attention(q, k, v)  # [bt, 1, hw, c]
         out = self.proj(out.squeeze(1).transpose(1, 2).reshape(b * t, c, h, w))
         return out.reshape(b, t, c, h, w).permute(0, 2, 1, 3, 4) + x

@@ -103,7 +103,8 @@ def denoise_worker(ctx: RankContext) -> None:
     def init(task: protocol.InitDenoise, spans: Spans) -> None:
         context = _dit_input(ctx, task.session, CONTEXT_INDEX)
         with spans.span("denoise.init"):
-            stage.open(SessionSpec(task.session, task.seed, task.prompt, height=task.height, width=task.width),
+            stage.open(SessionSpec(task.session, task.seed, task.prompt, height=task.height, width=task.width,
+                                   intrinsics=task.intrinsics),
                        context)
 
     def denoise(task: protocol.DenoiseChunk, spans: Spans) -> None:

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from models.controls import MotionSpeeds
+from ipc.protocol import intrinsics_problem
+from models.controls import OFFICIAL_INTRINSICS, MotionSpeeds
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -125,7 +126,9 @@ class ModelConfig(_Section):
     vae_file: str = "Wan2.1_VAE.pth"  # relative: looked up in checkpoint_dir, then components_dir
     t5_file: str = "models_t5_umt5-xxl-enc-bf16.pth"
     tokenizer_dir: str = "google/umt5-xxl"  # tokenizer.json (or spiece.model)
-    attention: Literal["auto", "sdpa", "sage"] = "auto"  # auto: flash SDPA unless Sage is measured faster here
+    # auto: on CUDA every fused SDPA kernel (and Sage, if installed) is timed at the DiT's shapes at start and the
+    # fastest pinned for the process; sdpa: PyTorch's own kernel order; flash/cudnn/efficient: that kernel first
+    attention: Literal["auto", "sdpa", "sage", "flash", "cudnn", "efficient"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # DiT and umT5: auto is bf16 on CUDA, fp32 on CPU
     vae_dtype: Literal["tf32", "float32", "bfloat16"] = "tf32"  # VAE on CUDA: fp32 with TF32 convs, strict, or bf16
     kv_window: int | Literal["preset", "full"] = "preset"  # KV window in latent frames; full: official v1, no eviction
@@ -142,6 +145,9 @@ class ControlsConfig(_Section):
     turn_deg: float = 2.0  # I/K pitch and J/L yaw, degrees per frame
     pitch_limit_deg: float = 85.0  # the camera never pitches beyond this
     translation_scale: float = 1.0  # DiT: the per-chunk normalised camera steps times this (TeleFuser uses 3)
+    # the camera (fx, fy, cx, cy) in pixels of a 480x832 frame, scaled to each session's frame size, for sessions
+    # whose open request gives none; default: the official fast examples' (about 90 degrees horizontal)
+    intrinsics: tuple[float, float, float, float] = OFFICIAL_INTRINSICS
 
 
 class TimeoutsConfig(_Section):
@@ -255,6 +261,9 @@ def validate(config: Config, where: str) -> Config:
         raise ConfigError(f"{where}: [controls] {error}") from None
     if not 0 < ctl.translation_scale <= 100:
         raise ConfigError(f"{where}: controls.translation_scale must be in (0, 100], got {ctl.translation_scale}")
+    why = intrinsics_problem(ctl.intrinsics)
+    if why is not None:
+        raise ConfigError(f"{where}: controls.intrinsics: {why}")
     st = config.stream
     if st.max_area < 0 or (st.size == "image" and st.area < 16 * 16):
         raise ConfigError(f"{where}: stream.max_area must hold at least one 16x16 block, got {st.max_area}")

@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 from ipc import protocol
 from ipc.protocol import ChunkFacts, Edge, Phase, Stage, clip
+from models.camera import intrinsics_at
+from models.controls import OFFICIAL_INTRINSICS
 from models.stages import frame_size
 from runtime import scheduler as sch
 from runtime.clock import ClockSync
@@ -110,7 +112,8 @@ class CoordinatorCore:
     def __init__(self, layout: LayoutConfig, server: ServerConfig, stream: StreamConfig, scheduler: SchedulerConfig,
                  timeouts: TimeoutsConfig, metrics: MetricsConfig, geometry: StreamGeometry, now: float,
                  sink: MetricsSink | None = None, new_id: Callable[[], str] = _new_id,
-                 server_id: str | None = None) -> None:  # fmt: skip
+                 server_id: str | None = None,
+                 intrinsics: tuple[float, float, float, float] = OFFICIAL_INTRINSICS) -> None:  # fmt: skip
         self.layout, self.server, self.stream, self.timeouts, self.metrics_config = (layout, server, stream,
                                                                                       timeouts, metrics)
         self.geometry = geometry  # the backend's, at stream.height x stream.width
@@ -124,6 +127,7 @@ class CoordinatorCore:
         self.sink = sink
         self.new_id = new_id
         self.server_id = server_id or _new_id()  # in every heartbeat ack: a client tells a restarted server apart
+        self.intrinsics = intrinsics  # controls.intrinsics: the camera of sessions whose open gives none
         self.sessions: dict[str, Session] = {}
         self.opening: deque[_Opening] = deque()
         self.tickets: Iterator[int] = itertools.count()
@@ -325,7 +329,7 @@ class CoordinatorCore:
             id=sid, client=opening.identity, owner=opening.identity, open_req=message.req, seed=message.seed,
             prompt=message.prompt, geometry=geometry, live=live, metrics=metrics,
             num_chunks=message.num_chunks or (None if self.geometry.max_chunks is None else self.max_chunks),
-            last_heard=now, image=result.image)
+            last_heard=now, image=result.image, intrinsics=message.intrinsics or self.intrinsics)
         self._guarded(sid, lambda: self._run(self.scheduler.open(sid, message.num_chunks or self.max_chunks, now),
                                              now), now)
 
@@ -435,7 +439,8 @@ class CoordinatorCore:
         self._to_client(session, protocol.Opened(
             req=session.open_req, session=session.id, height=g.height, width=g.width, fps=self.stream.fps,
             frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
-            num_chunks=session.num_chunks))
+            num_chunks=session.num_chunks,
+            intrinsics=intrinsics_at(session.intrinsics or self.intrinsics, g.height, g.width)))
 
     def _idle(self, action: sch.DitIdle) -> None:
         self.metrics.on_idle(action.start, action.end, action.cause)

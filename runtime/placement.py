@@ -116,6 +116,7 @@ class SessionFacts:
     image: bytes = b""  # raw uint8 RGB start image (only for the condition stage's init)
     image_height: int = 0
     image_width: int = 0
+    intrinsics: tuple[float, float, float, float] | None = None  # the session's camera at 480x832 (the DiT's init)
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def plan(action: StageAction, session: SessionFacts, where: Placement,
             context = protocol.BroadcastContext(session=sid, index=-1,
                                                 tensor=TensorSpec(shape=g.context_shape, dtype=_dtype(g)))
             init = protocol.InitDenoise(session=sid, seed=session.seed, prompt=session.prompt, height=g.height,
-                                        width=g.width)
+                                        width=g.width, intrinsics=session.intrinsics)
             return Plan((*((edge, context) for edge in where.condition_edges), *((w, init) for w in dit)),
                         frozenset((Phase.INIT, r) for r in where.denoise))
         case RunCondition(index=index):

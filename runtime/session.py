@@ -48,6 +48,7 @@ class Session:
     last_heard: float
     image: DecodedImage | None  # the start image until the condition stage has it
     gone: bool = False  # the client can no longer be reached (until it resumes)
+    intrinsics: tuple[float, float, float, float] | None = None  # its camera at 480x832 (the open's or the server's)
     controls: dict[int, ChunkControl] = field(default_factory=dict)  # accepted, not yet emitted
     spans: dict[int, list[Span]] = field(default_factory=dict)  # chunk -> spans reported so far
     queued: dict[tuple[Step, int], float] = field(default_factory=dict)  # (step, chunk) -> when its task left
@@ -57,7 +58,8 @@ class Session:
     def facts(self) -> SessionFacts:
         image = self.image
         return SessionFacts(self.id, self.seed, self.prompt, self.geometry,
-                            image.pixels if image else b"", image.height if image else 0, image.width if image else 0)
+                            image.pixels if image else b"", image.height if image else 0, image.width if image else 0,
+                            self.intrinsics)
 
     def add_spans(self, index: int, rank: int, role: str, spans: tuple[WorkerSpan, ...], clock: ClockSync,
                   queued: float) -> None:

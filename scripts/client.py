@@ -4,8 +4,10 @@
         --trace assets/demo_trace.json --out out/demo.mp4 --json out/demo.json [--chrome-trace out/trace.json]
 
 A trace is JSON: ``{"prompt": str, "seed": int, "chunks": [{"keys": "wl", "mouse": [dx, dy]}, ...]}`` (the keys
-held during each chunk). ``--reactive`` sends control[i] only after chunk i-1 arrived (a person reacting to
-what they see) instead of as soon as the server admits it (a recorded trace).
+held during each chunk), optionally with ``"intrinsics": [fx, fy, cx, cy]``: the camera in pixels of a 480x832
+frame (default: the server's ``controls.intrinsics``); a timeline and a recording may carry it too.
+``--reactive`` sends control[i] only after chunk i-1 arrived (a person reacting to what they see) instead of as
+soon as the server admits it (a recorded trace).
 
 Live mode: ``--live`` plays an input timeline (``--timeline t.json``, or a built-in one) as a live session: at
 each event's time (seconds after the session is ready) the whole input state is sent as a ``control_state``
@@ -72,12 +74,19 @@ def load_trace(path: Path) -> dict[str, Any]:
     return trace
 
 
+def intrinsics_of(trace: dict[str, Any]) -> tuple[float, float, float, float] | None:
+    """The camera a trace or timeline asks for (``"intrinsics"``: fx, fy, cx, cy at 480x832), or None."""
+    values = trace.get("intrinsics")
+    return None if values is None else tuple(float(v) for v in values)  # type: ignore[return-value]
+
+
 def play(client: Client, image: bytes, trace: dict[str, Any], reactive: bool = False,
          num_chunks: int | None = None) -> Played:
     """Open a session, send every control of the trace, collect every chunk, close. Raises on server errors."""
     steps = trace["chunks"][: num_chunks or len(trace["chunks"])]
     started = time.monotonic()
-    info = client.open(image, prompt=trace.get("prompt", ""), seed=int(trace.get("seed", 0)), num_chunks=len(steps))
+    info = client.open(image, prompt=trace.get("prompt", ""), seed=int(trace.get("seed", 0)), num_chunks=len(steps),
+                       intrinsics=intrinsics_of(trace))
     played = Played(session=info.id, fps=info.fps, opened_s=time.monotonic() - started)
     errors: list[BaseException] = []
 
@@ -139,7 +148,8 @@ def play_live(client: Client, image: bytes, timeline: dict[str, Any], tail_s: fl
     started = time.monotonic()
     num_chunks = timeline.get("num_chunks")
     info = client.open(image, prompt=timeline.get("prompt", ""), seed=int(timeline.get("seed", 0)),
-                       num_chunks=num_chunks, live=True, pause_when_idle=bool(timeline.get("pause_when_idle")))
+                       num_chunks=num_chunks, live=True, pause_when_idle=bool(timeline.get("pause_when_idle")),
+                       intrinsics=intrinsics_of(timeline))
     ready = time.monotonic()
     played = LivePlayed(session=info.id, fps=info.fps, opened_s=ready - started)
     live = LiveInput(client, info.id)
@@ -213,6 +223,7 @@ def recording(timeline: dict[str, Any], played: LivePlayed) -> dict[str, Any]:
         "seed": int(timeline.get("seed", 0)),
         "num_chunks": timeline.get("num_chunks"),
         "pause_when_idle": bool(timeline.get("pause_when_idle")),
+        "intrinsics": timeline.get("intrinsics"),
         "events": played.sent,
         "applied": [{"index": c.index, "control": to_builtins(c.control)} for c in played.chunks],
         "hashes": frame_hashes(played.chunks),
@@ -225,7 +236,8 @@ def applied_trace(recorded: dict[str, Any]) -> dict[str, Any]:
     applied = sorted(recorded["applied"], key=lambda a: a["index"])
     if [a["index"] for a in applied] != list(range(len(applied))) or not applied:
         raise ValueError("the recording's applied snapshots must cover chunks 0..n-1")
-    return {"prompt": recorded.get("prompt", ""), "seed": recorded.get("seed", 0), "chunks": [
+    return {"prompt": recorded.get("prompt", ""), "seed": recorded.get("seed", 0),
+            "intrinsics": recorded.get("intrinsics"), "chunks": [
         {"keys": "".join(a["control"].get("keys", ())), "mouse": a["control"].get("mouse", (0.0, 0.0))}
         for a in applied]}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -11,12 +12,15 @@ import torch
 from models.camera import (
     StreamingCamera,
     clip_control,
+    intrinsics_at,
     latent_frame_poses,
     relative_poses,
     resample_poses,
     scale_intrinsics,
 )
-from models.controls import ChunkControl, MotionSpeeds, integrate, integrate_stream, pitch_of
+from models.controls import OFFICIAL_INTRINSICS, ChunkControl, MotionSpeeds, integrate, integrate_stream, pitch_of
+from models.lingbot_denoise import LingbotDenoiseStage
+from runtime.config import ControlsConfig
 
 H, W, CS = 32, 48, 3
 INTRINSICS = torch.tensor([[520.0, 480.0, 410.0, 245.0]])
@@ -102,6 +106,22 @@ def test_relative_poses_start_at_identity_and_chain_back_to_the_absolute_poses()
 def test_intrinsics_are_rescaled_from_the_480x832_reference_frame() -> None:
     k = scale_intrinsics(torch.tensor([[832.0, 480.0, 416.0, 240.0], [1.0, 1.0, 1.0, 1.0]]), 240, 416)
     torch.testing.assert_close(k, torch.tensor([416.0, 240.0, 208.0, 120.0]))
+
+
+def test_the_default_camera_is_the_official_fast_examples_and_scales_with_the_frame_size() -> None:
+    """The official fast run scripts' camera (robbyant/lingbot-world-v2 examples/03/intrinsics.npy, row 0): about
+    90 degrees across at 480x832, by default in the config, the stage and a session; scaled with the frame."""
+    official = (415.5298, 415.6922, 415.77786, 239.77779)
+    assert OFFICIAL_INTRINSICS == official == ControlsConfig().intrinsics
+    assert inspect.signature(LingbotDenoiseStage).parameters["intrinsics"].default == official
+    assert intrinsics_at(official, 480, 832) == tuple(float(np.float32(v)) for v in official)
+    fov = math.degrees(2 * math.atan(832 / 2 / official[0]))
+    assert 89.9 < fov < 90.2
+    half = intrinsics_at(official, 240, 416)
+    assert half == pytest.approx(tuple(v / 2 for v in official), rel=1e-6)
+    portrait = intrinsics_at(official, 832, 480)  # x scales with the width, y with the height
+    assert portrait == pytest.approx((official[0] * 480 / 832, official[1] * 832 / 480, official[2] * 480 / 832,
+                                      official[3] * 832 / 480), rel=1e-6)
 
 
 DEFAULT_SPEEDS = MotionSpeeds()

@@ -30,7 +30,7 @@ from ipc.client import (
     StaleRevision,
     UnknownSession,
 )
-from scripts.client import applied_trace, check_timeline, frame_hashes, photon_stats
+from scripts.client import applied_trace, check_timeline, frame_hashes, intrinsics_of, photon_stats
 
 # ------------------------------------------------------------------------------------------------ LiveInput
 
@@ -296,12 +296,14 @@ def test_async_client_has_the_same_api_shape_and_error_typing(fake: FakeServer) 
 
 
 def test_applied_trace_turns_recorded_snapshots_into_indexed_controls_in_chunk_order() -> None:
-    recorded = {"prompt": "p", "seed": 3, "applied": [
+    recorded = {"prompt": "p", "seed": 3, "intrinsics": [520.0, 520.0, 416.0, 240.0], "applied": [
         {"index": 1, "control": {"keys": ["d", "i"], "mouse": [1.5, 0.0], "revision": 4}},
         {"index": 0, "control": {"keys": [], "mouse": [0.0, 0.0], "revision": -1}},
     ]}
-    assert applied_trace(recorded) == {"prompt": "p", "seed": 3, "chunks": [
+    trace = applied_trace(recorded)
+    assert trace == {"prompt": "p", "seed": 3, "intrinsics": [520.0, 520.0, 416.0, 240.0], "chunks": [
         {"keys": "", "mouse": [0.0, 0.0]}, {"keys": "di", "mouse": [1.5, 0.0]}]}
+    assert intrinsics_of(trace) == (520.0, 520.0, 416.0, 240.0) and intrinsics_of({}) is None  # the replay's camera
     with pytest.raises(ValueError, match=r"0\.\.n-1"):
         applied_trace({"applied": [{"index": 1, "control": {}}]})
 
@@ -324,3 +326,37 @@ def test_frame_hashes_and_photon_stats() -> None:
     stats = photon_stats([a, b, c])
     assert stats["count"] == 3 and stats["p50"] == pytest.approx(0.2) and stats["max"] == pytest.approx(0.4)
     assert photon_stats([c])["count"] == 0
+
+
+def test_an_open_carries_its_camera_a_bad_one_is_refused_before_it_is_sent_and_the_reply_says_which_applies(
+        fake: FakeServer) -> None:
+    camera, applied = (520.0, 520.0, 416.0, 240.0), (260.0, 260.0, 208.0, 120.0)
+
+    def reply(identity: bytes, opening: protocol.Open, session: str) -> None:
+        fake.send(identity, protocol.Opened(req=opening.req, session=session, height=240, width=416, fps=16.0,
+                                            frames_first_chunk=9, frames_per_chunk=12, num_chunks=None,
+                                            intrinsics=applied))
+
+    with Client(fake.endpoint, timeout_s=5) as client:
+        with pytest.raises(BadRequest, match="principal point") as refused:
+            client.open(b"png", intrinsics=(520.0, 520.0, 416.0, 481.0))
+        assert refused.value.code == "bad_request"
+        result: list[Any] = []
+        thread = threading.Thread(target=lambda: result.append(client.open(b"png", intrinsics=camera)))
+        thread.start()
+        identity, opening = fake.recv(protocol.Open)  # the first one never left the client
+        reply(identity, opening, "s1")
+        thread.join(timeout=5)
+    assert opening.intrinsics == camera and result[0].intrinsics == applied
+
+    async def scenario() -> tuple[protocol.Open, Any]:
+        async with AsyncClient(fake.endpoint, timeout_s=5) as client:
+            with pytest.raises(BadRequest, match="must be finite"):
+                await client.open(b"png", intrinsics=(float("nan"), 1.0, 1.0, 1.0))
+            opening = asyncio.ensure_future(client.open(b"png", intrinsics=camera))
+            identity, sent = await asyncio.get_running_loop().run_in_executor(None, fake.recv, protocol.Open)
+            reply(identity, sent, "a1")
+            return sent, await opening
+
+    sent, info = asyncio.run(scenario())
+    assert sent.intrinsics == camera and info.intrinsics == applied

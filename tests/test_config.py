@@ -96,3 +96,12 @@ def test_stream_size_follows_the_image_at_max_area_or_height_times_width() -> No
         config.load("cpu-tiny", ["--stream.size=free"])
     with pytest.raises(config.ConfigError, match=r"stream\.max_area must hold at least one 16x16 block"):
         config.load("cpu-tiny", ["--stream.size=image", "--stream.max_area=100"])
+
+
+def test_the_camera_intrinsics_are_a_setting_checked_at_load() -> None:
+    assert config.load("cpu-tiny", ["--controls.intrinsics=[500.0, 500.0, 416, 240]"]).controls.intrinsics == (
+        500.0, 500.0, 416.0, 240.0)
+    with pytest.raises(config.ConfigError, match=r"controls\.intrinsics: focal lengths fx, fy must be positive"):
+        config.load("cpu-tiny", ["--controls.intrinsics=[0.0, 500.0, 416, 240]"])
+    with pytest.raises(config.ConfigError, match=r"controls\.intrinsics: the principal point"):
+        config.load("cpu-tiny", ["--controls.intrinsics=[500.0, 500.0, 416, 481]"])

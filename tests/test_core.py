@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from ipc import protocol as p
+from models.camera import intrinsics_at
 from models.synthetic import synthetic_geometry
 from ranks.worker import completion
 from runtime.config import LayoutConfig, MetricsConfig, SchedulerConfig, ServerConfig, StreamConfig, TimeoutsConfig
@@ -654,3 +655,17 @@ def test_stats_show_a_client_its_own_sessions_and_operators_all_of_them() -> Non
     assert list(reply.stats["per_session"]) == [mine] and reply.stats["open_sessions"] == 2
     assert theirs not in str(reply.stats)
     assert set(job.core.stats(job.now)["per_session"]) == {mine, theirs}  # no client: the operator's view
+
+
+def test_a_session_gets_the_camera_its_open_asks_for_or_the_servers_and_the_reply_says_which() -> None:
+    job = Job()
+    wide, narrow = (415.5, 415.7, 415.8, 239.8), (520.0, 520.0, 416.0, 240.0)
+    job.core.intrinsics = wide  # the server's controls.intrinsics
+    own = job.open(A, intrinsics=narrow)
+    default = job.open(B)
+    sent = {t.session: t.intrinsics for _, t in job.sent(p.InitDenoise)}
+    assert sent == {own: narrow, default: wide}  # every DiT rank opens the session with its camera
+    for who, sid, camera in ((A, own, narrow), (B, default, wide)):
+        (opened,) = [o for o in job.to(who, p.Opened) if o.session == sid]
+        assert opened.intrinsics == intrinsics_at(camera, opened.height, opened.width)  # at the session's frame
+        assert opened.intrinsics != camera or (opened.height, opened.width) == (480, 832)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from models.attention import measure_attention, sdpa, select_attention
+from models.attention import sdpa
 from models.dit import DiTConfig, WanModelFast
 from models.kv_cache import KVCache, new_kv_cache
 from models.rope import apply_rope, rope_angles, rope_freqs
@@ -134,18 +134,6 @@ def test_rope_keeps_working_past_the_reference_table_and_depends_only_on_frame_d
         return (rq * rk).sum(-1)
 
     torch.testing.assert_close(score(5000, 4990), score(15, 5), rtol=0, atol=1e-9)
-
-
-def test_sage_without_cuda_is_an_error_and_auto_is_sdpa_unless_measured_otherwise() -> None:
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: sage may be usable")
-    with pytest.raises(RuntimeError, match="sage"):
-        select_attention("sage")
-    assert select_attention("auto") is sdpa
-    fn, timed = measure_attention("auto", 2, 6, 12, 8, torch.device("cpu"), torch.float32)
-    assert fn is sdpa and timed == {}  # nothing to compare against: no timing, no sage
-    with pytest.raises(ValueError, match="attention"):
-        select_attention("flash")
 
 
 def test_the_streaming_dit_runs_on_the_fused_attention_kernels_only() -> None:

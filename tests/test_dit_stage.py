@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.controls import ChunkControl
+from models.camera import intrinsics_at
+from models.controls import OFFICIAL_INTRINSICS, ChunkControl
 from models.dit import DiTConfig
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.stages import SessionSpec, StreamGeometry
@@ -97,3 +98,22 @@ def test_a_full_cache_runs_the_chunks_it_holds_and_refuses_the_next_one_clearly(
     assert stage.sessions["s"].cache.evicted == 0 and stage.sessions["s"].cache.local_end == 2 * 3 * 6
     with pytest.raises(ValueError, match="past what the full KV cache holds"):
         stage.denoise("s", 2, conds[2], MOVE)
+
+
+def test_a_sessions_intrinsics_reach_the_dit_camera_rays_and_the_default_is_the_official_camera() -> None:
+    """Three sessions with one seed and the same controls: no intrinsics (the stage's default), the official fast
+    examples' camera given explicitly, and the narrower 520-pixel camera. The first two stream the same latents;
+    the third's rays and latents differ, so a session's camera reaches the DiT."""
+    stage = _stage()
+    conds, context = _conditions(2), torch.randn(16, 32)
+    narrow = (520.0, 520.0, 416.0, 240.0)
+    runs, rays = {}, {}
+    for name, camera in (("default", None), ("official", OFFICIAL_INTRINSICS), ("narrow", narrow)):
+        stage.open(SessionSpec(session=name, seed=3, prompt="", intrinsics=camera), context)
+        rays[name] = stage.sessions[name].camera.directions.clone()  # every pixel's ray direction, K^-1 (u, v, 1)
+        assert tuple(stage.sessions[name].camera.k.tolist()) == intrinsics_at(camera or OFFICIAL_INTRINSICS, 32, 48)
+        runs[name] = torch.stack([stage.denoise(name, k, conds[k], MOVE) for k in range(2)])
+        stage.release(name)
+    assert torch.equal(rays["default"], rays["official"]) and torch.equal(runs["default"], runs["official"])
+    assert not torch.allclose(rays["default"], rays["narrow"], atol=1e-3)
+    assert not torch.allclose(runs["default"], runs["narrow"], atol=1e-4)

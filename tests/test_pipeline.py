@@ -22,6 +22,8 @@ from PIL import Image
 
 from ipc import protocol
 from ipc.client import Client, ServerError
+from models.camera import intrinsics_at
+from models.controls import OFFICIAL_INTRINSICS
 from scripts.local_server import ROOT, LocalServer
 from tests.shared import FAST, PROMETHEUS_PORT
 from tests.test_synthetic import horizontal_shift
@@ -93,6 +95,7 @@ def test_two_conditions_are_ready_before_the_first_control_is_sent(server: Local
 def test_bad_messages_get_clear_errors_while_another_session_keeps_streaming(server: LocalServer) -> None:
     with Client(server.endpoint) as good:
         info = good.open(IMAGE, num_chunks=12)
+        assert info.intrinsics == intrinsics_at(OFFICIAL_INTRINSICS, info.height, info.width)  # the camera it gets
         sender = threading.Thread(target=lambda: [good.control(info.id, i, keys="w") for i in range(12)])
         sender.start()
         context = zmq.Context.instance()
@@ -116,6 +119,10 @@ def test_bad_messages_get_clear_errors_while_another_session_keeps_streaming(ser
             (enc(type="open", image=IMAGE), "bad_message", "missing required field `req`"),
             (enc(type="open", req=1, image=b"\0" * (16 * 2**20 + 4096)), "bad_message", "exceeds the limit"),
             (enc(type="open", req=1, image=b"GIF89a-but-not-really"), "bad_image", "could not be decoded"),
+            (enc(type="open", req=1, image=IMAGE, intrinsics=[415.0, 415.0, 900.0, 240.0]), "bad_message",
+             "principal point (cx, cy) = (900, 240) must lie inside the 832x480 frame"),
+            (enc(type="open", req=1, image=IMAGE, intrinsics=[0.0, 415.0, 416.0, 240.0]), "bad_message",
+             "focal lengths fx, fy must be positive"),
             (enc(type="control", req=1, session="nope", index=0), "unknown_session", "no session"),
             (enc(type="control", req=1, session=info.id, index=0), "unknown_session", "no session"),  # not ours
         ]

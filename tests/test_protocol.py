@@ -176,3 +176,24 @@ def test_a_pose_must_be_a_rigid_camera_to_world_transform_near_the_origin(pose: 
                                                                          expected: str | None) -> None:
     problem = p.pose_problem(pose)
     assert problem is None if expected is None else expected in (problem or ""), problem
+
+
+def test_an_open_carries_a_camera_and_a_bad_one_is_refused_naming_the_problem_and_its_request() -> None:
+    camera = (415.5, 415.7, 415.8, 239.8)
+    opened = p.Open(req=1, image=b"png", intrinsics=camera)
+    assert p.decode(p.encode(opened), "client").intrinsics == camera
+    assert p.decode(p.encode(p.Open(req=1, image=b"png")), "client").intrinsics is None  # the server's camera
+    ok = _raw(v=V, type="open", req=2, image=b"png", intrinsics=[500, 500, 416, 240])  # integers are pixels too
+    assert p.decode(ok, "client").intrinsics == (500.0, 500.0, 416.0, 240.0)
+    for bad, why in (([math.nan, 1.0, 1.0, 1.0], "must be finite"), ([0.0, 415.0, 416.0, 240.0], "must be positive"),
+                     ([415.0, -1.0, 416.0, 240.0], "must be positive"), ([415.0, 415.0, 900.0, 240.0], "inside the"),
+                     ([415.0, 415.0, 416.0, -0.5], "inside the"), ([1e9, 415.0, 416.0, 240.0], "at most"),
+                     ([415.0, 415.0, 416.0], "length 4")):
+        with pytest.raises(p.ProtocolViolation, match=why) as error:
+            p.decode(_raw(v=V, type="open", req=7, image=b"png", intrinsics=bad), "client")
+        assert error.value.req == 7
+    reply = p.Opened(req=1, session="s", height=240, width=416, fps=16.0, frames_first_chunk=9, frames_per_chunk=12,
+                     num_chunks=None, intrinsics=(207.75, 207.85, 207.9, 119.9))
+    assert p.decode(p.encode(reply), "server") == reply
+    init = p.InitDenoise(session="s", seed=1, prompt="", height=240, width=416, intrinsics=camera)
+    assert p.decode(p.encode(init), "coordinator") == init

@@ -115,3 +115,20 @@ def test_a_bfloat16_vae_encodes_and_decodes_a_stream_close_to_float32(vae: WanVA
     for got, want in zip(frames + encoded, ref_frames + ref_encoded):
         assert got.shape == want.shape and torch.isfinite(got.float()).all()
         assert float((got.float() - want).norm() / want.norm()) < 0.05
+
+
+@torch.no_grad()
+def test_attention_block_runs_on_the_fused_kernel_not_the_math_path() -> None:
+    """The VAE's attention hands SDPA q/k/v with a unit last stride: with only the fused (flash) kernel allowed it
+    runs, and gives the same numbers as the default path (a strided q/k/v made every fused kernel refuse them)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from models.vae import AttentionBlock
+
+    torch.manual_seed(0)
+    block = AttentionBlock(32).eval()
+    x = torch.randn(1, 32, 2, 4, 6)
+    expected = block(x)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        fused = block(x)
+    torch.testing.assert_close(fused, expected)
