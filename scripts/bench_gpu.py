@@ -595,14 +595,19 @@ def serve(tiny: bool, chunks: int = 8) -> dict[str, Any]:
     height, width = (64, 96) if tiny else (480, 832)
     overrides = ["--stream.size=fixed", f"--stream.height={height}", f"--stream.width={width}"]
     overrides += ["--model.preset=tiny"] if tiny else []
-    with LocalServer("single-gpu", overrides, startup_s=900.0) as server, Client(server.endpoint) as client:
-        began = time.monotonic()
-        info = client.open(start_image(height, width), prompt="a walk", seed=1, num_chunks=chunks)
-        opened = time.monotonic()
-        for index in range(chunks):
-            client.control(info.id, index, keys="w")
-        results = list(client.chunks(info.id, timeout_s=600))
-        summary = client.wait_closed(info.id)
+    server = LocalServer("single-gpu", overrides, startup_s=900.0)
+    try:
+        server.start()
+        with Client(server.endpoint) as client:
+            began = time.monotonic()
+            info = client.open(start_image(height, width), prompt="a walk", seed=1, num_chunks=chunks)
+            opened = time.monotonic()
+            for index in range(chunks):
+                client.control(info.id, index, keys="w")
+            results = list(client.chunks(info.id, timeout_s=600))
+            summary = client.wait_closed(info.id)
+    finally:
+        server.__exit__(None, None, None)  # also when SIGTERM lands while the server starts (no ``with`` yet)
     per_chunk = []
     for result in results:
         t = result.facts.times
@@ -672,12 +677,9 @@ def _gib(nbytes: Any) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
-def table(results: dict[str, Any]) -> str:
-    """The compact summary: DiT against the FLOP floor, SDPA backends, VAE per precision, bytes per session, the
-    served session's first chunk against its steady chunks, projections and targets."""
+def _dit_lines(results: dict[str, Any]) -> list[str]:
     peak = results.get("matmul", {}).get("tflops")
-    lines = [f"device: {results.get('device')}  torch {results.get('torch')}  sizes {results.get('sizes')}  "
-             f"matmul peak {_f(peak, '.0f')} TFLOP/s"]
+    lines = []
     for name, entry in results.get("dit", {}).items():
         if "steady_s" not in entry:
             lines.append(f"DiT {name:9s} {str(entry.get('error', '?'))[:100]}")
@@ -691,11 +693,20 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"    session bytes: {_gib(entry.get('session_bytes_steady'))} measured (after open "
                      f"{_gib(entry.get('session_bytes_open'))}), KV ring computed "
                      f"{_gib(entry.get('session_bytes_computed_kv'))}")  # fmt: skip
+    return lines
+
+
+def _sdpa_lines(results: dict[str, Any]) -> list[str]:
     sdpa = results.get("sdpa", {})
-    if "q" in sdpa:
-        lines.append(f"SDPA q {sdpa['q']} k/v {sdpa['kv']} {sdpa['dtype']}: " + "  ".join(
-            f"{b} {entry['s'] * 1e3:.2f} ms {entry['tflops']:.0f} TFLOP/s" if "s" in entry else f"{b} refused"
-            for b, entry in sdpa.items() if isinstance(entry, dict)))  # fmt: skip
+    if "q" not in sdpa:
+        return []
+    return [f"SDPA q {sdpa['q']} k/v {sdpa['kv']} {sdpa['dtype']}: " + "  ".join(
+        f"{b} {entry['s'] * 1e3:.2f} ms {entry['tflops']:.0f} TFLOP/s" if "s" in entry else f"{b} refused"
+        for b, entry in sdpa.items() if isinstance(entry, dict))]  # fmt: skip
+
+
+def _vae_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
     for name, entry in results.get("vae", {}).items():
         if "decode_steady_s" in entry:
             err = f"rel L2 {entry['rel_l2_vs_fp32']:.4f}" if "rel_l2_vs_fp32" in entry else "reference"
@@ -708,13 +719,22 @@ def table(results: dict[str, Any]) -> str:
                          f"{_gib(entry.get('encode_session_bytes_computed'))}")  # fmt: skip
     if "prompt_s" in results.get("umt5", {}):
         lines.append(f"umT5 prompt {results['umt5']['prompt_s']:.3f} s")
+    return lines
+
+
+def _serve_lines(results: dict[str, Any]) -> list[str]:
     served = results.get("serve", {})
-    if served.get("first"):
-        first, steady = served["first"], served["steady"]
-        lines.append(f"served {served['size'][0]}x{served['size'][1]}: first chunk {_f(served['first_chunk_s'])} s "
-                     f"after open (denoise {_f(first['denoise_s'])}, decode {_f(first['decode_s'])}, encode "
-                     f"{_f(first['condition_s'])}); steady period {_f(served['steady_period_s'])} s (denoise "
-                     f"{_f(steady['denoise_s'])}, decode {_f(steady['decode_s'])}, encode {_f(steady['condition_s'])})")
+    if not served.get("first"):
+        return []
+    first, steady = served["first"], served["steady"]
+    return [f"served {served['size'][0]}x{served['size'][1]}: first chunk {_f(served['first_chunk_s'])} s "
+            f"after open (denoise {_f(first['denoise_s'])}, decode {_f(first['decode_s'])}, encode "
+            f"{_f(first['condition_s'])}); steady period {_f(served['steady_period_s'])} s (denoise "
+            f"{_f(steady['denoise_s'])}, decode {_f(steady['decode_s'])}, encode {_f(steady['condition_s'])})"]
+
+
+def _projection_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
     for layout, entry in results.get("projection", {}).items():
         if isinstance(entry, dict) and entry.get("projected"):
             lines.append(f"PROJECTED {layout:11s} period {entry['period_s']:.3f} s  {entry['fps']:.1f} FPS  (DiT "
@@ -725,6 +745,20 @@ def table(results: dict[str, Any]) -> str:
     for key, entry in results.get("targets", {}).items():
         lines.append(f"target {key:18s} {entry['value']:.3f} vs {entry['target']}  "
                      f"{'PASS' if entry['pass'] else 'FAIL'}{' (projected)' if entry.get('projected') else ''}")
+    return lines
+
+
+def table(results: dict[str, Any]) -> str:
+    """The compact summary: DiT against the FLOP floor, SDPA backends, VAE per precision, bytes per session, the
+    served session's first chunk against its steady chunks, projections and targets. A part whose entries are
+    incomplete says so instead of ending the summary."""
+    lines = [f"device: {results.get('device')}  torch {results.get('torch')}  sizes {results.get('sizes')}  "
+             f"matmul peak {_f(results.get('matmul', {}).get('tflops'), '.0f')} TFLOP/s"]
+    for part in (_dit_lines, _sdpa_lines, _vae_lines, _serve_lines, _projection_lines):
+        try:
+            lines += part(results)
+        except (KeyError, IndexError, TypeError, ValueError) as error:
+            lines.append(f"{part.__name__.strip('_')}: incomplete entry ({type(error).__name__}: {error})")
     failed = [name for name, entry in results.items() if isinstance(entry, dict) and "error" in entry]
     if failed:
         lines.append(f"sections with errors: {failed}")

@@ -29,6 +29,7 @@ CATCH_IMPORT = ("ImportError", "ModuleNotFoundError", "Exception", "BaseExceptio
 # import name -> distribution name where they differ and the interpreter running the check lacks the package
 ALIASES = {"zmq": "pyzmq", "PIL": "pillow", "yaml": "pyyaml", "cv2": "opencv-python-headless", "sklearn":
            "scikit-learn", "skimage": "scikit-image", "google": "protobuf"}  # fmt: skip
+REQUIRES = {"ftfy": ("wcwidth",)}  # what a pinned wheel needs in turn (pip download --no-deps fetches none of it)
 PINS = {"msgspec": "0.23.0", "pyzmq": "27.3.0", "ftfy": "6.3.1", "wcwidth": "0.9.4"}  # verified cp312 wheels
 DOWNLOAD = ("python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "
             "--platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 "
@@ -239,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(f"wheel problem: {problem}", file=sys.stderr)
     if missing:
-        names = " ".join(f"{d}=={PINS[d]}" if d in PINS else d for d in sorted({distribution(m) for m in missing}))
+        dists = {distribution(m) for m in missing}
+        dists |= {need for d in dists for need in REQUIRES.get(d, ()) if need not in device and need not in wheel_dists}
+        names = " ".join(f"{d}=={PINS[d]}" if d in PINS else d for d in sorted(dists))
         print(f"missing modules: {', '.join(sorted(missing))} (imported by {', '.join(sorted(set(missing.values())))})"
               f"; neither the device image nor {args.wheels} provides them. Fetch the wheels here with:\n"
               f"  {DOWNLOAD} {names}", file=sys.stderr)  # fmt: skip

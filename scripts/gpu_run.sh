@@ -60,10 +60,10 @@ BENCH=("$PY" scripts/bench_gpu.py --merge --out "$JSON")
 # The plan: one `step NAME BUDGET_S COMMAND...` per process, in order. To add a section, add a line (and keep the
 # total within LIMIT_S; the device returns at most 8 files from $OUT, so merge into $JSON rather than adding files).
 plan() {
-    step matmul 25 "${BENCH[@]}" --only matmul --only kv_cache
-    step sdpa 30 "${BENCH[@]}" --only sdpa
-    step dit 120 "${BENCH[@]}" --only dit
-    step vae 75 "${BENCH[@]}" --only vae
+    step matmul 20 "${BENCH[@]}" --only matmul --only kv_cache
+    step sdpa 25 "${BENCH[@]}" --only sdpa
+    step dit 110 "${BENCH[@]}" --only dit
+    step vae 70 "${BENCH[@]}" --only vae
     step umt5 30 "${BENCH[@]}" --only umt5
     step dit_bf16 20 "${BENCH[@]}" --only dit_bf16_vs_fp32
     step serve 120 "${BENCH[@]}" --only serve
@@ -87,9 +87,9 @@ step() {
     printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$took" "$budget" >>"$OUT_DIR/steps.tsv"
 }
 
-INSTALL_S=20
-CHECK_S=30
-SUMMARY_S=15
+INSTALL_S=15
+CHECK_S=20
+SUMMARY_S=10
 RUNNING=0
 echo "+ [install, $INSTALL_S s] $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade" \
     "--target \$SITE $WHEELS/*.whl; export PYTHONPATH=\$SITE:$ROOT"
