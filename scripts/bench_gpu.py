@@ -808,10 +808,14 @@ def main(argv: list[str] | None = None) -> int:
         "serve": lambda: serve(sizes.tiny),
     }
     wanted = set(args.only) if args.only else {n for n in SECTIONS if n != "serve" or args.serve}
+    skipped = set()
     if not cuda:
-        wanted -= {"dit_bf16_vs_fp32"} - set(args.only)  # bf16 against fp32 means something on CUDA only
+        skipped.add("dit_bf16_vs_fp32")  # bf16 against fp32 means something on CUDA only (and is slow on CPU)
     if not (cuda and torch.cuda.device_count() > 1):
-        wanted -= {"multi_gpu"}
+        skipped.add("multi_gpu")
+    for name in sorted(wanted & skipped):
+        print(f"# {name}: skipped on this machine (needs {'CUDA' if name != 'multi_gpu' else 'several GPUs'})")
+    wanted -= skipped
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         for name in SECTIONS:
