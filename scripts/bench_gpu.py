@@ -180,7 +180,8 @@ def top_kernels(run: Callable[[], Any], device: torch.device, top: int = 25) -> 
     rows = []
     for event in prof.key_averages():
         if cuda:
-            micros = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+            # kernels have no children: self and total device time agree (one of them may read 0 on some versions)
+            micros = getattr(event, "self_device_time_total", 0) or getattr(event, "device_time_total", 0)
         else:
             micros = event.self_cpu_time_total
         if micros > 0:
@@ -219,6 +220,7 @@ def dit_steady(sizes: Sizes, device: torch.device, attention: list[str]) -> dict
         fill = math.ceil(cfg.local_attn_size / cfg.chunk_size)  # chunks until the window is full
         for kind in attention:
             name = f"{recipe}_{kind}"
+            stage: LingbotDenoiseStage | None = None
             try:
                 reset_peak(device)
                 stage = LingbotDenoiseStage(replace(cfg, attention="sdpa" if kind == "sdpa" else "sage"), geometry,
@@ -254,10 +256,13 @@ def dit_steady(sizes: Sizes, device: torch.device, attention: list[str]) -> dict
                     if recipe == "v1":
                         entry["top_kernels"] = top_kernels(
                             lambda i=index, st=stage, c=condition: st.denoise("bench", i, c, ChunkControl()), device)
-                stage.release("bench")
                 out[name] = entry
             except Exception as error:
                 out[name] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()[-1500:]}
+            finally:  # the next recipe must not run beside this one's KV ring (21 GiB at full size)
+                if stage is not None and "bench" in stage.sessions:
+                    stage.release("bench")
+                del stage
             print(f"  dit {name}: {json.dumps(out[name])[:600]}", flush=True)
     del model
     reset_peak(device)

@@ -57,8 +57,9 @@ typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wra
 
 BENCH=("$PY" scripts/bench_gpu.py --merge --out "$JSON")
 
-# The plan: one `step NAME BUDGET_S COMMAND...` per process, in order. To add a section, add a line (and keep the
-# total within LIMIT_S; the device returns at most 8 files from $OUT, so merge into $JSON rather than adding files).
+# The plan: one `step NAME BUDGET_S COMMAND...` per process, in order. To add a section, add a line here and its
+# script to ENTRIES (so the import check covers it); keep the total within LIMIT_S (the dry run checks), and since the
+# device returns at most 8 files from $OUT, merge into $JSON or write one file rather than many.
 plan() {
     step matmul 20 "${BENCH[@]}" --only matmul --only kv_cache
     step sdpa 25 "${BENCH[@]}" --only sdpa
