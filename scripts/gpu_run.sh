@@ -138,4 +138,4 @@ timeout "$SUMMARY_S" "$PY" scripts/bench_gpu.py --summary --out "$JSON" 2>&1 | t
 { echo; echo "steps (exit code 124/137: timed out):"; cat "$OUT_DIR/steps.tsv"; } | tee -a "$OUT_DIR/summary.txt"
 rm -rf "$SITE"
 # the run succeeded when every step did
-! cut -f2 "$OUT_DIR/steps.tsv" | tail -n +2 | grep -qv '^0$'
+awk -F'\t' 'NR > 1 && $2 != 0 { failed = 1 } END { exit failed }' "$OUT_DIR/steps.tsv"
