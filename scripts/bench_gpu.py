@@ -3,35 +3,47 @@
     python scripts/bench_gpu.py                   # on a CUDA machine: full-size model, 480x832, bf16
     python scripts/bench_gpu.py --serve           # also run a short session through the whole server on one GPU
     python scripts/bench_gpu.py --tiny            # the same code path at tiny sizes (CPU), as the tests run it
+    python scripts/bench_gpu.py --only dit --merge --out X.json    # one section, merged into X.json
+    python scripts/bench_gpu.py --summary --out X.json             # projections, targets and the table from X.json
 
 Measures, on the first device (seeded random weights; the numbers depend on shapes, not on weight values):
 
 - the device's bf16 matmul peak (a large GEMM), which sets the FLOP floor;
+- each SDPA backend (default, flash, cuDNN, efficient) at the DiT's real steady self-attention shape;
 - the bf16 DiT against its own float32 path (``small`` preset, one chunk);
 - the DiT per chunk at steady state (the KV window full) for the v1 and v2 recipes, SDPA and (when it imports)
   SageAttention: seconds, achieved TFLOP/s, ratio to the floor, peak memory, whether
-  the attention ran on fused kernels only, and where the time of one steady v1 chunk went (kernel categories);
+  the attention ran on fused kernels only, the bytes one session's caches take (allocator delta against the
+  computed KV ring), and the top 25 kernels of one steady v1 chunk by device time;
 - the Wan2.1 VAE per chunk, encode and decode, for each precision policy (strict fp32, TF32 + cudnn.benchmark,
-  bf16) with its error against strict fp32;
+  bf16) with its error against strict fp32 and the bytes of one session's decode and encode caches;
 - umT5-XXL for one 512-token prompt;
 - the KV-cache bytes per session per DiT rank for each layout;
-- with more than one GPU: the Ulysses all-to-all per layer, SP=N vs SP=1 per pass, and concurrent transfers on two
-  NCCL groups per GPU (the pattern of the decode and coordinator ranks);
-- projected chunk period and FPS for split7, fast4 and aggregated8 from the measured stage times, marked as
+- with more than one GPU: for each layout's DiT group size N that fits, the Ulysses all-to-all per layer and the
+  DiT chunk at SP = N, and concurrent transfers on two NCCL groups per GPU (the decode and coordinator ranks);
+- a session served through the whole runtime on one GPU at 480x832 (``--serve``): its first chunk against its
+  steady chunks;
+- projected chunk period and FPS per layout, only from a DiT chunk measured at that layout's SP degree, marked as
   projections, next to the published 17.07 FPS (7 x H100 split) and 29.5 FPS (8 x H100 aggregated);
 - the issue's targets, each with pass/fail.
 
-Prints a table and writes everything to ``$OUT/bench_gpu.json`` (or ``--out``). Every section records its result or
-its error; a failing section never stops the others.
+Prints a table and writes everything to ``$OUT/bench_gpu.json`` (or ``--out``), rewritten after every section so a
+crash or a timeout keeps what finished. Every section records its result or its error; a failing section never stops
+the others. SIGTERM (``timeout``) records the running section as timed out and ends the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import itertools
 import json
 import math
 import os
+import signal
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -48,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models import precision
 from models.attention import _load_sage
 from models.controls import ChunkControl
-from models.dit import DiTConfig, chunk_flops
+from models.dit import DiTConfig, WanModelFast, chunk_flops
 from models.dit_checkpoint import random_dit
 from models.kv_cache import kv_cache_bytes
 from models.lingbot_denoise import LingbotDenoiseStage
@@ -99,6 +111,19 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def allocated(device: torch.device) -> int | None:
+    """Bytes the allocator holds in live tensors (CUDA only: the CPU allocator keeps no such count)."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def delta(before: int | None, device: torch.device) -> int | None:
+    now = allocated(device)
+    return None if now is None or before is None else now - before
+
+
 # ------------------------------------------------------------------------------------------------ sections
 
 
@@ -110,37 +135,62 @@ def matmul_peak(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     return {"n": n, "dtype": str(dtype), "tflops": 2 * n**3 / seconds / 1e12}
 
 
+def sdpa_backends(sizes: Sizes, device: torch.device, repeat: int = 10) -> dict[str, Any]:
+    """Each SDPA backend at the DiT's steady self-attention shape (full size, v1: q ``[1, 40, 4680, 128]`` against
+    k/v ``[1, 40, 28080, 128]``, bf16; q in the model's layout, a transposed ``[1, n, heads, d]``): seconds per call
+    and TFLOP/s. A backend that refuses the shape records its error."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg = DiTConfig.from_name(sizes.dit["v1"])
+    fs = (sizes.height // 16) * (sizes.width // 16)
+    n, kv = cfg.chunk_size * fs, cfg.local_attn_size * fs
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)  # drawn on the device: no host round trip for the 0.6 GB of k/v
+    q = torch.randn(1, n, cfg.num_heads, cfg.head_dim, device=device, dtype=dtype).transpose(1, 2)
+    k, v = (torch.randn(1, cfg.num_heads, kv, cfg.head_dim, device=device, dtype=dtype) for _ in range(2))
+    flops = 4 * cfg.num_heads * n * kv * cfg.head_dim
+    out: dict[str, Any] = {"q": list(q.shape), "kv": list(k.shape), "dtype": str(dtype)}
+    backends = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}  # fmt: skip
+    for name, backend in backends.items():
+        try:
+            with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+                seconds = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), device, repeat)
+            out[name] = {"s": seconds, "tflops": flops / seconds / 1e12}
+        except RuntimeError as error:
+            out[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
+    return out
+
+
 def _geometry(cfg: DiTConfig, height: int, width: int) -> StreamGeometry:
     cs, h, w = cfg.chunk_size, height // 8, width // 8
     return StreamGeometry(height=height, width=width, chunk_latent_frames=cs, context_shape=(cfg.text_len,
                           cfg.text_dim), condition_shape=(20, cs, h, w), latent_shape=(16, cs, h, w))  # fmt: skip
 
 
-def _kernel_shares(run: Callable[[], Any], device: torch.device) -> dict[str, float]:
-    """Seconds of device time per kernel category for one call of ``run`` (CUDA only)."""
+def top_kernels(run: Callable[[], Any], device: torch.device, top: int = 25) -> dict[str, Any]:
+    """The ``top`` kernels of one call of ``run`` by device time (on CPU: the ops by self CPU time), named as the
+    profiler names them, with their calls and share of the total."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         run()
         sync(device)
-    shares: dict[str, float] = {}
+    rows = []
     for event in prof.key_averages():
-        name = event.key.lower()
-        seconds = getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0)) / 1e6
-        if seconds <= 0:
-            continue
-        if any(k in name for k in ("flash", "fmha", "attention", "sdpa", "cudnn_sdp", "sage")):
-            kind = "attention"
-        elif any(k in name for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul")):
-            kind = "gemm"
-        elif "nccl" in name:
-            kind = "communication"
-        elif any(k in name for k in ("copy", "cat", "memcpy", "index")):
-            kind = "copies"
+        if cuda:
+            # kernels have no children: self and total device time agree (one of them may read 0 on some versions)
+            micros = getattr(event, "self_device_time_total", 0) or getattr(event, "device_time_total", 0)
         else:
-            kind = "elementwise/norm/other"
-        shares[kind] = shares.get(kind, 0.0) + seconds
-    return dict(sorted(shares.items(), key=lambda kv: -kv[1]))
+            micros = event.self_cpu_time_total
+        if micros > 0:
+            rows.append((event.key, micros / 1e6, event.count))
+    total = sum(seconds for _, seconds, _ in rows)
+    rows.sort(key=lambda row: -row[1])
+    return {"total_s": total, "clock": "device" if cuda else "cpu (self time)",
+            "kernels": [{"name": name[:200], "s": seconds, "calls": calls, "share": seconds / total}
+                        for name, seconds, calls in rows[:top]]}  # fmt: skip
 
 
 def _fused_only(stage: LingbotDenoiseStage, session: str, index: int, condition: torch.Tensor) -> bool | str:
@@ -170,13 +220,17 @@ def dit_steady(sizes: Sizes, device: torch.device, attention: list[str]) -> dict
         fill = math.ceil(cfg.local_attn_size / cfg.chunk_size)  # chunks until the window is full
         for kind in attention:
             name = f"{recipe}_{kind}"
+            stage: LingbotDenoiseStage | None = None
             try:
                 reset_peak(device)
                 stage = LingbotDenoiseStage(replace(cfg, attention="sdpa" if kind == "sdpa" else "sage"), geometry,
                                             device=device, dtype=dtype, weights=model)  # fmt: skip
                 g = torch.Generator(device="cpu").manual_seed(1)
-                stage.open(SessionSpec("bench", 0, ""), torch.randn(cfg.text_len, cfg.text_dim, generator=g))
+                context = torch.randn(cfg.text_len, cfg.text_dim, generator=g)
                 condition = torch.randn(geometry.condition_shape, generator=g).to(device)
+                before_open = allocated(device)
+                stage.open(SessionSpec("bench", 0, ""), context)
+                opened_bytes = delta(before_open, device)
                 times = []
                 for k in range(fill + 2):
                     sync(device)
@@ -189,19 +243,27 @@ def dit_steady(sizes: Sizes, device: torch.device, attention: list[str]) -> dict
                 entry: dict[str, Any] = {"chunk_s": times, "steady_s": steady, "pflop_per_chunk": flops / 1e15,
                                          "tflops": flops / steady / 1e12, "peak_gib": peak_gib(device),
                                          "frames_per_chunk": 4 * cfg.chunk_size,
-                                         "kv_cache_gib": stage.kv_cache_bytes(sizes.height, sizes.width) / 2**30}
+                                         "kv_cache_gib": stage.kv_cache_bytes(sizes.height, sizes.width) / 2**30,
+                                         # one session's caches as the allocator sees them (KV ring, text cache,
+                                         # camera state): after open and with the window full
+                                         "session_bytes_open": opened_bytes,
+                                         "session_bytes_steady": delta(before_open, device),
+                                         "session_bytes_computed_kv": stage.kv_cache_bytes(sizes.height, sizes.width)}
                 index = fill + 2
                 if kind == "sdpa":
                     entry["fused_kernels_only"] = _fused_only(stage, "bench", index, condition)
                     index += 1
-                    if recipe == "v1" and device.type == "cuda":
-                        entry["kernel_seconds"] = _kernel_shares(
+                    if recipe == "v1":
+                        entry["top_kernels"] = top_kernels(
                             lambda i=index, st=stage, c=condition: st.denoise("bench", i, c, ChunkControl()), device)
-                stage.release("bench")
                 out[name] = entry
             except Exception as error:
                 out[name] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()[-1500:]}
-            print(f"  dit {name}: {json.dumps(out[name])[:300]}", flush=True)
+            finally:  # the next recipe must not run beside this one's KV ring (21 GiB at full size)
+                if stage is not None and "bench" in stage.sessions:
+                    stage.release("bench")
+                del stage
+            print(f"  dit {name}: {json.dumps(out[name])[:600]}", flush=True)
     del model
     reset_peak(device)
     return out
@@ -239,6 +301,7 @@ def _vae_policy(policy: str, reference: torch.nn.Module, latents: list[torch.Ten
         vae = vae.to(torch.bfloat16)
         vae.reset_latent_stats()  # the normalisation constants stay float32
     with torch.no_grad():
+        before_decoder = allocated(device)
         decoder = FrameDecoder(vae)
         decode_times, frames = [], None
         for latent in latents:  # chunk 0, then two steady chunks
@@ -247,6 +310,10 @@ def _vae_policy(policy: str, reference: torch.nn.Module, latents: list[torch.Ten
             frames = decoder.decode(latent)
             sync(device)
             decode_times.append(time.perf_counter() - began)
+        assert frames is not None
+        frames = frames.float().cpu()  # off the device, so the delta below is the decoder's caches alone
+        decode_bytes = delta(before_decoder, device)
+        before_encoder = allocated(device)
         encoder = ConditionEncoder(vae, image, 3, constant_tail=False)
         encode_times = []
         for _ in range(3):
@@ -255,9 +322,12 @@ def _vae_policy(policy: str, reference: torch.nn.Module, latents: list[torch.Ten
             encoder.next_chunk()
             sync(device)
             encode_times.append(time.perf_counter() - began)
-    assert frames is not None
+        encode_bytes = delta(before_encoder, device)
     return {"decode_chunk_s": decode_times, "decode_steady_s": min(decode_times[1:]), "encode_chunk_s": encode_times,
-            "encode_steady_s": min(encode_times[1:]), "frames": frames.float(),
+            "encode_steady_s": min(encode_times[1:]), "frames": frames,
+            # one session's caches: allocator delta (CUDA) and what the caches count themselves
+            "decode_session_bytes": decode_bytes, "decode_session_bytes_computed": decoder.nbytes(),
+            "encode_session_bytes": encode_bytes, "encode_session_bytes_computed": encoder.nbytes(),
             "conv_tf32": precision.conv_tf32_enabled() if device.type == "cuda" else False}
 
 
@@ -284,7 +354,7 @@ def vae_policies(sizes: Sizes, device: torch.device) -> dict[str, Any]:
                 entry["rel_l2_vs_fp32"] = float(diff.norm() / baseline.norm())
                 entry["max_abs_vs_fp32"] = float(diff.abs().max())
         out[policy] = entry
-        print(f"  vae {policy}: {json.dumps(entry)[:300]}", flush=True)
+        print(f"  vae {policy}: {json.dumps(entry)[:600]}", flush=True)
     precision.apply(device, "tf32", holds_vae=True)
     return out
 
@@ -321,27 +391,33 @@ def kv_bytes(sizes: Sizes) -> dict[str, Any]:
     return out
 
 
-def projection(results: dict[str, Any], alltoall_s_per_pass: float | None) -> dict[str, Any]:
-    """Projected steady period and FPS per layout from the measured stage times (marked as projections).
-
-    DiT at SP=N: the measured SP=1 chunk over N (compute scales with the head split) plus the Ulysses all-to-alls
-    (measured when several GPUs were present, else stated as 2 x 8 % of a pass at SP=1: bytes of q/k/v and the
-    output over NVLink). A disaggregated layout pipelines the stages: period = the slowest of DiT, decode,
-    encode. A layout whose VAE roles share GPUs with DiT ranks adds the VAE work to the DiT's critical path."""
-    dit = results.get("dit", {}).get("v1_sdpa", {})
+def projection(results: dict[str, Any]) -> dict[str, Any]:
+    """Projected steady period and FPS per layout, each only from a DiT chunk measured at the layout's own SP degree
+    (``dit.v1_sdpa`` for one DiT rank, ``multi_gpu.spN`` for N): never from the one-GPU time divided by N, which
+    hides the all-to-alls, the padding and the small-GEMM efficiency. A disaggregated layout (encode and decode on
+    GPUs of their own) pipelines the stages: its period is the slowest of DiT, decode and encode. A co-located layout
+    runs decode and encode on DiT ranks, so they add to the DiT's time: its period is DiT + decode + encode."""
     vae = results.get("vae", {}).get("tf32", {})
-    if "steady_s" not in dit or "decode_steady_s" not in vae:
-        return {"error": "needs dit.v1_sdpa and vae.tf32"}
-    passes = 5  # four denoising passes and the refresh pass
-    per_pass = dit["steady_s"] / passes
-    out: dict[str, Any] = {"note": "PROJECTIONS from one-GPU measurements, not measured multi-GPU runs"}
+    if "decode_steady_s" not in vae:
+        return {"error": "needs vae.tf32 (the layouts' VAE precision)"}
+    measured: dict[int, tuple[float, int, str]] = {}  # SP degree -> (chunk seconds, frames per chunk, where from)
+    dit = results.get("dit", {}).get("v1_sdpa", {})
+    if "steady_s" in dit:
+        measured[1] = (dit["steady_s"], dit["frames_per_chunk"], "dit.v1_sdpa")
+    for key, entry in results.get("multi_gpu", {}).items():
+        if isinstance(entry, dict) and "spN_chunk_s" in entry and entry.get("sp_size") == entry.get("world"):
+            measured[entry["sp_size"]] = (entry["spN_chunk_s"], entry["frames_per_chunk"], f"multi_gpu.{key}")
+    decode, encode = vae["decode_steady_s"], vae["encode_steady_s"]
+    out: dict[str, Any] = {"note": "PROJECTIONS: measured stage times combined per layout, not a measured run of it"}
     for layout, (ranks, colocated) in LAYOUTS.items():
-        comm = passes * (alltoall_s_per_pass if alltoall_s_per_pass is not None else 0.16 * per_pass / ranks)
-        dit_s = dit["steady_s"] / ranks + (comm if ranks > 1 else 0.0)
-        vae_s = max(vae["decode_steady_s"], vae["encode_steady_s"])
-        period = dit_s + vae_s if colocated else max(dit_s, vae["decode_steady_s"], vae["encode_steady_s"])
-        out[layout] = {"dit_s": dit_s, "period_s": period, "fps": dit["frames_per_chunk"] / period,
-                       "alltoall": "measured" if alltoall_s_per_pass is not None else "stated"}
+        if ranks not in measured:
+            out[layout] = {"projected": False,
+                           "why": f"no DiT chunk measured at SP={ranks} ({ranks} GPUs): nothing to project from"}
+            continue
+        dit_s, frames, source = measured[ranks]
+        period = dit_s + decode + encode if colocated else max(dit_s, decode, encode)
+        out[layout] = {"projected": True, "dit_s": dit_s, "dit_from": source, "decode_s": decode, "encode_s": encode,
+                       "colocated": colocated, "period_s": period, "fps": frames / period}
     out["published_fps"] = PUBLISHED_FPS
     return out
 
@@ -374,16 +450,30 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _multi_gpu_worker(rank: int, world: int, port: int, sizes_tiny: bool, out_dir: str) -> None:
+def multi_gpu_stage(cfg: DiTConfig, sizes: Sizes, device: torch.device, dtype: torch.dtype,
+                    group: Any) -> LingbotDenoiseStage:  # fmt: skip
+    """The DiT stage the multi-GPU section times, sharded over every rank of ``group`` (SP = the group's size). The
+    stage applies the split itself: a model split beforehand and handed over with no group is made one-rank again."""
+    model: WanModelFast = random_dit(cfg, device, dtype, seed=0)  # the same seeded weights on every rank
+    return LingbotDenoiseStage(replace(cfg, attention="sdpa"), _geometry(cfg, sizes.height, sizes.width),
+                               device=device, dtype=dtype, group=group, weights=model)  # fmt: skip
+
+
+def _multi_gpu_worker(rank: int, world: int, port: int, sizes_tiny: bool, out_dir: str, backend: str) -> None:
+    """One rank of the multi-GPU section: ``nccl`` on GPU ``rank``, or ``gloo`` on CPU (the tests' path)."""
     import torch.distributed as dist
 
-    from models.dit import apply_sequence_parallel
     from models.ulysses import Ulysses
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device, dtype = torch.device("cuda", rank), torch.bfloat16
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    else:
+        torch.set_num_threads(1)
+        device, dtype = torch.device("cpu"), torch.float32
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     result: dict[str, Any] = {}
     sizes = Sizes(sizes_tiny)
     cfg = DiTConfig.from_name(sizes.dit["v1"])
@@ -391,13 +481,12 @@ def _multi_gpu_worker(rank: int, world: int, port: int, sizes_tiny: bool, out_di
     n = cfg.chunk_size * fs
     sp = Ulysses(dist.group.WORLD)
     local = -(-n // world)
-    q = torch.randn(local, cfg.num_heads, cfg.head_dim, device=device, dtype=torch.bfloat16)
+    q = torch.randn(local, cfg.num_heads, cfg.head_dim, device=device, dtype=dtype)
     a2a = timed(lambda: (sp.heads_to_seq(sp.qkv_to_heads(q, q, q, n)[0])), device, repeat=10)
     result["alltoall_s_per_layer"] = a2a
-    # SP=N vs SP=1 per pass of the real model (same seeded weights on every rank)
-    model = apply_sequence_parallel(random_dit(cfg, device, torch.bfloat16, seed=0), dist.group.WORLD)
-    stage = LingbotDenoiseStage(replace(cfg, attention="sdpa"), _geometry(cfg, sizes.height, sizes.width),
-                                device=device, dtype=torch.bfloat16, weights=model)  # fmt: skip
+    stage = multi_gpu_stage(cfg, sizes, device, dtype, dist.group.WORLD)
+    result["sp_size"] = stage.model.sp.size
+    result["frames_per_chunk"] = 4 * cfg.chunk_size
     g = torch.Generator(device="cpu").manual_seed(1)
     stage.open(SessionSpec("b", 0, ""), torch.randn(cfg.text_len, cfg.text_dim, generator=g))
     cond = torch.randn(20, cfg.chunk_size, sizes.height // 8, sizes.width // 8, generator=g).to(device)
@@ -407,11 +496,12 @@ def _multi_gpu_worker(rank: int, world: int, port: int, sizes_tiny: bool, out_di
         dist.barrier()
         began = time.perf_counter()
         stage.denoise("b", k, cond, ChunkControl(keys=frozenset("w")))
-        torch.cuda.synchronize(device)
+        sync(device)
         times.append(time.perf_counter() - began)
     result["spN_chunk_s"] = min(times[-2:])
+    result["chunk_s"] = times
     # two NCCL groups per GPU used from two threads at once (the decode and coordinator ranks' pattern)
-    if world >= 2:
+    if world >= 2 and backend == "nccl":
         result["concurrent_groups"] = _concurrent_groups(rank, device)
     if rank == 0:
         (Path(out_dir) / "multi.json").write_text(json.dumps({"world": world, **result}))
@@ -461,83 +551,245 @@ def _concurrent_groups(rank: int, device: torch.device, rounds: int = 200) -> di
     return {"rounds": rounds, "seconds": time.perf_counter() - began, "errors": errors, "world": world}
 
 
-def multi_gpu(sizes: Sizes) -> dict[str, Any]:
+def multi_gpu_world(sizes: Sizes, world: int, backend: str = "nccl") -> dict[str, Any]:
+    """The multi-GPU measurements with ``world`` processes (one per GPU with ``nccl``; CPU ranks with ``gloo``)."""
     import tempfile
 
     import torch.multiprocessing as mp
 
-    world = torch.cuda.device_count()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_multi_gpu_worker, args=(world, _free_port(), sizes.tiny, tmp), nprocs=world, join=True)
+        mp.spawn(_multi_gpu_worker, args=(world, _free_port(), sizes.tiny, tmp, backend), nprocs=world, join=True)
         return json.loads((Path(tmp) / "multi.json").read_text())
+
+
+def multi_gpu(sizes: Sizes) -> dict[str, Any]:
+    """SP = N for each layout's DiT group size N that fits on this machine's GPUs (and N = all of them)."""
+    gpus = torch.cuda.device_count()
+    worlds = sorted({ranks for ranks, _ in LAYOUTS.values() if 1 < ranks <= gpus} | {gpus})
+    out: dict[str, Any] = {}
+    for world in worlds:
+        try:
+            out[f"sp{world}"] = multi_gpu_world(sizes, world)
+        except Exception as error:
+            out[f"sp{world}"] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()[-1500:]}
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ the server
 
 
-def serve(tiny: bool, chunks: int = 8) -> dict[str, Any]:
-    """A short session through the whole runtime on one device (every role on rank 0): the chunk period."""
-    from ipc.client import Client
-    from scripts.local_server import ROOT, LocalServer
+def start_image(height: int, width: int) -> bytes:
+    """PNG bytes of a ``height x width`` gradient: a start image whose size is the stream's, so the served session
+    runs at the DiT section's frame size (no resize, no aspect-ratio rounding)."""
+    import numpy as np
+    from PIL import Image
 
-    overrides = ["--model.preset=tiny", "--stream.height=64", "--stream.width=96"] if tiny else []
-    image = (ROOT / "assets" / "start.png").read_bytes()
-    with LocalServer("single-gpu", overrides, startup_s=900.0) as server, Client(server.endpoint) as client:
-        info = client.open(image, prompt="a walk", seed=1, num_chunks=chunks)
-        for index in range(chunks):
-            client.control(info.id, index, keys="w")
-        received = [chunk.index for chunk in client.chunks(info.id, timeout_s=600)]
-        summary = client.wait_closed(info.id)
-    return {"chunk_indices": received, "summary": summary, "server_start_s": server.started_s,
-            "period_p50_s": summary.get("chunk_period_s", {}).get("p50")}
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], -1)
+    buf = io.BytesIO()
+    Image.fromarray(rgb.astype(np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def serve(tiny: bool, chunks: int = 8) -> dict[str, Any]:
+    """A short session through the whole runtime on one device (every role on rank 0) at the stream's full size
+    (480x832; tiny: 64x96): its first chunk against its steady ones, at the client and per stage on rank 0."""
+    from ipc.client import Client
+    from scripts.local_server import LocalServer
+
+    height, width = (64, 96) if tiny else (480, 832)
+    overrides = ["--stream.size=fixed", f"--stream.height={height}", f"--stream.width={width}"]
+    overrides += ["--model.preset=tiny"] if tiny else []
+    server = LocalServer("single-gpu", overrides, startup_s=900.0)
+    try:
+        server.start()
+        with Client(server.endpoint) as client:
+            began = time.monotonic()
+            info = client.open(start_image(height, width), prompt="a walk", seed=1, num_chunks=chunks)
+            opened = time.monotonic()
+            for index in range(chunks):
+                client.control(info.id, index, keys="w")
+            results = list(client.chunks(info.id, timeout_s=600))
+            summary = client.wait_closed(info.id)
+    finally:
+        server.__exit__(None, None, None)  # also when SIGTERM lands while the server starts (no ``with`` yet)
+    per_chunk = []
+    for result in results:
+        t = result.facts.times
+        per_chunk.append({"index": result.index, "frames": result.facts.frames, "received_s": result.received - opened,
+                          "denoise_s": t.denoise_end - t.denoise_start, "decode_s": t.decode_end - t.decode_start,
+                          "condition_s": t.condition_ready - (t.condition_start or t.condition_submitted)})
+    steady = per_chunk[2:]  # chunk 0 has fewer frames and first-use work; chunk 1 can still queue behind it
+
+    def median(key: str) -> float | None:
+        return statistics.median(c[key] for c in steady) if steady else None
+
+    gaps = [b["received_s"] - a["received_s"] for a, b in itertools.pairwise(per_chunk[1:])]
+    return {"size": [info.height, info.width], "chunk_indices": [c["index"] for c in per_chunk],
+            "server_start_s": server.started_s, "open_s": opened - began, "chunks": per_chunk,
+            "first_chunk_s": per_chunk[0]["received_s"] if per_chunk else None,
+            "steady_period_s": statistics.median(gaps) if gaps else None,
+            "first": {k: per_chunk[0][k] for k in ("denoise_s", "decode_s", "condition_s")} if per_chunk else None,
+            "steady": {k: median(k) for k in ("denoise_s", "decode_s", "condition_s")},
+            "period_p50_s": summary.get("chunk_period_s", {}).get("p50"), "summary": summary}
 
 
 # ------------------------------------------------------------------------------------------------ main
 
 
-def run_section(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
+class TimedOut(Exception):
+    """SIGTERM arrived (``timeout`` ended the step's budget)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise TimedOut("SIGTERM: the step's time budget ran out")
+
+
+def save(results: dict[str, Any], path: Path) -> None:
+    """Write ``results`` whole (to a temporary name first: a kill mid-write keeps the last complete file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str))
+    tmp.replace(path)
+
+
+def run_section(results: dict[str, Any], name: str, fn: Callable[[], Any], out: Path | None = None) -> None:
     print(f"# {name}", flush=True)
     began = time.perf_counter()
+    interrupted: TimedOut | None = None
     try:
         results[name] = fn()
+    except TimedOut as error:
+        interrupted = error
+        results[name] = {"error": f"timed out after {time.perf_counter() - began:.0f} s ({error})"}
     except Exception as error:
         results[name] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()[-2000:]}
-    print(f"  {name} done in {time.perf_counter() - began:.1f} s: {json.dumps(results[name])[:400]}", flush=True)
+    print(f"  {name} done in {time.perf_counter() - began:.1f} s: {json.dumps(results[name], default=str)[:600]}",
+          flush=True)  # fmt: skip
+    if out is not None:
+        save(results, out)
+    if interrupted is not None:
+        raise interrupted
 
 
-def table(results: dict[str, Any]) -> str:
-    lines = [f"device: {results['device']}  torch {results['torch']}  matmul peak "
-             f"{results.get('matmul', {}).get('tflops', float('nan')):.0f} TFLOP/s"]
+def _f(value: Any, spec: str = ".3f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+def _gib(nbytes: Any) -> str:
+    if not isinstance(nbytes, (int, float)):
+        return "-"
+    return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def _dit_lines(results: dict[str, Any]) -> list[str]:
+    peak = results.get("matmul", {}).get("tflops")
+    lines = []
     for name, entry in results.get("dit", {}).items():
-        if "steady_s" in entry:
-            lines.append(f"DiT {name:18s} steady {entry['steady_s']:.3f} s/chunk  {entry['tflops']:.0f} TFLOP/s  "
-                         f"peak {entry['peak_gib']:.1f} GiB  fused-only {entry.get('fused_kernels_only', '-')}")
-        else:
-            lines.append(f"DiT {name:18s} {entry.get('error', '?')[:100]}")
+        if "steady_s" not in entry:
+            lines.append(f"DiT {name:9s} {str(entry.get('error', '?'))[:100]}")
+            continue
+        floor = entry["pflop_per_chunk"] * 1e15 / (peak * 1e12) if isinstance(peak, (int, float)) and peak else None
+        over = entry["steady_s"] / floor if floor else None
+        lines.append(f"DiT {name:9s} steady {entry['steady_s']:.3f} s/chunk (first {entry['chunk_s'][0]:.3f})  "
+                     f"{entry['pflop_per_chunk']:.3f} PFLOP  floor {_f(floor)} s  x{_f(over, '.2f')}"
+                     f"  {entry['tflops']:.0f} TFLOP/s  peak {entry['peak_gib']:.1f} GiB  fused-only "
+                     f"{entry.get('fused_kernels_only', '-')}")  # fmt: skip
+        lines.append(f"    session bytes: {_gib(entry.get('session_bytes_steady'))} measured (after open "
+                     f"{_gib(entry.get('session_bytes_open'))}), KV ring computed "
+                     f"{_gib(entry.get('session_bytes_computed_kv'))}")  # fmt: skip
+    return lines
+
+
+def _sdpa_lines(results: dict[str, Any]) -> list[str]:
+    sdpa = results.get("sdpa", {})
+    if "q" not in sdpa:
+        return []
+    return [f"SDPA q {sdpa['q']} k/v {sdpa['kv']} {sdpa['dtype']}: " + "  ".join(
+        f"{b} {entry['s'] * 1e3:.2f} ms {entry['tflops']:.0f} TFLOP/s" if "s" in entry else f"{b} refused"
+        for b, entry in sdpa.items() if isinstance(entry, dict))]  # fmt: skip
+
+
+def _vae_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
     for name, entry in results.get("vae", {}).items():
         if "decode_steady_s" in entry:
             err = f"rel L2 {entry['rel_l2_vs_fp32']:.4f}" if "rel_l2_vs_fp32" in entry else "reference"
-            lines.append(f"VAE {name:9s} decode {entry['decode_steady_s']:.3f} s  encode {entry['encode_steady_s']:.3f}"
-                         f" s  ({err})")
+            dec, enc = entry["decode_chunk_s"], entry["encode_chunk_s"]
+            lines.append(f"VAE {name:9s} decode {entry['decode_steady_s']:.3f} s (first {dec[0]:.3f})  encode "
+                         f"{entry['encode_steady_s']:.3f} s (first {enc[0]:.3f})  ({err})  session: decode "
+                         f"{_gib(entry.get('decode_session_bytes'))} measured / "
+                         f"{_gib(entry.get('decode_session_bytes_computed'))} counted, encode "
+                         f"{_gib(entry.get('encode_session_bytes'))} / "
+                         f"{_gib(entry.get('encode_session_bytes_computed'))}")  # fmt: skip
     if "prompt_s" in results.get("umt5", {}):
         lines.append(f"umT5 prompt {results['umt5']['prompt_s']:.3f} s")
+    return lines
+
+
+def _serve_lines(results: dict[str, Any]) -> list[str]:
+    served = results.get("serve", {})
+    if not served.get("first"):
+        return []
+    first, steady = served["first"], served["steady"]
+    return [f"served {served['size'][0]}x{served['size'][1]}: first chunk {_f(served['first_chunk_s'])} s "
+            f"after open (denoise {_f(first['denoise_s'])}, decode {_f(first['decode_s'])}, encode "
+            f"{_f(first['condition_s'])}); steady period {_f(served['steady_period_s'])} s (denoise "
+            f"{_f(steady['denoise_s'])}, decode {_f(steady['decode_s'])}, encode {_f(steady['condition_s'])})"]
+
+
+def _projection_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
     for layout, entry in results.get("projection", {}).items():
-        if isinstance(entry, dict) and "fps" in entry:
-            lines.append(f"PROJECTED {layout:11s} period {entry['period_s']:.3f} s  {entry['fps']:.1f} FPS "
-                         f"(all-to-all {entry['alltoall']})")
+        if isinstance(entry, dict) and entry.get("projected"):
+            lines.append(f"PROJECTED {layout:11s} period {entry['period_s']:.3f} s  {entry['fps']:.1f} FPS  (DiT "
+                         f"{entry['dit_s']:.3f} s from {entry['dit_from']}"
+                         f"{' + decode + encode: co-located' if entry['colocated'] else ''})")
+        elif isinstance(entry, dict) and "why" in entry:
+            lines.append(f"not projected {layout:11s} {entry['why']}")
     for key, entry in results.get("targets", {}).items():
         lines.append(f"target {key:18s} {entry['value']:.3f} vs {entry['target']}  "
                      f"{'PASS' if entry['pass'] else 'FAIL'}{' (projected)' if entry.get('projected') else ''}")
+    return lines
+
+
+def table(results: dict[str, Any]) -> str:
+    """The compact summary: DiT against the FLOP floor, SDPA backends, VAE per precision, bytes per session, the
+    served session's first chunk against its steady chunks, projections and targets. A part whose entries are
+    incomplete says so instead of ending the summary."""
+    lines = [f"device: {results.get('device')}  torch {results.get('torch')}  sizes {results.get('sizes')}  "
+             f"matmul peak {_f(results.get('matmul', {}).get('tflops'), '.0f')} TFLOP/s"]
+    for part in (_dit_lines, _sdpa_lines, _vae_lines, _serve_lines, _projection_lines):
+        try:
+            lines += part(results)
+        except (KeyError, IndexError, TypeError, ValueError) as error:
+            lines.append(f"{part.__name__.strip('_')}: incomplete entry ({type(error).__name__}: {error})")
+    failed = [name for name, entry in results.items() if isinstance(entry, dict) and "error" in entry]
+    if failed:
+        lines.append(f"sections with errors: {failed}")
     return "\n".join(lines)
+
+
+SECTIONS = ("matmul", "sdpa", "dit", "dit_bf16_vs_fp32", "vae", "umt5", "kv_cache", "multi_gpu", "serve")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (the CPU path; default without CUDA)")
     parser.add_argument("--serve", action="store_true", help="also run a session through the single-GPU server")
-    parser.add_argument("--skip", action="append", default=[], help="a section to skip (dit, vae, umt5, multi)")
+    parser.add_argument("--skip", action="append", default=[], choices=SECTIONS, help="a section to skip")
+    parser.add_argument("--only", action="append", default=[], choices=SECTIONS, help="run only these sections")
+    parser.add_argument("--merge", action="store_true", help="keep the other sections already in --out")
+    parser.add_argument("--summary", action="store_true", help="run nothing: projections, targets, table of --out")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")) / "bench_gpu.json")
     args = parser.parse_args(argv)
+    if args.summary:
+        if not args.out.exists():
+            print(f"no results at {args.out}")
+            return 1
+        results = json.loads(args.out.read_text())
+        finish(results, args.out)
+        return 0
     cuda = torch.cuda.is_available()
     sizes = Sizes(args.tiny or not cuda)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -545,37 +797,59 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(min(4, os.cpu_count() or 1))
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-                               "sizes": "tiny" if sizes.tiny else "full", "gpus": torch.cuda.device_count()}
-    run_section(results, "matmul", lambda: matmul_peak(sizes, device))
+    results: dict[str, Any] = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {}
+    results.update({"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+                    "sizes": "tiny" if sizes.tiny else "full", "gpus": torch.cuda.device_count()})  # fmt: skip
     attention = ["sdpa"] + (["sage"] if _load_sage() is not None else [])
-    if "dit" not in args.skip:
-        run_section(results, "dit", lambda: dit_steady(sizes, device, attention))
-        if cuda:
-            run_section(results, "dit_bf16_vs_fp32", lambda: dit_bf16_vs_fp32(device))
-    if "vae" not in args.skip:
-        run_section(results, "vae", lambda: vae_policies(sizes, device))
-    if "umt5" not in args.skip:
-        run_section(results, "umt5", lambda: umt5_prompt(sizes, device))
-    run_section(results, "kv_cache", lambda: kv_bytes(sizes))
-    alltoall = None
-    if cuda and torch.cuda.device_count() > 1 and "multi" not in args.skip:
-        run_section(results, "multi_gpu", lambda: multi_gpu(sizes))
-        alltoall = results["multi_gpu"].get("alltoall_s_per_layer")
-        if alltoall is not None:
-            alltoall *= DiTConfig.from_name(sizes.dit["v1"]).num_layers
-    run_section(results, "projection", lambda: projection(results, alltoall))
-    peak = results.get("matmul", {}).get("tflops", float("nan"))
-    results["targets"] = targets(results, peak)
-    if args.serve:
-        run_section(results, "serve", lambda: serve(sizes.tiny))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1, default=str))
-    print(table(results))
-    print(f"full results: {args.out}")
-    failed = [name for name, entry in results.items() if isinstance(entry, dict) and "error" in entry]
+    plan: dict[str, Callable[[], Any]] = {
+        "matmul": lambda: matmul_peak(sizes, device),
+        "sdpa": lambda: sdpa_backends(sizes, device),
+        "dit": lambda: dit_steady(sizes, device, attention),
+        "dit_bf16_vs_fp32": lambda: dit_bf16_vs_fp32(device),
+        "vae": lambda: vae_policies(sizes, device),
+        "umt5": lambda: umt5_prompt(sizes, device),
+        "kv_cache": lambda: kv_bytes(sizes),
+        "multi_gpu": lambda: multi_gpu(sizes),
+        "serve": lambda: serve(sizes.tiny),
+    }
+    wanted = set(args.only) if args.only else {n for n in SECTIONS if n != "serve" or args.serve}
+    skipped = set()
+    if not cuda:
+        skipped.add("dit_bf16_vs_fp32")  # bf16 against fp32 means something on CUDA only (and is slow on CPU)
+    if not (cuda and torch.cuda.device_count() > 1):
+        skipped.add("multi_gpu")
+    for name in sorted(wanted & skipped):
+        print(f"# {name}: skipped on this machine (needs {'CUDA' if name != 'multi_gpu' else 'several GPUs'})")
+    wanted -= skipped
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        for name in SECTIONS:
+            if name in wanted and name not in args.skip:
+                run_section(results, name, plan[name], args.out)
+    except TimedOut:
+        print(f"stopped by SIGTERM; the finished sections are in {args.out}", flush=True)
+        return 124
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return finish(results, args.out) if not args.only else _status(results, set(args.only))
+
+
+def _status(results: dict[str, Any], names: set[str]) -> int:
+    failed = [name for name in names if "error" in results.get(name, {})]
     if failed:
         print(f"sections with errors: {failed}")
+    return 1 if failed else 0
+
+
+def finish(results: dict[str, Any], out: Path) -> int:
+    """Projections and targets from whatever sections ``results`` holds, saved, and the table printed."""
+    results["projection"] = projection(results)
+    peak = results.get("matmul", {}).get("tflops", float("nan"))
+    results["targets"] = targets(results, peak)
+    save(results, out)
+    print(table(results))
+    print(f"full results: {out}")
+    failed = [name for name, entry in results.items() if isinstance(entry, dict) and "error" in entry]
     return 1 if failed else 0
 
 

@@ -1,0 +1,109 @@
+"""scripts/gpu_run.sh, the one prepared run for a lent GPU machine: its dry run (here, on CPU) names what the
+machine would lack before any device time is spent, and its real run works end to end on the CPU path."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_run.sh"
+# what the run needs beyond the device image (the review's import trace): module, distribution, requirements
+NEEDED = [("msgspec", "msgspec", "0.23.0", "cp312-cp312-manylinux_2_17_x86_64", ()),
+          ("zmq", "pyzmq", "27.3.0", "cp312-abi3-manylinux_2_28_x86_64", ()),
+          ("ftfy", "ftfy", "6.3.1", "py3-none-any", ("wcwidth",)),
+          ("wcwidth", "wcwidth", "0.9.4", "cp310-abi3-manylinux2014_x86_64", ())]  # fmt: skip
+
+
+def make_wheel(folder: Path, module: str, dist: str, version: str, tags: str, requires: tuple[str, ...] = ()) -> Path:
+    """A small real wheel: a package, its dist-info METADATA (with Requires-Dist), WHEEL and RECORD."""
+    path = folder / f"{dist}-{version}-{tags}.whl"
+    info = f"{dist}-{version}.dist-info"
+    metadata = f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in (*requires, "pytest; extra == 'test'"))
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr(f"{module}/__init__.py", "")
+        wheel.writestr(f"{info}/METADATA", metadata)
+        wheel.writestr(f"{info}/WHEEL", f"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: {tags}\n")
+        wheel.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def dry_run(wheels: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "WHEELS": str(wheels), "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+def test_dry_run_without_wheels_names_each_missing_module_and_the_pip_download_command(tmp_path: Path) -> None:
+    done = dry_run(tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    missing = re.search(r"missing modules: (.*?) \(", done.stderr)
+    assert missing is not None, done.stderr
+    assert set(missing.group(1).split(", ")) == {"ftfy", "msgspec", "zmq"}  # everything else is in the image
+    command = next(line for line in done.stderr.splitlines() if "pip download" in line)
+    for pin in ("msgspec==0.23.0", "pyzmq==27.3.0", "ftfy==6.3.1", "wcwidth==0.9.4", "--python-version 3.12",
+                "--only-binary=:all:", "--no-deps", "manylinux"):  # fmt: skip
+        assert pin in command
+
+
+def test_dry_run_passes_with_the_wheels_and_prints_every_step_within_eight_minutes(tmp_path: Path) -> None:
+    for module, dist, version, tags, requires in NEEDED:
+        make_wheel(tmp_path, module, dist, version, tags, requires)
+    done = dry_run(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for module, *_ in NEEDED[:3]:
+        assert re.search(rf"^\s+{module}\s+wheel ", done.stdout, re.M), done.stdout
+    steps = re.findall(r"^\+ \[(\w+), (\d+) s\] (.*)$", done.stdout, re.M)
+    names = [name for name, _, _ in steps]
+    assert names[:2] == ["install", "check"] and names[-2:] == ["serve", "summary"]
+    assert {"matmul", "sdpa", "dit", "vae", "umt5"} <= set(names)
+    for name, _, command in steps[2:-1]:  # every section in its own process, under timeout, merged into one JSON
+        assert command.startswith("timeout ") and "--merge --out" in command, (name, command)
+    assert "--only serve" in dict((n, c) for n, _, c in steps)["serve"]
+    total = int(re.search(r"budget: (\d+) s of 480 s", done.stdout).group(1))  # type: ignore[union-attr]
+    assert sum(int(b) for _, b, _ in steps) <= total <= 480
+
+
+def test_dry_run_fails_on_a_wheel_whose_requirement_nothing_provides(tmp_path: Path) -> None:
+    for module, dist, version, tags, requires in NEEDED[:3]:  # ftfy without wcwidth
+        make_wheel(tmp_path, module, dist, version, tags, requires)
+    done = dry_run(tmp_path)
+    assert done.returncode == 1
+    assert "ftfy-6.3.1-py3-none-any.whl needs wcwidth" in done.stderr and "wcwidth==0.9.4" in done.stderr
+
+
+def test_dry_run_fails_on_a_wheel_built_for_another_python_or_platform(tmp_path: Path) -> None:
+    for module, dist, version, tags, requires in NEEDED:
+        if dist == "msgspec":
+            tags = "cp313-cp313-manylinux_2_17_x86_64"
+        if dist == "pyzmq":
+            tags = "cp312-abi3-macosx_11_0_arm64"
+        make_wheel(tmp_path, module, dist, version, tags, requires)
+    done = dry_run(tmp_path)
+    assert done.returncode == 1
+    assert "device runs CPython 3.12" in done.stderr and "macosx_11_0_arm64" in done.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_real_run_on_cpu_records_every_step_and_prints_the_summary(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "WHEELS": str(tmp_path / "none"), "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["bench_gpu.json", "run.log", "steps.tsv", "summary.txt"]
+    steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()[1:]]
+    assert [s[0] for s in steps] == ["matmul", "sdpa", "dit", "vae", "umt5", "dit_bf16", "serve"]  # bf16: skipped
+    assert all(rc == "0" for _, rc, _, _ in steps)
+    results = json.loads((out / "bench_gpu.json").read_text())  # one process per section, merged
+    assert {"matmul", "kv_cache", "sdpa", "dit", "vae", "umt5", "serve", "projection", "targets"} <= set(results)
+    summary = (out / "summary.txt").read_text()
+    assert "DiT v1_sdpa" in summary and "served 64x96: first chunk" in summary and "SDPA q" in summary
