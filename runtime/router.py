@@ -410,13 +410,16 @@ class RouterCore:
         try:
             stats, shown = read_stats(reply.stats)
         except UnusableStats as error:  # never trusted, never fatal: down (its sessions end) and held down a while
-            self._down(replica, f"sent unusable stats ({error})", now)
-            replica.held_until = now + self.config.replica_dead_s
+            why = f"sent unusable stats ({error})"
+            self._down(replica, why, now)
+            replica.down_reason, replica.held_until = why, now + self.config.replica_dead_s
             return
         if not replica.fold_stats(stats, shown, now):
             self._end_sessions(replica, "restarted (its uptime went back)", "rank_failed")
             for pending in [p for p in self.opens.values() if p.replica == replica.name]:
                 self._retry_open(pending, now)
+        if replica.state is State.DOWN and replica.known and not replica.is_router and now >= replica.held_until:
+            self._up(replica, now)  # it answered as a known process and its load is read: it takes sessions
 
     def _identify(self, replica: Replica, server: str, now: float) -> None:
         """A heartbeat ack says which process answers at the replica's endpoint: the router itself (a loop: held
@@ -437,15 +440,21 @@ class RouterCore:
         replica.server = server or replica.server
         if replica.state is State.UP or replica.is_router or now < replica.held_until:
             return
-        if replica.known:
-            self._up(replica, now)
+        if replica.known:  # its load is read before it takes sessions: up once its stats arrive
+            replica.down_reason = f"answers as server {replica.server or '(no id)'}; reading its stats"
+            if replica.stats_req is None or now - replica.stats_sent > self.config.replica_dead_s:
+                self._poll_stats(replica, now)
         else:
             replica.down_reason = (f"answers as server {replica.server or '(no id)'}, registered as "
                                    f"{replica.incarnation or '(nothing)'}: waiting for its registration")
 
+    def _poll_stats(self, replica: Replica, now: float) -> None:
+        replica.stats_req, replica.stats_sent = self.new_req(), now
+        replica.next_stats = now + self.config.stats_interval_s
+        self._emit(ToReplica(replica.name, replica.generation, protocol.Stats(req=replica.stats_req)))
+
     def _up(self, replica: Replica, now: float) -> None:
         replica.move(State.UP, now)
-        replica.next_stats = now  # read its load before the first placement needs it
         log.info("replica %s is up at %s", replica.name, replica.endpoint)
         self._emit(ReplicaUp(replica.name, replica.endpoint))
 
@@ -561,9 +570,7 @@ class RouterCore:
                     self._down(replica, f"stopped answering (silent for {silent:.1f} s)", now)
                 elif now >= replica.next_stats and (replica.stats_req is None
                                                     or now - replica.stats_sent > config.replica_dead_s):
-                    replica.stats_req, replica.stats_sent = self.new_req(), now
-                    replica.next_stats = now + config.stats_interval_s
-                    self._emit(ToReplica(replica.name, replica.generation, protocol.Stats(req=replica.stats_req)))
+                    self._poll_stats(replica, now)
             elif not replica.listed and min(now - replica.since, now - (replica.registered_at or 0.0)) > \
                     config.forget_after_s:
                 log.info("replica %s forgotten (down for %.0f s)", replica.name, now - replica.since)

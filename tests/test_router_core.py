@@ -180,6 +180,8 @@ def test_listed_replicas_are_connected_and_down_until_they_answer() -> None:
     (error,) = f.errors(A)
     assert error.code == "busy" and error.retry_after_s == 5.0 and "a down, b down" in error.message
     f.replica("a", p.HeartbeatAck(req=0))
+    assert not [o for o in f.log if isinstance(o, ReplicaUp)]  # answering; up once its load is read
+    f.answer_stats("a", stats_of())
     assert [o.replica for o in f.log if isinstance(o, ReplicaUp)] == ["a"]
 
 
@@ -430,10 +432,8 @@ def test_a_down_replica_rejoins_on_a_fresh_connection_and_takes_sessions_again(f
     fleet.replica("b", p.HeartbeatAck(req=0), generation=old)  # the old connection: ignored
     assert fleet.core.replicas["b"].state is State.DOWN
     fleet.replica("b", p.HeartbeatAck(req=0))
+    fleet.answer_stats("b", stats_of())  # its load on the new connection, read before it takes sessions
     assert fleet.core.replicas["b"].state is State.UP and [o.replica for o in fleet.log if isinstance(o, ReplicaUp)]
-    fleet.client(B, p.Open(req=1, image=b"png"))
-    assert fleet.sent_open().replica == "a"  # b's load is unknown until its first stats on the new connection
-    fleet.answer_stats("b", stats_of())
     assert fleet.open(B)[1] == "b"
 
 

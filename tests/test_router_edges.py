@@ -88,6 +88,7 @@ def test_a_replica_answering_with_the_routers_own_id_is_refused_and_never_takes_
     assert [f.open(A)[1] for _ in range(2)] == ["a", "a"]  # nothing placed on the loop
     assert registered(f, register("loop", "y", "tcp://elsewhere:5555")).ok  # it may move to a real replica
     f.replica("loop", ack("y"))
+    f.answer_stats("loop", stats_of())
     assert loop.state is State.UP
 
 
@@ -167,6 +168,8 @@ def test_a_replica_answering_as_a_new_server_restarted_whatever_registrations_sa
     assert error.session == sid and error.code == "rank_failed" and "restarted" in error.message
     assert f.core.replicas["a"].state is State.DOWN  # a fresh connection: nothing queued for "one" reaches "two"
     f.replica("a", ack("two"))
+    assert f.core.replicas["a"].state is State.DOWN  # answering: up once its load is read
+    f.answer_stats("a", stats_of())
     assert f.core.replicas["a"].state is State.UP
 
 
@@ -230,6 +233,7 @@ def test_a_registered_replica_moves_only_once_its_old_endpoint_stopped_answering
     assert registered(f, register("r", "rival", "tcp://node9:5555")).ok
     assert [o.endpoint for o in f.log if isinstance(o, Connect)][-1] == "tcp://node9:5555"
     f.replica("r", ack("rival"))
+    f.answer_stats("r", stats_of())
     assert f.core.replicas["r"].state is State.UP
 
 
