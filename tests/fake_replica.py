@@ -1,7 +1,9 @@
 """A replica as the router sees one, without ranks: a real ZeroMQ ROUTER on loopback speaking the client protocol
-(heartbeat acks with its server id, stats, opens, controls, closes) from a thread, and what it is told to say
-instead (``stats``: a function of the asking client's sessions, to send hostile replies). ``register`` sends one
-registration to a router's registration port as a replica's rank 0 does, and returns the answer."""
+(heartbeat acks with its server id, stats, opens, controls answered with a chunk each, closes) from a thread, and
+what it is told to say instead (``stats``: a function of the asking client's sessions, to send hostile replies;
+``extra``: fields a newer server would add, put into every reply and into a chunk's facts, times and control).
+``register`` sends one registration to a router's registration port as a replica's rank 0 does, and returns the
+answer."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
 from ipc import protocol
@@ -26,8 +29,9 @@ def sane_stats(mine: list[str], open_sessions: int) -> dict[str, Any]:
 
 
 class FakeReplica:
-    def __init__(self, server_id: str, port: int = 0) -> None:
+    def __init__(self, server_id: str, port: int = 0, extra: dict[str, Any] | None = None) -> None:
         self.server_id = server_id
+        self.extra = extra or {}
         self.stats: Stats = sane_stats
         self.sessions: dict[str, bytes] = {}  # session -> the client that opened it
         self.heartbeats = 0
@@ -52,7 +56,7 @@ class FakeReplica:
                 who, data = self._sock.recv_multipart()
                 message = protocol.decode(data, "client", max_bytes=1 << 26)
                 for reply in self._answer(who, message):
-                    self._sock.send_multipart([who, protocol.encode(reply)])
+                    self._sock.send_multipart([who, self._encode(reply)])
         finally:
             self._sock.close(linger=0)
 
@@ -71,13 +75,30 @@ class FakeReplica:
                 return [protocol.Opened(req=message.req, session=sid, height=16, width=16, fps=16.0,
                                         frames_first_chunk=1, frames_per_chunk=4, num_chunks=message.num_chunks)]
             case protocol.Control() if message.session in self.sessions:
-                return [protocol.Accepted(req=message.req, session=message.session, index=message.index)]
+                frames = 1 if message.index == 0 else 4
+                times = protocol.ChunkTimes(*[time.monotonic()] * 8)
+                facts = protocol.ChunkFacts(message.index, frames, message.control, times,
+                                            (protocol.Span("decode", 1, "decode", 0.0, 0.0, 0.0),))
+                return [protocol.Accepted(req=message.req, session=message.session, index=message.index),
+                        protocol.Chunk(session=message.session, frames=bytes(frames * 16 * 16 * 3),
+                                       shape=(frames, 16, 16, 3), facts=facts)]
             case protocol.Close() if self.sessions.pop(message.session, None) is not None:
                 return [protocol.Closed(session=message.session, reason="client")]
             case protocol.Control() | protocol.Close():
                 return [protocol.Error(req=message.req, session=message.session, code="unknown_session",
                                        message=f"no session {message.session!r} for this client")]
         return []
+
+    def _encode(self, reply: Any) -> bytes:
+        if not self.extra:
+            return protocol.encode(reply)
+        raw = msgspec.msgpack.decode(protocol.encode(reply))
+        raw.update(self.extra)
+        if isinstance(reply, protocol.Chunk):
+            for part in (raw["facts"], raw["facts"]["times"], raw["facts"]["control"]):
+                part.update(self.extra)
+            raw["facts"]["spans"] = [[*span, "newer"] for span in raw["facts"]["spans"]]
+        return msgspec.msgpack.encode(raw)
 
     def stop(self) -> None:
         self._stop.set()

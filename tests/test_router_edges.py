@@ -8,8 +8,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgspec
+
 from ipc import protocol as p
 from runtime.replicas import State
+from runtime.router_config import ReplicaEntry, RouterSection
 from runtime.router_types import (
     Connect,
     RegisterSent,
@@ -287,12 +290,33 @@ def test_the_router_config_requires_a_registration_token_off_loopback(tmp_path: 
     assert load(path).router.register_token == ""  # loopback: only this host's jobs reach it
 
 
-def test_replica_queues_are_bounded_in_bytes() -> None:
-    from runtime.router_config import RouterSection, replica_queue
+def test_a_replica_link_queues_at_most_router_replica_queue_mb_each_way() -> None:
+    import zmq
 
-    section = RouterSection()
-    messages_in, messages_out, largest = replica_queue(section)
-    assert messages_in * largest <= section.replica_queue_mb * 2**20 + largest
-    assert messages_out * section.max_message_bytes <= section.replica_queue_mb * 2**20
-    assert largest >= 480 * 832 * 3 * 12  # a 480x832 chunk fits
+    from ranks.router import RouterShell
+    from runtime.router_config import RouterConfig
+
+    config = RouterConfig(router=RouterSection(port=0), replicas=[ReplicaEntry(name="a", endpoint="tcp://127.0.0.1:9")])
+    shell = RouterShell(config, zmq.Context())
+    try:
+        shell._carry_out(shell.core.step([Tick()], 0.0))  # connects the listed replica
+        sock = shell.links["a"].sock
+        budget = config.router.replica_queue_mb * 2**20
+        largest = sock.getsockopt(zmq.MAXMSGSIZE)  # -1 (any size) before
+        assert largest > 0 and sock.getsockopt(zmq.RCVHWM) * largest <= budget  # was 1000 x any size
+        assert sock.getsockopt(zmq.SNDHWM) * config.router.max_message_bytes <= budget
+        assert largest >= 480 * 832 * 3 * 12  # a 480x832 chunk fits
+    finally:
+        shell._close()
+
+
+def test_a_session_whose_chunks_exceed_what_the_router_forwards_is_refused_and_closed_on_its_replica() -> None:
+    f = Fleet({"a": 2}, max_chunk_mb=8)
+    f.up("a")
+    f.client(A, p.Open(req=1, image=b"png"))
+    sent = f.sent_open()
+    f.replica("a", msgspec.structs.replace(opened(sent.message.req, "0000000000aa"), height=480, width=832))
+    error = f.errors(A)[-1]
+    assert error.req == 1 and error.code == "failed" and "router.max_chunk_mb" in error.message
+    assert [c.message.session for c in f.to_replica("a", p.Close)] == ["0000000000aa"] and not f.core.sessions
 
