@@ -17,17 +17,25 @@ Rules that live here and nowhere else:
   router holds each id once: an ``opened`` whose id another replica's session already has is closed on its replica
   and the client told to open again. An ``opened`` nobody waits for any more is closed on its replica at once.
 - **Membership** (``runtime.replicas``): replicas from the config file and replicas that register (``register``,
-  re-sent as a heartbeat; a new ``incarnation`` under a known name is a restarted job). Every replica is pinged
-  every ``router.heartbeat_s`` on its connection; anything it sends proves it alive. An up replica silent for
-  ``router.replica_dead_s``, or one that says it is ending (``rank_failed``/``shutdown``), goes down: each of its
-  sessions ends with that error naming the replica and a ``closed``, its unanswered opens are placed elsewhere, and
-  the router opens a fresh connection (nothing queued for the old job reaches a new one). When the replica answers
-  again (a requeued job at the same endpoint, or a registration at a new one) it is up and takes sessions. A
-  replica whose stats uptime goes back restarted: its sessions end the same way.
+  re-sent as a heartbeat, naming the server id of the job as its ``incarnation``). Every replica is pinged every
+  ``router.heartbeat_s`` on its connection; anything it sends proves it alive, and each heartbeat ack names the
+  process that answers (its server id). An up replica silent for ``router.replica_dead_s``, one that says it is
+  ending (``rank_failed``/``shutdown``), one that answers as another server id (a restarted job; whatever
+  registrations say and however long anything took) or whose stats uptime goes back, and one whose stats are not
+  a server's (``runtime.replicas.read_stats``: held down a while, with the reason) goes down: each of its sessions
+  ends with that error naming the replica and a ``closed``, its unanswered opens are placed elsewhere, and the router
+  opens a fresh connection (nothing queued for the old job reaches a new one). A replica is up again once it
+  answered as a known process (a listed one: any id; a registered one: the id it registered, so a requeued job
+  takes sessions only once its registration arrived) and its stats were read. A registration never ends sessions:
+  at the replica's endpoint it is refused when that endpoint answers as another live server; at another endpoint it
+  is refused while the replica answers (a rival under its name) and moves it once it stopped. An endpoint that
+  answers with the router's own id is the router itself: never up, and registrations naming it are refused.
 - **Clients.** Any message refreshes the sessions of its identity; sessions of a client silent for
   ``router.client_timeout_s`` are closed on their replicas (the router keeps its replica connections alive with its
   own heartbeats, so this rule must live here). A client that is gone has its chunks dropped until it resumes; one
-  that stops reading has its session closed, never buffered.
+  that stops reading has its session closed, never buffered. A message meeting a full replica link gets what a
+  server would answer: a ``control`` ``control_backpressure``; a ``close`` nothing (the router sends it again until
+  the replica's ``closed`` comes); a ``control_state`` nothing (folded with later ones, sent when the link drains).
 - **Containment and bounds.** A bad request gets an error and changes nothing; an unexpected error costs the
   request it concerns. Sessions and pending opens are bounded by the replicas' capacities (placement refuses
   beyond), remembered client identities by ``MAX_PEERS``, replicas by ``router.max_replicas``, reject counters by
