@@ -36,12 +36,15 @@ from typing import Annotated, Any
 
 import msgspec
 
+from ipc import protocol
 from ipc.protocol import SessionId
 
 MAX_SESSIONS_PER_REPLICA = 100_000  # a registration or stats reply claiming more is refused
 MAX_COUNT = 2**53  # a counter beyond this is nonsense (and a sum over replicas must still fit a msgpack uint64)
 MAX_UPTIME_S = 1e9  # 31 years
-MAX_STATS_DEPTH = 8  # nesting of a replica's stats: a server's own is 5 deep; the router's stats wrap them in 4 more
+# nesting of a replica's stats (a server's is 7 deep): a client reads 16 levels (``protocol.MAX_DEPTH``), and the
+# router's stats reply wraps a replica's stats in 4 (the message, its stats, ``replicas``, the replica's name)
+MAX_STATS_DEPTH = protocol.MAX_DEPTH - 4
 MAX_COUNTED = 64  # reject or error reasons in one reply (a server keeps 32)
 MAX_TEXT = 128
 

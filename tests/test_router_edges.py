@@ -129,6 +129,22 @@ def test_hostile_stats_mark_their_replica_down_with_the_reason_and_leave_the_rou
         assert replica.state is State.DOWN, what
 
 
+def test_a_replica_whose_stats_nest_as_deep_as_allowed_reaches_every_client_readable() -> None:
+    from runtime.replicas import MAX_STATS_DEPTH, nesting
+
+    f = Fleet({"a": 2})
+    f.up("a")
+    deepest: Any = 1
+    for _ in range(MAX_STATS_DEPTH - 1):
+        deepest = [deepest]
+    stats = stats_of() | {"deep": deepest}
+    assert nesting(stats) == MAX_STATS_DEPTH
+    f.answer_stats("a", stats)
+    f.client(A, p.Stats(req=1))
+    (reply,) = f.to(A, p.StatsReply)
+    assert p.decode(p.encode(reply), "server").stats["replicas"]["a"]["stats"]["deep"] == deepest
+
+
 def test_a_replica_whose_stats_nest_a_routers_stats_is_shown_without_them() -> None:
     f = Fleet({"a": 2})
     f.up("a")
