@@ -622,7 +622,7 @@ class RouterCore:
         """The router's stats for client ``who``: totals over the up replicas (the keys a server has, summed), the
         router's own counters, every replica (its state, load and its own latest stats without per-session
         entries) and ``per_session`` for ``who``'s sessions only (with the replica each is on)."""
-        up = [r for r in self.replicas.values() if r.state is State.UP and r.stats is not None]
+        up = [r for r in self.replicas.values() if r.state is State.UP]
         read = [r.stats for r in up if r.stats is not None]  # typed and in range (``read_stats``): sums fit uint64
 
         def merged(key: str) -> dict[str, int]:
@@ -638,7 +638,7 @@ class RouterCore:
             stats = self.replicas[session.replica].stats
             mine[sid] = {**(stats.per_session.get(sid, {}) if stats else {}), "replica": session.replica}
         chunks, frames = sum(s.chunks_emitted for s in read), sum(s.frames_emitted for s in read)
-        open_sessions = sum(len(r.sessions) + r.external for r in self.replicas.values() if r.state is State.UP)
+        open_sessions = sum(len(r.sessions) + r.external for r in up)
         return {
             "layout": "router",
             "uptime_s": now - self.started,
@@ -648,9 +648,8 @@ class RouterCore:
             "frames_emitted": frames,
             "rejects": dict(self.rejects),
             "total": {
-                "replicas_up": sum(r.state is State.UP for r in self.replicas.values()),
-                "replicas": len(self.replicas),
-                "max_sessions": sum(r.max_sessions for r in self.replicas.values() if r.state is State.UP),
+                "replicas_up": len(up), "replicas": len(self.replicas),
+                "max_sessions": sum(r.max_sessions for r in up),
                 "open_sessions": open_sessions,
                 "sessions_total": sum(s.sessions.total for s in read),
                 "chunks_emitted": chunks, "frames_emitted": frames,
