@@ -40,13 +40,24 @@ class FakeReplica:
         self._context = zmq.Context.instance()
         self._sock = self._context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self.port = self._sock.bind_to_random_port("tcp://127.0.0.1") if port == 0 else port
-        if port:
-            self._sock.bind(f"tcp://127.0.0.1:{port}")
+        self.port = self._sock.bind_to_random_port("tcp://127.0.0.1") if port == 0 else self._rebind(port)
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
+
+    def _rebind(self, port: int) -> int:
+        """Bind a port a stopped replica held (a requeued job at its old endpoint): ZeroMQ closes the old listener
+        in its own thread, so the port is free a moment after ``stop``."""
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self._sock.bind(f"tcp://127.0.0.1:{port}")
+                return port
+            except zmq.ZMQError as error:
+                if error.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
 
     def _serve(self) -> None:
         try:

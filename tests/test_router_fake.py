@@ -5,13 +5,16 @@ answering before it registers must each leave the router serving and every other
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import zmq
 
 from ipc.client import Busy, Client
+from ranks.registration import server_id
 from scripts.local_router import LocalRouter
 from tests.fake_replica import FakeReplica, register, sane_stats
 from tests.test_router import free_port, wait_for
@@ -133,3 +136,10 @@ def test_a_restarted_replica_takes_sessions_only_once_registered_and_its_registr
             assert early is None  # placed only once its registration was known
         finally:
             new.stop()
+
+
+def test_a_replica_registers_the_id_its_server_answers_heartbeats_with(fake: FakeReplica) -> None:
+    stop = threading.Event()
+    assert server_id(fake.endpoint, zmq.Context.instance(), stop, 0.1) == "server-a"  # what the router sees there
+    stop.set()
+    assert server_id("tcp://127.0.0.1:9", zmq.Context.instance(), stop, 0.1) is None  # stopped: no registration
