@@ -42,7 +42,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 import zmq
 
-from ipc import protocol
+from ipc import protocol, tolerant
 
 KEEP_REVISIONS = 1024  # sent-but-not-yet-shown revisions remembered per session for input-to-photon (bounded)
 KEEP_QUIET_REQS = 4096  # fire-and-forget request ids remembered, so their errors do not end a chunk stream
@@ -407,9 +407,11 @@ class ClientCore(Generic[Q, F]):
         self._heard = self._clock()
         self._gone = False  # answering again (a restart is told apart by its id below)
         try:
-            message = protocol.decode(data, "server", max_bytes=1 << 31)
+            message = tolerant.decode(data, "server", max_bytes=1 << 31)  # a newer server's additions are skipped
         except protocol.ProtocolViolation as error:
             self._put_error(ServerError.of("bad_reply", str(error)))
+            return
+        if isinstance(message, tolerant.Unknown):
             return
         if isinstance(message, protocol.HeartbeatAck) and message.server:
             if self._server_id and message.server != self._server_id:

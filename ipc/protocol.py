@@ -519,7 +519,7 @@ class Register(_Msg, tag="register"):
     endpoint: str  # where the router connects as a client (tcp://host:port of the replica's server)
     max_sessions: int  # the replica's server.max_sessions: the router places at most this many sessions there
     layout: str  # layout.name, reported in the router's stats
-    incarnation: str  # random per job start: a new one under a known name means the old job is gone
+    incarnation: str  # the server id of this job (its heartbeat acks carry it): the router tells jobs apart by it
     token: str = ""  # a shared secret, when the router requires one (router.register_token)
 
 

@@ -1,11 +1,14 @@
 """A replica's registration with its router: one small thread on rank 0, started by ``launch.py`` when the config
 sets ``replica.router``. Nothing else of the job changes: the router reaches the replica as a client of its server.
 
-The thread owns one DEALER to the router's registration socket and sends ``register`` (name, client endpoint,
-``server.max_sessions``, layout, an incarnation random per start) every ``replica.heartbeat_s``: a router that
-starts (or restarts) after the replica learns of it within one period, and a requeued job under the same name
-takes its old place. The router answers each with ``registered``; a refusal (wrong token, limit reached) is logged
-once per distinct reason. Sends never block: while the router is unreachable nothing is queued.
+The thread first asks its own server for its id (a client heartbeat to its client endpoint: the id every
+heartbeat ack of this job carries), then owns one DEALER to the router's registration socket and sends
+``register`` (name, client endpoint, ``server.max_sessions``, layout, that id as its incarnation) every
+``replica.heartbeat_s``: a router that starts (or restarts) after the replica learns of it within one period, and a
+requeued job under the same name takes its old place. The router tells the job behind an endpoint by the id its
+heartbeats answer with, so the incarnation a registration names is the one the router sees there. The router answers
+each with ``registered``; a refusal (wrong token, limit reached) is logged once per distinct reason. Sends never
+block: while the router is unreachable nothing is queued.
 """
 
 from __future__ import annotations
@@ -14,11 +17,11 @@ import contextlib
 import logging
 import socket
 import threading
-import uuid
 
+import msgspec
 import zmq
 
-from ipc import protocol
+from ipc import protocol, tolerant
 from runtime.config import ReplicaConfig, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -36,12 +39,37 @@ def start_registration(replica: ReplicaConfig, server: ServerConfig, port: int, 
                        context: zmq.Context, stop: threading.Event) -> threading.Thread:
     name, endpoint = advertised(replica, server, port)
     message = protocol.Register(name=name, endpoint=endpoint, max_sessions=server.max_sessions, layout=layout,
-                                incarnation=uuid.uuid4().hex, token=replica.token)
-    thread = threading.Thread(target=_register, args=(replica, message, context, stop), name="registration",
-                              daemon=True)
+                                incarnation="", token=replica.token)
+    own = f"tcp://{'127.0.0.1' if server.host in WILDCARD_HOSTS else server.host}:{port}"
+
+    def run() -> None:
+        incarnation = server_id(own, context, stop, replica.heartbeat_s)
+        if incarnation is not None:
+            _register(replica, msgspec.structs.replace(message, incarnation=incarnation), context, stop)
+
+    thread = threading.Thread(target=run, name="registration", daemon=True)
     thread.start()
     log.info("registering as replica %s (%s) with the router at %s", name, endpoint, replica.router)
     return thread
+
+
+def server_id(endpoint: str, context: zmq.Context, stop: threading.Event, every_s: float) -> str | None:
+    """The id the server at ``endpoint`` answers heartbeats with (asked every ``every_s`` until it answers), or
+    None when ``stop`` is set first."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        while not stop.is_set():
+            sock.send(protocol.encode(protocol.Heartbeat(req=1)))
+            if sock.poll(int(every_s * 1000)):
+                with contextlib.suppress(protocol.ProtocolViolation):
+                    answer = tolerant.decode(sock.recv(), "server")
+                    if isinstance(answer, protocol.HeartbeatAck) and answer.server:
+                        return answer.server
+        return None
+    finally:
+        sock.close()
 
 
 def _register(replica: ReplicaConfig, message: protocol.Register, context: zmq.Context,
@@ -61,9 +89,11 @@ def _register(replica: ReplicaConfig, message: protocol.Register, context: zmq.C
             if not sock.poll(int(replica.heartbeat_s * 1000)):
                 continue
             try:
-                answer = protocol.decode(sock.recv(), "router", max_bytes=1 << 16)
+                answer = tolerant.decode(sock.recv(), "router", max_bytes=1 << 16)
             except protocol.ProtocolViolation as error:
                 answer = protocol.Registered(ok=False, message=f"unreadable answer: {error}")
+            if isinstance(answer, tolerant.Unknown):  # a newer router's message this version does not know
+                continue
             text = "ok" if answer.ok else answer.message
             if text != said:
                 said = text

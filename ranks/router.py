@@ -26,19 +26,18 @@ from typing import Any
 
 import zmq
 
-from ipc import protocol, relay, transport
+from ipc import protocol, relay, tolerant, transport
 from runtime import router_types as rt
 from runtime.config import ConfigError
 from runtime.metrics import StreamStat
 from runtime.router import RouterCore
-from runtime.router_config import RouterConfig, load
+from runtime.router_config import RouterConfig, load, replica_queue
 
 log = logging.getLogger("worldstream.router")
 
 TICK_S = 0.05  # timers (pings, stats, deadlines) are looked at this often
 TIMES_S = 1.0  # the shell's own measures reach the core (and stats) this often
 DRAIN_MAX = 256  # messages read from one socket per turn, so no socket starves the others
-REPLICA_MESSAGE_BYTES = 1 << 31  # a chunk at a large frame size is big; replicas are this router's own jobs
 REGISTER_MESSAGE_BYTES = 1 << 16
 SHUTDOWN_LINGER_MS = 500  # the closes sent to replicas at shutdown get this long to leave
 
@@ -67,6 +66,7 @@ class RouterShell:
             self.registry.setsockopt(zmq.MAXMSGSIZE, REGISTER_MESSAGE_BYTES)  # registrations are tiny
             self.registry.bind(self.section.register_bind)
             self.register_endpoint = self.registry.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.hwm_in, self.hwm_out, self.largest = replica_queue(self.section)  # each link bounded in bytes
         self.me = uuid.uuid4().hex[:8]  # in each connection's identity: a restarted router is a new client
         self.links: dict[str, Link] = {}
         self.names: dict[zmq.Socket, str] = {}
@@ -136,8 +136,11 @@ class RouterShell:
                 if head.type == "chunk" and head.session is not None:
                     self.read_at[id(frame)] = time.perf_counter()
                     yield rt.ReplicaSent(name, generation, rt.ChunkHead(head.session), frame)
-                else:
-                    message = protocol.decode(frame.buffer, "server", max_bytes=REPLICA_MESSAGE_BYTES)
+                else:  # a newer replica's additions are skipped (``tolerant``); what it needs is read strictly
+                    message = tolerant.decode(frame.buffer, "server", max_bytes=self.largest)
+                    if isinstance(message, tolerant.Unknown):
+                        log.debug("replica %s: skipped a message of a newer type %r", name, message.type[:64])
+                        continue
                     yield rt.ReplicaSent(name, generation, message, frame)
             except protocol.ProtocolViolation as error:  # a replica of another version: say so, keep routing
                 log.error("unreadable message from replica %s: %s", name, str(error)[:300])
@@ -199,7 +202,12 @@ class RouterShell:
         return None
 
     def _to_client(self, output: rt.ToClient) -> None:
-        payload = _payload(output.message)
+        try:
+            payload = _payload(output.message)
+        except (TypeError, ValueError, OverflowError) as error:  # a bug costs this message, never the router
+            log.exception("could not encode a %s for a client", type(output.message).__name__)
+            payload = protocol.encode(protocol.Error(code="internal",
+                                                     message=f"internal error: {type(error).__name__}"))
         try:
             self.clients.send_multipart([output.identity, payload], flags=zmq.NOBLOCK, copy=False)
             read_at = self.read_at.pop(id(payload), None)
@@ -232,8 +240,9 @@ class RouterShell:
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"router-{self.me}-{output.generation}:{output.replica}".encode()[:255])
         sock.setsockopt(zmq.LINGER, 0)  # what an old connection still queued is dropped with it
-        sock.setsockopt(zmq.SNDHWM, self.section.replica_hwm)
-        sock.setsockopt(zmq.RCVHWM, self.section.replica_hwm)
+        sock.setsockopt(zmq.SNDHWM, self.hwm_out)  # client messages, each within router.max_message_bytes
+        sock.setsockopt(zmq.RCVHWM, self.hwm_in)  # chunks, each within router.max_chunk_mb (+ its facts)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.largest)  # so the marks bound bytes: a larger message drops the link
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a replica that is not connected: refuse at once
         try:
             sock.connect(output.endpoint)

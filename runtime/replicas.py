@@ -1,15 +1,26 @@
 """What the router knows of each replica, and the placement rule. Pure: the router core (runtime/router.py) alone
 mutates these records, with times given in.
 
-A replica is **up** once its current connection answered anything (a heartbeat ack, a stats reply) and **down**
-before that and after it stopped answering, said it is ending (``rank_failed``/``shutdown``) or restarted. The
-legal transitions are in ``TRANSITIONS``; the core moves a replica only through ``Replica.move``.
+A replica is **up** once its current connection answered a heartbeat as a known process, and **down** before that
+and after it stopped answering, said it is ending (``rank_failed``/``shutdown``), restarted, or said nonsense. Its
+**identity** is the server id its heartbeat acks carry (``server``): a different id at its endpoint is a new process
+(the old one's sessions are gone), whatever registrations say and however long anything took. A listed replica is
+known by any id it answers with; a registered one only by the id it registered (``incarnation``), so a restarted job
+takes sessions only once its registration arrived. The legal transitions are in ``TRANSITIONS``; the core moves a
+replica only through ``Replica.move``.
+
+**Stats** are read as typed values with ranges (``read_stats``): a reply that is not one (a count beyond 2^53, a
+float that is not a finite duration, a wrong type, nesting beyond ``MAX_STATS_DEPTH``) is ``UnusableStats``, and
+the core marks its replica down with the reason. Nothing a replica says is used before it passed.
 
 **Load** of a replica = the sessions the router holds there + the opens it sent there and that are not answered yet
-+ the sessions of other clients (its own stats' open sessions minus the router's, as of the last stats reply).
-**Placement** (``choose``) takes the up replica with room (load < max_sessions, and not refused with ``busy`` since
-its last stats) whose share of its capacity after one more session, ``(load + 1) / max_sessions``, is smallest; on
-a tie the shorter recent chunk period per session wins (the replica that streams faster), then the name.
++ the sessions of other clients: its stats' open sessions minus the sessions it shows the router (a server shows a
+client its own sessions only, opens it already accepted included), as of the last stats reply. Exact: an open the
+replica accepted before its stats were taken counts once, as the router's. **Placement** (``choose``) takes the up
+replica with fresh stats (read on its current connection) and room (load < max_sessions, and not refused with
+``busy`` since its last stats) whose share of its capacity after one more session, ``(load + 1) / max_sessions``,
+is smallest; on a tie the shorter recent chunk period per session wins (the replica that streams faster), then the
+name.
 
 **Recent chunk period** per session (``fold_stats``) = the replica's open sessions x the time between two stats
 replies / the chunks it emitted in between: the mean interval between two chunks of one of its sessions over the
@@ -21,7 +32,81 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+
+from ipc import protocol
+from ipc.protocol import SessionId
+
+MAX_SESSIONS_PER_REPLICA = 100_000  # a registration or stats reply claiming more is refused
+MAX_COUNT = 2**53  # a counter beyond this is nonsense (and a sum over replicas must still fit a msgpack uint64)
+MAX_UPTIME_S = 1e9  # 31 years
+# nesting of a replica's stats (a server's is 7 deep): a client reads 16 levels (``protocol.MAX_DEPTH``), and the
+# router's stats reply wraps a replica's stats in 4 (the message, its stats, ``replicas``, the replica's name)
+MAX_STATS_DEPTH = protocol.MAX_DEPTH - 4
+MAX_COUNTED = 64  # reject or error reasons in one reply (a server keeps 32)
+MAX_TEXT = 128
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+Reason = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+
+
+class SessionCounts(msgspec.Struct, frozen=True):
+    open: Count = 0
+    total: Count = 0
+
+
+class ReplicaStats(msgspec.Struct, frozen=True):
+    """What the router reads of a replica's stats reply, each value typed and in range (other keys are shown to
+    operators as they came, never read)."""
+
+    uptime_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_UPTIME_S)]
+    open_sessions: Annotated[int, msgspec.Meta(ge=0, le=MAX_SESSIONS_PER_REPLICA)]
+    chunks_emitted: Count = 0
+    frames_emitted: Count = 0
+    sessions: SessionCounts = SessionCounts()
+    rejects: Annotated[dict[Reason, Count], msgspec.Meta(max_length=MAX_COUNTED)] = {}
+    errors: Annotated[dict[Reason, Count], msgspec.Meta(max_length=MAX_COUNTED)] = {}
+    layout: Reason = ""
+    # the sessions it shows the asking client (the router's own): their metrics, forwarded to their owners
+    per_session: Annotated[dict[SessionId, dict[str, Any]],
+                           msgspec.Meta(max_length=MAX_SESSIONS_PER_REPLICA)] = {}
+
+
+READ = frozenset(ReplicaStats.__struct_fields__)
+ROUTER_KEYS = frozenset({"replicas", "router", "total"})  # a router's own stats, never nested into another's
+
+
+class UnusableStats(ValueError):
+    """A stats reply that is not one a server sends: the message says why."""
+
+
+def read_stats(stats: dict[str, Any]) -> tuple[ReplicaStats, dict[str, Any]]:
+    """A replica's stats reply as typed values, and what it says besides (shown, never read), or ``UnusableStats``.
+    A router serving as a replica (``layout`` "router") is shown without its own replicas and totals: stats never
+    nest stats."""
+    depth = nesting(stats)
+    if depth > MAX_STATS_DEPTH:
+        raise UnusableStats(f"nested {depth} deep (at most {MAX_STATS_DEPTH})")
+    try:
+        typed = msgspec.convert(stats, ReplicaStats)
+    except msgspec.ValidationError as error:
+        raise UnusableStats(str(error)[:200]) from None
+    rest = {k: v for k, v in stats.items() if k not in READ and not (typed.layout == "router" and k in ROUTER_KEYS)}
+    return typed, rest
+
+
+def nesting(value: Any) -> int:
+    """How deep containers nest in ``value`` (a scalar: 0), walked without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 class State(str, Enum):
@@ -44,8 +129,9 @@ class Replica:
     listed: bool  # from the config file (kept forever) or registered (forgotten after router.forget_after_s down)
     since: float  # when it entered its state
     layout: str = ""
-    incarnation: str = ""  # of its latest registration ("" : listed and never registered)
+    incarnation: str = ""  # the server id of its latest registration ("": never registered)
     registered_at: float | None = None
+    server: str = ""  # the server id its endpoint last answered heartbeats with ("": none yet), across connections
     state: State = State.DOWN
     generation: int = 0  # of its current connection (``Connect``)
     last_heard: float = 0.0  # last message on the current connection
@@ -53,8 +139,12 @@ class Replica:
     next_stats: float = 0.0
     stats_req: int | None = None  # the stats request in flight
     stats_sent: float = 0.0
-    stats: dict[str, Any] | None = None  # its latest stats reply (per-session entries kept for their owners only)
+    stats: ReplicaStats | None = None  # its latest stats reply, typed (per-session entries kept for their owners)
+    shown: dict[str, Any] = field(default_factory=dict)  # what that reply says besides, for operators
     stats_at: float | None = None
+    fresh: bool = False  # a stats reply was read on the current connection: its load is known
+    held_until: float = 0.0  # it said nonsense: it stays down until then
+    is_router: bool = False  # its endpoint answered with the router's own id (a loop): never up
     sessions: set[str] = field(default_factory=set)  # the router's sessions on it
     opening: int = 0  # opens sent, not answered
     external: int = 0  # sessions of other clients, from its stats
@@ -72,28 +162,31 @@ class Replica:
     def load(self) -> int:
         return len(self.sessions) + self.opening + self.external
 
-    def has_room(self, now: float) -> bool:
-        return self.state is State.UP and self.load < self.max_sessions and now >= self.refused_until
+    @property
+    def known(self) -> bool:
+        """Whether the process answering at its endpoint is the one the router may place sessions on: any for a
+        listed replica (its id is its incarnation), the registered one for a registered replica."""
+        return self.listed or (bool(self.server) and self.server == self.incarnation)
 
-    def fold_stats(self, stats: dict[str, Any], now: float) -> bool:
-        """Take a stats reply in. Returns False when its uptime went back: the replica restarted since the last
-        one (its sessions are gone)."""
-        uptime = _number(stats.get("uptime_s"))
-        chunks = _number(stats.get("chunks_emitted"))
-        open_sessions = _number(stats.get("open_sessions"))
-        restarted = self._sample is not None and uptime is not None and uptime < self._sample[2]
-        if uptime is not None and chunks is not None:
-            if self._sample is not None and not restarted:
-                at, before, _ = self._sample
-                emitted = chunks - before
-                if emitted > 0 and now > at:
-                    self.period_s = max(1.0, open_sessions or 0.0) * (now - at) / emitted
-                elif emitted == 0:
-                    self.period_s = None
-            self._sample = (now, int(chunks), uptime)
-        if open_sessions is not None:
-            self.external = max(0, int(open_sessions) - len(self.sessions))
-        self.stats, self.stats_at, self.refused_until = stats, now, 0.0
+    def has_room(self, now: float) -> bool:
+        return (self.state is State.UP and self.fresh and self.load < self.max_sessions
+                and now >= self.refused_until)
+
+    def fold_stats(self, stats: ReplicaStats, shown: dict[str, Any], now: float) -> bool:
+        """Take a (typed) stats reply in. Returns False when its uptime went back: the replica restarted since the
+        last one (its sessions are gone)."""
+        restarted = self._sample is not None and stats.uptime_s < self._sample[2]
+        if self._sample is not None and not restarted:
+            at, before, _ = self._sample
+            emitted = stats.chunks_emitted - before
+            if emitted > 0 and now > at:
+                self.period_s = max(1, stats.open_sessions) * (now - at) / emitted
+            elif emitted == 0:
+                self.period_s = None
+        self._sample = (now, stats.chunks_emitted, stats.uptime_s)
+        self.external = max(0, stats.open_sessions - len(stats.per_session))
+        self.stats, self.shown, self.stats_at, self.refused_until = stats, shown, now, 0.0
+        self.fresh = True
         return not restarted
 
     def forget_connection(self) -> None:
@@ -103,19 +196,21 @@ class Replica:
         self.opening = 0
         self.external = 0
         self.period_s = None
+        self.fresh = False
         self._sample = None
 
     def describe(self, now: float) -> dict[str, Any]:
         """This replica in the router's stats (its own stats without any session's entry)."""
         own = None
         if self.stats is not None:
-            own = {k: v for k, v in self.stats.items() if k != "per_session"}
+            own = {**self.shown, **msgspec.to_builtins(self.stats)}
+            del own["per_session"]
         return {
             "state": self.state.value, "endpoint": self.endpoint, "source": "config" if self.listed else "registered",
-            "layout": self.layout or (own or {}).get("layout", ""), "max_sessions": self.max_sessions,
-            "sessions": len(self.sessions), "opening": self.opening, "external_sessions": self.external,
-            "load": self.load, "chunk_period_s": self.period_s, "for_s": now - self.since,
-            "down_reason": None if self.state is State.UP else self.down_reason,
+            "layout": self.layout or (self.stats.layout if self.stats else ""), "max_sessions": self.max_sessions,
+            "server": self.server, "sessions": len(self.sessions), "opening": self.opening,
+            "external_sessions": self.external, "load": self.load, "chunk_period_s": self.period_s,
+            "for_s": now - self.since, "down_reason": None if self.state is State.UP else self.down_reason,
             "stats_age_s": None if self.stats_at is None else now - self.stats_at, "stats": own,
         }
 
@@ -135,6 +230,3 @@ def summary(replicas: Iterable[Replica]) -> str:
     return ", ".join(f"{r.name} {r.load}/{r.max_sessions}" if r.state is State.UP else f"{r.name} down"
                      for r in replicas) or "no replica known"
 
-
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

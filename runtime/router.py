@@ -17,17 +17,25 @@ Rules that live here and nowhere else:
   router holds each id once: an ``opened`` whose id another replica's session already has is closed on its replica
   and the client told to open again. An ``opened`` nobody waits for any more is closed on its replica at once.
 - **Membership** (``runtime.replicas``): replicas from the config file and replicas that register (``register``,
-  re-sent as a heartbeat; a new ``incarnation`` under a known name is a restarted job). Every replica is pinged
-  every ``router.heartbeat_s`` on its connection; anything it sends proves it alive. An up replica silent for
-  ``router.replica_dead_s``, or one that says it is ending (``rank_failed``/``shutdown``), goes down: each of its
-  sessions ends with that error naming the replica and a ``closed``, its unanswered opens are placed elsewhere, and
-  the router opens a fresh connection (nothing queued for the old job reaches a new one). When the replica answers
-  again (a requeued job at the same endpoint, or a registration at a new one) it is up and takes sessions. A
-  replica whose stats uptime goes back restarted: its sessions end the same way.
+  re-sent as a heartbeat, naming the server id of the job as its ``incarnation``). Every replica is pinged every
+  ``router.heartbeat_s`` on its connection; anything it sends proves it alive, and each heartbeat ack names the
+  process that answers (its server id). An up replica silent for ``router.replica_dead_s``, one that says it is
+  ending (``rank_failed``/``shutdown``), one that answers as another server id (a restarted job; whatever
+  registrations say and however long anything took) or whose stats uptime goes back, and one whose stats are not
+  a server's (``runtime.replicas.read_stats``: held down a while, with the reason) goes down: each of its sessions
+  ends with that error naming the replica and a ``closed``, its unanswered opens are placed elsewhere, and the router
+  opens a fresh connection (nothing queued for the old job reaches a new one). A replica is up again once it
+  answered as a known process (a listed one: any id; a registered one: the id it registered, so a requeued job
+  takes sessions only once its registration arrived) and its stats were read. A registration never ends sessions:
+  at the replica's endpoint it is refused when that endpoint answers as another live server; at another endpoint it
+  is refused while the replica answers (a rival under its name) and moves it once it stopped. An endpoint that
+  answers with the router's own id is the router itself: never up, and registrations naming it are refused.
 - **Clients.** Any message refreshes the sessions of its identity; sessions of a client silent for
   ``router.client_timeout_s`` are closed on their replicas (the router keeps its replica connections alive with its
   own heartbeats, so this rule must live here). A client that is gone has its chunks dropped until it resumes; one
-  that stops reading has its session closed, never buffered.
+  that stops reading has its session closed, never buffered. A message meeting a full replica link gets what a
+  server would answer: a ``control`` ``control_backpressure``; a ``close`` nothing (the router sends it again until
+  the replica's ``closed`` comes); a ``control_state`` nothing (folded with later ones, sent when the link drains).
 - **Containment and bounds.** A bad request gets an error and changes nothing; an unexpected error costs the
   request it concerns. Sessions and pending opens are bounded by the replicas' capacities (placement refuses
   beyond), remembered client identities by ``MAX_PEERS``, replicas by ``router.max_replicas``, reject counters by
@@ -39,7 +47,6 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,8 +55,8 @@ import msgspec
 
 from ipc import protocol
 from runtime.core_types import EXIT_OK, ClientError
-from runtime.replicas import Replica, State, choose, summary
-from runtime.router_config import ReplicaEntry, RouterSection, check_endpoint, check_name
+from runtime.replicas import MAX_SESSIONS_PER_REPLICA, Replica, State, UnusableStats, choose, read_stats, summary
+from runtime.router_config import ReplicaEntry, RouterSection, check_endpoint, check_name, chunk_limit
 from runtime.router_types import (
     ChunkHead,
     ClientSent,
@@ -81,8 +88,7 @@ log = logging.getLogger(__name__)
 
 MAX_PEERS = 1024  # client identities remembered for notices (the longest-silent without a session are forgotten)
 MAX_REASONS = 32  # distinct reject codes counted; more count as "other"
-MAX_SESSIONS_PER_REPLICA = 100_000  # a registration claiming more is refused
-SESSION_RETRY_S = 0.01  # hint when a session's message met a full replica connection
+SESSION_RETRY_S = 0.01  # hint when a control met a full replica connection (a server's control_backpressure)
 ENDING_CODES = frozenset({"rank_failed", "shutdown"})  # a replica says its whole job is ending
 
 
@@ -94,8 +100,10 @@ class RoutedSession:
     owner: bytes  # the identity that opened it (a reconnect with it may resume)
     last_heard: float
     gone: bool = False  # the client disconnected: its messages are dropped until it resumes
-    closing: bool = False  # the router asked the replica to close it (client silent or not reading)
-    close_sent: float = 0.0  # when it last asked: a close lost on a full or fresh link is sent again
+    closing: bool = False  # the router asked the replica to close it (client silent, not reading, or a close
+    # that met a full link: the router sends it again by itself, as a server never refuses a close)
+    close_due: float = 0.0  # when the close is sent (again) unless the replica said ``closed``
+    state: protocol.ControlState | None = None  # live input that met a full link: folded, sent when it drains
 
 
 @dataclass
@@ -195,12 +203,17 @@ class RouterCore:
         match message:
             case protocol.Open():
                 self._open(who, message, now)
+            case protocol.ControlState() if self._owned(who, message.session).state is not None:
+                session = self.sessions[message.session]  # earlier input waits for a full link: this goes after
+                session.state = fold(session.state, message)  # type: ignore[arg-type]
+                self._send_state(session)
             case protocol.Control() | protocol.ControlState() | protocol.Close():
                 session = self._owned(who, message.session)
                 replica = self.replicas[session.replica]
                 kind = type(message).__struct_config__.tag
+                state = message if isinstance(message, protocol.ControlState) else None
                 self._emit(ToReplica(replica.name, replica.generation, raw,
-                                     SessionOrigin(who, message.req, session.id, str(kind))))
+                                     SessionOrigin(who, message.req, session.id, str(kind), state)))
             case protocol.Stats():
                 self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(who, now))))
             case protocol.Heartbeat(session=sid) if sid is not None:
@@ -272,10 +285,18 @@ class RouterCore:
             self._close_on_replica(session, now)
 
     def _close_on_replica(self, session: RoutedSession, now: float) -> None:
-        session.closing, session.close_sent = True, now
+        session.closing, session.close_due = True, now + self.config.replica_dead_s
         replica = self.replicas[session.replica]
         self._emit(ToReplica(replica.name, replica.generation,
                              protocol.Close(req=self.new_req(), session=session.id)))
+
+    def _send_state(self, session: RoutedSession) -> None:
+        """Send a session's folded live input (it met a full link); a refusal folds it again (``_refused``)."""
+        state, session.state = session.state, None
+        if state is not None:
+            replica = self.replicas[session.replica]
+            self._emit(ToReplica(replica.name, replica.generation, state,
+                                 SessionOrigin(session.client, state.req, session.id, "control_state")))
 
     def _add_session(self, session: RoutedSession) -> None:
         self.sessions[session.id] = session
@@ -300,9 +321,7 @@ class RouterCore:
         replica = self.replicas.get(event.replica)
         if replica is None or event.generation != replica.generation:
             return  # from a connection closed since: its job is gone for the router
-        replica.last_heard = now
-        if replica.state is State.DOWN:
-            self._up(replica, now)
+        replica.last_heard = now  # alive; it is up only once a heartbeat ack said which process it is
         message = event.message
         match message:
             case ChunkHead(session=sid):
@@ -324,8 +343,8 @@ class RouterCore:
                 self._to_session(replica, sid, event.raw)  # type: ignore[arg-type]
             case protocol.StatsReply():
                 self._stats_reply(replica, message, now)
-            case protocol.HeartbeatAck():
-                pass  # it proved the replica alive, above
+            case protocol.HeartbeatAck(server=server):
+                self._identify(replica, server, now)
 
     def _to_session(self, replica: Replica, sid: str, raw: Payload) -> bool:
         session = self.sessions.get(sid)
@@ -343,11 +362,17 @@ class RouterCore:
                                  protocol.Close(req=self.new_req(), session=message.session)))
             return
         self._drop_open(pending)
+        why = None
         if message.session in self.sessions:  # another replica's session has this id (random 48 bits: rare)
+            why = f"session id {message.session} is in use on another replica; open again"
+        elif (size := 3 * message.height * message.width * max(message.frames_first_chunk,
+                                                                message.frames_per_chunk)) > chunk_limit(self.config):
+            why = (f"a chunk of this session ({message.height}x{message.width}) is {size / 2**20:.0f} MiB, more than "
+                   f"the router forwards (router.max_chunk_mb = {self.config.max_chunk_mb}); open a smaller one")
+        if why is not None:
             self._emit(ToReplica(replica.name, replica.generation,
                                  protocol.Close(req=self.new_req(), session=message.session)))
-            self._refuse(pending.client, ClientError("failed", f"session id {message.session} is in use on another "
-                                                     "replica; open again"), pending.message.req)
+            self._refuse(pending.client, ClientError("failed", why), pending.message.req)
             return
         self._add_session(RoutedSession(message.session, replica.name, pending.client, pending.client, now))
         self._emit(ToClient(pending.client, msgspec.structs.replace(message, req=pending.message.req),
@@ -373,23 +398,71 @@ class RouterCore:
             if pending is not None and pending.replica == event.replica:
                 self._retry_open(pending, now)
             return
-        code = "control_backpressure" if origin.kind == "control" else "busy"
-        self._refuse(origin.identity, ClientError(code, f"the connection to replica {event.replica} is full; send "
-                                                  "it again", retry_after_s=SESSION_RETRY_S),
-                     origin.req, origin.session)
+        session = self.sessions.get(origin.session)
+        if session is None or session.replica != event.replica:
+            return  # it ended meanwhile: its client was told
+        if origin.kind == "close":  # a server never refuses a close: the router sends it again on the next turn
+            session.closing, session.close_due = True, now
+        elif origin.kind == "control_state":  # nor valid live input: it is folded and sent when the link drains
+            if origin.state is not None:
+                session.state = origin.state if session.state is None else fold(origin.state, session.state)
+        else:  # what a server answers a control it cannot take now
+            self._refuse(origin.identity, ClientError("control_backpressure", f"the connection to replica "
+                                                      f"{event.replica} is full; send it again",
+                                                      retry_after_s=SESSION_RETRY_S), origin.req, origin.session)
 
     def _stats_reply(self, replica: Replica, reply: protocol.StatsReply, now: float) -> None:
         if reply.req != replica.stats_req:
             return
         replica.stats_req = None
-        if not replica.fold_stats(reply.stats, now):
+        try:
+            stats, shown = read_stats(reply.stats)
+        except UnusableStats as error:  # never trusted, never fatal: down (its sessions end) and held down a while
+            why = f"sent unusable stats ({error})"
+            self._down(replica, why, now)
+            replica.down_reason, replica.held_until = why, now + self.config.replica_dead_s
+            return
+        if not replica.fold_stats(stats, shown, now):
             self._end_sessions(replica, "restarted (its uptime went back)", "rank_failed")
             for pending in [p for p in self.opens.values() if p.replica == replica.name]:
                 self._retry_open(pending, now)
+        if replica.state is State.DOWN and replica.known and not replica.is_router and now >= replica.held_until:
+            self._up(replica, now)  # it answered as a known process and its load is read: it takes sessions
+
+    def _identify(self, replica: Replica, server: str, now: float) -> None:
+        """A heartbeat ack says which process answers at the replica's endpoint: the router itself (a loop: held
+        down for good), a new one (the old one's sessions are gone: down, a fresh connection), or the known one
+        (up, unless it is held down or, registered, its registration is not known yet)."""
+        if server and server == self.id:
+            replica.is_router = True
+            replica.down_reason = (f"is this router itself ({replica.endpoint} answers with the router's id): a "
+                                   "replica must be a worldstream server")
+            if replica.state is State.UP:
+                self._down(replica, replica.down_reason, now)
+            return
+        if server and replica.server and server != replica.server:
+            before, replica.server = replica.server, server
+            if replica.state is State.UP:
+                self._down(replica, f"restarted (it answers as server {server}, was {before})", now)
+                return
+        replica.server = server or replica.server
+        if replica.state is State.UP or replica.is_router or now < replica.held_until:
+            return
+        if replica.known:  # its load is read before it takes sessions: up once its stats arrive
+            replica.down_reason = f"answers as server {replica.server or '(no id)'}; reading its stats"
+            if replica.stats_req is None or now - replica.stats_sent > self.config.replica_dead_s:
+                self._poll_stats(replica, now)
+        else:
+            replica.down_reason = (f"answers as server {replica.server or '(no id)'}, registered as "
+                                   f"{replica.incarnation or '(nothing)'}: waiting for its registration")
+
+    def _poll_stats(self, replica: Replica, now: float) -> None:
+        replica.stats_req, replica.stats_sent = self.new_req(), now
+        replica.next_stats = now + self.config.stats_interval_s
+        self._emit(ToReplica(replica.name, replica.generation, protocol.Stats(req=replica.stats_req)))
 
     def _up(self, replica: Replica, now: float) -> None:
         replica.move(State.UP, now)
-        replica.next_stats = now  # read its load before the first placement needs it
         log.info("replica %s is up at %s", replica.name, replica.endpoint)
         self._emit(ReplicaUp(replica.name, replica.endpoint))
 
@@ -444,6 +517,9 @@ class RouterCore:
         replica = self.replicas.get(message.name)
         if why is None and replica is None and len(self.replicas) >= self.config.max_replicas:
             why = f"the router is at its limit of {self.config.max_replicas} replicas"
+        loop = next((r for r in self.replicas.values() if r.endpoint == message.endpoint and r.is_router), None)
+        if why is None and loop is not None:
+            why = loop.down_reason
         if why is not None:
             log.warning("registration refused: %s", why)
             self._emit(ToRegistrant(peer, protocol.Registered(ok=False, message=why)))
@@ -451,38 +527,41 @@ class RouterCore:
         if replica is None:
             log.info("replica %s registered at %s", message.name, message.endpoint)
             replica = self._add(message.name, message.endpoint, message.max_sessions, False, now)
-        else:
-            restarted = bool(replica.incarnation) and replica.incarnation != message.incarnation
-            moved = replica.endpoint != message.endpoint
-            why = self._taken(replica, restarted, moved, now)
-            if why is not None:
-                log.warning("registration of %s at %s refused: %s", message.name, message.endpoint, why)
-                self._emit(ToRegistrant(peer, protocol.Registered(ok=False, message=why)))
-                return
-            if restarted or moved:
-                old = replica.endpoint
-                replica.endpoint = message.endpoint
-                why = "restarted (a new job registered under its name)" if restarted else \
-                    f"moved from {old} (it registered again at {message.endpoint})"
-                if replica.state is State.UP:
-                    self._down(replica, why, now)  # ends its sessions and connects afresh
-                else:
-                    self._connect(replica, now)
+        elif message.endpoint != replica.endpoint:
+            why = self._moved(replica, message, now)
+        elif message.incarnation != replica.incarnation:
+            why = self._reincarnated(replica, message)
+        if why is not None:
+            log.warning("registration of %s at %s refused: %s", message.name, message.endpoint, why)
+            self._emit(ToRegistrant(peer, protocol.Registered(ok=False, message=why)))
+            return
         replica.incarnation = message.incarnation
         replica.max_sessions, replica.layout, replica.registered_at = message.max_sessions, message.layout, now
         self._emit(ToRegistrant(peer, protocol.Registered(ok=True)))
 
-    def _taken(self, replica: Replica, restarted: bool, moved: bool, now: float) -> str | None:
-        """Why a registration under ``replica``'s name is refused: a listed replica's endpoint is the config's,
-        and a replica that registered within ``replica_dead_s`` and is up is alive, so another job under its name
-        (a second array submitted with the same names, a stranger) must not end its sessions every heartbeat. A
-        requeued job is taken once its predecessor went quiet or down."""
-        if replica.listed and moved:
+    def _moved(self, replica: Replica, message: protocol.Register, now: float) -> str | None:
+        """A registration of a known name at another endpoint: a requeued job on another node takes its name once
+        the old job stopped answering (it is down); while it answers, the name is held (a second array submitted
+        with the same names, a stranger: they must not end its sessions). A listed replica never moves."""
+        if replica.listed:
             return f"{replica.name} is a listed replica at {replica.endpoint}; registrations cannot move it"
-        age = math.inf if replica.registered_at is None else now - replica.registered_at
-        if (restarted or moved) and replica.state is State.UP and age <= self.config.replica_dead_s:
-            return (f"the name {replica.name} is held by a live replica at {replica.endpoint} (registered "
-                    f"{age:.1f} s ago); choose another replica.name")
+        if replica.state is State.UP:
+            return (f"the name {replica.name} is held by a live replica at {replica.endpoint} (answering as server "
+                    f"{replica.server}); choose another replica.name")
+        log.info("replica %s moves from %s to %s", replica.name, replica.endpoint, message.endpoint)
+        replica.endpoint, replica.server, replica.held_until, replica.is_router = message.endpoint, "", 0.0, False
+        replica.down_reason = "not answering yet"
+        self._connect(replica, now)
+        return None
+
+    def _reincarnated(self, replica: Replica, message: protocol.Register) -> str | None:
+        """A registration at the replica's endpoint under a new incarnation. Only the id its endpoint answers with
+        decides what process is there (``_identify``): a registration never ends sessions. It is refused when the
+        endpoint answers as a live process of another id; otherwise it is recorded (a restarted registered
+        replica takes sessions once its endpoint answers with that id)."""
+        if replica.state is State.UP and replica.server and message.incarnation != replica.server:
+            return (f"{replica.endpoint} answers as server {replica.server}, not {message.incarnation}: the "
+                    f"replica {replica.name} there is alive")
         return None
 
     # ---------------------------------------------------------------------------------------------- timers
@@ -499,9 +578,7 @@ class RouterCore:
                     self._down(replica, f"stopped answering (silent for {silent:.1f} s)", now)
                 elif now >= replica.next_stats and (replica.stats_req is None
                                                     or now - replica.stats_sent > config.replica_dead_s):
-                    replica.stats_req, replica.stats_sent = self.new_req(), now
-                    replica.next_stats = now + config.stats_interval_s
-                    self._emit(ToReplica(replica.name, replica.generation, protocol.Stats(req=replica.stats_req)))
+                    self._poll_stats(replica, now)
             elif not replica.listed and min(now - replica.since, now - (replica.registered_at or 0.0)) > \
                     config.forget_after_s:
                 log.info("replica %s forgotten (down for %.0f s)", replica.name, now - replica.since)
@@ -519,8 +596,10 @@ class RouterCore:
                          now - session.last_heard, session.replica)
                 session.gone = True
                 self._close_on_replica(session, now)
-            elif session.closing and now - session.close_sent > config.replica_dead_s:
+            elif session.closing and now >= session.close_due:
                 self._close_on_replica(session, now)  # no `closed` yet: the close (or its answer) was lost
+            elif session.state is not None:
+                self._send_state(session)  # live input that met a full link, folded: the link may have drained
 
     def _shutdown(self, now: float) -> None:
         message = "the router is shutting down"
@@ -544,43 +623,36 @@ class RouterCore:
         router's own counters, every replica (its state, load and its own latest stats without per-session
         entries) and ``per_session`` for ``who``'s sessions only (with the replica each is on)."""
         up = [r for r in self.replicas.values() if r.state is State.UP]
-
-        def count(value: object) -> int:  # a replica of another version must not break every client's stats
-            return int(value) if isinstance(value, int | float) and math.isfinite(value) else 0
-
-        def section(r: Replica, key: str) -> dict[str, Any]:
-            value = (r.stats or {}).get(key)
-            return value if isinstance(value, dict) else {}
-
-        def total(key: str) -> int:
-            return sum(count((r.stats or {}).get(key)) for r in up)
+        read = [r.stats for r in up if r.stats is not None]  # typed and in range (``read_stats``): sums fit uint64
 
         def merged(key: str) -> dict[str, int]:
             out = dict(self.rejects) if key == "rejects" else {}
-            for r in up:
-                for name, n in section(r, key).items():
-                    out[str(name)] = out.get(str(name), 0) + count(n)
+            for stats in read:
+                for name, n in getattr(stats, key).items():
+                    out[name] = out.get(name, 0) + n
             return out
 
         mine = {}
         for sid in sorted(self.by_client.get(who, ())):
             session = self.sessions[sid]
-            entry = section(self.replicas[session.replica], "per_session").get(sid)
-            mine[sid] = {**(entry if isinstance(entry, dict) else {}), "replica": session.replica}
+            stats = self.replicas[session.replica].stats
+            mine[sid] = {**(stats.per_session.get(sid, {}) if stats else {}), "replica": session.replica}
+        chunks, frames = sum(s.chunks_emitted for s in read), sum(s.frames_emitted for s in read)
+        open_sessions = sum(len(r.sessions) + r.external for r in up)
         return {
             "layout": "router",
             "uptime_s": now - self.started,
-            "open_sessions": sum(len(r.sessions) + r.external for r in up),
+            "open_sessions": open_sessions,
             "sessions": {"open": len(self.sessions), "total": self.sessions_total},
-            "chunks_emitted": total("chunks_emitted"),
-            "frames_emitted": total("frames_emitted"),
+            "chunks_emitted": chunks,
+            "frames_emitted": frames,
             "rejects": dict(self.rejects),
             "total": {
                 "replicas_up": len(up), "replicas": len(self.replicas),
                 "max_sessions": sum(r.max_sessions for r in up),
-                "open_sessions": sum(len(r.sessions) + r.external for r in up),
-                "sessions_total": sum(count(section(r, "sessions").get("total")) for r in up),
-                "chunks_emitted": total("chunks_emitted"), "frames_emitted": total("frames_emitted"),
+                "open_sessions": open_sessions,
+                "sessions_total": sum(s.sessions.total for s in read),
+                "chunks_emitted": chunks, "frames_emitted": frames,
                 "rejects": merged("rejects"), "errors": merged("errors"),
             },
             "router": {"chunks_forwarded": self.chunks_forwarded, "client_messages": self.client_messages,
@@ -589,3 +661,11 @@ class RouterCore:
             "per_session": mine,
         }
 
+
+def fold(a: protocol.ControlState, b: protocol.ControlState) -> protocol.ControlState:
+    """Two live inputs of a session as one, as the server folds them: the later one's held keys and revision (and
+    request id), the mouse motion of both, the taps of both."""
+    older, newer = (a, b) if a.revision <= b.revision else (b, a)
+    taps = list(dict.fromkeys([*older.taps, *newer.taps]))[:16]
+    mouse = (older.mouse[0] + newer.mouse[0], older.mouse[1] + newer.mouse[1])
+    return msgspec.structs.replace(newer, mouse=mouse, taps=taps)

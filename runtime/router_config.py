@@ -19,6 +19,9 @@ from runtime.config import CONFIG_DIR, ConfigError, read_tree, resolve_path
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 MAX_NAME_CHARS = 128
 MAX_ENDPOINT_CHARS = 256
+MAX_REPLICAS = 1024  # a sum of replicas' counters (each below 2^53) must fit a msgpack uint64
+MIB = 1 << 20
+CHUNK_FACTS_BYTES = 1 << 20  # a chunk's message beyond its frames (facts, spans): far less
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -35,7 +38,8 @@ class RouterSection(_Section):
     client_timeout_s: float = 10.0  # sessions of a client silent this long are closed on their replica
     # where replicas register themselves (a ZeroMQ bind address, e.g. "tcp://0.0.0.0:5561"); empty: only the list
     register_bind: str = ""
-    register_token: str = ""  # when set, a registration must carry it (replica.token)
+    # a registration must carry it (replica.token); required when register_bind is beyond loopback
+    register_token: str = ""
     heartbeat_s: float = 0.5  # each replica is pinged (a client heartbeat) this often, up or down
     replica_dead_s: float = 5.0  # an up replica silent this long is down: its sessions end with rank_failed
     stats_interval_s: float = 1.0  # each up replica's stats are read this often (load, chunk period, totals)
@@ -43,7 +47,9 @@ class RouterSection(_Section):
     busy_retry_s: float = 5.0  # retry hint of the busy answer when every replica is full or down
     forget_after_s: float = 600.0  # a registered replica down this long is forgotten (listed ones stay)
     max_replicas: int = 64  # registrations beyond this many replicas are refused
-    replica_hwm: int = 1000  # ZeroMQ queue (messages) each way on the connection to one replica
+    # the connection to one replica queues at most this much each way (the ZeroMQ high-water marks follow from it)
+    replica_queue_mb: int = 512
+    max_chunk_mb: int = 64  # the largest chunk forwarded (a 480x832 one is 14 MiB); a session with larger is refused
 
 
 class ReplicaEntry(_Section):
@@ -67,6 +73,28 @@ def check_endpoint(endpoint: str) -> str | None:
     return None
 
 
+def is_local(endpoint: str) -> bool:
+    """Whether only this host reaches ``endpoint``: a loopback TCP address, or ipc:// and inproc://."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def chunk_limit(section: RouterSection) -> int:
+    """The largest chunk (frame bytes) the router forwards."""
+    return section.max_chunk_mb * MIB
+
+
+def replica_queue(section: RouterSection) -> tuple[int, int, int]:
+    """(receive high-water mark, send high-water mark, largest message) of the connection to one replica. ZeroMQ
+    counts messages, so each mark is ``replica_queue_mb`` over the largest message that way: a chunk (plus its
+    facts) coming in, a client message going out. A larger message from a replica drops the connection."""
+    largest = chunk_limit(section) + CHUNK_FACTS_BYTES
+    budget = section.replica_queue_mb * MIB
+    return max(1, budget // largest), max(1, budget // section.max_message_bytes), largest
+
+
 def check_name(name: str) -> str | None:
     if not name or len(name) > MAX_NAME_CHARS or not name.isprintable():
         return f"a replica name must be 1..{MAX_NAME_CHARS} printable characters, got {name[:MAX_NAME_CHARS]!r}"
@@ -83,11 +111,20 @@ def validate(config: RouterConfig, where: str) -> RouterConfig:
             raise ConfigError(f"{where}: router.{key} must be > 0")
     if r.busy_retry_s < 0:
         raise ConfigError(f"{where}: router.busy_retry_s must be >= 0")
-    for key in ("max_message_bytes", "send_hwm", "max_replicas", "replica_hwm"):
+    for key in ("max_message_bytes", "send_hwm", "max_replicas", "replica_queue_mb", "max_chunk_mb"):
         if getattr(r, key) < 1:
             raise ConfigError(f"{where}: router.{key} must be >= 1")
+    if r.max_replicas > MAX_REPLICAS:
+        raise ConfigError(f"{where}: router.max_replicas must be at most {MAX_REPLICAS}")
+    if r.max_chunk_mb > r.replica_queue_mb or r.max_message_bytes > r.replica_queue_mb * MIB:
+        raise ConfigError(f"{where}: router.replica_queue_mb ({r.replica_queue_mb}) must hold one chunk "
+                          f"(router.max_chunk_mb = {r.max_chunk_mb}) and one client message (router.max_message_bytes)")
     if r.register_bind and (why := check_endpoint(r.register_bind)):
         raise ConfigError(f"{where}: router.register_bind: {why}")
+    if r.register_bind and not r.register_token and not is_local(r.register_bind):
+        raise ConfigError(f"{where}: router.register_bind {r.register_bind} is beyond loopback: set "
+                          "router.register_token (a random secret, e.g. `openssl rand -hex 16`; replicas pass it as "
+                          "replica.token), or anyone who reaches the port can register a replica and receive sessions")
     names = [e.name for e in config.replicas]
     if len(set(names)) != len(names):
         raise ConfigError(f"{where}: replica names must be unique, got {names}")

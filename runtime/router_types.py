@@ -81,6 +81,7 @@ class SessionOrigin:
     req: int | None
     session: str
     kind: str  # the message type ("control", "control_state", "close")
+    state: protocol.ControlState | None = None  # a control_state, decoded: one that meets a full link is folded
 
 
 Origin = OpenOrigin | SessionOrigin

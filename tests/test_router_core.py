@@ -180,6 +180,8 @@ def test_listed_replicas_are_connected_and_down_until_they_answer() -> None:
     (error,) = f.errors(A)
     assert error.code == "busy" and error.retry_after_s == 5.0 and "a down, b down" in error.message
     f.replica("a", p.HeartbeatAck(req=0))
+    assert not [o for o in f.log if isinstance(o, ReplicaUp)]  # answering; up once its load is read
+    f.answer_stats("a", stats_of())
     assert [o.replica for o in f.log if isinstance(o, ReplicaUp)] == ["a"]
 
 
@@ -204,12 +206,12 @@ def test_sessions_of_other_clients_seen_in_stats_count_as_load(fleet: Fleet) -> 
 
 
 def test_a_tie_goes_to_the_replica_with_the_shorter_recent_chunk_period(fleet: Fleet) -> None:
-    fleet.open(A)  # on a (the name breaks the first tie)
-    fleet.open(B)  # on b
+    sid_a, _ = fleet.open(A)  # on a (the name breaks the first tie)
+    sid_b, _ = fleet.open(B)  # on b
     for chunks_a, chunks_b in ((0, 0), (5, 20)):  # over 1.1 s: a session's chunk every 0.22 s on a, 0.055 s on b
         fleet.step(Tick(), dt=1.1)
-        fleet.answer_stats("a", stats_of(open_sessions=1, chunks=chunks_a))
-        fleet.answer_stats("b", stats_of(open_sessions=1, chunks=chunks_b))
+        fleet.answer_stats("a", stats_of(open_sessions=1, chunks=chunks_a, per_session={sid_a: {}}))
+        fleet.answer_stats("b", stats_of(open_sessions=1, chunks=chunks_b, per_session={sid_b: {}}))
     assert fleet.core.replicas["b"].period_s < fleet.core.replicas["a"].period_s
     assert fleet.open(C)[1] == "b"
 
@@ -430,6 +432,7 @@ def test_a_down_replica_rejoins_on_a_fresh_connection_and_takes_sessions_again(f
     fleet.replica("b", p.HeartbeatAck(req=0), generation=old)  # the old connection: ignored
     assert fleet.core.replicas["b"].state is State.DOWN
     fleet.replica("b", p.HeartbeatAck(req=0))
+    fleet.answer_stats("b", stats_of())  # its load on the new connection, read before it takes sessions
     assert fleet.core.replicas["b"].state is State.UP and [o.replica for o in fleet.log if isinstance(o, ReplicaUp)]
     assert fleet.open(B)[1] == "b"
 
@@ -448,12 +451,15 @@ def test_a_replica_whose_uptime_went_back_restarted_and_its_sessions_end(fleet: 
     assert fleet.core.replicas[name].state is State.UP  # it serves: it takes new sessions
 
 
-def test_a_replica_registers_itself_and_a_new_incarnation_ends_its_old_sessions() -> None:
+def test_a_replica_registers_itself_and_a_new_incarnation_at_a_new_endpoint_takes_over_once_the_old_is_down(
+) -> None:
     f = Fleet({}, register_bind="tcp://127.0.0.1:5561")
     register = p.Register(name="n7", endpoint="tcp://node7:5555", max_sessions=3, layout="split7", incarnation="one")
     out = f.step(RegisterSent(b"peer", register))
     assert Connect("n7", "tcp://node7:5555", 1) in out and ToRegistrant(b"peer", p.Registered(ok=True)) in out
-    f.up("n7")
+    f.replica("n7", p.HeartbeatAck(req=0, server="one"))  # its server answers with the id it registered
+    f.step(Tick())
+    f.answer_stats("n7", stats_of())
     sid, name = f.open(A)
     assert name == "n7" and f.core.replicas["n7"].max_sessions == 3
     f.step(RegisterSent(b"peer", register))  # the heartbeat: nothing changes
@@ -461,14 +467,16 @@ def test_a_replica_registers_itself_and_a_new_incarnation_ends_its_old_sessions(
     f.clear()
     rival = msgspec.structs.replace(register, incarnation="two", endpoint="tcp://node9:5555")
     (refused,) = [o.message for o in f.step(RegisterSent(b"peer2", rival)) if isinstance(o, ToRegistrant)]
-    assert not refused.ok and "held by a live replica" in refused.message  # "one" registered just now: alive
+    assert not refused.ok and "held by a live replica" in refused.message  # "one" answers: alive
     assert sid in f.core.sessions and not f.errors(A)
-    f.advance(DEAD_S + 0.5, answering=("n7",))  # "one" stops registering (its job died; the endpoint still answers)
-    f.step(RegisterSent(b"peer2", rival))
+    f.advance(DEAD_S + 0.5)  # "one" stops answering (its job died): down, its session ends
     error = f.errors(A)[-1]
-    assert error.code == "rank_failed" and "replica n7" in error.message and "restarted" in error.message
-    assert [(o.endpoint, o.generation) for o in f.log if isinstance(o, Connect)] == [("tcp://node9:5555", 2)]
-    f.replica("n7", p.HeartbeatAck(req=0))
+    assert error.code == "rank_failed" and "replica n7" in error.message and "stopped answering" in error.message
+    f.step(RegisterSent(b"peer2", rival))
+    assert [(o.endpoint, o.generation) for o in f.log if isinstance(o, Connect)][-1] == ("tcp://node9:5555", 3)
+    f.replica("n7", p.HeartbeatAck(req=0, server="two"))
+    f.step(Tick())
+    f.answer_stats("n7", stats_of())
     assert f.open(B)[1] == "n7"
 
 
@@ -523,15 +531,16 @@ def test_stats_sum_the_up_replicas_and_show_a_client_only_its_own_sessions(fleet
     assert not fleet.to_replica(name_a, p.Stats)  # answered from what the router knows
 
 
-def test_a_replica_with_malformed_stats_does_not_break_the_fleets_stats(fleet: Fleet) -> None:
+def test_a_replica_with_malformed_stats_is_down_and_the_fleets_stats_stay_whole(fleet: Fleet) -> None:
     sid, name = fleet.open(A)
     fleet.step(Tick(), dt=1.1)
     fleet.answer_stats(name, stats_of(chunks=3, rejects=["busy"], errors={"x": "many"}, sessions=7,
                                       per_session={sid: "?"}) | {"frames_emitted": float("inf")})
-    fleet.client(A, p.Stats(req=6))
-    (reply,) = fleet.to(A, p.StatsReply)
-    assert reply.stats["chunks_emitted"] == 3 and reply.stats["frames_emitted"] == 0
-    assert reply.stats["total"]["errors"] == {"x": 0} and reply.stats["per_session"] == {sid: {"replica": name}}
+    fleet.client(B, p.Stats(req=6))
+    (reply,) = fleet.to(B, p.StatsReply)
+    assert reply.stats["replicas"][name]["state"] == "down" and reply.stats["total"]["replicas_up"] == 1
+    assert "unusable stats" in reply.stats["replicas"][name]["down_reason"]
+    assert fleet.errors(A)[-1].session == sid and not fleet.core.sessions
 
 
 def test_shutdown_closes_every_session_on_its_replica_and_tells_its_client(fleet: Fleet) -> None:

@@ -1,0 +1,145 @@
+"""The router process (``python -m ranks.router``) with fake replicas (``tests.fake_replica``: real ZeroMQ sockets
+speaking the protocol, no ranks) and the Python SDK as its client: what replicas and registrants may say to it
+(issue 21). A loop registration, hostile stats, registrations at a live replica's endpoint and a restarted replica
+answering before it registers must each leave the router serving and every other session untouched."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from ipc.client import Busy, Client
+from ranks.registration import server_id
+from scripts.local_router import LocalRouter
+from tests.fake_replica import FakeReplica, register, sane_stats
+from tests.test_router import free_port, wait_for
+
+pytestmark = pytest.mark.multiprocess
+
+DEAD_S = 1.0
+FAST = ["--router.heartbeat_s=0.1", f"--router.replica_dead_s={DEAD_S}", "--router.stats_interval_s=0.2"]
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeReplica]:
+    replica = FakeReplica("server-a")
+    yield replica
+    replica.stop()
+
+
+def replicas(client: Client) -> dict[str, dict[str, Any]]:
+    return client.stats()["replicas"]
+
+
+def alive(client: Client, session: str) -> bool:
+    """The session is still open at the router and on its replica: a control is accepted, no error came."""
+    client.control(session, 0, keys="w")
+    errors = iter(client.error, None)
+    assert not [e for e in errors if e.session == session]
+    return True
+
+
+def test_a_registration_at_the_routers_own_endpoint_is_refused_and_stats_stay_readable(fake: FakeReplica) -> None:
+    with LocalRouter([("a", fake.endpoint, 2)], FAST, register_port=free_port()) as router, \
+            Client(router.endpoint, timeout_s=10) as client:
+        wait_for("a up", lambda: replicas(client)["a"]["state"] == "up", 10)
+        assert register(router.register_endpoint, "loop", router.endpoint, "x").ok  # not known yet to be itself
+        wait_for("the loop seen", lambda: "router itself" in (replicas(client).get("loop", {}).get("down_reason")
+                                                                or ""), 10)
+        time.sleep(10 * 0.2)  # ten stats intervals: nothing nests, every client still reads its stats
+        stats = client.stats()
+        assert stats["replicas"]["loop"]["state"] == "down" and stats["replicas"]["loop"]["stats"] is None
+        answer = register(router.register_endpoint, "loop", router.endpoint, "x")
+        assert not answer.ok and "router itself" in answer.message
+        sessions = [client.open(b"png", num_chunks=4) for _ in range(2)]
+        assert {client.stats()["per_session"][s.id]["replica"] for s in sessions} == {"a"}
+        assert all(alive(client, s.id) for s in sessions)
+        assert router.process is not None and router.process.poll() is None
+
+
+HOSTILE: dict[str, Callable[[list[str], int], dict[str, Any]]] = {
+    "near the top of uint64": lambda mine, n: sane_stats(mine, n) | {"chunks_emitted": 2**64 - 1,
+                                                                       "frames_emitted": 2**64 - 2},
+    "huge finite floats": lambda mine, n: sane_stats(mine, n) | {"uptime_s": 1e300, "open_sessions": 1e300},
+    "nested 12 deep": lambda mine, n: sane_stats(mine, n) | {"deep": [[[[[[[[[[[[1]]]]]]]]]]]]},
+}
+
+
+def test_hostile_stats_mark_their_replica_down_and_never_kill_the_router(fake: FakeReplica) -> None:
+    other = FakeReplica("server-b")
+    other.stats = lambda mine, n: sane_stats(mine, n) | {"chunks_emitted": 5, "frames_emitted": 60}  # summed with a's
+    try:
+        with LocalRouter([("a", fake.endpoint, 2), ("b", other.endpoint, 2)], FAST) as router, \
+                Client(router.endpoint, timeout_s=10) as client:
+            wait_for("both up", lambda: {r["state"] for r in replicas(client).values()} == {"up"}, 10)
+            for what, stats in HOSTILE.items():
+                fake.stats, asked = stats, fake.stats_asked
+                wait_for(f"{what} read by the router", lambda asked=asked: fake.stats_asked > asked, 10)
+                time.sleep(5 * 0.2)  # several stats intervals
+                assert router.process is not None and router.process.poll() is None, (what, router.log())
+                shown = replicas(client)  # every client still reads its stats
+                assert shown["b"]["state"] == "up" and shown["a"]["state"] == "down", what
+                assert "unusable stats" in shown["a"]["down_reason"], what
+                session = client.open(b"png", num_chunks=4)
+                assert client.stats()["per_session"][session.id]["replica"] == "b" and alive(client, session.id)
+                client.close(session.id)
+                fake.stats = sane_stats
+                wait_for(f"a back after {what}", lambda: replicas(client)["a"]["state"] == "up", 10)
+    finally:
+        other.stop()
+
+
+def test_registrations_at_a_live_listed_replicas_endpoint_never_end_its_sessions(fake: FakeReplica) -> None:
+    with LocalRouter([("a", fake.endpoint, 2)], FAST, register_port=free_port()) as router, \
+            Client(router.endpoint, timeout_s=10) as client:
+        wait_for("a up", lambda: replicas(client)["a"]["state"] == "up", 10)
+        session = client.open(b"png", num_chunks=4)
+        first = register(router.register_endpoint, "a", fake.endpoint, "one")
+        time.sleep(DEAD_S + 0.3)  # one replica_dead_s apart: no timing rule may take the second for a restart
+        second = register(router.register_endpoint, "a", fake.endpoint, "two")
+        assert alive(client, session.id) and session.id in fake.sessions
+        assert not first.ok and not second.ok and "server-a" in second.message  # a answers as server-a: alive
+        assert register(router.register_endpoint, "a", fake.endpoint, "server-a").ok  # the replica itself
+        time.sleep(DEAD_S + 0.3)
+        assert register(router.register_endpoint, "a", fake.endpoint, "server-a").ok
+        assert alive(client, session.id) and session.id in fake.sessions
+
+
+def test_a_restarted_replica_takes_sessions_only_once_registered_and_its_registration_ends_none() -> None:
+    old = FakeReplica("server-one")
+    with LocalRouter([], FAST, register_port=free_port()) as router, Client(router.endpoint, timeout_s=10) as client:
+        assert register(router.register_endpoint, "r", old.endpoint, "server-one").ok
+        wait_for("r up", lambda: replicas(client).get("r", {}).get("state") == "up", 10)
+        client.open(b"png", num_chunks=4)
+        old.stop()  # the job dies; Slurm requeues it at the same endpoint
+        new = FakeReplica("server-two", port=old.port)
+        try:
+            wait_for("the new job answers the router's pings", lambda: new.heartbeats >= 3, 10)
+            time.sleep(DEAD_S + 0.2)  # its registration comes later than a timing rule would wait
+            try:  # before its registration: never placed there (a registration "restarting" it would end it)
+                early = client.open(b"png", num_chunks=4).id
+            except Busy:
+                early = None
+            assert register(router.register_endpoint, "r", new.endpoint, "server-two").ok
+            wait_for("r up as server-two", lambda: replicas(client)["r"]["state"] == "up", 10)
+            later = client.open(b"png", num_chunks=4).id
+            for _ in range(3):
+                time.sleep(0.3)
+                assert register(router.register_endpoint, "r", new.endpoint, "server-two").ok
+            assert alive(client, later) and later in new.sessions
+            assert early is None or alive(client, early)
+            assert early is None  # placed only once its registration was known
+        finally:
+            new.stop()
+
+
+def test_a_replica_registers_the_id_its_server_answers_heartbeats_with(fake: FakeReplica) -> None:
+    stop = threading.Event()
+    assert server_id(fake.endpoint, zmq.Context.instance(), stop, 0.1) == "server-a"  # what the router sees there
+    stop.set()
+    assert server_id("tcp://127.0.0.1:9", zmq.Context.instance(), stop, 0.1) is None  # stopped: no registration
