@@ -235,5 +235,10 @@ class LingbotDenoiseStage:
         cam = self.model.camera_modulation(ctrl)
         return st, cam, condition.to(device=self.device, dtype=self.dtype)
 
+    def session_nbytes(self, session: str) -> int:
+        """Bytes the session's caches hold on this rank (its KV ring and text keys/values)."""
+        st = self.sessions[session]
+        return st.cache.nbytes() + sum(t.numel() * t.element_size() for t in (*st.text.k, *st.text.v))
+
     def release(self, session: str) -> None:
         self.sessions.pop(session, None)
