@@ -46,6 +46,7 @@ from runtime import scheduler as sch
 from runtime.clock import ClockSync
 from runtime.config import LayoutConfig, MetricsConfig, SchedulerConfig, ServerConfig, StreamConfig, TimeoutsConfig
 from runtime.control_service import ControlStateError, LiveControls
+from runtime.memory_admission import Cost, MemoryAdmission
 from runtime.core_types import (
     EXIT_FAILED,
     EXIT_OK,
@@ -110,7 +111,8 @@ class CoordinatorCore:
     def __init__(self, layout: LayoutConfig, server: ServerConfig, stream: StreamConfig, scheduler: SchedulerConfig,
                  timeouts: TimeoutsConfig, metrics: MetricsConfig, geometry: StreamGeometry, now: float,
                  sink: MetricsSink | None = None, new_id: Callable[[], str] = _new_id,
-                 server_id: str | None = None) -> None:  # fmt: skip
+                 server_id: str | None = None, rooms: dict[int, int] | None = None,
+                 session_cost: Cost | None = None) -> None:  # fmt: skip
         self.layout, self.server, self.stream, self.timeouts, self.metrics_config = (layout, server, stream,
                                                                                       timeouts, metrics)
         self.geometry = geometry  # the backend's, at stream.height x stream.width
@@ -130,6 +132,8 @@ class CoordinatorCore:
         self.peers: dict[bytes, float] = {}  # client identity -> last heard
         self.last_beat = {rank: now for rank in self.where.heartbeat_ranks}
         self.memory: dict[int, dict[str, int]] = {}
+        # memory-aware admission: each rank's room (from its hello) against the model's cost of a session
+        self.admission = MemoryAdmission(session_cost, dict(rooms or {}))
         self.ping_seq = 0
         self.next_ping = now
         self.stopped = False
@@ -318,7 +322,11 @@ class CoordinatorCore:
         if result.image is None:
             raise ClientError("bad_image", result.error)
         geometry = self.geometry.with_size(*self._frame_size(result.image.height, result.image.width))
+        refusal = self.admission.refusal(geometry.height, geometry.width)
+        if refusal is not None:
+            raise ClientError("busy", f"{refusal}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
         sid = self.new_id()
+        self.admission.admit(sid, geometry.height, geometry.width)
         live = LiveControls(pause_when_idle=message.pause_when_idle) if message.live else None
         metrics = self.metrics.open_session(sid, now, self.stream.fps, self.metrics_config.warmup_chunks)
         self.sessions[sid] = Session(
@@ -459,6 +467,7 @@ class CoordinatorCore:
 
     def _closed(self, action: sch.SessionClosed, now: float) -> None:
         session = self.sessions.pop(action.session)  # present: _run skips actions of sessions dropped
+        self.admission.release(session.id)
         summary = self.metrics.close_session(session.id, now)
         summary["clock_offsets"] = self.clock.to_dict()
         summary["released"] = session.released  # stage -> ranks that confirmed, in release order
@@ -476,6 +485,7 @@ class CoordinatorCore:
         with contextlib.suppress(ValueError):  # an impossible sample (clock step): keep the estimate
             self.clock.add(beat.rank, beat.echo, beat.received, beat.sent, now)
         self.memory[beat.rank] = {"rss": beat.rss, "peak_rss": beat.peak_rss, "cuda_peak": beat.cuda_peak}
+        self.admission.report(beat.rank, beat.room, beat.held)
 
     def _completion(self, done: protocol.Completion, now: float) -> None:
         if isinstance(done, protocol.TaskFailed) and done.fatal:
@@ -589,6 +599,7 @@ class CoordinatorCore:
         except Exception:  # the session cannot even close cleanly: forget it rather than stop serving
             log.exception("session %s could not be closed; dropping it", session.id)
             self.sessions.pop(session.id, None)
+            self.admission.release(session.id)
             self._emit(DropTensors(session.id))
 
     def _notify_all(self, code: str, message: str) -> None:
@@ -615,7 +626,8 @@ class CoordinatorCore:
         return {
             **self.metrics.to_dict(now, visible),
             "open_sessions": len(self.sessions),
-            "ranks": {str(r): m for r, m in sorted(self.memory.items())},
+            "ranks": {str(r): {**self.memory.get(r, {}), **self.admission.stats(r)}
+                      for r in sorted({*self.memory, *range(self.where.world_size)})},
             "clock_offsets": self.clock.to_dict(),
             "layout": self.layout.name,
             "schedule": self.scheduler.mode.value,
