@@ -46,7 +46,6 @@ from runtime import scheduler as sch
 from runtime.clock import ClockSync
 from runtime.config import LayoutConfig, MetricsConfig, SchedulerConfig, ServerConfig, StreamConfig, TimeoutsConfig
 from runtime.control_service import ControlStateError, LiveControls
-from runtime.memory_admission import Cost, MemoryAdmission
 from runtime.core_types import (
     EXIT_FAILED,
     EXIT_OK,
@@ -72,6 +71,7 @@ from runtime.core_types import (
     ToWorker,
     WorkerSent,
 )
+from runtime.memory_admission import Cost, MemoryAdmission
 from runtime.metrics import ServerMetrics
 from runtime.placement import HEARTBEAT, Placement, StageAction, identity, placement_of, plan
 from runtime.session import Join, JoinKey, Session, Step
