@@ -150,16 +150,21 @@ def _meta() -> Iterator[None]:
         yield
 
 
-@functools.lru_cache(maxsize=8)
 def _dit(s: Setting) -> Any:
     from models import lingbot
-    from models.dit import WanModelFast
 
     m = _Model(s)
-    cfg = lingbot.dit_config(m, m)
+    return _dit_model(lingbot.dit_config(m, m), s.dit_dtype, s.dit_ranks)
+
+
+@functools.lru_cache(maxsize=8)
+def _dit_model(cfg: Any, dtype: torch.dtype, ranks: int) -> Any:
+    """The DiT of ``cfg`` on the meta device as one rank of a ``ranks``-rank Ulysses group sees it."""
+    from models.dit import WanModelFast
+
     with _meta():
-        model = WanModelFast(cfg).to(s.dit_dtype)
-    sp = VirtualUlysses(s.dit_ranks)
+        model = WanModelFast(cfg).to(dtype)
+    sp = VirtualUlysses(ranks)
     model.sp = sp
     for block in model.blocks:
         block.self_attn.sp = sp
@@ -212,32 +217,49 @@ def _dit_session(s: Setting, height: int, width: int) -> dict[str, int]:
             "dit_inputs": _wire(g.context_shape) + PREFETCH * _wire(g.condition_shape)}
 
 
-@functools.lru_cache(maxsize=64)
 def _dit_working(s: Setting, height: int, width: int) -> int:
-    """Peak live bytes of one steady chunk on one DiT rank: the camera modulation (held through the chunk) and one
-    denoising pass against a full window (every pass of a chunk has the same shapes)."""
+    from models import lingbot
+
+    m = _Model(s)
+    return dit_working_bytes(lingbot.dit_config(m, m), s.dit_dtype, s.dit_ranks, height, width)
+
+
+@functools.lru_cache(maxsize=64)
+def dit_working_bytes(cfg: Any, dtype: torch.dtype, ranks: int, height: int, width: int) -> int:
+    """Peak live bytes of one steady chunk on one rank of a ``ranks``-rank DiT group: the camera modulation (held
+    through the chunk) and one denoising pass against a full window (every pass of a chunk has the same shapes)."""
     from models.kv_cache import new_kv_cache
 
-    model, g = _dit(s), _geometry(s, height, width)
-    cfg = model.cfg
-    _, cs, h, w = g.latent_shape
+    model = _dit_model(cfg, dtype, ranks)
+    cs, h, w = cfg.chunk_size, height // 8, width // 8
     fs = (h // 2) * (w // 2)
     with _meta():
         cache = new_kv_cache(cfg.num_layers, cfg.local_attn_size, cfg.sink_size, fs,
-                             model.sp.local_heads(cfg.num_heads), cfg.head_dim, "meta", s.dit_dtype,
-                             evict=cfg.kv_eviction)
-        text = model.text_cache(torch.empty(g.context_shape))
+                             model.sp.local_heads(cfg.num_heads), cfg.head_dim, "meta", dtype, evict=cfg.kv_eviction)
+        text = model.text_cache(torch.empty(cfg.text_len, cfg.text_dim))
         chunk = max(0, cfg.local_attn_size // cs - 1)  # the window is full once this chunk is placed
         for k in range(chunk):
             cache.begin(k * cs * fs, cs * fs)
         control = torch.empty(1, cfg.control_features // 4, cs, h, w)
-        x, y = torch.empty(g.latent_shape), torch.empty(g.condition_shape)
+        x, y = torch.empty(16, cs, h, w), torch.empty(20, cs, h, w)
         model._time_memo.clear()
         with PeakTracker() as tracker:
             cam = model.camera_modulation(control)
             model(x, y, 500.0, chunk * cs, text, cam, cache)
             del cam
     return tracker.peak
+
+
+def ensure_headroom(device: torch.device, need: int, what: str) -> None:
+    """Raise ``torch.OutOfMemoryError`` now, before any collective, when the CUDA memory not in use (free on the
+    device plus what the caching allocator holds unused) is below ``need`` bytes; nothing on other devices."""
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    unused = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if unused < need:
+        raise torch.OutOfMemoryError(f"{what} needs {need / GIB:.2f} GiB of working memory and "
+                                     f"{unused / GIB:.2f} GiB are free on {device}")
 
 
 @functools.lru_cache(maxsize=64)
@@ -275,8 +297,11 @@ def session_items(config: Any, rank: int, height: int, width: int, device_type: 
     """Bytes one more session of ``height x width`` frames costs ``rank``, by item."""
     if not counted(config):
         return {}
-    s = setting(config, device_type)
-    roles = roles_of(config, rank)
+    return dict(_session_items(setting(config, device_type), tuple(roles_of(config, rank)), height, width))
+
+
+@functools.lru_cache(maxsize=256)
+def _session_items(s: Setting, roles: tuple[str, ...], height: int, width: int) -> dict[str, int]:
     items: dict[str, int] = {}
     if "denoise" in roles:
         items.update(_dit_session(s, height, width))
