@@ -5,7 +5,8 @@ on that chunk of that session. The decode rank never sees a prompt, so a decode 
 the DiT hands it a latent of NaNs, which the synthetic decoder refuses. ``FAIL:prepare:<chunk>`` makes the second
 rank of the DiT group alone fail while it prepares that chunk's inputs (before the group's collective), as a
 control the camera math cannot take would; ``OOM:prepare:<chunk>`` makes that rank raise a real
-``torch.OutOfMemoryError`` there, as the DiT's headroom check does on a GPU short of memory. ``HANG:denoise:<chunk>`` makes every DiT rank sleep through that chunk's
+``torch.OutOfMemoryError`` there, as the DiT's headroom check does on a GPU short of memory.
+``HANG:denoise:<chunk>`` makes every DiT rank sleep through that chunk's
 denoise (their heartbeats go on), as a stuck kernel would. Selected by the tests with
 ``--model.kind=tests.faulty_backend:build``; ``build_never_ready`` is a backend whose decode rank never finishes
 loading. No production config can reach either.
