@@ -105,6 +105,13 @@ class VirtualUlysses(Ulysses):
         return list(torch.empty_like(torch.stack(chunks)).unbind(0))
 
 
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """What a fused attention kernel (flash, cuDNN, efficient: the DiT's kernels on a GPU) allocates: its output and
+    a float32 log-sum-exp per query row, never the score matrix that SDPA's math path on the meta device would."""
+    _lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return torch.empty_like(q)
+
+
 @dataclass(frozen=True)
 class Setting:
     """What the memory of a rank depends on besides its roles (hashable: results are memoised on it)."""
@@ -164,6 +171,9 @@ def _dit_model(cfg: Any, dtype: torch.dtype, ranks: int) -> Any:
 
     with _meta():
         model = WanModelFast(cfg).to(dtype)
+    model.set_attention(fused_attention)
+    for block in model.blocks:
+        block.cross_attn.attend = fused_attention
     sp = VirtualUlysses(ranks)
     model.sp = sp
     for block in model.blocks:
