@@ -21,6 +21,7 @@ from ipc import tensor_plane as tp
 from ipc.transport import send_or_why, send_to
 from models import memory
 from ranks import prometheus
+from ranks.memory import held_bytes
 from ranks.processes import DeathHold, RankWatch
 from ranks.worker import RankContext, memory_facts
 from runtime import core_types as ct
@@ -151,7 +152,7 @@ class Coordinator:
                           else ct.ImageDecoded(ticket, future.result()))  # type: ignore[arg-type]
         if now >= self.next_memory:  # rank 0 has no heartbeat thread of its own
             self.next_memory = now + self.timeouts.heartbeat_s
-            events.append(ct.MemorySampled(self.ctx.rank, *memory_facts()))
+            events.append(ct.MemorySampled(self.ctx.rank, *memory_facts(), held=held_bytes(self.ctx.backend)))
         if now >= self.next_probe:  # often: a dead rank is named before the launcher tears the others down
             self.next_probe = now + PROBE_S
             events.extend(self._dead_ranks())

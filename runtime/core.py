@@ -177,8 +177,10 @@ class CoordinatorCore:
             case FramesMissing(session=sid, index=index, error=error):
                 self._contain(sid, None, None, RuntimeError(f"frames of chunk {index} never reached rank 0: {error}"),
                               now)
-            case MemorySampled(rank=rank, rss=rss, peak_rss=peak, cuda_peak=cuda):
+            case MemorySampled(rank=rank, rss=rss, peak_rss=peak, cuda_peak=cuda, held=held):
                 self.memory[rank] = {"rss": rss, "peak_rss": peak, "cuda_peak": cuda}
+                if held is not None:
+                    self.admission.measured[rank] = held
             case Tick():
                 self._timers(now)
             case RankLost(reason=reason):

@@ -75,3 +75,34 @@ def test_the_peak_tracker_counts_new_storages_once_and_frees_them() -> None:
 def test_synthetic_backends_cost_nothing() -> None:
     cfg = config_mod.load("cpu-tiny")
     assert memory.session_costs(cfg, 160, 256, "cpu") == {rank: 0 for rank in range(cfg.layout.world_size)}
+
+
+class _Counted:
+    """A stage that says how many bytes a session holds."""
+
+    def __init__(self, held: int) -> None:
+        self.held = held
+
+    def session_nbytes(self, session: str) -> int:
+        return self.held
+
+
+def test_a_session_holding_more_than_the_model_said_logs_a_warning_on_its_rank(caplog: pytest.LogCaptureFixture
+                                                                                ) -> None:
+    from ranks.memory import check_session
+
+    cfg = _config()
+    items = memory.session_items(cfg, 1, 64, 96, "cpu")
+    with caplog.at_level("DEBUG", logger="ranks.memory"):
+        check_session(cfg, 1, "decode", _Counted(items["decode_cache"]), "s", 64, 96)
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+        check_session(cfg, 1, "decode", _Counted(int(items["decode_cache"] * 1.2)), "s", 64, 96)
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "under-estimates this rank by 20%" in warning.getMessage() and "session s (64x96)" in warning.getMessage()
+
+
+def test_a_cpu_rank_has_the_configured_budget_or_no_limit() -> None:
+    from ranks.memory import room_bytes
+
+    assert room_bytes(_config(), 0, torch.device("cpu")) == -1
+    assert room_bytes(_config("--memory.budget_gb=0.5"), 0, torch.device("cpu")) == 1 << 29
