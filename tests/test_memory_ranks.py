@@ -30,6 +30,9 @@ def test_a_budget_for_two_tiny_sessions_refuses_the_third_naming_the_rank_and_ad
     with LocalServer("cpu-tiny-model", flags, log_path=tmp_path / "server.log") as server, \
             Client(server.endpoint) as client:
         first = client.open(IMAGE, prompt="one", num_chunks=None)
+        for index in range(2):  # the VAE caches reach their steady size: each rank checks them against the model
+            client.control(first.id, index, keys="w")
+            client.next_chunk(first.id, timeout_s=60)
         client.open(IMAGE, prompt="two", num_chunks=None)
         with pytest.raises(ServerError) as refused:
             client.open(IMAGE, prompt="three", num_chunks=None)
@@ -41,10 +44,13 @@ def test_a_budget_for_two_tiny_sessions_refuses_the_third_naming_the_rank_and_ad
         for rank, cost in costs.items():
             assert ranks[str(rank)]["session_bytes"] == 2 * cost
             assert abs(ranks[str(rank)]["free_bytes"] - (budget - 2 * cost)) <= 1  # the budget travels in GiB
+        measured = ranks["1"]["measured_session_bytes"]  # what the stages of rank 1 count, the two sessions together
+        assert 0 < measured <= ranks["1"]["session_bytes"]
         client.close(first.id, timeout_s=60)
         third = client.open(IMAGE, prompt="three again", num_chunks=None)
         assert third.id and client.stats()["open_sessions"] == 2
         assert server.stop() == 0
+    assert "under-estimates" not in server.log()
 
 
 def test_an_out_of_memory_error_on_one_dit_rank_fails_its_session_only_and_the_job_serves_on(
