@@ -103,6 +103,7 @@ class _Session:
     cache: KVCache
     camera: StreamingCamera
     next_index: int = 0
+    working: int = 0  # bytes a chunk's passes need free on a CUDA device (models.memory), checked before each
 
 
 class LingbotDenoiseStage:
@@ -195,6 +196,9 @@ class LingbotDenoiseStage:
             cache=cache,
             camera=StreamingCamera(self.intrinsics, geometry.height, geometry.width, self.device,
                                    self.translation_scale),
+            # measured on the meta device once per frame size (a second for v1), here rather than mid-stream
+            working=dit_working_bytes(self.cfg, self.dtype, self.model.sp.size, geometry.height, geometry.width)
+            if self.device.type == "cuda" else 0,
         )
 
     @torch.no_grad()
@@ -228,9 +232,7 @@ class LingbotDenoiseStage:
                              f"{self.cfg.local_attn_size} latent frames); use a rolling model.kv_window for longer")
         # A chunk's passes cannot fail on one rank alone (the others would wait in its all-to-all): an OOM is raised
         # here instead, where the group agrees on it and only the session fails.
-        if self.device.type == "cuda":
-            need = dit_working_bytes(self.cfg, self.dtype, self.model.sp.size, st.geometry.height, st.geometry.width)
-            ensure_headroom(self.device, need, f"chunk {index} of {session}")
+        ensure_headroom(self.device, st.working, f"chunk {index} of {session}")
         first = index == 0
         poses = integrate(st.camera.last_video_pose, control, st.geometry.frames_in_chunk(index), self.speeds,
                           first_is_start=first)  # fmt: skip
