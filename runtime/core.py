@@ -628,7 +628,8 @@ class CoordinatorCore:
         return {
             **self.metrics.to_dict(now, visible),
             "open_sessions": len(self.sessions),
-            "ranks": {str(r): {**self.memory.get(r, {}), **self.admission.stats(r)}
+            "ranks": {str(r): {"rss": 0, "peak_rss": 0, "cuda_peak": 0, **self.memory.get(r, {}),
+                               **self.admission.stats(r)}
                       for r in sorted({*self.memory, *range(self.where.world_size)})},
             "clock_offsets": self.clock.to_dict(),
             "layout": self.layout.name,
