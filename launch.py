@@ -131,7 +131,7 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     room = memory.room_bytes(cfg, rank, device)  # after the weights (and any warm-up): what sessions may take
     ctx = RankContext(layout=lay, timeouts=cfg.timeouts, rank=rank, roles=rank_roles, endpoint=shared[0],
                       zmq=context, groups=groups, backend=built, room=room,
-                      check_memory=lambda *args: memory.check_session(cfg, rank, *args))
+                      check_memory=lambda *args: memory.check_later(cfg, rank, *args))
     coordinator = None
     if rank == lay.coordinator:  # before any worker thread: a fatal error on this rank reaches clients first
         from ranks.coordinator import Coordinator

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -52,6 +53,19 @@ def held_bytes(backend: Any) -> int:
             with contextlib.suppress(RuntimeError, KeyError):  # a session opened or closed meanwhile: next beat
                 total += count()
     return total
+
+
+def check_later(config: Any, rank: int, role: str, stage: Any, session: str, height: int, width: int) -> None:
+    """``check_session`` on a thread of its own: the model's first run at a frame size takes about a second on
+    the meta device, which must not stall the role's stream; a check that fails only logs."""
+
+    def check() -> None:
+        try:
+            check_session(config, rank, role, stage, session, height, width)
+        except Exception:
+            log.exception("rank %d %s: the memory check of session %s failed", rank, role, session)
+
+    threading.Thread(target=check, name=f"memory-check-{role}", daemon=True).start()
 
 
 def check_session(config: Any, rank: int, role: str, stage: Any, session: str, height: int, width: int) -> None:
