@@ -413,7 +413,9 @@ class CoordinatorCore:
                     self._ready(self.sessions[sid])
                 case sch.SessionFailed(session=sid, error=error):
                     self.metrics.on_error("stage_failed")
-                    self._to_client(self.sessions[sid], protocol.Error(session=sid, code="failed", message=error))
+                    session = self.sessions[sid]  # before it was opened, the failure is the answer to its open
+                    self._to_client(session, protocol.Error(req=None if session.opened else session.open_req,
+                                                            session=sid, code="failed", message=error))
                 case sch.SessionClosed():
                     self._closed(action, now)
                 case _:
@@ -442,6 +444,7 @@ class CoordinatorCore:
         if self.sink is not None:
             self.sink.on_open()
         g = session.geometry
+        session.opened = True
         self._to_client(session, protocol.Opened(
             req=session.open_req, session=session.id, height=g.height, width=g.width, fps=self.stream.fps,
             frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),

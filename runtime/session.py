@@ -48,6 +48,7 @@ class Session:
     last_heard: float
     image: DecodedImage | None  # the start image until the condition stage has it
     gone: bool = False  # the client can no longer be reached (until it resumes)
+    opened: bool = False  # its ``opened`` was sent; until then a failure answers the ``open`` request itself
     controls: dict[int, ChunkControl] = field(default_factory=dict)  # accepted, not yet emitted
     spans: dict[int, list[Span]] = field(default_factory=dict)  # chunk -> spans reported so far
     queued: dict[tuple[Step, int], float] = field(default_factory=dict)  # (step, chunk) -> when its task left

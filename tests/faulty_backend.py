@@ -5,7 +5,8 @@ on that chunk of that session. The decode rank never sees a prompt, so a decode 
 the DiT hands it a latent of NaNs, which the synthetic decoder refuses. ``FAIL:prepare:<chunk>`` makes the second
 rank of the DiT group alone fail while it prepares that chunk's inputs (before the group's collective), as a
 control the camera math cannot take would; ``OOM:prepare:<chunk>`` makes that rank raise a real
-``torch.OutOfMemoryError`` there, as the DiT's headroom check does on a GPU short of memory.
+``torch.OutOfMemoryError`` there, as the DiT's headroom check does on a GPU short of memory, and ``OOM:open`` makes
+it raise one while it opens the session's caches (its KV ring, the largest allocation of a session).
 ``HANG:denoise:<chunk>`` makes every DiT rank sleep through that chunk's
 denoise (their heartbeats go on), as a stuck kernel would. Selected by the tests with
 ``--model.kind=tests.faulty_backend:build``; ``build_never_ready`` is a backend whose decode rank never finishes
@@ -72,6 +73,8 @@ class FaultyDenoise(SyntheticDenoise):
         self._prepare_fails[spec.session] = failure_chunk(spec.prompt, "prepare")
         self._oom_at[spec.session] = failure_chunk(spec.prompt, "prepare", "OOM")
         self._hang_at[spec.session] = failure_chunk(spec.prompt, "denoise", "HANG")
+        if "OOM:open" in spec.prompt and self._group_rank == 1:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory allocating the KV ring on one DiT rank")
         super().open(spec, context)
 
     def _render(self, session: str, index: int, condition: torch.Tensor, control: Any) -> torch.Tensor:

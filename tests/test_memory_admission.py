@@ -94,3 +94,14 @@ def test_stats_show_each_ranks_session_bytes_and_free_bytes() -> None:
     assert ranks["3"]["session_bytes"] == 40 and ranks["3"]["free_bytes"] == 60
     assert ranks["3"]["measured_session_bytes"] == 38 and ranks["3"]["room_bytes"] == 100
     assert ranks["0"]["session_bytes"] == 10 and ranks["0"]["free_bytes"] == 990
+
+
+def test_an_oom_while_one_dit_rank_opens_the_caches_answers_the_open_and_gives_the_bytes_back() -> None:
+    job = memory_job(rooms={**ROOMS, 3: 40})
+    job.open(A, ready=False)
+    job.settle(p.InitCondition, p.BroadcastContext, p.InitDecode)
+    out = job.answer(p.InitDenoise, ranks=[3], fail="OutOfMemoryError: CUDA out of memory")
+    (failed,) = job.to(A, p.Error, out)
+    assert failed.code == "failed" and failed.req == 1 and "OutOfMemoryError" in failed.message  # the open's answer
+    job.settle(p.InitDenoise, p.Release)
+    assert not job.core.sessions and not job.to(B, p.Error, ask(job, B))

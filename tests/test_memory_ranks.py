@@ -65,3 +65,13 @@ def test_an_out_of_memory_error_on_one_dit_rank_fails_its_session_only_and_the_j
     assert results["good beside an OOM"][0] == list(range(8))
     after = concurrent(shared_server.endpoint, ["after an OOM"], chunks=4)
     assert after["after an OOM"][0] == [0, 1, 2, 3]
+
+
+def test_an_out_of_memory_error_opening_a_session_on_one_dit_rank_refuses_that_session_only(
+        shared_server: LocalServer) -> None:
+    with Client(shared_server.endpoint) as client:
+        with pytest.raises(ServerError) as failed:
+            client.open(IMAGE, prompt="OOM:open", num_chunks=4)
+        assert failed.value.code == "failed" and "OutOfMemoryError" in failed.value.message, failed.value
+    after = concurrent(shared_server.endpoint, ["after an OOM at open"], chunks=4)
+    assert after["after an OOM at open"][0] == [0, 1, 2, 3]
