@@ -414,8 +414,9 @@ class CoordinatorCore:
                 case sch.SessionFailed(session=sid, error=error):
                     self.metrics.on_error("stage_failed")
                     session = self.sessions[sid]  # before it was opened, the failure is the answer to its open
-                    self._to_client(session, protocol.Error(req=None if session.opened else session.open_req,
-                                                            session=sid, code="failed", message=error))
+                    answer = protocol.Error(session=sid, code="failed", message=error) if session.opened else \
+                        protocol.Error(req=session.open_req, code="failed", message=error)  # (a router's too)
+                    self._to_client(session, answer)
                 case sch.SessionClosed():
                     self._closed(action, now)
                 case _:

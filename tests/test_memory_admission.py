@@ -102,6 +102,7 @@ def test_an_oom_while_one_dit_rank_opens_the_caches_answers_the_open_and_gives_t
     job.settle(p.InitCondition, p.BroadcastContext, p.InitDecode)
     out = job.answer(p.InitDenoise, ranks=[3], fail="OutOfMemoryError: CUDA out of memory")
     (failed,) = job.to(A, p.Error, out)
-    assert failed.code == "failed" and failed.req == 1 and "OutOfMemoryError" in failed.message  # the open's answer
+    assert failed.code == "failed" and "OutOfMemoryError" in failed.message
+    assert failed.req == 1 and failed.session is None  # the open's answer: its client never learnt the session
     job.settle(p.InitDenoise, p.Release)
     assert not job.core.sessions and not job.to(B, p.Error, ask(job, B))
