@@ -266,10 +266,17 @@ def ensure_headroom(device: torch.device, need: int, what: str) -> None:
     if device.type != "cuda":
         return
     free, _ = torch.cuda.mem_get_info(device)
-    unused = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    if unused < need:
-        raise torch.OutOfMemoryError(f"{what} needs {need / GIB:.2f} GiB of working memory and "
-                                     f"{unused / GIB:.2f} GiB are free on {device}")
+    error = headroom_error(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), need,
+                           what, device)
+    if error is not None:
+        raise error
+
+
+def headroom_error(unused: int, need: int, what: str, device: torch.device) -> torch.OutOfMemoryError | None:
+    if unused >= need:
+        return None
+    return torch.OutOfMemoryError(f"{what} needs {need / GIB:.2f} GiB of working memory and {unused / GIB:.2f} GiB "
+                                  f"are free on {device}")
 
 
 @functools.lru_cache(maxsize=64)

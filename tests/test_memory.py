@@ -106,3 +106,12 @@ def test_a_cpu_rank_has_the_configured_budget_or_no_limit() -> None:
 
     assert room_bytes(_config(), 0, torch.device("cpu")) == -1
     assert room_bytes(_config("--memory.budget_gb=0.5"), 0, torch.device("cpu")) == 1 << 29
+
+
+def test_a_chunk_without_its_working_memory_is_an_out_of_memory_error_before_it_starts() -> None:
+    cuda = torch.device("cuda", 0)
+    assert memory.headroom_error(3 * memory.GIB, 2 * memory.GIB, "chunk 4 of s", cuda) is None
+    error = memory.headroom_error(memory.GIB, 2 * memory.GIB, "chunk 4 of s", cuda)
+    assert isinstance(error, torch.OutOfMemoryError)
+    assert str(error) == "chunk 4 of s needs 2.00 GiB of working memory and 1.00 GiB are free on cuda:0"
+    memory.ensure_headroom(torch.device("cpu"), 1 << 60, "anything")  # the CPU has no such check
