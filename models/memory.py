@@ -19,7 +19,8 @@ The per-session figures are exact for the tensors they name (``tests/test_memory
 tiny session on CPU); the working peaks are the live bytes of the meta run (``PeakTracker``), which the caching
 allocator can round up: the margin of ``[memory]`` covers that. Host memory of rank 0 (frames on their way to the
 client) is not GPU memory and not counted. Only ``model.kind = "lingbot-fast"`` holds session tensors worth
-counting; other backends cost nothing here.
+counting; other backends cost nothing here. The networks are the preset's sizes (the released checkpoints'
+``config.json`` and tensor shapes match them); the dtypes are those the ranks run on ``device_type``.
 """
 
 from __future__ import annotations
