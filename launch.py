@@ -91,7 +91,7 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     from ipc.tensor_plane import build_groups
     from models import precision
     from ranks import backend as backend_mod
-    from ranks import roles
+    from ranks import memory, roles
     from ranks.worker import RankContext, heartbeat, run_thread
 
     cfg = config_mod.load(args.config, overrides)
@@ -128,8 +128,10 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     rank_roles = lay.roles_of(rank)
     precision.apply(device, cfg.model.vae_dtype, holds_vae=bool({"condition", "decode"} & set(rank_roles)))
     built = backend_mod.build(cfg.model, cfg.stream, cfg.synthetic, cfg.controls, rank_roles, device, groups.dit)
+    room = memory.room_bytes(cfg, rank, device)  # after the weights (and any warm-up): what sessions may take
     ctx = RankContext(layout=lay, timeouts=cfg.timeouts, rank=rank, roles=rank_roles, endpoint=shared[0],
-                      zmq=context, groups=groups, backend=built)
+                      zmq=context, groups=groups, backend=built, room=room,
+                      check_memory=lambda *args: memory.check_later(cfg, rank, *args))
     coordinator = None
     if rank == lay.coordinator:  # before any worker thread: a fatal error on this rank reaches clients first
         from ranks.coordinator import Coordinator

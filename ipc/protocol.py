@@ -438,6 +438,7 @@ class Hello(_Msg, tag="hello"):
     role: str  # which worker thread of the rank this is
     pid: int = 0  # the rank's process: rank 0 watches the processes on its own host to name a dead rank
     host: str = ""  # the rank's host name (a pid means something on that host only)
+    room: int = -1  # bytes this rank can give to sessions once ready (memory-aware admission); -1: unlimited
 
 
 class WorkerSpan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -498,6 +499,8 @@ class Beat(_Msg, tag="beat"):
     rss: int = 0  # resident memory of the rank now, bytes
     peak_rss: int = 0  # peak resident memory, bytes
     cuda_peak: int = 0  # torch.cuda.max_memory_allocated, bytes (0 without CUDA)
+    room: int = -1  # bytes this rank can give to sessions (as in its hello); -1: unlimited
+    held: int = 0  # bytes the sessions' caches hold on this rank now, as its stages count them
 
 
 WorkerMessage = Union[Hello, InitDone, ChunkDone, ReleaseDone, TransferDone, TaskFailed, ShutdownDone, Beat]  # noqa: UP007

@@ -37,6 +37,7 @@ from models.controls import OFFICIAL_INTRINSICS, ChunkControl, MotionSpeeds, int
 from models.dit import ARCH_FIELDS, ChunkCamera, DiTConfig, WanModelFast, apply_sequence_parallel
 from models.dit_checkpoint import load_dit, load_state_dict_strict, random_dit
 from models.kv_cache import KVCache, TextCache, kv_cache_bytes, new_kv_cache
+from models.memory import dit_working_bytes, ensure_headroom
 from models.schedule import FlowMatchSchedule, Step, renoise, x0_from_velocity
 from models.stages import SessionSpec, StreamGeometry, agree_prepared
 
@@ -100,6 +101,7 @@ class _Session:
     cache: KVCache
     camera: StreamingCamera
     next_index: int = 0
+    working: int = 0  # bytes a chunk's passes need free on a CUDA device (models.memory), checked before each
 
 
 class LingbotDenoiseStage:
@@ -203,6 +205,9 @@ class LingbotDenoiseStage:
             cache=cache,
             camera=StreamingCamera(intrinsics, geometry.height, geometry.width, self.device,
                                    self.translation_scale),
+            # measured on the meta device once per frame size (a second for v1), here rather than mid-stream
+            working=dit_working_bytes(self.cfg, self.dtype, self.model.sp.size, geometry.height, geometry.width)
+            if self.device.type == "cuda" else 0,
         )
 
     @torch.no_grad()
@@ -234,6 +239,9 @@ class LingbotDenoiseStage:
         if cap is not None and index >= cap:
             raise ValueError(f"chunk {index} is past what the full KV cache holds ({cap} chunks: "
                              f"{self.cfg.local_attn_size} latent frames); use a rolling model.kv_window for longer")
+        # A chunk's passes cannot fail on one rank alone (the others would wait in its all-to-all): an OOM is raised
+        # here instead, where the group agrees on it and only the session fails.
+        ensure_headroom(self.device, st.working, f"chunk {index} of {session}")
         first = index == 0
         poses = integrate(st.camera.last_video_pose, control, st.geometry.frames_in_chunk(index), self.speeds,
                           first_is_start=first)  # fmt: skip
@@ -243,6 +251,14 @@ class LingbotDenoiseStage:
         st.next_index += 1
         cam = self.model.camera_modulation(ctrl)
         return st, cam, condition.to(device=self.device, dtype=self.dtype)
+
+    def session_nbytes(self, session: str) -> int:
+        """Bytes the session's caches hold on this rank (its KV ring and text keys/values)."""
+        st = self.sessions[session]
+        return st.cache.nbytes() + sum(t.numel() * t.element_size() for t in (*st.text.k, *st.text.v))
+
+    def sessions_nbytes(self) -> int:
+        return sum(self.session_nbytes(session) for session in list(self.sessions))
 
     def release(self, session: str) -> None:
         self.sessions.pop(session, None)

@@ -71,6 +71,9 @@ class _PerSessionStage:
     def session_nbytes(self, session: str) -> int:
         return self._sessions.get(session).nbytes()
 
+    def sessions_nbytes(self) -> int:
+        return sum(item.nbytes() for item in self._sessions.values())
+
     def __contains__(self, session: str) -> bool:
         return session in self._sessions
 

@@ -215,5 +215,8 @@ class SessionTable(Generic[T]):
     def __contains__(self, session: object) -> bool:
         return session in self._items
 
+    def values(self) -> list[T]:
+        return list(self._items.values())
+
     def __len__(self) -> int:
         return len(self._items)

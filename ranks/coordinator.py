@@ -19,13 +19,16 @@ import zmq
 from ipc import protocol
 from ipc import tensor_plane as tp
 from ipc.transport import send_or_why, send_to
+from models import memory
 from ranks import prometheus
+from ranks.memory import held_bytes
 from ranks.processes import DeathHold, RankWatch
 from ranks.worker import RankContext, memory_facts
 from runtime import core_types as ct
 from runtime.config import Config
 from runtime.core import CoordinatorCore
 from runtime.images import decode_image
+from runtime.memory_admission import Cost, gib
 from runtime.placement import placement_of
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,7 @@ class Coordinator:
         self.fatal_reported = False
         self.exporter = prometheus.start(config.metrics.prometheus_port)
         self.watch = RankWatch()  # the rank processes on this host, from the workers' hellos
+        self.rooms: dict[int, int] = {}  # rank -> bytes it can give to sessions, from the workers' hellos
 
     def run(self, port: int) -> int:
         """Serve until shutdown or a lost rank; returns the process exit code. A failed job ends the other ranks on
@@ -72,7 +76,8 @@ class Coordinator:
         c = self.config
         self.core = CoordinatorCore(c.layout, c.server, c.stream, c.scheduler, c.timeouts, c.metrics,
                                     self.ctx.backend.geometry, time.monotonic(), sink=self.exporter,
-                                    intrinsics=c.controls.intrinsics)
+                                    intrinsics=c.controls.intrinsics, rooms=self.rooms,
+                                    session_cost=self._session_cost())
         port_file = os.environ.get("WORLDSTREAM_PORT_FILE")  # written once serving: tests and scripts wait on it
         if port_file:
             with open(f"{port_file}.tmp", "w") as f:
@@ -113,7 +118,20 @@ class Coordinator:
                 if isinstance(hello, protocol.Hello):
                     expected.discard(identity)
                     self.watch.add(hello.rank, hello.pid, hello.host)
+                    self.rooms[hello.rank] = hello.room
         return True
+
+    def _session_cost(self) -> Cost | None:
+        """What one more session costs each rank at a frame size (``models.memory``, memoised per size; the first
+        session at a new size waits for its meta-device run, about a second for a full-size model)."""
+        if not memory.counted(self.config):
+            return None
+        device = self.ctx.groups.device.type
+        config = self.config
+        cost = memory.session_costs(config, config.stream.height, config.stream.width, device)  # the usual size now
+        log.info("a %dx%d session costs %s", config.stream.height, config.stream.width,
+                 ", ".join(f"rank {r} {gib(n)}" for r, n in cost.items()))
+        return lambda height, width: memory.session_costs(config, height, width, device)
 
     # ---------------------------------------------------------------------------------------------- inputs
 
@@ -135,7 +153,7 @@ class Coordinator:
                           else ct.ImageDecoded(ticket, future.result()))  # type: ignore[arg-type]
         if now >= self.next_memory:  # rank 0 has no heartbeat thread of its own
             self.next_memory = now + self.timeouts.heartbeat_s
-            events.append(ct.MemorySampled(self.ctx.rank, *memory_facts()))
+            events.append(ct.MemorySampled(self.ctx.rank, *memory_facts(), held=held_bytes(self.ctx.backend)))
         if now >= self.next_probe:  # often: a dead rank is named before the launcher tears the others down
             self.next_probe = now + PROBE_S
             events.extend(self._dead_ranks())

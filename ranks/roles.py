@@ -20,6 +20,8 @@ from ranks.worker import Fatal, RankContext, Spans, serve, tensor_plane
 from runtime.placement import CONDITION_EDGE, FRAMES_RECEIVER, LATENT_RECEIVER
 
 CONTEXT_INDEX = -1  # mailbox index of a session's prompt context
+STEADY_CHUNK = 1  # a session's VAE caches are at their steady size once this chunk is done (ranks.memory)
+SPATIAL_STRIDE = 8  # frame pixels per condition pixel
 
 
 def dtype_of(spec: TensorSpec) -> torch.dtype:
@@ -47,6 +49,9 @@ def condition_worker(ctx: RankContext) -> None:
         with spans.span("condition"):
             condition = stage.encode(task.session, task.index)
         ctx.conditions.put((task.session, task.index), condition)
+        if task.index == STEADY_CHUNK and ctx.check_memory is not None:  # the encoder cache and its snapshot
+            h, w = condition.shape[-2:]
+            ctx.check_memory("condition", stage, task.session, h * SPATIAL_STRIDE, w * SPATIAL_STRIDE)
 
     def release(task: protocol.Release, spans: Spans) -> None:
         with spans.span("condition.release"):
@@ -106,6 +111,8 @@ def denoise_worker(ctx: RankContext) -> None:
             stage.open(SessionSpec(task.session, task.seed, task.prompt, height=task.height, width=task.width,
                                    intrinsics=task.intrinsics),
                        context)
+        if ctx.check_memory is not None:  # the KV ring and text cache are whole once open
+            ctx.check_memory("denoise", stage, task.session, task.height, task.width)
 
     def denoise(task: protocol.DenoiseChunk, spans: Spans) -> None:
         condition = _dit_input(ctx, task.session, task.index)
@@ -175,6 +182,8 @@ def decode_worker(ctx: RankContext) -> None:
         except Exception as error:  # the session fails; the announced transfer still happens (zeros)
             failure, frames = error, zeros(task.frames)
         frames = frames.to(torch.uint8).contiguous()
+        if failure is None and task.index == STEADY_CHUNK and ctx.check_memory is not None:
+            ctx.check_memory("decode", stage, task.session, *task.frames.shape[1:3])
         if lay.coordinator == ctx.rank:
             ctx.frames.put((task.session, task.index), frames.cpu())
         else:

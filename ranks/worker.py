@@ -30,6 +30,7 @@ from ipc.protocol import Phase, Stage, WorkerSpan
 from ipc.tensor_plane import Groups, Mailbox
 from ipc.transport import WorkerLink
 from ranks.backend import Backend
+from ranks.memory import held_bytes
 from runtime.config import LayoutConfig, TimeoutsConfig
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class RankContext:
     groups: Groups
     backend: Backend
     on_fatal: Callable[[str], None] | None = None  # on the coordinator's rank: its loop tells clients first
+    room: int = -1  # bytes this rank can give to sessions (ranks.memory.room_bytes); -1: unlimited
+    # (role, stage, session, height, width): compares a session's bytes with the memory model (ranks.memory)
+    check_memory: Callable[[str, Any, str, int, int], None] | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     conditions: Mailbox = field(default_factory=Mailbox)  # (session, index) -> condition, on the condition rank
     contexts: Mailbox = field(default_factory=Mailbox)  # (session, -1) -> prompt context, on the condition rank
@@ -130,7 +134,7 @@ def serve(ctx: RankContext, role: str, stage: Stage | None, handlers: dict[type,
     whose sender answers for it; it reports failures only."""
     if ctx.groups.device.type == "cuda":
         torch.cuda.set_device(ctx.groups.device)  # the current device is per thread; new threads start on cuda:0
-    link = WorkerLink(ctx.zmq, ctx.endpoint, ctx.rank, role)
+    link = WorkerLink(ctx.zmq, ctx.endpoint, ctx.rank, role, ctx.room)
     try:
         while not ctx.stop.is_set():
             task = link.recv(timeout_s=0.1)
@@ -196,7 +200,7 @@ def heartbeat(ctx: RankContext) -> None:
     timeouts = ctx.timeouts
     if ctx.groups.device.type == "cuda":
         torch.cuda.set_device(ctx.groups.device)  # so memory_facts reads this rank's GPU
-    link = WorkerLink(ctx.zmq, ctx.endpoint, ctx.rank, "heartbeat")
+    link = WorkerLink(ctx.zmq, ctx.endpoint, ctx.rank, "heartbeat", ctx.room)
     last_ping = time.monotonic()
     try:
         while not ctx.stop.is_set():
@@ -206,7 +210,8 @@ def heartbeat(ctx: RankContext) -> None:
                 last_ping = now
                 rss, peak, cuda = memory_facts()
                 link.send(protocol.Beat(rank=ctx.rank, seq=message.seq, echo=message.sent, received=now,
-                                        sent=time.monotonic(), rss=rss, peak_rss=peak, cuda_peak=cuda))
+                                        sent=time.monotonic(), rss=rss, peak_rss=peak, cuda_peak=cuda,
+                                        room=ctx.room, held=held_bytes(ctx.backend)))
             elif isinstance(message, protocol.Shutdown):
                 link.send(protocol.ShutdownDone(rank=ctx.rank, role="heartbeat"))
                 return

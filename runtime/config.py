@@ -165,6 +165,14 @@ class MetricsConfig(_Section):
     prometheus_port: int = 0  # >0: serve counters on 127.0.0.1:PORT if prometheus-client is installed
 
 
+class MemoryConfig(_Section):
+    """Memory-aware admission: a session opens only if every rank has room for what it costs (``models.memory``)."""
+
+    budget_gb: float = 0.0  # bytes each rank may give to sessions; CPU: 0 = unlimited; CUDA: >0 caps the measured room
+    margin_gb: float = 2.0  # CUDA: kept free beside the model's working peaks (allocator rounding, NCCL, fragments)
+    tolerance: float = 0.1  # a session that holds more than the model said by this fraction logs a warning
+
+
 class ReplicaConfig(_Section):
     """Joining a router (``python -m ranks.router``) as one of its replicas. The job is unchanged: rank 0 only
     registers its client endpoint with the router and re-sends that registration as a heartbeat."""
@@ -186,6 +194,7 @@ class Config(_Section):
     synthetic: SyntheticConfig = msgspec.field(default_factory=SyntheticConfig)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
     replica: ReplicaConfig = msgspec.field(default_factory=ReplicaConfig)
 
 
@@ -277,6 +286,9 @@ def validate(config: Config, where: str) -> Config:
     for key in ("control_capacity", "latent_capacity", "output_capacity"):
         if getattr(sch, key) < 1:
             raise ConfigError(f"{where}: scheduler.{key} must be >= 1")
+    mem = config.memory
+    if mem.budget_gb < 0 or mem.margin_gb < 0 or mem.tolerance < 0:
+        raise ConfigError(f"{where}: memory.budget_gb, memory.margin_gb and memory.tolerance must be >= 0")
     rep = config.replica
     if rep.router and not rep.router.startswith(("tcp://", "ipc://")):
         raise ConfigError(f"{where}: replica.router must be a ZeroMQ endpoint (tcp://host:port), got {rep.router!r}")

@@ -73,6 +73,7 @@ from runtime.core_types import (
     ToWorker,
     WorkerSent,
 )
+from runtime.memory_admission import Cost, MemoryAdmission
 from runtime.metrics import ServerMetrics
 from runtime.placement import HEARTBEAT, Placement, StageAction, identity, placement_of, plan
 from runtime.session import Join, JoinKey, Session, Step
@@ -113,7 +114,8 @@ class CoordinatorCore:
                  timeouts: TimeoutsConfig, metrics: MetricsConfig, geometry: StreamGeometry, now: float,
                  sink: MetricsSink | None = None, new_id: Callable[[], str] = _new_id,
                  server_id: str | None = None,
-                 intrinsics: tuple[float, float, float, float] = OFFICIAL_INTRINSICS) -> None:  # fmt: skip
+                 intrinsics: tuple[float, float, float, float] = OFFICIAL_INTRINSICS,
+                 rooms: dict[int, int] | None = None, session_cost: Cost | None = None) -> None:  # fmt: skip
         self.layout, self.server, self.stream, self.timeouts, self.metrics_config = (layout, server, stream,
                                                                                       timeouts, metrics)
         self.geometry = geometry  # the backend's, at stream.height x stream.width
@@ -134,6 +136,8 @@ class CoordinatorCore:
         self.peers: dict[bytes, float] = {}  # client identity -> last heard
         self.last_beat = {rank: now for rank in self.where.heartbeat_ranks}
         self.memory: dict[int, dict[str, int]] = {}
+        # memory-aware admission: each rank's room (from its hello) against the model's cost of a session
+        self.admission = MemoryAdmission(session_cost, dict(rooms or {}))
         self.ping_seq = 0
         self.next_ping = now
         self.stopped = False
@@ -177,8 +181,10 @@ class CoordinatorCore:
             case FramesMissing(session=sid, index=index, error=error):
                 self._contain(sid, None, None, RuntimeError(f"frames of chunk {index} never reached rank 0: {error}"),
                               now)
-            case MemorySampled(rank=rank, rss=rss, peak_rss=peak, cuda_peak=cuda):
+            case MemorySampled(rank=rank, rss=rss, peak_rss=peak, cuda_peak=cuda, held=held):
                 self.memory[rank] = {"rss": rss, "peak_rss": peak, "cuda_peak": cuda}
+                if held is not None:
+                    self.admission.measured[rank] = held
             case Tick():
                 self._timers(now)
             case RankLost(reason=reason):
@@ -322,7 +328,11 @@ class CoordinatorCore:
         if result.image is None:
             raise ClientError("bad_image", result.error)
         geometry = self.geometry.with_size(*self._frame_size(result.image.height, result.image.width))
+        refusal = self.admission.refusal(geometry.height, geometry.width)
+        if refusal is not None:
+            raise ClientError("busy", f"{refusal}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
         sid = self.new_id()
+        self.admission.admit(sid, geometry.height, geometry.width)
         live = LiveControls(pause_when_idle=message.pause_when_idle) if message.live else None
         metrics = self.metrics.open_session(sid, now, self.stream.fps, self.metrics_config.warmup_chunks)
         self.sessions[sid] = Session(
@@ -407,7 +417,10 @@ class CoordinatorCore:
                     self._ready(self.sessions[sid])
                 case sch.SessionFailed(session=sid, error=error):
                     self.metrics.on_error("stage_failed")
-                    self._to_client(self.sessions[sid], protocol.Error(session=sid, code="failed", message=error))
+                    session = self.sessions[sid]  # before it was opened, the failure is the answer to its open
+                    answer = protocol.Error(session=sid, code="failed", message=error) if session.opened else \
+                        protocol.Error(req=session.open_req, code="failed", message=error)  # (a router's too)
+                    self._to_client(session, answer)
                 case sch.SessionClosed():
                     self._closed(action, now)
                 case _:
@@ -436,6 +449,7 @@ class CoordinatorCore:
         if self.sink is not None:
             self.sink.on_open()
         g = session.geometry
+        session.opened = True
         self._to_client(session, protocol.Opened(
             req=session.open_req, session=session.id, height=g.height, width=g.width, fps=self.stream.fps,
             frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
@@ -464,6 +478,7 @@ class CoordinatorCore:
 
     def _closed(self, action: sch.SessionClosed, now: float) -> None:
         session = self.sessions.pop(action.session)  # present: _run skips actions of sessions dropped
+        self.admission.release(session.id)
         summary = self.metrics.close_session(session.id, now)
         summary["clock_offsets"] = self.clock.to_dict()
         summary["released"] = session.released  # stage -> ranks that confirmed, in release order
@@ -481,6 +496,7 @@ class CoordinatorCore:
         with contextlib.suppress(ValueError):  # an impossible sample (clock step): keep the estimate
             self.clock.add(beat.rank, beat.echo, beat.received, beat.sent, now)
         self.memory[beat.rank] = {"rss": beat.rss, "peak_rss": beat.peak_rss, "cuda_peak": beat.cuda_peak}
+        self.admission.report(beat.rank, beat.room, beat.held)
 
     def _completion(self, done: protocol.Completion, now: float) -> None:
         if isinstance(done, protocol.TaskFailed) and done.fatal:
@@ -594,6 +610,7 @@ class CoordinatorCore:
         except Exception:  # the session cannot even close cleanly: forget it rather than stop serving
             log.exception("session %s could not be closed; dropping it", session.id)
             self.sessions.pop(session.id, None)
+            self.admission.release(session.id)
             self._emit(DropTensors(session.id))
 
     def _notify_all(self, code: str, message: str) -> None:
@@ -620,7 +637,9 @@ class CoordinatorCore:
         return {
             **self.metrics.to_dict(now, visible),
             "open_sessions": len(self.sessions),
-            "ranks": {str(r): m for r, m in sorted(self.memory.items())},
+            "ranks": {str(r): {"rss": 0, "peak_rss": 0, "cuda_peak": 0, **self.memory.get(r, {}),
+                               **self.admission.stats(r)}
+                      for r in sorted({*self.memory, *range(self.where.world_size)})},
             "clock_offsets": self.clock.to_dict(),
             "layout": self.layout.name,
             "schedule": self.scheduler.mode.value,

@@ -49,6 +49,7 @@ class Session:
     image: DecodedImage | None  # the start image until the condition stage has it
     gone: bool = False  # the client can no longer be reached (until it resumes)
     intrinsics: tuple[float, float, float, float] | None = None  # its camera at 480x832 (the open's or the server's)
+    opened: bool = False  # its ``opened`` was sent; until then a failure answers the ``open`` request itself
     controls: dict[int, ChunkControl] = field(default_factory=dict)  # accepted, not yet emitted
     spans: dict[int, list[Span]] = field(default_factory=dict)  # chunk -> spans reported so far
     queued: dict[tuple[Step, int], float] = field(default_factory=dict)  # (step, chunk) -> when its task left

@@ -4,7 +4,10 @@ A prompt holding ``FAIL:<stage>:<chunk>`` (stage: ``condition``, ``denoise`` or 
 on that chunk of that session. The decode rank never sees a prompt, so a decode failure travels down the pipeline:
 the DiT hands it a latent of NaNs, which the synthetic decoder refuses. ``FAIL:prepare:<chunk>`` makes the second
 rank of the DiT group alone fail while it prepares that chunk's inputs (before the group's collective), as a
-control the camera math cannot take would. ``HANG:denoise:<chunk>`` makes every DiT rank sleep through that chunk's
+control the camera math cannot take would; ``OOM:prepare:<chunk>`` makes that rank raise a real
+``torch.OutOfMemoryError`` there, as the DiT's headroom check does on a GPU short of memory, and ``OOM:open`` makes
+it raise one while it opens the session's caches (its KV ring, the largest allocation of a session).
+``HANG:denoise:<chunk>`` makes every DiT rank sleep through that chunk's
 denoise (their heartbeats go on), as a stuck kernel would. Selected by the tests with
 ``--model.kind=tests.faulty_backend:build``; ``build_never_ready`` is a backend whose decode rank never finishes
 loading. No production config can reach either.
@@ -61,18 +64,24 @@ class FaultyDenoise(SyntheticDenoise):
         super().__init__(*args)
         self._fail_at: dict[str, tuple[int | None, int | None]] = {}  # session -> (denoise, decode) chunks
         self._prepare_fails: dict[str, int | None] = {}
+        self._oom_at: dict[str, int | None] = {}
         self._hang_at: dict[str, int | None] = {}
         self._group_rank = 0 if self.group is None else dist.get_rank(self.group)
 
     def open(self, spec: SessionSpec, context: torch.Tensor) -> None:
         self._fail_at[spec.session] = (failure_chunk(spec.prompt, "denoise"), failure_chunk(spec.prompt, "decode"))
         self._prepare_fails[spec.session] = failure_chunk(spec.prompt, "prepare")
+        self._oom_at[spec.session] = failure_chunk(spec.prompt, "prepare", "OOM")
         self._hang_at[spec.session] = failure_chunk(spec.prompt, "denoise", "HANG")
+        if "OOM:open" in spec.prompt and self._group_rank == 1:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory allocating the KV ring on one DiT rank")
         super().open(spec, context)
 
     def _render(self, session: str, index: int, condition: torch.Tensor, control: Any) -> torch.Tensor:
         if self._prepare_fails.get(session) == index and self._group_rank == 1:
             raise InjectedFailure(f"injected failure preparing chunk {index} on one DiT rank")
+        if self._oom_at.get(session) == index and self._group_rank == 1:
+            raise torch.OutOfMemoryError(f"injected: CUDA out of memory preparing chunk {index} on one DiT rank")
         return super()._render(session, index, condition, control)
 
     def denoise(self, session: str, index: int, condition: torch.Tensor, control: Any) -> torch.Tensor:

@@ -1,0 +1,70 @@
+"""Memory-aware admission on rank 0 (sans-io): a session opens only if every rank has room for what it costs.
+
+Each rank reports its room once it is ready (``Hello.room``, again in every ``Beat``): the bytes it can give to
+sessions (on CUDA what is free after weights and warm-up less its working peaks and a margin; on CPU
+``memory.budget_gb``; unlimited when it says -1). The cost of a session at a frame size comes from the memory
+model (``models.memory.session_costs``, handed in as a function). Rank 0 keeps what it admitted: a rank's free
+bytes are its room less the costs of the sessions it holds, so two sessions opened back to back never both count
+the same bytes, and a closed session's bytes are free again at once. The ranks' own measure of what their sessions
+hold (``Beat.held``) is shown beside it in ``stats``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+GIB = 1 << 30
+UNLIMITED = -1  # a room on the wire: this rank does not limit sessions
+
+Cost = Callable[[int, int], Mapping[int, int]]  # (height, width) -> bytes one more session costs each rank
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+@dataclass
+class MemoryAdmission:
+    cost: Cost | None = None  # None: sessions cost nothing here (no memory model for this backend)
+    rooms: dict[int, int] = field(default_factory=dict)  # rank -> bytes for sessions (absent or -1: unlimited)
+    held: dict[str, dict[int, int]] = field(default_factory=dict)  # session -> bytes admitted on each rank
+    measured: dict[int, int] = field(default_factory=dict)  # rank -> bytes its sessions hold, as the rank measures
+
+    def report(self, rank: int, room: int, held: int | None = None) -> None:
+        self.rooms[rank] = room
+        if held is not None:
+            self.measured[rank] = held
+
+    def session_bytes(self, rank: int) -> int:
+        return sum(costs.get(rank, 0) for costs in self.held.values())
+
+    def free_bytes(self, rank: int) -> int | None:
+        room = self.rooms.get(rank, UNLIMITED)
+        return None if room < 0 else room - self.session_bytes(rank)
+
+    def refusal(self, height: int, width: int) -> str | None:
+        """Why one more ``height x width`` session does not fit (the first rank short of room), or None."""
+        if self.cost is None:
+            return None
+        for rank, need in sorted(self.cost(height, width).items()):
+            free = self.free_bytes(rank)
+            if free is not None and need > free:
+                holding = sum(1 for costs in self.held.values() if costs.get(rank, 0))
+                return (f"rank {rank} has no room for another {height}x{width} session: it needs {need} bytes "
+                        f"({gib(need)}) and has {max(free, 0)} bytes ({gib(max(free, 0))}) free; {holding} open "
+                        f"sessions hold {gib(self.session_bytes(rank))} of its {gib(self.rooms[rank])}")
+        return None
+
+    def admit(self, session: str, height: int, width: int) -> None:
+        """Hold the session's bytes on every rank (call once ``refusal`` said it fits)."""
+        if self.cost is not None:
+            self.held[session] = {rank: n for rank, n in self.cost(height, width).items() if n}
+
+    def release(self, session: str) -> None:
+        self.held.pop(session, None)
+
+    def stats(self, rank: int) -> dict[str, int | None]:
+        return {"session_bytes": self.session_bytes(rank), "free_bytes": self.free_bytes(rank),
+                "room_bytes": None if self.rooms.get(rank, UNLIMITED) < 0 else self.rooms[rank],
+                "measured_session_bytes": self.measured.get(rank)}
