@@ -27,6 +27,8 @@ from runtime.config import Config
 from runtime.core import CoordinatorCore
 from runtime.images import decode_image
 from runtime.placement import placement_of
+from runtime.sizes import served_sizes
+from runtime.warm_start import WarmStart
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class Coordinator:
         self.fatal_reported = False
         self.exporter = prometheus.start(config.metrics.prometheus_port)
         self.watch = RankWatch()  # the rank processes on this host, from the workers' hellos
+        self.warm_start = WarmStart(self.where, served_sizes(config.stream))  # from the hellos too
 
     def run(self, port: int) -> int:
         """Serve until shutdown or a lost rank; returns the process exit code. A failed job ends the other ranks on
@@ -71,7 +74,9 @@ class Coordinator:
             return ct.EXIT_FAILED
         c = self.config
         self.core = CoordinatorCore(c.layout, c.server, c.stream, c.scheduler, c.timeouts, c.metrics,
-                                    self.ctx.backend.geometry, time.monotonic(), sink=self.exporter)
+                                    self.ctx.backend.geometry, time.monotonic(), sink=self.exporter,
+                                    warm_start=self.warm_start)
+        log.info("warm-up: %s", self.warm_start.describe())
         port_file = os.environ.get("WORLDSTREAM_PORT_FILE")  # written once serving: tests and scripts wait on it
         if port_file:
             with open(f"{port_file}.tmp", "w") as f:
@@ -112,6 +117,7 @@ class Coordinator:
                 if isinstance(hello, protocol.Hello):
                     expected.discard(identity)
                     self.watch.add(hello.rank, hello.pid, hello.host)
+                    self.warm_start.add(hello.rank, hello.warm_up)
         return True
 
     # ---------------------------------------------------------------------------------------------- inputs
