@@ -61,7 +61,8 @@ def snap(height: int, width: int, sizes: tuple[Size, ...]) -> Size:
     if height < 1 or width < 1 or not sizes:
         raise ValueError(f"need a positive image size and at least one allowed size, got {height}x{width}, {sizes}")
     aspect = math.log(height / width)
-    return min(sizes, key=lambda s: abs(math.log(s[0] / s[1]) - aspect))  # min keeps the first of equals
+    # rounded, so that mirrored sizes tie exactly (log(2/3) and log(3/2) differ in the last bit); min keeps the first
+    return min(sizes, key=lambda s: round(abs(math.log(s[0] / s[1]) - aspect), 9))
 
 
 def check_sizes(sizes: list[tuple[int, int]]) -> str | None:
