@@ -22,7 +22,7 @@ from scripts.local_server import LocalServer
 pytestmark = pytest.mark.multiprocess
 
 FAST = ["--synthetic.encode_s=0.01", "--synthetic.denoise_s=0.02", "--synthetic.decode_s=0.01"]
-COLD_S = 1.5  # a stage's first chunk at a size it has not run at: far above the stages' costs and the load's noise
+COLD_S = 2.0  # a stage's first chunk at a size it has not run at: far above the stages' costs and the load's noise
 SIZES = ["160x240", "240x160"]
 
 
