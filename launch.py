@@ -4,7 +4,9 @@ Run without a torchrun (or ``srun``) environment, ``python launch.py --config X`
 the layout's world size itself and forwards SIGINT/SIGTERM to rank 0, which shuts every rank down cleanly.
 Under torchrun, each rank reads RANK/WORLD_SIZE/LOCAL_RANK (or SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID for a
 direct ``srun`` launch), joins the process group (NCCL with CUDA, else gloo), creates every process group in a
-fixed order and runs the loops of its roles. Exit codes: 0 after a clean shutdown, non-zero when any rank
+fixed order, warms every stage up at every frame size the server serves (``ranks.warmup``) and only then runs the
+loops of its roles (whose hellos tell rank 0 the rank is ready). CUDA modules load eagerly in the ranks
+(``CUDA_MODULE_LOADING=EAGER`` unless set). Exit codes: 0 after a clean shutdown, non-zero when any rank
 died or hung (so Slurm can requeue).
 """
 
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import MutableMapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,6 +53,14 @@ def distributed_env() -> tuple[int, int, int] | None:
         env.setdefault("MASTER_PORT", "29512")
         return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0"))
     return None
+
+
+def eager_module_loading(env: MutableMapping[str, str]) -> None:
+    """Load every CUDA kernel module when CUDA initialises, unless the user chose otherwise. Lazy loading (the driver
+    default since CUDA 12.2) loads a module at its kernel's first launch, which may wait for the device to drain: behind
+    an NCCL receive spinning on the same GPU (another role thread's), a hang in the co-located layouts. CUDA reads it
+    when it initialises, so it is set before any rank touches CUDA (and inherited by torchrun's ranks)."""
+    env.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 
 def self_launch(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -88,11 +99,14 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     import zmq
 
     from ipc import transport
+    from ipc.streams import RoleStreams
     from ipc.tensor_plane import build_groups
     from models import precision
     from ranks import backend as backend_mod
     from ranks import memory, roles
+    from ranks.warmup import warm_up
     from ranks.worker import RankContext, heartbeat, run_thread
+    from runtime.sizes import served_sizes
 
     cfg = config_mod.load(args.config, overrides)
     lay = cfg.layout
@@ -128,9 +142,15 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     rank_roles = lay.roles_of(rank)
     precision.apply(device, cfg.model.vae_dtype, holds_vae=bool({"condition", "decode"} & set(rank_roles)))
     built = backend_mod.build(cfg.model, cfg.stream, cfg.synthetic, cfg.controls, rank_roles, device, groups.dit)
-    room = memory.room_bytes(cfg, rank, device)  # after the weights (and any warm-up): what sessions may take
+    if device.type == "cuda":  # the weights were written on the legacy default stream; the role streams don't wait
+        torch.cuda.synchronize(device)
+    streams = RoleStreams(device)
+    started = time.monotonic()
+    warmed = warm_up(built, served_sizes(cfg.stream), device, streams)  # before any thread: the rank is not ready yet
+    log.info("rank %d: warm in %.2f s (%d stage runs)", rank, time.monotonic() - started, len(warmed))
+    room = memory.room_bytes(cfg, rank, device)  # after the weights and the warm-up: what sessions may take
     ctx = RankContext(layout=lay, timeouts=cfg.timeouts, rank=rank, roles=rank_roles, endpoint=shared[0],
-                      zmq=context, groups=groups, backend=built, room=room,
+                      zmq=context, groups=groups, backend=built, streams=streams, warm_up=warmed, room=room,
                       check_memory=lambda *args: memory.check_later(cfg, rank, *args))
     coordinator = None
     if rank == lay.coordinator:  # before any worker thread: a fatal error on this rank reaches clients first
@@ -191,6 +211,7 @@ def run_coordinator(ctx: RankContext, coordinator: Coordinator, port: int) -> in
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    eager_module_loading(os.environ)  # before torch initialises CUDA, in the ranks and in torchrun's environment
     env = distributed_env()
     rank = env[0] if env else None
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

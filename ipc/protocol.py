@@ -433,12 +433,23 @@ class Ping(_Msg, tag="ping"):
 # role workers -> coordinator: one completion per kind of task
 
 
+class WarmUp(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One stage's start-up warm-up at one frame size on one rank (``ranks.warmup``)."""
+
+    stage: str  # condition, denoise or decode
+    height: int
+    width: int
+    chunks: int  # chunks of the throwaway session
+    seconds: float
+
+
 class Hello(_Msg, tag="hello"):
     rank: int
     role: str  # which worker thread of the rank this is
     pid: int = 0  # the rank's process: rank 0 watches the processes on its own host to name a dead rank
     host: str = ""  # the rank's host name (a pid means something on that host only)
     room: int = -1  # bytes this rank can give to sessions once ready (memory-aware admission); -1: unlimited
+    warm_up: tuple[WarmUp, ...] = ()  # a stage thread: its stage's warm-up, run before any thread of the rank started
 
 
 class WorkerSpan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):

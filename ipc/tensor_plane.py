@@ -25,11 +25,15 @@ until its peer arrives. Why our pattern is safe:
    latent already there. So a spinning kernel's peer always completes without this rank posting anything new: no
    cycle of waits can form across ranks, whatever the interleaving of the groups;
 2. each group is used by one thread, in the coordinator's announcement order, on that thread's own CUDA stream
-   (``side_stream``), so transfers never queue behind the compute stream nor a transfer of another group;
+   (``ipc.streams``: every role thread has one), so transfers never queue behind a stage's kernels nor a transfer
+   of another group, and a sent tensor waits only for the event recorded where it was produced;
 3. NCCL point-to-point kernels occupy a few SMs each, so kernels of different communicators are co-resident and
    progress concurrently (no kernel waits for another to be scheduled);
 4. nothing on a transfer thread synchronises the whole device (no ``torch.cuda.synchronize``, no
-   ``empty_cache``): a device-wide wait behind a spinning kernel is the hazard that remains, and every group has a
+   ``empty_cache``), and no stage does so by surprise while serving: the launcher loads CUDA modules eagerly
+   (``CUDA_MODULE_LOADING=EAGER``; a lazy first launch may wait for the device to drain) and every stage ran at every
+   served frame size before the port opened (``ranks.warmup``: cuDNN autotuning syncs the device). A device-wide
+   wait behind a spinning kernel is the hazard that remains (an allocator retry after an OOM), and every group has a
    timeout, so even then the job ends with an error naming the transfer instead of hanging.
 
 ``scripts/bench_gpu.py`` exercises two groups used concurrently from two threads per GPU when several GPUs are
@@ -40,8 +44,6 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -49,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ipc.streams import Handoff, hand_off, take_over
 from runtime.config import LayoutConfig
 
 
@@ -110,29 +113,6 @@ def recv(shape: tuple[int, ...], dtype: torch.dtype, src: int, groups: Groups, g
     return buffer
 
 
-_side_streams = threading.local()
-
-
-@contextmanager
-def side_stream(device: torch.device, sends: bool = False) -> Iterator[None]:
-    """On CUDA, run a transfer thread's NCCL work on its own stream and wait for it before handing the tensor
-    over: transfer threads never queue behind (or ahead of) the compute thread's default stream, whose
-    collectives other ranks may order differently (a cross-rank wait cycle). ``sends``: this rank sends a tensor
-    that a stage made on the default stream, so the side stream first waits (on the GPU) for the default stream's
-    work queued so far, and NCCL never reads it half written; a receive waits for nothing. A no-op on CPU."""
-    if device.type != "cuda":
-        yield
-        return
-    stream = getattr(_side_streams, "stream", None)
-    if stream is None:
-        stream = _side_streams.stream = torch.cuda.Stream(device=device)
-    if sends:
-        stream.wait_stream(torch.cuda.default_stream(device))
-    with torch.cuda.stream(stream):
-        yield
-    stream.synchronize()
-
-
 class Dropped(LookupError):
     """The session's tensors were dropped (released); what is waited for will never come."""
 
@@ -140,13 +120,16 @@ class Dropped(LookupError):
 class Mailbox:
     """A thread-safe keyed hand-off between two threads of one rank, with deadlines on the taking side.
 
+    ``put`` is called by the producing thread and ``take`` by the consuming one: a CUDA tensor travels with the event
+    recorded on the producer's stream, which the consumer's stream waits for (``ipc.streams``); anything else as is.
+
     Once a session is dropped, late puts for it are discarded and takes fail with ``Dropped`` at once, so a
     transfer that lands after the release leaks nothing (the memory of dropped ids is bounded)."""
 
     REMEMBERED = 4096
 
     def __init__(self) -> None:
-        self._items: dict[tuple[str, int], Any] = {}
+        self._items: dict[tuple[str, int], Handoff] = {}
         self._dropped: OrderedDict[str, None] = OrderedDict()
         self._cond = threading.Condition()
 
@@ -154,7 +137,7 @@ class Mailbox:
         with self._cond:
             if key[0] in self._dropped:
                 return
-            self._items[key] = value
+            self._items[key] = hand_off(value)
             self._cond.notify_all()
 
     def take(self, key: tuple[str, int], timeout_s: float) -> Any:
@@ -163,7 +146,8 @@ class Mailbox:
                 raise TimeoutError(f"no tensor for session {key[0]!r} chunk {key[1]} within {timeout_s:.0f} s")
             if key not in self._items:
                 raise Dropped(f"session {key[0]!r} was released")
-            return self._items.pop(key)
+            handoff = self._items.pop(key)
+        return take_over(handoff)
 
     def drop_session(self, session: str) -> int:
         with self._cond:

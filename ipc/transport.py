@@ -72,15 +72,16 @@ def send_or_why(sock: zmq.Socket, identity: bytes, message: Any) -> str | None:
 class WorkerLink:
     """A worker thread's connection to the coordinator. Create and use it in the owning thread only."""
 
-    def __init__(self, context: zmq.Context, endpoint: str, rank: int, role: str, room: int = -1) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, rank: int, role: str, room: int = -1,
+                 warm_up: tuple[protocol.WarmUp, ...] = ()) -> None:  # fmt: skip
         self.rank = rank
         self.role = role
         self.sock = context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"{rank}:{role}".encode())
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         self.sock.connect(endpoint)
-        self.send(protocol.Hello(rank=rank, role=role, pid=os.getpid(), host=socket.gethostname(),
-                                 room=room))
+        self.send(protocol.Hello(rank=rank, role=role, pid=os.getpid(), host=socket.gethostname(), room=room,
+                                 warm_up=warm_up))
 
     def send(self, message: Any) -> None:
         self.sock.send(protocol.encode(message))

@@ -6,7 +6,8 @@
   in TF32; ``float32`` is strict; ``bfloat16`` casts the VAE. Measured on an H200 per chunk of 3 latent frames:
   decode 1.44 s strict, 0.29 s TF32 + ``cudnn.benchmark`` (rel. L2 0.002 vs strict), 0.20 s bf16 (rel. L2 0.03).
 - ``cudnn.benchmark`` on every CUDA rank: the shapes of a stream repeat chunk after chunk, so the autotuned
-  algorithm is chosen once per shape.
+  algorithm is chosen once per shape, at start-up: every served frame size is warmed up before the port opens
+  (``ranks.warmup``), because autotuning syncs the whole device.
 
 The flags are process-wide, so they are set from the roles a rank holds (``ranks`` calls ``apply`` after picking
 the device) and a rank holding both a VAE and the DiT gets TF32 for convolutions only.

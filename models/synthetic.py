@@ -10,6 +10,9 @@ fixed stage times without burning the CPU) and computes something cheap but mean
   the seed matters; the "latent" is ``[4*cs, 3, H/2, W/2]`` (chunk 0 uses its last ``1 + 4(cs-1)`` frames);
 - decode: upsamples to ``H x W`` and converts to uint8 ``[n, H, W, 3]``.
 
+Each stage may also pay ``cold_s`` extra on its first chunk at a frame size it has not run at, as a GPU pays for cuDNN
+autotuning and module loads on a shape's first use: what the start-up warm-up (``ranks.warmup``) must absorb.
+
 Yaw (J/L, mouse x) and strafe (A/D) pan the picture horizontally, pitch (I/K, mouse y) vertically, forward
 and back (W/S) zoom in and out; the picture wraps around so the frame stays full.
 """
@@ -53,10 +56,25 @@ def _spend(seconds: float) -> None:
         time.sleep(seconds)
 
 
+class FirstUse:
+    """The extra cost of a stage's first chunk at each frame size (a GPU's first use of a shape)."""
+
+    def __init__(self, cost_s: float) -> None:
+        self.cost_s = cost_s
+        self.seen: set[tuple[int, int]] = set()
+
+    def cost(self, height: int, width: int) -> float:
+        if (height, width) in self.seen:
+            return 0.0
+        self.seen.add((height, width))
+        return self.cost_s
+
+
 class SyntheticCondition:
-    def __init__(self, geometry: StreamGeometry, cost_s: float) -> None:
+    def __init__(self, geometry: StreamGeometry, cost_s: float, cold_s: float = 0.0) -> None:
         self.geometry = geometry
         self.cost_s = cost_s
+        self.first_use = FirstUse(cold_s)
         self._images: dict[str, torch.Tensor] = {}
 
     def open(self, spec: SessionSpec) -> torch.Tensor:
@@ -70,7 +88,7 @@ class SyntheticCondition:
     def encode(self, session: str, index: int) -> torch.Tensor:
         started = time.monotonic()
         image = self._images[session]
-        _spend(self.cost_s - (time.monotonic() - started))
+        _spend(self.cost_s + self.first_use.cost(*image.shape[1:]) - (time.monotonic() - started))
         return image
 
     def release(self, session: str) -> None:
@@ -124,9 +142,10 @@ class SyntheticDenoise:
     """Every DiT rank runs it in lockstep; a closing all-reduce over the group stands in for Ulysses traffic."""
 
     def __init__(self, geometry: StreamGeometry, cost_s: float, group: object | None = None,
-                 speeds: MotionSpeeds | None = None) -> None:  # fmt: skip
+                 speeds: MotionSpeeds | None = None, cold_s: float = 0.0) -> None:  # fmt: skip
         self.geometry = geometry
         self.cost_s = cost_s
+        self.first_use = FirstUse(cold_s)
         self.group = group
         self.speeds = speeds or MotionSpeeds()
         self._sessions: dict[str, _DenoiseSession] = {}
@@ -161,11 +180,14 @@ class SyntheticDenoise:
         started = time.monotonic()
         error: Exception | None = None
         latent: torch.Tensor | None = None
+        cold = 0.0
         try:
+            geometry = self._sessions[session].geometry
+            cold = self.first_use.cost(geometry.height, geometry.width)
             latent = self._render(session, index, condition, control)
         except Exception as e:
             error = e
-        _spend(self.cost_s - (time.monotonic() - started))
+        _spend(self.cost_s + cold - (time.monotonic() - started))
         agree_prepared(self.group, "cpu", error)  # also the step's end together, as a sequence-parallel step
         assert latent is not None  # every rank prepared its part, or agree_prepared raised
         return latent
@@ -185,9 +207,10 @@ class SyntheticDenoise:
 
 
 class SyntheticDecode:
-    def __init__(self, geometry: StreamGeometry, cost_s: float) -> None:
+    def __init__(self, geometry: StreamGeometry, cost_s: float, cold_s: float = 0.0) -> None:
         self.geometry = geometry
         self.cost_s = cost_s
+        self.first_use = FirstUse(cold_s)
         self._open: dict[str, StreamGeometry] = {}  # session -> its geometry
 
     def open(self, spec: SessionSpec) -> None:
@@ -203,7 +226,7 @@ class SyntheticDecode:
         frames = latent[-n:].float()
         full = F.interpolate(frames, size=(geometry.height, geometry.width), mode="bilinear", align_corners=False)
         out = full.mul(255.0).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
-        _spend(self.cost_s - (time.monotonic() - started))
+        _spend(self.cost_s + self.first_use.cost(geometry.height, geometry.width) - (time.monotonic() - started))
         return out
 
     def release(self, session: str) -> None:

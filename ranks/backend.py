@@ -50,11 +50,12 @@ def build_synthetic(model: ModelConfig, stream: StreamConfig, costs: SyntheticCo
     geometry = synthetic_geometry(stream.height, stream.width, stream.chunk_latent_frames)
     backend = Backend(geometry=geometry)
     if "condition" in roles:
-        backend.condition = SyntheticCondition(geometry, costs.encode_s)
+        backend.condition = SyntheticCondition(geometry, costs.encode_s, costs.cold_s)
     if "denoise" in roles:
-        backend.denoise = SyntheticDenoise(geometry, costs.denoise_s, dit_group, motion_speeds(controls))
+        backend.denoise = SyntheticDenoise(geometry, costs.denoise_s, dit_group, motion_speeds(controls),
+                                           costs.cold_s)
     if "decode" in roles:
-        backend.decode = SyntheticDecode(geometry, costs.decode_s)
+        backend.decode = SyntheticDecode(geometry, costs.decode_s, costs.cold_s)
     return backend
 
 

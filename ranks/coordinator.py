@@ -30,6 +30,8 @@ from runtime.core import CoordinatorCore
 from runtime.images import decode_image
 from runtime.memory_admission import Cost, gib
 from runtime.placement import placement_of
+from runtime.sizes import served_sizes
+from runtime.warm_start import WarmStart
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class Coordinator:
         self.exporter = prometheus.start(config.metrics.prometheus_port)
         self.watch = RankWatch()  # the rank processes on this host, from the workers' hellos
         self.rooms: dict[int, int] = {}  # rank -> bytes it can give to sessions, from the workers' hellos
+        self.warm_start = WarmStart(self.where, served_sizes(config.stream))  # from the hellos too
 
     def run(self, port: int) -> int:
         """Serve until shutdown or a lost rank; returns the process exit code. A failed job ends the other ranks on
@@ -77,7 +80,8 @@ class Coordinator:
         self.core = CoordinatorCore(c.layout, c.server, c.stream, c.scheduler, c.timeouts, c.metrics,
                                     self.ctx.backend.geometry, time.monotonic(), sink=self.exporter,
                                     intrinsics=c.controls.intrinsics, rooms=self.rooms,
-                                    session_cost=self._session_cost())
+                                    session_cost=self._session_cost(), warm_start=self.warm_start)
+        log.info("warm-up: %s", self.warm_start.describe())
         port_file = os.environ.get("WORLDSTREAM_PORT_FILE")  # written once serving: tests and scripts wait on it
         if port_file:
             with open(f"{port_file}.tmp", "w") as f:
@@ -119,6 +123,7 @@ class Coordinator:
                     expected.discard(identity)
                     self.watch.add(hello.rank, hello.pid, hello.host)
                     self.rooms[hello.rank] = hello.room
+                    self.warm_start.add(hello.rank, hello.warm_up)
         return True
 
     def _session_cost(self) -> Cost | None:

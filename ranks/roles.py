@@ -1,5 +1,8 @@
 """The loop of each role: thin I/O shells around the stages of ``models/``.
 
+Every role thread runs on its own CUDA stream (``ipc.streams``, entered by ``serve``); tensors cross threads only
+through the rank's mailboxes, which carry the event recorded where each was produced.
+
 Each task names its tensors' shapes and dtypes (``TensorSpec``), so no worker reads a global geometry: sessions may
 have frames of different sizes. Which thread owns which process group (one thread per group per rank):
 - ``condition`` group: the condition-edge thread of every member (the condition rank and the DiT ranks);
@@ -83,8 +86,9 @@ def condition_edge(ctx: RankContext) -> None:
                     tensor = box.take(key, ctx.timeouts.stage_s)
                 except tp.Dropped:  # released meanwhile: the peers still wait, send zeros they will discard
                     tensor = zeros(task.tensor)
-            # the span inside the side stream: it ends when this transfer did, not the rank's compute
-            with tp.side_stream(ctx.groups.device, sends=source), spans.span(f"transfer:{task.edge.value}"):
+            # on this thread's own stream: the span ends when this transfer did, not the rank's compute; a sent
+            # condition waited (on the GPU) only for the event of its encode, taken from the mailbox
+            with spans.span(f"transfer:{task.edge.value}"):
                 tensor = tp.broadcast(tensor, shape, dtype, lay.condition, ctx.groups, ctx.groups.condition)
         if dit:
             ctx.dit_inputs.put(key, tensor)
@@ -154,8 +158,7 @@ def latent_receiver(ctx: RankContext) -> None:
     """On a decode rank that is not the DiT leader: posts the receive for each announced latent."""
 
     def receive(task: protocol.ReceiveLatent, spans: Spans) -> None:
-        with tp.side_stream(ctx.groups.device), spans.span("transfer:latent"), \
-                tensor_plane(f"receive latent {task.session}/{task.index}"):
+        with spans.span("transfer:latent"), tensor_plane(f"receive latent {task.session}/{task.index}"):
             latent = tp.recv(tuple(task.tensor.shape), dtype_of(task.tensor), ctx.layout.dit_leader, ctx.groups,
                              ctx.groups.latent)
         ctx.latents.put((task.session, task.index), latent)
@@ -184,7 +187,7 @@ def decode_worker(ctx: RankContext) -> None:
         frames = frames.to(torch.uint8).contiguous()
         if failure is None and task.index == STEADY_CHUNK and ctx.check_memory is not None:
             ctx.check_memory("decode", stage, task.session, *task.frames.shape[1:3])
-        if lay.coordinator == ctx.rank:
+        if lay.coordinator == ctx.rank:  # the copy to the host on this thread's stream, behind this decode only
             ctx.frames.put((task.session, task.index), frames.cpu())
         else:
             with spans.span("transfer:frames"), tensor_plane(f"send frames {task.session}/{task.index}"):
@@ -205,9 +208,9 @@ def frames_receiver(ctx: RankContext) -> None:
     """On the coordinator rank when decode lives elsewhere: receives each announced chunk of frames."""
 
     def receive(task: protocol.ReceiveFrames, spans: Spans) -> None:
-        with tp.side_stream(ctx.groups.device), spans.span("transfer:frames"), \
-                tensor_plane(f"receive frames {task.session}/{task.index}"):
+        with spans.span("transfer:frames"), tensor_plane(f"receive frames {task.session}/{task.index}"):
             frames = tp.recv(tuple(task.tensor.shape), torch.uint8, ctx.layout.decode, ctx.groups, ctx.groups.frames)
-        ctx.frames.put((task.session, task.index), frames.cpu())
+            frames = frames.cpu()  # on this thread's stream (the side stream of the transfer), not a stage's
+        ctx.frames.put((task.session, task.index), frames)
 
     serve(ctx, FRAMES_RECEIVER, None, {protocol.ReceiveFrames: receive})

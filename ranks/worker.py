@@ -26,7 +26,8 @@ import torch
 import zmq
 
 from ipc import protocol
-from ipc.protocol import Phase, Stage, WorkerSpan
+from ipc.protocol import Phase, Stage, WarmUp, WorkerSpan
+from ipc.streams import RoleStreams
 from ipc.tensor_plane import Groups, Mailbox
 from ipc.transport import WorkerLink
 from ranks.backend import Backend
@@ -54,6 +55,8 @@ class RankContext:
     zmq: zmq.Context
     groups: Groups
     backend: Backend
+    streams: RoleStreams | None = None  # one CUDA stream per role thread (None: made from groups.device)
+    warm_up: tuple[WarmUp, ...] = ()  # what ``ranks.warmup`` ran on this rank before any thread started
     on_fatal: Callable[[str], None] | None = None  # on the coordinator's rank: its loop tells clients first
     room: int = -1  # bytes this rank can give to sessions (ranks.memory.room_bytes); -1: unlimited
     # (role, stage, session, height, width): compares a session's bytes with the memory model (ranks.memory)
@@ -64,6 +67,10 @@ class RankContext:
     dit_inputs: Mailbox = field(default_factory=Mailbox)  # contexts and conditions received, on DiT ranks
     latents: Mailbox = field(default_factory=Mailbox)  # (session, index) -> latent, on the decode rank
     frames: Mailbox = field(default_factory=Mailbox)  # (session, index) -> frames, on the coordinator rank
+
+    def __post_init__(self) -> None:
+        if self.streams is None:
+            self.streams = RoleStreams(self.groups.device)
 
 
 FATAL_GRACE_S = 2.0
@@ -92,20 +99,21 @@ def tensor_plane(what: str) -> Iterator[None]:
 
 
 class Spans:
-    """The spans of one task. On CUDA a span ends once the GPU finished what it launched (a stream sync): kernels
-    run asynchronously, so without it a span would time the launches, and the next stage's time the work."""
+    """The spans of one task. On CUDA a span ends once the GPU finished what it launched (a sync of the thread's own
+    stream, ``ipc.streams``: never another role's kernels): kernels run asynchronously, so without it a span would
+    time the launches, and the next stage's time the work."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, streams: RoleStreams | None = None) -> None:
         self.items: list[WorkerSpan] = []
-        self.cuda = device is not None and device.type == "cuda"
+        self.streams = streams
 
     @contextmanager
     def span(self, name: str) -> Iterator[None]:
         start = time.monotonic()
         try:
             yield
-            if self.cuda:
-                torch.cuda.current_stream().synchronize()
+            if self.streams is not None:
+                self.streams.synchronize()
         finally:
             self.items.append(WorkerSpan(name, start, time.monotonic()))
 
@@ -134,7 +142,15 @@ def serve(ctx: RankContext, role: str, stage: Stage | None, handlers: dict[type,
     whose sender answers for it; it reports failures only."""
     if ctx.groups.device.type == "cuda":
         torch.cuda.set_device(ctx.groups.device)  # the current device is per thread; new threads start on cuda:0
-    link = WorkerLink(ctx.zmq, ctx.endpoint, ctx.rank, role, ctx.room)
+    assert ctx.streams is not None
+    with ctx.streams.enter(role):  # this thread's own CUDA stream for its whole life
+        _serve_tasks(ctx, role, stage, handlers, answers)
+
+
+def _serve_tasks(ctx: RankContext, role: str, stage: Stage | None, handlers: dict[type, Handler],
+                 answers: bool) -> None:  # fmt: skip
+    warm_up = tuple(w for w in ctx.warm_up if stage is not None and w.stage == stage.value)
+    link = WorkerLink(ctx.zmq, ctx.endpoint, ctx.rank, role, ctx.room, warm_up)  # its hello: this rank's warm-up
     try:
         while not ctx.stop.is_set():
             task = link.recv(timeout_s=0.1)
@@ -143,7 +159,7 @@ def serve(ctx: RankContext, role: str, stage: Stage | None, handlers: dict[type,
                 break
             if task is None or isinstance(task, protocol.Ping):
                 continue
-            spans = Spans(ctx.groups.device)
+            spans = Spans(ctx.streams)
             try:
                 handler = handlers.get(type(task))
                 if handler is None:  # the coordinator and this rank disagree on the layout: nothing can be trusted

@@ -17,6 +17,7 @@ import msgspec
 
 from ipc.protocol import intrinsics_problem
 from models.controls import OFFICIAL_INTRINSICS, MotionSpeeds
+from runtime.sizes import check_sizes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -85,11 +86,14 @@ class StreamConfig(_Section):
     width: int = 256  # video frame width (size="fixed")
     chunk_latent_frames: int = 3  # latent frames per chunk (v1: 3, v2: 4)
     fps: float = 16.0  # media frame rate, used for the real-time factor and the mp4
-    # "fixed": every session is height x width (the start image is resized to it); "image": each session's size
-    # follows its start image's aspect ratio at max_area pixels, sides rounded down to multiples of 16 (the
-    # official pipeline's rule)
+    # "fixed": every session is height x width (the start image is resized to it); "image": each session streams at
+    # the allowed size (``sizes``) nearest to its start image's aspect ratio (``runtime.sizes``). Every allowed size
+    # is warmed up on every rank before the port opens, so no unseen size reaches cuDNN mid-serving.
     size: Literal["fixed", "image"] = "fixed"
-    max_area: int = 0  # pixels of a frame when size="image"; 0: height * width
+    # the allowed [height, width] sizes of size="image" (multiples of 16); empty: height x width, its transpose, then
+    # 1:1, 3:4 and 4:3 at max_area pixels (480x832: 480x832, 832x480, 624x624, 544x720, 720x544)
+    sizes: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    max_area: int = 0  # pixels of the default sizes' 1:1, 3:4 and 4:3 entries; 0: height * width
 
     @property
     def area(self) -> int:
@@ -111,6 +115,9 @@ class SyntheticConfig(_Section):
     encode_s: float = 0.025  # the condition stage
     denoise_s: float = 0.06
     decode_s: float = 0.03
+    # extra seconds of the first chunk each stage runs at a frame size it has not seen: a GPU's first use of a shape
+    # (cuDNN autotuning, module loads), which the start-up warm-up absorbs; 0: none
+    cold_s: float = 0.0
 
 
 class ModelConfig(_Section):
@@ -280,6 +287,9 @@ def validate(config: Config, where: str) -> Config:
         raise ConfigError(
             f"{where}: stream.height and stream.width must be multiples of 16, got {st.height}x{st.width}"
         )
+    why = check_sizes(st.sizes)
+    if why is not None:
+        raise ConfigError(f"{where}: stream.sizes: {why}")
     if st.chunk_latent_frames < 1:
         raise ConfigError(f"{where}: stream.chunk_latent_frames must be >= 1")
     sch = config.scheduler

@@ -10,9 +10,10 @@ besides (``runtime.session``: its client, start image, accepted controls, spans,
 
 - **Opening.** ``open`` is checked (length, prompt, session limit counting images still being decoded), then its
   image is decoded off the loop (``DecodeImage``); sessions are created in request order once their images are
-  there. The frame size is ``stream.height x stream.width`` (``stream.size = "fixed"``) or follows the start
-  image's aspect ratio at ``stream.area`` pixels (``"image"``, ``models.stages.frame_size``); a degenerate size is
-  refused with ``bad_image``. Everything of the session uses its own geometry: the ``opened`` reply, the pose
+  there. The frame size is ``stream.height x stream.width`` (``stream.size = "fixed"``) or the allowed size nearest
+  to the start image's aspect ratio (``"image"``, ``runtime.sizes``: every rank warmed each one up); an image whose
+  official frame size at ``stream.area`` pixels would be degenerate (``models.stages.frame_size``) is refused with
+  ``bad_image``. Everything of the session uses its own geometry: the ``opened`` reply, the pose
   count of a control, every shape announced to the ranks.
 - **Tasks.** Each scheduler action becomes per-rank tasks through the one table, ``runtime.placement.plan``; the
   action is finished when every completion it waits for arrived (the join), and only then does the scheduler
@@ -77,6 +78,8 @@ from runtime.memory_admission import Cost, MemoryAdmission
 from runtime.metrics import ServerMetrics
 from runtime.placement import HEARTBEAT, Placement, StageAction, identity, placement_of, plan
 from runtime.session import Join, JoinKey, Session, Step
+from runtime.sizes import served_sizes, snap
+from runtime.warm_start import WarmStart
 
 if TYPE_CHECKING:
     from models.stages import StreamGeometry
@@ -115,11 +118,14 @@ class CoordinatorCore:
                  sink: MetricsSink | None = None, new_id: Callable[[], str] = _new_id,
                  server_id: str | None = None,
                  intrinsics: tuple[float, float, float, float] = OFFICIAL_INTRINSICS,
-                 rooms: dict[int, int] | None = None, session_cost: Cost | None = None) -> None:  # fmt: skip
+                 rooms: dict[int, int] | None = None, session_cost: Cost | None = None,
+                 warm_start: WarmStart | None = None) -> None:  # fmt: skip
         self.layout, self.server, self.stream, self.timeouts, self.metrics_config = (layout, server, stream,
                                                                                       timeouts, metrics)
         self.geometry = geometry  # the backend's, at stream.height x stream.width
         self.where: Placement = placement_of(layout)
+        self.sizes = served_sizes(stream)
+        self.warm_start = warm_start or WarmStart(self.where, self.sizes)  # what the ranks' hellos reported
         self.scheduler = sch.Scheduler(
             mode=sch.Mode(scheduler.mode),
             capacities=sch.Capacities(control=scheduler.control_capacity, latent=scheduler.latent_capacity,
@@ -320,7 +326,7 @@ class CoordinatorCore:
         if min(size) < 16:
             raise ClientError("bad_image", f"a start image of {width}x{height} pixels is too narrow: its frame size "
                               f"at {self.stream.area} pixels would be {size[1]}x{size[0]}")
-        return size
+        return snap(height, width, self.sizes)
 
     def _create(self, opening: _Opening, now: float) -> None:
         result, message = opening.result, opening.message
@@ -643,6 +649,9 @@ class CoordinatorCore:
             "clock_offsets": self.clock.to_dict(),
             "layout": self.layout.name,
             "schedule": self.scheduler.mode.value,
+            "warm": self.warm_start.warm,  # every stage ran at every served size before the port opened
+            "warm_up": self.warm_start.to_dict(),
+            "sizes": [list(size) for size in self.sizes],
         }
 
 

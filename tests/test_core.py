@@ -362,27 +362,46 @@ def test_live_and_indexed_controls_do_not_mix_and_bad_live_input_gets_its_reason
 # ---- sizes
 
 
-def test_each_session_gets_the_frame_size_of_its_start_image_with_size_image() -> None:
-    job = Job(stream={"size": "image", "max_area": 480 * 832, "height": 480, "width": 832})
-    wide = job.open(A, image(720, 1280))
-    tall = job.open(B, image(1536, 1024))
+def test_each_session_streams_at_the_allowed_size_nearest_its_start_image_with_size_image() -> None:
+    job = Job(stream={"size": "image", "height": 480, "width": 832})  # allowed: the default set at 480x832
+    wide = job.open(A, image(720, 1280))  # 16:9 -> 480x832 (the official rule would give 464x832, never warmed)
+    tall = job.open(B, image(1536, 1024))  # 3:2 portrait -> 720x544
     sizes = {o.session: (o.height, o.width) for o in job.to(A, p.Opened) + job.to(B, p.Opened)}
-    assert sizes == {wide: (464, 832), tall: (768, 512)}
+    assert sizes == {wide: (480, 832), tall: (720, 544)}
     inits = {t.session: (t.image_height, t.image_width, t.height, t.width) for _, t in job.sent(p.InitCondition)}
-    assert inits == {wide: (720, 1280, 464, 832), tall: (1536, 1024, 768, 512)}
-    assert {t.session: (t.height, t.width) for _, t in job.sent(p.InitDenoise)} == {wide: (464, 832),
-                                                                                   tall: (768, 512)}
-    assert {t.session: (t.height, t.width) for _, t in job.sent(p.InitDecode)} == {wide: (464, 832),
-                                                                                  tall: (768, 512)}
+    assert inits == {wide: (720, 1280, 480, 832), tall: (1536, 1024, 720, 544)}
+    assert {t.session: (t.height, t.width) for _, t in job.sent(p.InitDenoise)} == {wide: (480, 832),
+                                                                                   tall: (720, 544)}
+    assert {t.session: (t.height, t.width) for _, t in job.sent(p.InitDecode)} == {wide: (480, 832),
+                                                                                  tall: (720, 544)}
     for sid in (wide, tall):
         control(job, sid, 0, who=A if sid == wide else B)
     job.settle(p.ConditionChunk, p.BroadcastCondition, p.DenoiseChunk, p.DecodeChunk, p.ReceiveFrames)
     shapes = {t.session: t.frames.shape for _, t in job.sent(p.DecodeChunk)}
-    assert shapes == {wide: (9, 464, 832, 3), tall: (9, 768, 512, 3)}
+    assert shapes == {wide: (9, 480, 832, 3), tall: (9, 720, 544, 3)}
     conditions = {t.session: t.tensor.shape for _, t in job.sent(p.BroadcastCondition)}
     latents = {t.session: t.tensor.shape for _, t in job.sent(p.ReceiveLatent)}
-    assert conditions == {wide: (3, 464, 832), tall: (3, 768, 512)}
-    assert latents == {wide: (12, 3, 232, 416), tall: (12, 3, 384, 256)}
+    assert conditions == {wide: (3, 480, 832), tall: (3, 720, 544)}
+    assert latents == {wide: (12, 3, 240, 416), tall: (12, 3, 360, 272)}
+
+
+@pytest.mark.parametrize(("shape", "size"), [((300, 900), (480, 832)), ((900, 310), (832, 480)),
+                                             ((500, 520), (624, 624)), ((600, 790), (544, 720)),
+                                             ((100, 2000), (480, 832)), ((481, 833), (480, 832))])
+def test_an_image_of_any_aspect_ratio_lands_on_an_allowed_size(shape: tuple[int, int],
+                                                               size: tuple[int, int]) -> None:
+    job = Job(stream={"size": "image", "height": 480, "width": 832})
+    job.open(A, image(*shape))
+    (opened,) = job.to(A, p.Opened)
+    assert (opened.height, opened.width) == size
+    assert size in {tuple(s) for s in job.core.stats(0.0)["sizes"]}
+
+
+def test_configured_sizes_are_the_only_ones_a_session_can_get() -> None:
+    job = Job(stream={"size": "image", "sizes": [[160, 240], [240, 160]]})
+    for who, shape in ((A, (10, 1000)), (B, (1000, 300))):
+        job.open(who, image(*shape))
+    assert [(o.height, o.width) for o in job.to(A, p.Opened) + job.to(B, p.Opened)] == [(160, 240), (240, 160)]
 
 
 def test_a_fixed_size_ignores_the_image_size_and_an_image_too_narrow_for_its_size_is_refused() -> None:

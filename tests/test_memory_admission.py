@@ -54,7 +54,8 @@ def test_closing_a_session_gives_its_bytes_back_and_a_new_one_fits() -> None:
 
 
 def test_the_cost_follows_the_frame_size_of_each_session() -> None:
-    job = memory_job(stream={"size": "image", "height": 160, "width": 256})
+    job = memory_job(stream={"size": "image", "height": 160, "width": 256,
+                             "sizes": [[160, 256], [96, 400], [256, 160]]})  # the sizes a session may get
     job.open(A, img=image(160, 256))  # 40 on each DiT rank: 60 left
     (refused,) = job.to(B, p.Error, ask(job, B, image(100, 400)))  # streams at 96x400: 70
     assert refused.code == "busy" and "96x400" in refused.message and "needs 70 bytes" in refused.message
