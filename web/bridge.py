@@ -211,6 +211,7 @@ class Bridge:
             raise
         # From here the slot is the session's: the page's close or the tab's teardown closes it and returns it.
         self.session, self.last_revision = info, -1
+        log.info("session %s opened", info.id)
         if self._tasks.stopping:  # the tab went away while the server opened it
             return
         self.playout, self.playing = Playout(info.fps), None
