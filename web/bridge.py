@@ -1,8 +1,8 @@
 """One browser tab: its WebSocket, its ``AsyncClient``, at most one session at a time, and the tasks serving it,
 all in one ``TabTasks`` (so none can outlive the tab, none can fail unseen, and none survives a lost cancel):
 
-- the **reader** (the WebSocket handler itself, the group's body): validates each page message and acts on it
-  (open, live state, close, stats, trace); a bad message gets an ``error`` and changes nothing;
+- the **reader**: validates each page message and acts on it (open, live state, close, stats, trace); a bad
+  message gets an ``error`` and changes nothing;
 - the **chunk pump** of the open session: takes every chunk from the client, sends its facts to the page at once
   (text, never dropped) and hands its frames to the playout (only the newest chunk's are kept);
 - the **sender**: the only task that writes to the WebSocket: pending text messages first, then the frame the
@@ -10,10 +10,11 @@ all in one ``TabTasks`` (so none can outlive the tab, none can fail unseen, and 
 - plus an **error pump** forwarding the errors no request waits for (a rejected live state, a stage failure, the
   server shutting down).
 
-A tab that goes away (closed, reloaded, network lost: aiohttp's WebSocket heartbeat notices) ends the group: its
-tasks are cancelled and awaited, and only then, with nothing left to race it for the session's events, is its
-session closed on the server and its slot of the gateway's session limit returned. A task that fails ends the tab
-the same way, its WebSocket closed with 1011 and the reason (never a stream that silently stops).
+A tab that goes away (closed, reloaded, network lost: aiohttp's WebSocket heartbeat notices) ends them all: its
+tasks are stopped and awaited, then an open still in flight, and only then, with nothing left to race it for the
+session's events, is its session closed on the server and its slot of the gateway's session limit returned. A task
+that fails ends the tab the same way, its WebSocket closed with 1011 and the reason (never a stream that silently
+stops).
 """
 
 from __future__ import annotations
@@ -113,8 +114,9 @@ class Bridge:
             try:
                 if self._opening is not None:  # an open still in flight (bounded by the client's request timeout)
                     await asyncio.wait({self._opening})
-                    if not self._opening.cancelled():
-                        self._opening.exception()  # (retrieved: it was the reader's to raise, and the reader is gone)
+                    error = None if self._opening.cancelled() else self._opening.exception()
+                    if error is not None:  # the reader that would have raised it is gone
+                        log.warning("opening a session failed as its tab went away: %r", error)
                 await self._close_session()
             finally:
                 if self.session is not None:  # the close itself was cancelled (the gateway stopping)

@@ -155,9 +155,8 @@ async def _websocket(request: web.Request) -> web.StreamResponse:
     _check_token(request)
     _check_origin(request)
     settings = request.app[KEY_SETTINGS]
-    limit = settings.bridge.limits.max_upload_bytes
-    assert limit > 0, "aiohttp reads max_msg_size=0 as no limit"
-    ws = web.WebSocketResponse(heartbeat=WS_HEARTBEAT_S, max_msg_size=limit)
+    # max_msg_size is > 0 (pp.Limits refuses less than a start image): aiohttp reads 0 as no limit at all
+    ws = web.WebSocketResponse(heartbeat=WS_HEARTBEAT_S, max_msg_size=settings.bridge.limits.max_upload_bytes)
     sockets = request.app[KEY_SOCKETS]
     sockets.add(ws)  # counted from the handshake on: whatever ends this handler (a failed handshake too) uncounts it
     try:
