@@ -259,8 +259,11 @@ def test_a_request_without_a_host_header_is_refused(server: LocalServer) -> None
 @pytest.mark.parametrize("limit", ["0", "0.01", "-1", "nan", "inf"])
 def test_an_upload_limit_that_is_no_real_bound_is_refused_at_start(server: LocalServer, limit: str) -> None:
     gw = LocalGateway(server.endpoint, args=["--max-upload-mb", limit])
-    with pytest.raises(RuntimeError, match="exited with 2") as failed:  # was: 0 served with no message limit
-        gw.start()
+    try:
+        with pytest.raises(RuntimeError, match="exited with 2") as failed:  # was: 0 served with no message limit
+            gw.start()
+    finally:
+        gw.stop()  # (one that did start is not left behind)
     assert "--max-upload-mb must be in" in str(failed.value)
 
 
