@@ -3,6 +3,7 @@ and the bind/host rules. No processes, no sockets (tests/test_web.py runs the re
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import struct
@@ -18,6 +19,7 @@ from web.bridge import BridgeSettings, SessionSlots
 from web.chunks import chrome_trace, read_chunk
 from web.gateway import GatewaySettings, host_name, is_loopback, make_app
 from web.playout import Playout, encode_frame
+from web.tab_tasks import TabTasks
 
 FPS = 16.0
 PERIOD = 1 / FPS
@@ -133,7 +135,9 @@ def test_a_valid_state_parses_to_its_fields() -> None:
     ('{"type": "state", "keys": [], "taps": ["q"], "revision": 1}', "unknown_keys", "state.taps"),
     ('{"type": "state", "keys": [], "mouse": [1e999, 0], "revision": 1}', "bad_message", "out of range"),
     ('{"type": "state", "keys": [], "mouse": [400, 0], "revision": 1}', "bad_message", "within"),
-    ('{"type": "state", "keys": [], "revision": -1}', "bad_message", ">= 0"),
+    ('{"type": "state", "keys": [], "revision": -1}', "bad_message", "state.revision must be in 0..2147483647"),
+    ('{"type": "state", "keys": [], "revision": 2147483648}', "bad_message", "state.revision must be in 0.."),
+    ('{"type": "state", "keys": [], "revision": %s}' % ("9" * 400), "bad_message", r"got 9+ \.\.\. \(clipped\)"),
     ('{"type": "state", "keys": "w", "revision": 1}', "bad_message", "keys"),
     ('{"type": "state", "keys": [], "revision": 1, "extra": 1}', "bad_message", "extra"),
     ('{"type": "close", "session": "x"}', "bad_message", "session"),
@@ -166,7 +170,8 @@ def test_the_open_message_carries_the_request_and_the_image() -> None:
     (pp.open_message({"live": False}, b"img"), "bad_request", "live sessions only"),
     (pp.open_message({"seed": -1}, b"img"), "bad_request", "seed"),
     (pp.open_message({"seed": 2**60}, b"img"), "bad_request", "seed"),
-    (pp.open_message({"num_chunks": 0}, b"img"), "bad_request", "num_chunks"),
+    (pp.open_message({"num_chunks": 0}, b"img"), "bad_request", "open.num_chunks must be in 1.."),
+    (pp.open_message({"num_chunks": 2**64}, b"img"), "bad_request", "open.num_chunks must be in 1.."),
     (pp.open_message({"prompt": 5}, b"img"), "bad_message", "prompt"),
     (struct.pack("<I", 2) + b"[]" + b"img", "bad_message", "invalid open header"),
 ])
@@ -177,9 +182,16 @@ def test_invalid_open_messages_raise_a_page_error(data: bytes, code: str, text: 
 
 
 def test_an_upload_beyond_the_limit_is_refused_before_decoding() -> None:
-    with pytest.raises(pp.PageError, match="exceeds the limit of 100 bytes") as error:
-        pp.parse_open(pp.open_message({}, b"x" * 200), pp.Limits(max_upload_bytes=100))
+    limit = pp.MIN_UPLOAD_BYTES
+    with pytest.raises(pp.PageError, match=f"exceeds the limit of {limit} bytes") as error:
+        pp.parse_open(pp.open_message({}, b"x" * limit), pp.Limits(max_upload_bytes=limit))
     assert error.value.code == "too_large"
+
+
+@pytest.mark.parametrize("limit", [0, -1, pp.MIN_UPLOAD_BYTES - 1])
+def test_an_upload_limit_of_zero_or_below_a_start_image_is_refused(limit: int) -> None:
+    with pytest.raises(ValueError, match="upload limit must be at least"):  # aiohttp would read 0 as no limit
+        pp.Limits(max_upload_bytes=limit)
 
 
 def test_a_frame_message_header_round_trips() -> None:
@@ -258,3 +270,70 @@ def test_session_slots_refuse_beyond_the_limit_and_free_on_release() -> None:
     assert slots.acquire()
     with pytest.raises(ValueError):
         SessionSlots(0)
+
+
+# ------------------------------------------------------------------------------------------------ a tab's tasks
+
+
+async def swallowing_once(tasks: TabTasks, ready: asyncio.Event, turns: list[int]) -> None:
+    """A pump whose wait loses one cancel, as ``asyncio.wait_for`` on Python 3.10/3.11 does when the awaited
+    result is ready in the same step as the cancel: the result is returned and the cancel is gone."""
+    while tasks.wanted():
+        try:
+            await ready.wait()
+        except asyncio.CancelledError:
+            if not ready.is_set():
+                raise
+        ready.clear()
+        turns.append(1)
+
+
+def test_a_task_that_loses_its_cancel_is_still_stopped() -> None:
+    async def scenario() -> list[int]:
+        tasks, ready, turns = TabTasks(), asyncio.Event(), []
+        pump = tasks.spawn(swallowing_once(tasks, ready, turns))
+        await asyncio.sleep(0)
+        hung = asyncio.get_running_loop().call_later(5.0, asyncio.current_task().cancel)  # type: ignore[union-attr]
+        ready.set()  # a chunk is ready in the same step as the cancel that stop() sends before it first waits
+        await tasks.stop(pump)  # without the unwanted mark this waits forever (cancelled after 5 s: the test fails)
+        hung.cancel()
+        assert pump.done()
+        return turns
+
+    assert asyncio.run(scenario()) == [1]  # it took the ready result once, then saw it was stopped
+
+
+def test_the_tab_ends_when_its_reader_returns_and_every_task_is_stopped() -> None:
+    async def scenario() -> None:
+        tasks = TabTasks()
+        pumps = [tasks.spawn(asyncio.sleep(3600)) for _ in range(3)]
+
+        async def reader() -> None:
+            await asyncio.sleep(0)  # the WebSocket closed
+
+        assert await asyncio.wait_for(tasks.run(reader()), 5) is None
+        assert all(p.done() for p in pumps) and tasks.stopping
+        with pytest.raises(RuntimeError, match="the tab is over"):
+            tasks.spawn(asyncio.sleep(0))
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_task_ends_the_tab_with_its_failure_and_stops_the_reader() -> None:
+    async def scenario() -> None:
+        tasks, stopped = TabTasks(), asyncio.Event()
+
+        async def sender() -> None:
+            raise struct.error("'i' format requires -2147483648 <= number <= 2147483647")
+
+        async def reader() -> None:
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                stopped.set()
+
+        tasks.spawn(sender())
+        failure = await asyncio.wait_for(tasks.run(reader()), 5)
+        assert isinstance(failure, struct.error) and stopped.is_set()
+
+    asyncio.run(scenario())

@@ -28,6 +28,8 @@ from web.bridge import BridgeSettings
 from web.gateway import GatewaySettings, make_app
 
 TOKEN_ENV = "WORLDSTREAM_WEB_TOKEN"
+MAX_UPLOAD_MB = 1024.0  # far beyond any start image; a bound all the same (inf is not one)
+SHUTDOWN_S = 20.0  # on SIGTERM, tabs get this long to close their sessions before their handlers are cancelled
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-sessions", type=int, default=4, help="sessions this gateway holds at once")
     parser.add_argument("--format", choices=sorted(pp.FORMATS), default="jpeg", help="frame encoding")
     parser.add_argument("--quality", type=int, default=80, help="JPEG/WebP quality 1..100")
-    parser.add_argument("--max-upload-mb", type=float, default=8.0, help="largest start image upload")
+    parser.add_argument("--max-upload-mb", type=float, default=8.0,
+                        help=f"largest start image upload (at least {pp.MIN_UPLOAD_BYTES / 2**20:g}; it also bounds "
+                             "every WebSocket message)")
     parser.add_argument("--allow-host", action="append", default=[], help="extra Host name to answer to")
     parser.add_argument("--allow-origin", action="append", default=[],
                         help="extra WebSocket origin allowed to open sessions, e.g. https://example.org")
@@ -50,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 1 <= args.quality <= 100:
         parser.error(f"--quality must be in 1..100, got {args.quality}")
+    if not pp.MIN_UPLOAD_BYTES <= args.max_upload_mb * 2**20 <= MAX_UPLOAD_MB * 2**20:  # NaN fails too
+        parser.error(f"--max-upload-mb must be in {pp.MIN_UPLOAD_BYTES / 2**20:g}..{MAX_UPLOAD_MB} (a real bound: "
+                     f"0 would lift the WebSocket message limit), got {args.max_upload_mb:g}")
+    if args.max_sessions < 1:
+        parser.error(f"--max-sessions must be >= 1, got {args.max_sessions}")
     return args
 
 
@@ -86,7 +95,7 @@ async def serve(args: argparse.Namespace) -> int:
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

@@ -1,7 +1,8 @@
-"""One browser tab: its WebSocket, its ``AsyncClient``, at most one session at a time, and three tasks.
+"""One browser tab: its WebSocket, its ``AsyncClient``, at most one session at a time, and the tasks serving it,
+all in one ``TabTasks`` (so none can outlive the tab, none can fail unseen, and none survives a lost cancel):
 
-- the **reader** (the WebSocket handler itself): validates each page message and acts on it (open, live state,
-  close, stats, trace); a bad message gets an ``error`` and changes nothing;
+- the **reader**: validates each page message and acts on it (open, live state, close, stats, trace); a bad
+  message gets an ``error`` and changes nothing;
 - the **chunk pump** of the open session: takes every chunk from the client, sends its facts to the page at once
   (text, never dropped) and hands its frames to the playout (only the newest chunk's are kept);
 - the **sender**: the only task that writes to the WebSocket: pending text messages first, then the frame the
@@ -9,8 +10,11 @@
 - plus an **error pump** forwarding the errors no request waits for (a rejected live state, a stage failure, the
   server shutting down).
 
-A tab that goes away (closed, reloaded, network lost: aiohttp's WebSocket heartbeat notices) closes its session on
-the server and returns its slot of the gateway's session limit.
+A tab that goes away (closed, reloaded, network lost: aiohttp's WebSocket heartbeat notices) ends them all: its
+tasks are stopped and awaited, then an open still in flight, and only then, with nothing left to race it for the
+session's events, is its session closed on the server and its slot of the gateway's session limit returned. A task
+that fails ends the tab the same way, its WebSocket closed with 1011 and the reason (never a stream that silently
+stops).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ipc.client import ServerError, SessionClosed, SessionInfo, UnknownSession, 
 from web import page_protocol as pp
 from web.chunks import ChunkView, Timeline, chrome_trace, read_chunk
 from web.playout import Playout, encode_frame
+from web.tab_tasks import TabTasks
 
 log = logging.getLogger("worldstream.web")
 
@@ -82,43 +87,62 @@ class Bridge:
         self.last_revision = -1
         self.frames_sent = 0
         self.bytes_sent = 0
-        self._opening = False
+        self._opening: asyncio.Future[None] | None = None  # the open request in flight, if any
         self._outbox: collections.deque[str] = collections.deque()
         self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = TabTasks()  # the tab's tasks
         self._pump: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
     async def run(self) -> None:
-        """Serve the tab until its WebSocket closes; then close its session and free everything."""
-        self._tasks.append(asyncio.create_task(self._sender()))
-        self.send({"type": "hello", "version": pp.PAGE_PROTOCOL_VERSION, "format": self.settings.frame_format,
-                   "limits": self.settings.limits.to_wire(), "max_sessions": self.slots.limit})
+        """Serve the tab until its WebSocket closes (or one of its tasks fails); then close its session and free
+        everything."""
         try:
-            async for message in self.ws:
-                if message.type == WSMsgType.TEXT:
-                    await self._on_text(message.data)
-                elif message.type == WSMsgType.BINARY:
-                    await self._on_binary(message.data)
-                elif message.type == WSMsgType.ERROR:
-                    log.info("websocket error: %s", self.ws.exception())
+            self._tasks.spawn(self._sender())
+            self.send({"type": "hello", "version": pp.PAGE_PROTOCOL_VERSION,
+                       "format": self.settings.frame_format, "limits": self.settings.limits.to_wire(),
+                       "max_sessions": self.slots.limit})
+            failure = await self._tasks.run(self._read())
+            if failure is not None:
+                log.error("a task of this tab failed: closing it", exc_info=failure)
+                reason = f"the gateway failed: {failure!r}"[:120]  # a close reason holds at most 123 bytes
+                with contextlib.suppress(Exception):
+                    await self.ws.close(code=1011, message=reason.encode())
         finally:
-            await self._close_session()
-            for task in self._tasks:
-                task.cancel()
-            for task in self._tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-            if self.client is not None:
-                await self.client.aclose()
+            self._pump = None  # every task of the tab is done: nothing reads the session's events now
+            try:
+                if self._opening is not None:  # an open still in flight (bounded by the client's request timeout)
+                    await asyncio.wait({self._opening})
+                    error = None if self._opening.cancelled() else self._opening.exception()
+                    if error is not None:  # the reader that would have raised it is gone
+                        log.warning("opening a session failed as its tab went away: %r", error)
+                await self._close_session()
+            finally:
+                if self.session is not None:  # the close itself was cancelled (the gateway stopping)
+                    self._finish(self.session, {"reason": "unknown", "error": "the gateway stopped while closing"})
+                if self.client is not None:
+                    await self.client.aclose()
+
+    async def _read(self) -> None:
+        async for message in self.ws:
+            if not self._tasks.wanted():
+                return
+            if message.type == WSMsgType.TEXT:
+                await self._on_text(message.data)
+            elif message.type == WSMsgType.BINARY:
+                await self._on_binary(message.data)
+            elif message.type == WSMsgType.ERROR:
+                log.info("websocket error: %s", self.ws.exception())
 
     def send(self, message: dict[str, Any]) -> None:
         """Queue a text message for the page (the sender writes it before any further frame)."""
+        if self._tasks.stopping:  # the tab is over (its session's last words go nowhere)
+            return
         if len(self._outbox) >= MAX_OUTBOX:
             log.warning("the page stopped reading (%d messages waiting): closing its connection", len(self._outbox))
             self._outbox.clear()
-            self._tasks.append(asyncio.create_task(self.ws.close(code=1008, message=b"the page stopped reading")))
+            self._tasks.spawn(self.ws.close(code=1008, message=b"the page stopped reading"))
             return
         try:
             text = json.dumps(message, allow_nan=False, default=_jsonable)
@@ -157,14 +181,20 @@ class Bridge:
         except pp.PageError as error:
             self.error(error.code, error.message)
             return
-        if self.session is not None or self._opening:
+        if self.session is not None or (self._opening is not None and not self._opening.done()):
             self.error("bad_request", "a session is already open in this tab: stop it first")
             return
         if not self.slots.acquire():
             self.error("busy", f"this gateway serves at most {self.slots.limit} sessions at once and all are in use",
                        retry_after_s=2.0)
             return
-        self._opening = True
+        # The open runs on even if the tab goes away meanwhile (a cancel mid-request would lose the session the
+        # server is opening): the teardown waits for it and closes what it opened.
+        self._opening = asyncio.ensure_future(self._open(request, image))
+        await asyncio.shield(self._opening)
+
+    async def _open(self, request: pp.OpenRequest, image: bytes) -> None:
+        """Open the session on the server (its slot is held): record it, or return the slot with the error."""
         try:
             client = await self._client()
             info = await client.open(image, prompt=request.prompt, seed=request.seed, num_chunks=request.num_chunks,
@@ -178,13 +208,17 @@ class Bridge:
             self.error("server_unreachable", f"no answer from the worldstream server at {self.settings.server} "
                                              f"within {self.settings.request_timeout_s:.0f} s: is it running?")
             return
-        finally:
-            self._opening = False
-        # Even if the tab went away meanwhile, the session is recorded: the cleanup after the read loop closes it.
+        except BaseException:  # anything else (a request the client cannot send): no session
+            self.slots.release()
+            raise
+        # From here the slot is the session's: the page's close or the tab's teardown closes it and returns it.
         self.session, self.last_revision = info, -1
+        log.info("session %s opened", info.id)
+        if self._tasks.stopping:  # the tab went away while the server opened it
+            return
         self.playout, self.playing = Playout(info.fps), None
         self.timeline.clear()
-        self._pump = asyncio.create_task(self._chunk_pump(client, info))
+        self._pump = self._tasks.spawn(self._chunk_pump(client, info))
         self.send({"type": "opened", "session": info.id, "height": info.height, "width": info.width, "fps": info.fps,
                    "frames_first_chunk": info.frames_first_chunk, "frames_per_chunk": info.frames_per_chunk,
                    "num_chunks": info.num_chunks, "format": self.settings.frame_format})
@@ -228,14 +262,17 @@ class Bridge:
     async def _client(self) -> AsyncClient:
         if self.client is None:
             self.client = await AsyncClient(self.settings.server, timeout_s=self.settings.request_timeout_s).start()
-            self._tasks.append(asyncio.create_task(self._error_pump(self.client)))
+            if not self._tasks.stopping:
+                self._tasks.spawn(self._error_pump(self.client))
         return self.client
 
     async def _chunk_pump(self, client: AsyncClient, info: SessionInfo) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while self._tasks.wanted():
             try:
                 chunk = await client.next_chunk(info.id, timeout_s=IDLE_WAIT_S)
+                if not self._tasks.wanted():  # stopped while the chunk came: its cancel was lost (see TabTasks)
+                    return
             except TimeoutError:
                 continue
             except SessionClosed as closed:
@@ -255,16 +292,14 @@ class Bridge:
                        "dropped": self.playout.dropped.to_wire()})
 
     async def _close_session(self) -> None:
-        """Close the open session on the server (page stop or tab gone) and wait for its summary."""
+        """Close the open session on the server (page stop or tab gone), wait for its summary, return the slot."""
         info, client = self.session, self.client
         if info is None or client is None:
             return
-        if self._pump is not None:
-            self._pump.cancel()  # it must not race close() for the session's events
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pump
-            self._pump = None
-        if self.session is None:  # the session ended by itself meanwhile
+        pump, self._pump = self._pump, None
+        if pump is not None:
+            await self._tasks.stop(pump)  # it must not race close() for the session's events
+        if self.session is not info:  # the session ended by itself meanwhile
             return
         try:
             summary = await client.close(info.id, timeout_s=CLOSE_TIMEOUT_S)
@@ -275,7 +310,7 @@ class Bridge:
                 summary = {"reason": "unknown", "error": "the server no longer holds the session"}
         except (ServerError, TimeoutError) as error:
             summary = {"reason": "unknown", "error": f"closing failed: {error}"}
-        self._finish(info, summary)
+        self._finish(info, summary)  # (cancelled before this, the session stays recorded: the teardown closes it)
 
     def _finish(self, info: SessionInfo, summary: dict[str, Any]) -> None:
         """The session is over: tell the page, return the slot (exactly once per session)."""
@@ -288,7 +323,7 @@ class Bridge:
         log.info("session %s closed (%s)", info.id, summary.get("reason"))
 
     async def _error_pump(self, client: AsyncClient) -> None:
-        while True:
+        while self._tasks.wanted():
             error = await client.error(timeout_s=IDLE_WAIT_S)
             if error is not None:
                 self.error(error.code, error.message, error.retry_after_s, error.session)
@@ -296,9 +331,13 @@ class Bridge:
     # ------------------------------------------------------------------------------------------ sending
 
     async def _sender(self) -> None:
+        with contextlib.suppress(ConnectionError):  # the tab went away under a write: the reader sees it end
+            await self._send_until_closed()
+
+    async def _send_until_closed(self) -> None:
         loop = asyncio.get_running_loop()
         fmt, quality = self.settings.frame_format, self.settings.quality
-        while not self.ws.closed:
+        while not self.ws.closed and self._tasks.wanted():
             self._wake.clear()  # before looking: anything queued from here on sets it again
             while self._outbox:
                 await self.ws.send_str(self._outbox.popleft())
@@ -313,8 +352,11 @@ class Bridge:
                 self.bytes_sent += len(data)
                 continue
             due = self.playout.next_due() if self.playout is not None else None
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), None if due is None else max(0.0, due - loop.time()))
+            woken = asyncio.ensure_future(self._wake.wait())
+            try:  # asyncio.wait, not wait_for: it never swallows a cancel
+                await asyncio.wait({woken}, timeout=None if due is None else max(0.0, due - loop.time()))
+            finally:
+                woken.cancel()
 
 
 def _brief(summary: dict[str, Any]) -> dict[str, Any]:

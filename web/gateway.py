@@ -15,6 +15,7 @@ Safe by default:
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import logging
@@ -99,6 +100,8 @@ def _allowed_hosts(settings: GatewaySettings) -> frozenset[str] | None:
 @web.middleware
 async def _check_host(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                       ) -> web.StreamResponse:
+    if not request.headers.get("Host"):  # HTTP/1.0 may omit it; aiohttp then makes up this machine's own name
+        raise web.HTTPBadRequest(text="a request must name its Host")
     allowed = _allowed_hosts(request.app[KEY_SETTINGS])
     if allowed is not None and host_name(request.host) not in allowed:
         raise web.HTTPForbidden(text=f"unknown host {request.host!r}: this gateway answers to {sorted(allowed)} "
@@ -152,12 +155,13 @@ async def _websocket(request: web.Request) -> web.StreamResponse:
     _check_token(request)
     _check_origin(request)
     settings = request.app[KEY_SETTINGS]
+    # max_msg_size is > 0 (pp.Limits refuses less than a start image): aiohttp reads 0 as no limit at all
     ws = web.WebSocketResponse(heartbeat=WS_HEARTBEAT_S, max_msg_size=settings.bridge.limits.max_upload_bytes)
-    await ws.prepare(request)
     sockets = request.app[KEY_SOCKETS]
-    sockets.add(ws)
-    log.info("tab connected from %s (%d open)", request.remote, len(sockets))
+    sockets.add(ws)  # counted from the handshake on: whatever ends this handler (a failed handshake too) uncounts it
     try:
+        await ws.prepare(request)
+        log.info("tab connected from %s (%d open)", request.remote, len(sockets))
         await Bridge(ws, settings.bridge, request.app[KEY_SLOTS]).run()
     finally:
         sockets.discard(ws)
@@ -166,6 +170,7 @@ async def _websocket(request: web.Request) -> web.StreamResponse:
 
 
 async def _close_sockets(app: web.Application) -> None:
-    """Gateway shutdown: every tab's WebSocket closes, so every bridge closes its session on the server."""
-    for ws in list(app[KEY_SOCKETS]):
-        await ws.close(code=1001, message=b"the gateway is shutting down")
+    """Gateway shutdown: every tab's WebSocket closes (all at once: each close waits for its page's answer), so
+    every bridge closes its session on the server."""
+    await asyncio.gather(*(ws.close(code=1001, message=b"the gateway is shutting down")
+                           for ws in list(app[KEY_SOCKETS]) if ws.prepared), return_exceptions=True)

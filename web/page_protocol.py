@@ -32,12 +32,19 @@ from typing import Any, Union
 
 import msgspec
 
+from ipc.protocol import clip
 from models.controls import KEYS, MAX_MOUSE_DEGREES
 
 PAGE_PROTOCOL_VERSION = 1
 MAX_TEXT_BYTES = 4096  # a state is ~100 bytes; anything near this is not a page of ours
 MAX_HEADER_BYTES = 8192  # the open header: a prompt of the server's 2000 characters fits several times over
-MAX_SEED = 2**53 - 1  # JavaScript's largest exact integer: a seed the page shows is the seed the server uses
+# Every number a page sends is range-checked here before anything uses it (a Python int has no size: unchecked, a
+# huge one overflows the frame header's int32 or msgpack's 64 bits far from the message that carried it).
+MAX_EXACT = 2**53 - 1  # JavaScript's largest exact integer: a number the page shows is the number the server uses
+MAX_SEED = MAX_EXACT
+MAX_NUM_CHUNKS = MAX_EXACT  # the server then holds it to its own server.max_chunks (its error names the field)
+MAX_REVISION = 2**31 - 1  # the frame header's int32 (the page counts up from 1: 2^31 states is a year at 60 a second)
+MIN_UPLOAD_BYTES = 64 * 1024  # the smallest upload limit a gateway starts with (a start image must fit)
 
 FRAME_HEADER = struct.Struct("<BBHIHHi")  # kind, format, header length, chunk, frame, frames in chunk, revision
 FRAME_KIND = 1
@@ -58,6 +65,13 @@ class Limits:
     """Sizes the gateway accepts from a page, checked before decoding."""
 
     max_upload_bytes: int = 8 * 1024 * 1024  # the whole open message (header + image)
+
+    def __post_init__(self) -> None:
+        # aiohttp reads max_msg_size=0 as "no limit": a bound of 0 (or less than a start image) is refused, never
+        # silently turned into none.
+        if self.max_upload_bytes < MIN_UPLOAD_BYTES:
+            raise ValueError(f"the upload limit must be at least {MIN_UPLOAD_BYTES} bytes "
+                             f"({MIN_UPLOAD_BYTES / 2**20:g} MiB), got {self.max_upload_bytes}")
 
     def to_wire(self) -> dict[str, int]:
         return {"max_upload_bytes": self.max_upload_bytes, "max_text_bytes": MAX_TEXT_BYTES}
@@ -126,8 +140,14 @@ def check_state(state: StateRequest) -> None:
         if not math.isfinite(value) or abs(value) > MAX_MOUSE_DEGREES:
             raise PageError("bad_message", f"state.mouse {axis} must be finite and within ±{MAX_MOUSE_DEGREES:g} "
                                            f"degrees, got {value!r}")
-    if state.revision < 0:
-        raise PageError("bad_message", f"state.revision must be >= 0, got {state.revision}")
+    check_range("state.revision", state.revision, 0, MAX_REVISION, code="bad_message")
+
+
+def check_range(name: str, value: int, low: int, high: int, code: str = "bad_request") -> None:
+    """``value`` within ``low..high``, or a ``PageError`` naming the field (its value clipped: it can be 400
+    digits long)."""
+    if not low <= value <= high:
+        raise PageError(code, f"{name} must be in {low}..{high}, got {clip(str(value), 40)}")
 
 
 def parse_open(data: bytes, limits: Limits) -> tuple[OpenRequest, bytes]:
@@ -153,10 +173,9 @@ def parse_open(data: bytes, limits: Limits) -> tuple[OpenRequest, bytes]:
     if not request.live:
         raise PageError("bad_request", "the play page drives live sessions only; for indexed controls use "
                                        "scripts/client.py")
-    if not 0 <= request.seed <= MAX_SEED:
-        raise PageError("bad_request", f"seed must be in 0..{MAX_SEED}, got {request.seed}")
-    if request.num_chunks is not None and request.num_chunks < 1:
-        raise PageError("bad_request", f"num_chunks must be >= 1 or null, got {request.num_chunks}")
+    check_range("open.seed", request.seed, 0, MAX_SEED)
+    if request.num_chunks is not None:
+        check_range("open.num_chunks", request.num_chunks, 1, MAX_NUM_CHUNKS)
     return request, bytes(image)
 
 
