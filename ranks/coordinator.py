@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import zmq
@@ -82,6 +82,8 @@ class Coordinator:
                                     intrinsics=c.controls.intrinsics, rooms=self.rooms,
                                     session_cost=self._session_cost(), warm_start=self.warm_start)
         log.info("warm-up: %s", self.warm_start.describe())
+        for reason in self.core.admission.unservable(served_sizes(c.stream)):
+            log.warning("%s", reason)
         port_file = os.environ.get("WORLDSTREAM_PORT_FILE")  # written once serving: tests and scripts wait on it
         if port_file:
             with open(f"{port_file}.tmp", "w") as f:
@@ -127,16 +129,23 @@ class Coordinator:
         return True
 
     def _session_cost(self) -> Cost | None:
-        """What one more session costs each rank at a frame size (``models.memory``, memoised per size; the first
-        session at a new size waits for its meta-device run, about a second for a full-size model)."""
+        """What one more session costs each rank at a frame size (``models.memory``): every served size is priced
+        here, before the port opens (a meta-device run takes about a second per size for a full-size model), so no
+        session waits for it on rank 0's loop."""
         if not memory.counted(self.config):
             return None
         device = self.ctx.groups.device.type
         config = self.config
-        cost = memory.session_costs(config, config.stream.height, config.stream.width, device)  # the usual size now
-        log.info("a %dx%d session costs %s", config.stream.height, config.stream.width,
-                 ", ".join(f"rank {r} {gib(n)}" for r, n in cost.items()))
-        return lambda height, width: memory.session_costs(config, height, width, device)
+        priced = {size: memory.session_costs(config, *size, device) for size in served_sizes(config.stream)}
+        for (height, width), cost in priced.items():
+            log.info("a %dx%d session costs %s", height, width,
+                     ", ".join(f"rank {r} {gib(n)}" for r, n in cost.items()))
+
+        def cost(height: int, width: int) -> Mapping[int, int]:
+            known = priced.get((height, width))
+            return known if known is not None else memory.session_costs(config, height, width, device)
+
+        return cost
 
     # ---------------------------------------------------------------------------------------------- inputs
 

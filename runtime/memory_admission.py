@@ -11,7 +11,7 @@ hold (``Beat.held``) is shown beside it in ``stats``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 GIB = 1 << 30
@@ -55,6 +55,14 @@ class MemoryAdmission:
                         f"({gib(need)}) and has {max(free, 0)} bytes ({gib(max(free, 0))}) free; {holding} open "
                         f"sessions hold {gib(self.session_bytes(rank))} of its {gib(self.rooms[rank])}")
         return None
+
+    def unservable(self, sizes: Iterable[tuple[int, int]]) -> list[str]:
+        """Why each of ``sizes`` cannot hold even one session, whatever closes (asked once at start: a layout too
+        big for its cards should say so in its log, not only in every refused ``open``)."""
+        if self.held:
+            raise RuntimeError("unservable() answers for an empty server; sessions are open")
+        reasons = ((f"{h}x{w}", self.refusal(h, w)) for h, w in sizes)
+        return [f"no {size} session can open on this server: {why}" for size, why in reasons if why is not None]
 
     def admit(self, session: str, height: int, width: int) -> None:
         """Hold the session's bytes on every rank (call once ``refusal`` said it fits)."""

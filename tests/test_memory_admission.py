@@ -107,3 +107,11 @@ def test_an_oom_while_one_dit_rank_opens_the_caches_answers_the_open_and_gives_t
     assert failed.req == 1 and failed.session is None  # the open's answer: its client never learnt the session
     job.settle(p.InitDenoise, p.Release)
     assert not job.core.sessions and not job.to(B, p.Error, ask(job, B))
+
+
+def test_a_size_that_cannot_hold_one_session_is_named_at_start_with_the_rank_short_of_room() -> None:
+    admission = MemoryAdmission(cost, {**ROOMS, 4: 60})  # rank 4 holds a 40-byte session, not a 70-byte one
+    (reason,) = admission.unservable([(160, 256), (96, 400)])
+    assert reason.startswith("no 96x400 session can open") and "rank 4 " in reason and "needs 70 bytes" in reason
+    assert not MemoryAdmission(cost, dict(ROOMS)).unservable([(160, 256), (96, 400)])
+    assert not MemoryAdmission(None, {2: 0}).unservable([(160, 256)])  # no memory model: nothing to say
