@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from models.attention import measure_attention, select_attention
 from models.camera import StreamingCamera
+from models.compiled import compile_dit
 from models.controls import ChunkControl, MotionSpeeds, integrate
 from models.dit import ARCH_FIELDS, ChunkCamera, DiTConfig, WanModelFast, apply_sequence_parallel
 from models.dit_checkpoint import load_dit, load_state_dict_strict, random_dit
@@ -119,11 +121,13 @@ class LingbotDenoiseStage:
         speeds: MotionSpeeds | None = None,
         init_seed: int = 0,
         translation_scale: float = 1.0,
+        compile_backend: str | Callable[..., Any] = "inductor",
     ) -> None:
         """``args``: the DiT's sizes and streaming settings. ``weights``: a state dict, a checkpoint directory (its
         config.json gives the architecture, ``args`` the streaming settings), a built model of the same architecture
         (shared, e.g. by benchmarks running v1 and v2 recipes on one set of weights) or ``None`` for seeded random
-        weights (``init_seed``, identical on every rank of a device kind)."""
+        weights (``init_seed``, identical on every rank of a device kind). ``args.compile`` compiles the DiT
+        (``models.compiled``; what cannot run here is said once and runs eagerly); ``compile_backend`` is a seam."""
         assert geometry.chunk_latent_frames == args.chunk_size, "geometry and DiT disagree on the chunk size"
         self.geometry, self.device, self.dtype = geometry, torch.device(device), dtype
         self.intrinsics = torch.tensor(intrinsics, dtype=torch.float32)
@@ -147,13 +151,14 @@ class LingbotDenoiseStage:
         )
         self.sessions: dict[str, _Session] = {}
         self.attention_ms = self._choose_attention()
+        self.compile = compile_dit(self.model, self.cfg.compile, self.device, compile_backend)  # the mode it runs
         cfg = self.cfg
         log.info("DiT %d layers x %d heads (dim %d), %s on %s: chunks of %d latent frames, timesteps %s, KV window %d "
-                 "latent frames %s, attention %s", cfg.num_layers, cfg.num_heads, cfg.dim, dtype, self.device,
-                 cfg.chunk_size, [s.timestep for s in self.steps], cfg.local_attn_size,
+                 "latent frames %s, attention %s, compile %s", cfg.num_layers, cfg.num_heads, cfg.dim, dtype,
+                 self.device, cfg.chunk_size, [s.timestep for s in self.steps], cfg.local_attn_size,
                  f"with {cfg.sink_size} sink" if cfg.kv_eviction else "(full: no eviction)",
                  min(self.attention_ms, key=self.attention_ms.__getitem__) if self.attention_ms else
-                 "sdpa" if cfg.attention == "auto" else cfg.attention)
+                 "sdpa" if cfg.attention == "auto" else cfg.attention, self.compile)
 
     def _choose_attention(self) -> dict[str, float]:
         """Resolve ``attention = auto`` by timing the kernels at this stage's steady self-attention shapes. In a

@@ -126,6 +126,7 @@ class ModelConfig(_Section):
     t5_file: str = "models_t5_umt5-xxl-enc-bf16.pth"
     tokenizer_dir: str = "google/umt5-xxl"  # tokenizer.json (or spiece.model)
     attention: Literal["auto", "sdpa", "sage"] = "auto"  # auto: flash SDPA unless Sage is measured faster here
+    compile: Literal["off", "blocks", "graphs"] = "off"  # DiT: blocks = one compiled block; graphs = + CUDA graphs
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # DiT and umT5: auto is bf16 on CUDA, fp32 on CPU
     vae_dtype: Literal["tf32", "float32", "bfloat16"] = "tf32"  # VAE on CUDA: fp32 with TF32 convs, strict, or bf16
     kv_window: int | Literal["preset", "full"] = "preset"  # KV window in latent frames; full: official v1, no eviction
