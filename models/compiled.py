@@ -120,8 +120,7 @@ class CompiledBlocks:
                 if self.strict:
                     raise
                 self.failure = error
-                log.warning("the compiled DiT block failed (%s: %s); the DiT runs eagerly from now on",
-                            type(error).__name__, str(error).strip().splitlines()[0] if str(error).strip() else "")
+                log.warning("the compiled DiT block failed (%s); the DiT runs eagerly from now on", _reason(error))
         return block(*args)  # eager; a compiled call that failed before finishing wrote the same slots as this one
 
     def _compiled(self, block: Block, *args: Any) -> torch.Tensor:
@@ -134,6 +133,16 @@ class CompiledBlocks:
         q, k, v = sp.qkv_to_heads(*before(block, x, mod), n_total)
         out = sp.heads_to_seq(attend(block.self_attn, q, k, v, rope, kv, mask))
         return after(block, x, out, mod, text_kv, cam)
+
+
+def _reason(error: BaseException) -> str:
+    """``Outer (Inner: message)`` of a compile error, naming its root cause in one line (dynamo wraps it)."""
+    root = error
+    while root.__cause__ is not None or getattr(root, "inner_exception", None) is not None:
+        root = root.__cause__ or root.inner_exception  # type: ignore[attr-defined]
+    message = (str(root).strip().splitlines() or [""])[0]
+    inner = f"{type(root).__name__}: {message}"
+    return inner if root is error else f"{type(error).__name__} ({inner})"
 
 
 @dataclass
@@ -188,8 +197,8 @@ class CudaGraphPasses:
                 raise
             except Exception as error:  # capture is an optimisation: never fail a session for it
                 self.failure = error
-                log.warning("CUDA-graph capture of a DiT pass failed (%s: %s); passes run as compiled blocks from now "
-                            "on", type(error).__name__, error)  # fmt: skip
+                log.warning("CUDA-graph capture of a DiT pass failed (%s); passes run as compiled blocks from now on",
+                            _reason(error))
                 return model.run(x, y, e, mods, rope, text, cam, cache)
             graphs.passes[t] = captured
         captured.x.copy_(x)
