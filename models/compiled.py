@@ -214,6 +214,11 @@ class CudaGraphPasses:
         def run() -> torch.Tensor:
             return model.run(static_x, static_y, e, mods, static_rope, text, cam, cache)
 
+        graph, out = self._record(run)
+        return _Captured(graph, static_x, static_y, static_rope, out, (e, mods))
+
+    def _record(self, run: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """``run`` captured as a CUDA graph, and the output tensor its replays write."""
         # Warm-up on a side stream (compiles this fill level, initialises cuBLAS): a pass may run twice, since it
         # rewrites the same slots with the same keys and values.
         side = torch.cuda.Stream()
@@ -226,4 +231,4 @@ class CudaGraphPasses:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = run()
-        return _Captured(graph, static_x, static_y, static_rope, out, (e, mods))
+        return graph, out
