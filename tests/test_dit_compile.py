@@ -22,7 +22,7 @@ from models.lingbot import dit_config
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.rope import apply_rope, rope_angles, rope_freqs
 from models.stages import SessionSpec, StreamGeometry
-from runtime.config import ModelConfig, StreamConfig
+from runtime.config import ConfigError, ModelConfig, StreamConfig, load
 from scripts import check_golden
 from scripts.check_golden import compare
 from scripts.golden_dit import checks
@@ -147,10 +147,13 @@ def test_graphs_on_cpu_runs_as_blocks_and_says_so_once(caplog: pytest.LogCapture
         compile_dit(model, "fast")
 
 
-def test_the_config_key_reaches_the_dit_and_defaults_to_off() -> None:
+def test_the_config_key_reaches_the_dit_defaults_to_off_and_rejects_other_values() -> None:
     stream = StreamConfig()
     assert dit_config(ModelConfig(kind="lingbot-fast"), stream).compile == "off"
     assert dit_config(ModelConfig(kind="lingbot-fast", compile="blocks"), stream).compile == "blocks"
+    assert load("cpu-tiny-model", ["--model.compile=graphs"]).model.compile == "graphs"
+    with pytest.raises(ConfigError, match=r"model\.compile"):
+        load("cpu-tiny-model", ["--model.compile=fast"])
 
 
 def test_the_indexed_ring_write_holds_exactly_what_the_slice_runs_hold() -> None:
