@@ -10,8 +10,10 @@ window is full: every compile and capture happens there) and then ``--chunks`` s
 wrapping). ``steady_s`` is the fastest of those; ``compile_s`` is what the filling chunks took beyond as many steady
 chunks (tracing, inductor, CUDA-graph capture; for ``off``: kernel warm-up), slightly low since a filling chunk
 attends to fewer keys. Inductor's on-disk cache is pointed at a fresh directory per mode, so compile times are cold
-(``--warm-cache`` keeps the default cache). On CUDA the floor is the chunk's matmul FLOPs at the measured bf16 GEMM
-rate, and each mode's seconds are also given as a multiple of it.
+(``--warm-cache`` keeps the default cache); the first compiled mode also pays the process's one-time inductor
+start-up. On CUDA the floor is the chunk's matmul FLOPs at the measured bf16 GEMM rate, and each mode's seconds are
+also given as a multiple of it. A full-size run may take about 10 minutes (``--chunks 2`` or ``--modes`` shorten it;
+the time is an estimate: it has not run on a GPU yet).
 """
 
 from __future__ import annotations
