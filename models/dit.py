@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import AttentionFn, select_attention
-from models.kv_cache import KVCache, TextCache
+from models.kv_cache import KVCache, LayerKV, TextCache
 from models.rope import apply_rope, rope_angles, rope_freqs
 from models.ulysses import Ulysses
 
@@ -64,6 +65,7 @@ class DiTConfig:
     attention: str = "auto"  # "auto" | "sdpa" | "sage"
     rope_positions: int = 1024  # time positions of the reference RoPE table (see models/rope.py)
     kv_eviction: bool = True  # False: the official v1 "full" cache: nothing leaves, the window caps the session
+    compile: str = "off"  # "off" | "blocks" | "graphs" (models/compiled.py)
 
     def __post_init__(self) -> None:
         assert self.dim % self.num_heads == 0, f"dim {self.dim} not divisible by num_heads {self.num_heads}"
@@ -71,6 +73,7 @@ class DiTConfig:
         assert tuple(self.patch_size) == (1, 2, 2), "only the released 1x2x2 patch is supported"
         assert 0 <= self.sink_size < self.local_attn_size, "sink must be smaller than the window"
         assert self.chunk_size <= self.local_attn_size - self.sink_size, "a chunk must fit the window beside the sink"
+        assert self.compile in ("off", "blocks", "graphs"), f"compile is off, blocks or graphs, not {self.compile!r}"
 
     @property
     def max_chunks(self) -> int | None:
@@ -140,30 +143,33 @@ class SelfAttention(nn.Module):
         self.sp = Ulysses(None)
         self.attend: AttentionFn = select_attention("sdpa")
 
-    def forward(
-        self,
-        a: torch.Tensor,
-        rope: torch.Tensor,
-        n_total: int,
-        cache: KVCache | None,
-        layer: int,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        n = a.shape[0]  # local tokens (this rank's shard)
+    def project(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[n, heads, hd]`` of this rank's tokens ``a [n, d]`` (the q/k RMS norm spans all heads)."""
+        n = a.shape[0]
         q = self.norm_q(self.q(a)).view(n, self.heads, self.head_dim)
         k = self.norm_k(self.k(a)).view(n, self.heads, self.head_dim)
-        v = self.v(a).view(n, self.heads, self.head_dim)
-        q, k, v = self.sp.qkv_to_heads(q, k, v, n_total)  # [N, heads/R, hd] each
+        return q, k, self.v(a).view(n, self.heads, self.head_dim)
+
+    def attend_heads(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: torch.Tensor,
+        kv: LayerKV | None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of the whole sequence for this rank's heads: ``[N, heads/R, hd]`` in, out; the keys and values
+        of a cached call go through the session's ring (``kv``) first."""
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads/R, N, hd]
-        if cache is not None:
+        if kv is not None:
             assert mask is None, "the cached path attends to every valid slot"
-            k, v = cache.write(layer, k, v)  # [heads/R, L, hd]
+            k, v = kv.write(k, v)  # [heads/R, L, hd]
             out = self.attend(q, k, v)
         else:  # the uncached full-sequence form (tests of the cached path); 4-D as every SDPA call
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0]
-        out = self.sp.heads_to_seq(out.transpose(0, 1))  # [n, heads, hd]
-        return self.o(out.reshape(n, -1))
+        return out.transpose(0, 1)
 
 
 class CrossAttention(nn.Module):
@@ -212,17 +218,34 @@ class Block(nn.Module):
         mod: torch.Tensor,  # [1 or n, 6, d] float32: shift, 1 + scale, gate (attention); shift, 1 + scale, gate (ffn)
         rope: torch.Tensor,
         n_total: int,
-        cache: KVCache | None,
-        layer: int,
+        kv: LayerKV | None,
         text_kv: tuple[torch.Tensor, torch.Tensor],
         cam: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # The residual stream and the modulation stay float32 (the reference's float32 autocast regions); each
-        # Linear gets its input in the weights' dtype (bf16 on GPU). In float32 every cast is a no-op.
+        sp = self.self_attn.sp
+        q, k, v = sp.qkv_to_heads(*self.attention_inputs(x, mod), n_total)  # [N, heads/R, hd] each
+        out = sp.heads_to_seq(self.self_attn.attend_heads(q, k, v, rope, kv, mask))  # [n, heads, hd]
+        return self.after_attention(x, out, mod, text_kv, cam)
+
+    # The two halves around the Ulysses all-to-alls (models/compiled.py compiles them apart when the DiT is sharded).
+    # The residual stream and the modulation stay float32 (the reference's float32 autocast regions); each Linear gets
+    # its input in the weights' dtype (bf16 on GPU). In float32 every cast is a no-op.
+
+    def attention_inputs(self, x: torch.Tensor, mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a = torch.addcmul(mod[:, 0], layer_norm(x, self.eps), mod[:, 1]).to(self.norm3.weight.dtype)
+        return self.self_attn.project(a)
+
+    def after_attention(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,  # [n, heads, hd] self-attention output of this rank's tokens
+        mod: torch.Tensor,
+        text_kv: tuple[torch.Tensor, torch.Tensor],
+        cam: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
         wdt = self.norm3.weight.dtype
-        a = torch.addcmul(mod[:, 0], layer_norm(x, self.eps), mod[:, 1]).to(wdt)
-        x = torch.addcmul(x, self.self_attn(a, rope, n_total, cache, layer, mask), mod[:, 2])
+        x = torch.addcmul(x, self.self_attn.o(out.reshape(x.shape[0], -1)), mod[:, 2])
         x = torch.addcmul(cam[1], x, cam[0])  # (1 + cam_scale) * x + cam_shift, float32 result
         q = F.layer_norm(x, x.shape[-1:], self.norm3.weight.float(), self.norm3.bias.float(), self.eps)
         x = x + self.cross_attn(q.to(wdt), *text_kv)
@@ -242,6 +265,22 @@ class Head(nn.Module):
         s = self.modulation.float() + e.float()[:, None]  # [1 or n, 2, d]; the head uses e, not e0
         h = torch.addcmul(s[:, 0], layer_norm(x, self.eps), 1 + s[:, 1])
         return F.linear(h, self.head.weight.float(), self.head.bias.float())
+
+
+class BlockRunner(Protocol):
+    """Runs ``block(*args)``, compiled (``models.compiled``)."""
+
+    def __call__(self, block: Block, *args: object) -> torch.Tensor: ...
+
+
+class PassGraphs(Protocol):
+    """Replays a session's steady passes as CUDA graphs (``models.compiled``)."""
+
+    def steady(self, cache: KVCache) -> bool: ...
+
+    def __call__(self, model: WanModelFast, x: torch.Tensor, y: torch.Tensor, t: float, e: torch.Tensor,
+                 mods: torch.Tensor, rope: torch.Tensor, text: TextCache, cam: ChunkCamera,
+                 cache: KVCache) -> torch.Tensor: ...  # fmt: skip
 
 
 @dataclass
@@ -270,6 +309,10 @@ class WanModelFast(nn.Module):
         self.sp = Ulysses(None)
         self._time_memo: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_memo: tuple[tuple, torch.Tensor] | None = None
+        # Set by models.compiled.compile_dit: the compiled block (None: eager) and the CUDA-graph replay of steady
+        # passes (None: none).
+        self.block_runner: BlockRunner | None = None
+        self.graphs: PassGraphs | None = None
         self.register_load_state_dict_pre_hook(lambda *args, **kwargs: self._time_memo.clear())
         self.set_attention(select_attention(cfg.attention))
 
@@ -356,10 +399,7 @@ class WanModelFast(nn.Module):
         uncached full-sequence form with a ``mask``, used to check the cached path).
         """
         _, f, h, w = x.shape
-        p = self.patch_embedding.weight
-        xin = torch.cat([x, y]).to(device=p.device, dtype=p.dtype)[None]  # [1, 36, F, h, w]
-        tokens = self.patch_embedding(xin).flatten(2)[0].transpose(0, 1)  # [N, d], (frame, row, col)
-        n_total, fs = tokens.shape[0], (h // 2) * (w // 2)
+        fs = (h // 2) * (w // 2)
         if isinstance(t, list):
             assert cache is None and self.sp.size == 1, "per-frame timesteps only in the uncached 1-rank form"
             embs = [self._embed_t(tf) for tf in t]
@@ -367,13 +407,47 @@ class WanModelFast(nn.Module):
             mods = torch.cat([m for _, m in embs], dim=1).repeat_interleave(fs, 1)  # [layers, N, 6, d]
         else:
             e, mods = self.time_embed(t)  # broadcast over tokens
+        # Compiled blocks and captured passes write the ring through a slot index at a fixed address (the eager
+        # reference writes runs of slices); only the streaming call is ever compiled.
+        fast = cache is not None and mask is None and (self.block_runner is not None or self.graphs is not None)
         if cache is not None:
-            cache.begin(start_frame * fs, n_total)
-        rope = self._rope(f, h // 2, w // 2, start_frame, tokens.device)
-        xs = self.sp.shard(tokens).float()  # [n, d]; the residual stream is float32
+            cache.begin(start_frame * fs, f * fs, indexed=fast)
+        rope = self._rope(f, h // 2, w // 2, start_frame, self.patch_embedding.weight.device)
+        if not fast:
+            return self.run(x, y, e, mods, rope, text, cam, cache, mask)
+        rope = torch.view_as_real(rope)  # (cos, sin) pairs: RoPE as real arithmetic, which compilers fuse
+        assert cache is not None
+        if self.graphs is not None and self.graphs.steady(cache):
+            return self.graphs(self, x, y, float(t), e, mods, rope, text, cam, cache)  # type: ignore[arg-type]
+        return self.run(x, y, e, mods, rope, text, cam, cache)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        e: torch.Tensor,
+        mods: torch.Tensor,
+        rope: torch.Tensor,
+        text: TextCache,
+        cam: ChunkCamera,
+        cache: KVCache | None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One pass with everything per call already prepared (the cache placed, the timestep embedded, the RoPE table
+        built): tensors in, velocity out, no host work that depends on values (what a CUDA graph captures)."""
+        _, f, h, w = x.shape
+        p = self.patch_embedding.weight
+        xin = torch.cat([x, y]).to(device=p.device, dtype=p.dtype)[None]  # [1, 36, F, h, w]
+        tokens = self.patch_embedding(xin).flatten(2)[0].transpose(0, 1)  # [N, d], (frame, row, col)
+        n_total = tokens.shape[0]
+        # [n, d]; the residual stream is float32 and row-major (the patch embedding gives it column-major, which would
+        # also give block 0 a compiled variant of its own)
+        xs = self.sp.shard(tokens).float().contiguous()
+        runner = self.block_runner if cache is not None and mask is None else None
         for i, block in enumerate(self.blocks):
-            text_kv = (text.k[i], text.v[i])
-            xs = block(xs, mods[i], rope, n_total, cache, i, text_kv, cam.per_block[i], mask)
+            kv = None if cache is None else cache.layer(i)
+            args = (xs, mods[i], rope, n_total, kv, (text.k[i], text.v[i]), cam.per_block[i], mask)
+            xs = block(*args) if runner is None else runner(block, *args)
         out = self.sp.gather(self.head(xs, e), n_total)  # [N, 4 * out_dim]
         out = out.reshape(f, h // 2, w // 2, 2, 2, self.cfg.out_dim)  # (f, i, j, r, s, c)
         return out.permute(5, 0, 1, 3, 2, 4).reshape(self.cfg.out_dim, f, h, w)

@@ -15,6 +15,11 @@ slots are always the prefix ``[0, filled)`` and the result equals the reference'
 One ``KVCache`` serves every layer of a session: the slot bookkeeping is computed once per DiT call (``begin``)
 and each layer writes its keys/values through it (``write``). Each DiT rank holds only its own heads (``heads``
 is the local head count under Ulysses).
+
+Compiled blocks and CUDA graphs (``models.compiled``) need the write to be the same code for every chunk: ``begin(...,
+indexed=True)`` also fills a per-session slot index (token -> slot, on the device, at one address for the session's
+life) and each layer writes with ``index_copy_`` through it. Only that index changes from chunk to chunk; the valid
+prefix length ``filled`` changes while the window fills and then stays at the whole window.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class KVCache:
         # fills and whenever the ring does not wrap, at most three (free tail, ring end, ring start). Slices, not an
         # index tensor: no host-to-device copy on the DiT's path and plain copy kernels.
         self._runs: list[tuple[int, int, int]] = []
+        self._slots: torch.Tensor | None = None  # the indexed form of _runs: slot of each of the call's tokens
+        self.replay: object = None  # the session's captured CUDA graphs (models.compiled): they go with the cache
 
     @property
     def local_end(self) -> int:
@@ -52,12 +59,15 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
-    def begin(self, current_start: int, n: int) -> None:
+    def begin(self, current_start: int, n: int, indexed: bool = False) -> None:
         """Place a call's ``n`` tokens starting at absolute token ``current_start``: a new chunk gets slots (evicting
-        the oldest non-sink tokens if the window is full); a rewrite of the current chunk keeps its slots."""
+        the oldest non-sink tokens if the window is full); a rewrite of the current chunk keeps its slots.
+        ``indexed``: the layers will write through the slot index (compiled), so fill it now, outside any graph."""
         assert n <= self.slots - self.sink, f"{n} new tokens do not fit a window of {self.slots} with {self.sink} sink"
         end = current_start + n
         if end == self.global_end and sum(count for _, _, count in self._runs) == n:
+            if indexed and self._slots is None:
+                self._fill_slot_index()
             return  # a later pass of the same chunk: same slots
         assert current_start == self.global_end, (
             f"a chunk starting at token {current_start} does not continue the cache (which ends at {self.global_end})")
@@ -80,20 +90,55 @@ class KVCache:
         self._runs = runs
         for slot, first, count in runs:
             self.positions[slot : slot + count] = torch.arange(current_start + first, current_start + first + count)
+        if indexed or self._slots is not None:
+            self._fill_slot_index()
+
+    def _fill_slot_index(self) -> None:
+        """The slots of the current call's tokens in token order, copied into the session's one index tensor (made on
+        the device from ranges: no host copy)."""
+        device = self.k[0].device
+        index = torch.cat([torch.arange(slot, slot + count, device=device) for slot, _, count in self._runs])
+        if self._slots is None or self._slots.shape != index.shape:
+            self._slots = torch.empty_like(index)
+        self._slots.copy_(index)
+
+    def layer(self, layer: int) -> LayerKV:
+        """What layer ``layer`` of the call placed by ``begin`` writes and reads (indexed when ``begin`` was)."""
+        assert self._runs, "begin() places a call's tokens before its layers write"
+        return LayerKV(self.k[layer], self.v[layer], self.filled, self._slots, tuple(self._runs))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [heads, n, hd]`` of the call placed by ``begin``; return the valid window ``[heads, L, hd]``."""
-        kb, vb = self.k[layer], self.v[layer]
-        assert self._runs, "begin() places a call's tokens before its layers write"
-        for slot, first, count in self._runs:
-            kb[:, slot : slot + count] = k[:, first : first + count]
-            vb[:, slot : slot + count] = v[:, first : first + count]
-        return kb[:, : self.filled], vb[:, : self.filled]
+        return self.layer(layer).write(k, v)
 
     def cached_frames(self, tokens_per_frame: int) -> list[int]:
         """Absolute latent frames held now, ascending (what the reference's trace lists)."""
         valid = self.positions[: self.filled]
         return sorted({int(p) // tokens_per_frame for p in valid.tolist()})
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's keys/values ``[heads, S, hd]`` for one call: where the call's tokens go and how many slots are
+    valid. With a slot index the write is one ``index_copy_`` whatever the ring's position (the code a compiled block
+    traces once); without, it copies the runs of slices (the eager reference)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    filled: int
+    slots: torch.Tensor | None = None
+    runs: tuple[tuple[int, int, int], ...] = ()
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k, v [heads, n, hd]``; return the valid window ``[heads, filled, hd]``."""
+        if self.slots is not None:
+            self.k.index_copy_(1, self.slots, k.to(self.k.dtype))
+            self.v.index_copy_(1, self.slots, v.to(self.v.dtype))
+        else:
+            for slot, first, count in self.runs:
+                self.k[:, slot : slot + count] = k[:, first : first + count]
+                self.v[:, slot : slot + count] = v[:, first : first + count]
+        return self.k[:, : self.filled], self.v[:, : self.filled]
 
 
 @dataclass

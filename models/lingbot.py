@@ -83,7 +83,7 @@ def _recipe(model: Any, stream: Any) -> DiTConfig:
     if eviction and model.kv_sink >= 0:
         sink = model.kv_sink
     try:
-        return replace(base, chunk_size=stream.chunk_latent_frames, attention=model.attention,
+        return replace(base, chunk_size=stream.chunk_latent_frames, attention=model.attention, compile=model.compile,
                        local_attn_size=window, sink_size=sink, kv_eviction=eviction)  # fmt: skip
     except AssertionError as error:
         raise ValueError(f"model.kv_window = {window}, kv_sink = {sink} with chunks of {stream.chunk_latent_frames} "

@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from models.attention import AttentionShapes, Timing, pin_sdpa_backend, resolve_attention, select_attention
 from models.camera import StreamingCamera
+from models.compiled import compile_dit
 from models.controls import OFFICIAL_INTRINSICS, ChunkControl, MotionSpeeds, integrate
 from models.dit import ARCH_FIELDS, ChunkCamera, DiTConfig, WanModelFast, apply_sequence_parallel
 from models.dit_checkpoint import load_dit, load_state_dict_strict, random_dit
@@ -119,12 +121,15 @@ class LingbotDenoiseStage:
         speeds: MotionSpeeds | None = None,
         init_seed: int = 0,
         translation_scale: float = 1.0,
+        compile_backend: str | Callable[..., Any] = "inductor",
     ) -> None:
         """``args``: the DiT's sizes and streaming settings. ``weights``: a state dict, a checkpoint directory (its
         config.json gives the architecture, ``args`` the streaming settings), a built model of the same architecture
         (shared, e.g. by benchmarks running v1 and v2 recipes on one set of weights) or ``None`` for seeded random
         weights (``init_seed``, identical on every rank of a device kind). ``intrinsics``: the camera of sessions that
-        bring none, ``(fx, fy, cx, cy)`` in pixels of a 480x832 frame, scaled to each session's frame size."""
+        bring none, ``(fx, fy, cx, cy)`` in pixels of a 480x832 frame, scaled to each session's frame size.
+        ``args.compile`` compiles the DiT (``models.compiled``; what cannot run here is said once and runs eagerly);
+        ``compile_backend`` is a seam."""
         assert geometry.chunk_latent_frames == args.chunk_size, "geometry and DiT disagree on the chunk size"
         self.geometry, self.device, self.dtype = geometry, torch.device(device), dtype
         self.intrinsics = torch.tensor(intrinsics, dtype=torch.float32)
@@ -148,12 +153,13 @@ class LingbotDenoiseStage:
         )
         self.sessions: dict[str, _Session] = {}
         self.attention, self.sdpa_backend, self.attention_table = self._choose_attention()
+        self.compile = compile_dit(self.model, self.cfg.compile, self.device, compile_backend)  # the mode it runs
         cfg = self.cfg
         log.info("DiT %d layers x %d heads (dim %d), %s on %s: chunks of %d latent frames, timesteps %s, KV window %d "
-                 "latent frames %s, attention %s (SDPA kernel %s)", cfg.num_layers, cfg.num_heads, cfg.dim, dtype,
-                 self.device, cfg.chunk_size, [s.timestep for s in self.steps], cfg.local_attn_size,
+                 "latent frames %s, attention %s (SDPA kernel %s), compile %s", cfg.num_layers, cfg.num_heads, cfg.dim,
+                 dtype, self.device, cfg.chunk_size, [s.timestep for s in self.steps], cfg.local_attn_size,
                  f"with {cfg.sink_size} sink" if cfg.kv_eviction else "(full: no eviction)", self.attention,
-                 self.sdpa_backend if self.sdpa_backend != "sdpa" else "in PyTorch's order")  # fmt: skip
+                 self.sdpa_backend if self.sdpa_backend != "sdpa" else "in PyTorch's order", self.compile)  # fmt: skip
 
     def attention_shapes(self) -> AttentionShapes:
         """The attention calls of one steady chunk on this rank at the configured frame size."""

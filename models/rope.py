@@ -70,8 +70,17 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     the table rounded once (hand a complex64 ``freqs`` to skip the conversion): a quarter of the memory traffic and
     three kernels (cast, complex multiply, cast) instead of eight; the result can differ from the reference's
     float64 rotation by one bf16 step in rare ties, far inside bf16's own error.
+
+    ``freqs`` may also be the table's real view ``[N, 1, hd/2, 2]`` (``torch.view_as_real``: cos, sin): the same
+    rotation written as real multiply-adds in the table's precision, which the compiled block fuses with the q/k norm
+    and cast (inductor does not fuse complex arithmetic).
     """
     n, heads, hd = x.shape
+    if not freqs.is_complex():
+        assert freqs.shape == (n, 1, hd // 2, 2), f"rope table {tuple(freqs.shape)} does not fit x {tuple(x.shape)}"
+        pairs = x.to(freqs.dtype).reshape(n, heads, hd // 2, 2)
+        re, im, cos, sin = pairs[..., 0], pairs[..., 1], freqs[..., 0], freqs[..., 1]
+        return torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).reshape(n, heads, hd).to(x.dtype)
     assert freqs.shape == (n, 1, hd // 2), f"rope table {tuple(freqs.shape)} does not fit x {tuple(x.shape)}"
     wide = x.dtype in (torch.float32, torch.float64)
     real = torch.float64 if wide else torch.float32

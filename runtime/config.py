@@ -136,6 +136,7 @@ class ModelConfig(_Section):
     # auto: on CUDA every fused SDPA kernel (and Sage, if installed) is timed at the DiT's shapes at start and the
     # fastest pinned for the process; sdpa: PyTorch's own kernel order; flash/cudnn/efficient: that kernel first
     attention: Literal["auto", "sdpa", "sage", "flash", "cudnn", "efficient"] = "auto"
+    compile: Literal["off", "blocks", "graphs"] = "off"  # DiT: blocks = one compiled block; graphs = + CUDA graphs
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # DiT and umT5: auto is bf16 on CUDA, fp32 on CPU
     vae_dtype: Literal["tf32", "float32", "bfloat16"] = "tf32"  # VAE on CUDA: fp32 with TF32 convs, strict, or bf16
     kv_window: int | Literal["preset", "full"] = "preset"  # KV window in latent frames; full: official v1, no eviction

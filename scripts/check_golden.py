@@ -2,6 +2,7 @@
 
     python scripts/check_golden.py --fixture ../shared/fixtures/golden/tiny-a     # one directory
     python scripts/check_golden.py --all                                          # every directory found
+    python scripts/check_golden.py --all --compile                                # the DiT compiled (blocks)
 
 Recomputes every expected tensor the project can (umT5, camera rays, VAE condition encode, every DiT call of
 the stream with the rolling KV cache, the decoded frames, and the whole chain from raw inputs to frames) with this
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -49,9 +51,13 @@ def compare(name: str, actual: torch.Tensor, expected: torch.Tensor) -> tuple[bo
     return error <= bound, error, scale, bound  # NaN: the comparison is False, so NaN fails
 
 
-def check(fixture: Path) -> Iterator[tuple[str, bool, float, float, float]]:
-    for module in (golden_vae_t5, golden_dit, golden_e2e):
-        for name, actual, expected in module.checks(fixture):
+def check(fixture: Path, compile: str = "off") -> Iterator[tuple[str, bool, float, float, float]]:
+    """Every check of ``fixture``; the DiT compiled as ``compile`` (strict: a block that cannot compile is an
+    error, never a quiet eager run)."""
+    for name, actual, expected in golden_vae_t5.checks(fixture):
+        yield (name, *compare(name, actual, expected))
+    for module in (golden_dit, golden_e2e):
+        for name, actual, expected in module.checks(fixture, compile):
             yield (name, *compare(name, actual, expected))
 
 
@@ -71,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fixture", type=Path, action="append", default=[], help="a fixture directory")
     parser.add_argument("--all", action="store_true", help=f"every fixture directory under {GOLDEN_DIR}")
+    parser.add_argument("--compile", nargs="?", const="blocks", default="off", choices=("off", "blocks", "graphs"),
+                        help="run the DiT compiled ([model] compile; bare --compile: blocks)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     fixtures = list(args.fixture) + (fixture_dirs() if args.all else [])
@@ -81,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     for fixture in fixtures:
         print(f"# {fixture}")
         seen: set[str] = set()
-        for name, ok, error, scale, bound in check(fixture):
+        for name, ok, error, scale, bound in check(fixture, args.compile):
             failures += not ok
             seen.add(name)
             print(f"{'ok  ' if ok else 'FAIL'} {name:32s} max_abs_err={error:.3e} max_abs_expected={scale:.3e} "
@@ -89,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         for key in uncompared(fixture, seen):
             failures += 1
             print(f"FAIL {key:32s} never compared")
+    if args.compile != "off":
+        stats, breaks = counters["stats"], sum(counters["graph_break"].values())
+        failures += breaks
+        print(f"{'ok  ' if not breaks else 'FAIL'} compile={args.compile}: {stats['unique_graphs']} compiled graphs, "
+              f"{breaks} graph breaks")
     print(f"{'all tensors within tolerance' if not failures else f'{failures} tensors out of tolerance'}")
     return 1 if failures else 0
 

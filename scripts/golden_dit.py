@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from models.camera import clip_control
+from models.compiled import compile_dit
 from models.dit import DiTConfig, WanModelFast
 from models.dit_checkpoint import config_from_dict, load_state_dict_strict
 from models.kv_cache import new_kv_cache
@@ -40,8 +41,9 @@ class FixtureNoise:
         return out.clone()
 
 
-def load_model(fixture_dir: Path) -> WanModelFast:
-    """The fixture's DiT in float32 on CPU, loaded strictly from ``dit.safetensors``."""
+def load_model(fixture_dir: Path, compile: str = "off") -> WanModelFast:
+    """The fixture's DiT in float32 on CPU, loaded strictly from ``dit.safetensors``; ``compile`` as ``[model]
+    compile``, strict (a block that does not compile raises instead of running eagerly)."""
     config = json.loads((fixture_dir / "config.json").read_text())
     stream = config["stream"]
     fs = stream["tokens_per_latent_frame"]
@@ -61,7 +63,9 @@ def load_model(fixture_dir: Path) -> WanModelFast:
     cfg = config_from_dict(constructor, streaming)
     with torch.device("meta"):
         model = WanModelFast(cfg)
-    return load_state_dict_strict(model, load_file(str(fixture_dir / "dit.safetensors")), None, "cpu", torch.float32)
+    model = load_state_dict_strict(model, load_file(str(fixture_dir / "dit.safetensors")), None, "cpu", torch.float32)
+    compile_dit(model, compile, "cpu", strict=True)
+    return model
 
 
 def _camera_checks(config: dict, inputs: dict, expected: dict) -> Iterator[Check]:
@@ -97,8 +101,9 @@ def _schedule_checks(stream: dict) -> Iterator[Check]:
     )
 
 
-def checks(fixture_dir: Path) -> Iterator[Check]:
-    """Yield ``(expected tensor name, actual, expected)`` for every DiT/camera/schedule tensor of the fixture."""
+def checks(fixture_dir: Path, compile: str = "off") -> Iterator[Check]:
+    """Yield ``(expected tensor name, actual, expected)`` for every DiT/camera/schedule tensor of the fixture (the DiT
+    compiled as ``compile``)."""
     fixture_dir = Path(fixture_dir)
     config = json.loads((fixture_dir / "config.json").read_text())
     stream = config["stream"]
@@ -107,7 +112,7 @@ def checks(fixture_dir: Path) -> Iterator[Check]:
     yield from _camera_checks(config, inputs, expected)
     yield from _schedule_checks(stream)
 
-    model = load_model(fixture_dir)
+    model = load_model(fixture_dir, compile)
     cfg = model.cfg
     cs, h, w, chunks = stream["chunk_size"], stream["lat_h"], stream["lat_w"], stream["num_chunks"]
     fs = stream["tokens_per_latent_frame"]

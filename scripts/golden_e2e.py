@@ -29,7 +29,7 @@ from scripts.golden_dit import FixtureNoise, load_model
 Check = tuple[str, torch.Tensor, torch.Tensor]
 
 
-def checks(fixture_dir: Path) -> Iterator[Check]:
+def checks(fixture_dir: Path, compile: str = "off") -> Iterator[Check]:
     fixture_dir = Path(fixture_dir)
     config = json.loads((fixture_dir / "config.json").read_text())
     stream = config["stream"]
@@ -45,7 +45,7 @@ def checks(fixture_dir: Path) -> Iterator[Check]:
     context = condition.open(SessionSpec(session="e2e", seed=0, prompt="", image=inputs["image_u8_hwc"]))
     control = clip_control(inputs["c2w"], inputs["intrinsics"], height, width, stream["lat_f"])["plucker_from_poses"]
 
-    model = load_model(fixture_dir)
+    model = load_model(fixture_dir, compile)
     cfg = model.cfg
     steps = FlowMatchSchedule.build(cfg.shift, cfg.num_train_timesteps).steps(cfg.timestep_indices)
     cache = new_kv_cache(cfg.num_layers, cfg.local_attn_size, cfg.sink_size, stream["tokens_per_latent_frame"],
