@@ -148,7 +148,7 @@ class _Model:
     def __init__(self, s: Setting) -> None:
         self.preset, self.kv_window, self.kv_sink, self.kv_full_frames = (s.preset, s.kv_window, s.kv_sink,
                                                                            s.kv_full_frames)
-        self.attention, self.checkpoint_dir, self.compile = "sdpa", "", "off"  # caches as eager (graphs adds uncounted copies)
+        self.attention, self.checkpoint_dir, self.compile = "sdpa", "", "off"  # graphs: uncounted copies
         self.chunk_latent_frames = s.chunk_latent_frames
 
 
