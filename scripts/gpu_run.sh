@@ -3,6 +3,8 @@
 #
 #   bash scripts/gpu_run.sh --dry-run     # here, on CPU: print every command, check the imports can be satisfied
 #   bash scripts/gpu_run.sh               # there (device tool: carry [".whl"], timeout_s 540)
+#   bash scripts/gpu_run.sh --compile     # there, a second call if device time is left: the DiT compiled
+#                                         # (model.compile off / blocks / graphs, issue 23), within 5 minutes
 #
 # It installs the wheels carried in .whl/ (git-ignored; the README's GPU section says how to fill it) into a
 # temporary directory, puts that on PYTHONPATH, checks every third-party module the run imports, then runs each
@@ -17,10 +19,12 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
 DRY=0
+PLAN=plan
 for arg in "$@"; do
     case $arg in
         --dry-run) DRY=1 ;;
-        *) echo "usage: bash scripts/gpu_run.sh [--dry-run]" >&2; exit 2 ;;
+        --compile) PLAN=compile_plan ;;
+        *) echo "usage: bash scripts/gpu_run.sh [--dry-run] [--compile]" >&2; exit 2 ;;
     esac
 done
 PY=${PYTHON:-python3}
@@ -29,8 +33,9 @@ OUT_DIR=${OUT:-out/gpu_run}
 JSON=$OUT_DIR/bench_gpu.json
 LOG=$OUT_DIR/run.log
 LIMIT_S=480  # 8 minutes on one H200, every step's budget and its kill grace counted
+[[ $PLAN == compile_plan ]] && LIMIT_S=300  # the second call: what 15 device minutes leave after the first
 GRACE_S=5    # after a step's budget: SIGTERM (the bench records the section as timed out), then SIGKILL
-ENTRIES=(scripts/bench_gpu.py launch.py)  # what the run executes (launch.py: the --serve server's ranks)
+ENTRIES=(scripts/bench_gpu.py launch.py scripts/bench_compile.py)  # what the runs execute (launch.py: the server)
 NOT_NEEDED=(prometheus_client)            # imported only with [metrics] port set, which this run does not set
 
 # The device image's Python packages (KINDS.md, "Python packages already there", read 2026-11-17). Anything
@@ -70,6 +75,14 @@ plan() {
     step serve 120 "${BENCH[@]}" --only serve
 }
 
+# The second call: v1 at 480x832 through the window's fill (every compile and capture happens there) and two steady
+# chunks, per mode; eager is measured again beside them so the ratios come from one process. --warm-cache: graphs
+# reuses the kernels blocks compiled (its compile time is then capture time); each mode's line is in run.log as soon
+# as it finishes, so a timeout in graphs keeps off and blocks.
+compile_plan() {
+    step compile 250 "$PY" scripts/bench_compile.py --chunks 2 --warm-cache --out "$OUT_DIR/bench_compile.json"
+}
+
 TOTAL_S=0
 step() {
     local name=$1 budget=$2
@@ -95,8 +108,11 @@ RUNNING=0
 echo "+ [install, $INSTALL_S s] $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade" \
     "--target \$SITE $WHEELS/*.whl; export PYTHONPATH=\$SITE:$ROOT"
 echo "+ [check, $CHECK_S s] $PY scripts/gpu_deps.py --importable ${ENTRIES[*]}"
-plan
-echo "+ [summary, $SUMMARY_S s] $PY scripts/bench_gpu.py --summary --out $JSON"
+$PLAN
+SUMMARY=("$PY" scripts/bench_gpu.py --summary --out "$JSON")
+# the compile run's summary is bench_compile.py's closing table, cut from the log
+[[ $PLAN == compile_plan ]] && SUMMARY=(sed -n '/^mode /,$p' "$LOG")
+echo "+ [summary, $SUMMARY_S s] ${SUMMARY[*]}"
 TOTAL_S=$((TOTAL_S + INSTALL_S + CHECK_S + SUMMARY_S))
 echo "budget: $TOTAL_S s of $LIMIT_S s"
 if ((TOTAL_S > LIMIT_S)); then
@@ -133,8 +149,8 @@ timeout "$CHECK_S" "$PY" scripts/gpu_deps.py --importable "${NOT_NEEDED_ARGS[@]}
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())' \
     2>&1 | tee -a "$LOG"
 RUNNING=1
-plan
-timeout "$SUMMARY_S" "$PY" scripts/bench_gpu.py --summary --out "$JSON" 2>&1 | tee "$OUT_DIR/summary.txt"
+$PLAN
+timeout "$SUMMARY_S" "${SUMMARY[@]}" 2>&1 | tee "$OUT_DIR/summary.txt"
 { echo; echo "steps (exit code 124/137: timed out):"; cat "$OUT_DIR/steps.tsv"; } | tee -a "$OUT_DIR/summary.txt"
 rm -rf "$SITE"
 # the run succeeded when every step did

@@ -36,10 +36,10 @@ def make_wheel(folder: Path, module: str, dist: str, version: str, tags: str, re
     return path
 
 
-def dry_run(wheels: Path) -> subprocess.CompletedProcess[str]:
+def dry_run(wheels: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "WHEELS": str(wheels), "PYTHON": sys.executable}
-    return subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(["bash", str(SCRIPT), "--dry-run", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
 
 
 def test_dry_run_without_wheels_names_each_missing_module_and_the_pip_download_command(tmp_path: Path) -> None:
@@ -70,6 +70,19 @@ def test_dry_run_passes_with_the_wheels_and_prints_every_step_within_eight_minut
     assert "--only serve" in dict((n, c) for n, _, c in steps)["serve"]
     total = int(re.search(r"budget: (\d+) s of 480 s", done.stdout).group(1))  # type: ignore[union-attr]
     assert sum(int(b) for _, b, _ in steps) <= total <= 480
+
+
+def test_the_compile_run_measures_every_compile_mode_alone_within_five_minutes(tmp_path: Path) -> None:
+    for module, dist, version, tags, requires in NEEDED:
+        make_wheel(tmp_path, module, dist, version, tags, requires)
+    done = dry_run(tmp_path, "--compile")
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = re.findall(r"^\+ \[(\w+), (\d+) s\] (.*)$", done.stdout, re.M)
+    assert [name for name, _, _ in steps] == ["install", "check", "compile", "summary"]
+    command = steps[2][2]
+    assert command.startswith("timeout ") and "scripts/bench_compile.py" in command and "--modes" not in command
+    total = int(re.search(r"budget: (\d+) s of 300 s", done.stdout).group(1))  # type: ignore[union-attr]
+    assert sum(int(b) for _, b, _ in steps) <= total <= 300
 
 
 def test_dry_run_fails_on_a_wheel_whose_requirement_nothing_provides(tmp_path: Path) -> None:
