@@ -77,10 +77,11 @@ class Coordinator:
         if not self._await_workers():
             return ct.EXIT_FAILED
         c = self.config
+        session_cost = self._session_cost()  # seconds of meta-device runs: before the core's heartbeat clock starts
         self.core = CoordinatorCore(c.layout, c.server, c.stream, c.scheduler, c.timeouts, c.metrics,
                                     self.ctx.backend.geometry, time.monotonic(), sink=self.exporter,
                                     intrinsics=c.controls.intrinsics, rooms=self.rooms,
-                                    session_cost=self._session_cost(), warm_start=self.warm_start)
+                                    session_cost=session_cost, warm_start=self.warm_start)
         log.info("warm-up: %s", self.warm_start.describe())
         for reason in self.core.admission.unservable(served_sizes(c.stream)):
             log.warning("%s", reason)
