@@ -72,7 +72,7 @@ class Coordinator:
         c = self.config
         self.core = CoordinatorCore(c.layout, c.server, c.stream, c.scheduler, c.timeouts, c.metrics,
                                     self.ctx.backend.geometry, time.monotonic(), sink=self.exporter,
-                                    intrinsics=c.controls.intrinsics)
+                                    intrinsics=c.controls.intrinsics, capacity=c.capacity)
         port_file = os.environ.get("WORLDSTREAM_PORT_FILE")  # written once serving: tests and scripts wait on it
         if port_file:
             with open(f"{port_file}.tmp", "w") as f:
