@@ -19,7 +19,8 @@ session still above its floor (policy ``newest``), or every such session at once
 It runs when a session asks to open (admitted only if some assignment keeps everyone in real time: otherwise
 ``busy``), closes (the others climb back), changes its own best steps, and whenever the measurements say the
 current assignment no longer holds real time. Until every stage of a session's frame size is measured the model
-cannot predict: admission falls back to ``server.max_sessions`` and the steps stay where they are.
+cannot predict: admission falls back to ``server.max_sessions`` and the steps stay where they are. So it does
+when real time is out of reach even for one session alone at its floor (``hopeless``: the real model on a CPU).
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ class CapacityModel:
 
     def assign(self, seats: list[Seat]) -> tuple[dict[str, int], bool | None]:
         """The ladder (module rules): each seat's steps and whether that keeps real time (None: cannot tell)."""
-        plan = {seat.sid: seat.want for seat in seats}
+        want = {seat.sid: seat.want for seat in seats}
+        plan = dict(want)
         newest_first = sorted(seats, key=lambda s: -s.order)
         while True:
             fits = self._fits(seats, plan)
@@ -140,9 +142,14 @@ class CapacityModel:
                 return plan, fits
             lowerable = [s for s in newest_first if plan[s.sid] > s.floor]
             if not lowerable:
-                return plan, False
+                return (want if self.hopeless(seats) else plan), False
             for seat in lowerable if self.config.ladder == "all" else lowerable[:1]:
                 plan[seat.sid] = _lower(plan[seat.sid], seat.floor)
+
+    def hopeless(self, seats: list[Seat]) -> bool:
+        """No session keeps real time even alone at its floor (the real model on a CPU): degrading would buy
+        nothing, so the ladder leaves steps alone and admission counts sessions (``server.max_sessions``)."""
+        return all(self._fits([s], {s.sid: s.floor}) is False for s in seats)
 
     # ------------------------------------------------------------------------------------------ events
 
@@ -153,7 +160,7 @@ class CapacityModel:
         seat = Seat(sid, size, media_s, want, floor, self._order, chunks_left=chunks)
         seats = [*self.seats.values(), seat]
         plan, fits = self.assign(seats)
-        if fits is False and self.config.admission == "realtime":
+        if fits is False and self.config.admission == "realtime" and not self.hopeless([seat]):
             period = self.period({s.sid: s.floor for s in seats}, seats) or 0.0
             return Admission(False, {}, (
                 f"real time cannot hold for {len(seats)} sessions: even at their lowest steps the predicted chunk "

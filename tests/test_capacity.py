@@ -154,3 +154,13 @@ def test_measurements_that_miss_real_time_step_sessions_down_without_an_event() 
     slow = {**COSTS, "denoise": 0.5}  # the machine got slower: 2 x 0.5 > 0.75
     m.on_chunk("a", facts(9, 4, 9.0, slow), warm=False)
     assert m.rebalance() == {"a": 2, "b": 1}  # b to its floor first (0.7 s still misses), then a
+
+
+def test_a_pipeline_that_cannot_hold_real_time_even_for_one_session_serves_by_count_at_full_steps() -> None:
+    m = model()
+    m.admit("a", SIZE, MEDIA, 4, 1)
+    for i in range(1, 4):  # the real model on a CPU: 10 s a chunk, even 1 step misses 0.75 s by far
+        m.on_chunk("a", facts(i, 4, float(i), {**COSTS, "denoise": 10.0}), warm=False)
+    assert m.rebalance() == {} and m.seats["a"].steps == 4
+    admission = m.admit("b", SIZE, MEDIA, 4, 1)
+    assert admission.ok and admission.changed == {"b": 4}
