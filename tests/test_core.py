@@ -669,3 +669,17 @@ def test_a_session_gets_the_camera_its_open_asks_for_or_the_servers_and_the_repl
         (opened,) = [o for o in job.to(who, p.Opened) if o.session == sid]
         assert opened.intrinsics == intrinsics_at(camera, opened.height, opened.width)  # at the session's frame
         assert opened.intrinsics != camera or (opened.height, opened.width) == (480, 832)
+
+
+def test_a_sessions_steps_reach_every_dit_rank_and_a_controls_change_is_receipted_from_its_chunk() -> None:
+    job = Job()
+    sid = job.open(steps=2, num_chunks=4)
+    for index, steps in enumerate((None, None, 1)):
+        job.send(A, p.Control(req=next(job.req), session=sid, index=index, steps=steps))
+        job.chunk(sid, index)
+    per_chunk = {(t.index, t.steps) for _, t in job.sent(p.DenoiseChunk)}
+    assert per_chunk == {(0, 2), (1, 2), (2, 1)}  # every DiT rank runs what rank 0 chose for the chunk
+    facts = [e.facts for e in job.emitted(sid)]
+    assert [(f.steps, f.steps_changed) for f in facts] == [(2, None), (2, None), (1, "client")]
+    (mine,) = job.core.stats(job.now, A)["capacity"]["sessions"].values()
+    assert (mine["steps"], mine["want_steps"], mine["steps_changed"]) == (1, 1, "client")
