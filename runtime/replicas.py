@@ -8,8 +8,14 @@ legal transitions are in ``TRANSITIONS``; the core moves a replica only through 
 **Load** of a replica = the sessions the router holds there + the opens it sent there and that are not answered yet
 + the sessions of other clients (its own stats' open sessions minus the router's, as of the last stats reply).
 **Placement** (``choose``) takes the up replica with room (load < max_sessions, and not refused with ``busy`` since
-its last stats) whose share of its capacity after one more session, ``(load + 1) / max_sessions``, is smallest; on
-a tie the shorter recent chunk period per session wins (the replica that streams faster), then the name.
+its last stats) with the most real-time headroom when every candidate reports one (``headroom``); otherwise, or on
+a tie, the one whose share of its capacity after one more session, ``(load + 1) / max_sessions``, is smallest; then
+the shorter recent chunk period per session (the replica that streams faster), then the name.
+
+**Real-time headroom** = its stats' ``capacity.headroom`` (the share of the real-time budget its sessions leave,
+``runtime.capacity``), less what the opens in flight there will take: each about the share one of its sessions
+takes now, ``(1 - headroom) / open sessions`` (nothing known with no session open: the opens count 0). None from a
+replica that does not report it (not measured yet, or an older server).
 
 **Recent chunk period** per session (``fold_stats``) = the replica's open sessions x the time between two stats
 replies / the chunks it emitted in between: the mean interval between two chunks of one of its sessions over the
@@ -96,6 +102,15 @@ class Replica:
         self.stats, self.stats_at, self.refused_until = stats, now, 0.0
         return not restarted
 
+    def headroom(self) -> float | None:
+        """Its real-time headroom (module docstring), or None when it reports none."""
+        capacity = (self.stats or {}).get("capacity")
+        headroom = _number(capacity.get("headroom")) if isinstance(capacity, dict) else None
+        if headroom is None:
+            return None
+        present = _number((self.stats or {}).get("open_sessions")) or 0.0
+        return headroom - (self.opening * (1.0 - headroom) / present if present else 0.0)
+
     def forget_connection(self) -> None:
         """A new connection: nothing measured on the old one carries over."""
         self.generation += 1
@@ -126,7 +141,10 @@ def choose(replicas: Iterable[Replica], now: float, exclude: Iterable[str] = ())
     candidates = [r for r in replicas if r.name not in skip and r.has_room(now)]
     if not candidates:
         return None
-    return min(candidates, key=lambda r: ((r.load + 1) / r.max_sessions,
+    room = {r.name: r.headroom() for r in candidates}
+    by_headroom = all(h is not None for h in room.values())
+    return min(candidates, key=lambda r: (-(room[r.name] or 0.0) if by_headroom else 0.0,
+                                          (r.load + 1) / r.max_sessions,
                                           r.period_s if r.period_s is not None else 0.0, r.name))
 
 

@@ -630,3 +630,17 @@ def test_a_registration_cannot_move_a_listed_replica() -> None:
     (refused,) = [o.message for o in f.step(RegisterSent(b"peer", thief)) if isinstance(o, ToRegistrant)]
     assert not refused.ok and "listed replica" in refused.message
     assert f.core.replicas["a"].endpoint == "tcp://a:5555" and sid in f.core.sessions and not f.errors(A)
+
+
+def test_a_new_session_goes_to_the_replica_with_the_most_real_time_headroom_less_its_opens_in_flight() -> None:
+    fleet = Fleet({"a": 8, "b": 8})
+    fleet.up("a", "b")
+    # a holds one session using 70 % of its real-time budget, b two sessions using 40 % between them
+    fleet.answer_stats("a", {**stats_of(open_sessions=1), "capacity": {"headroom": 0.3}})
+    fleet.answer_stats("b", {**stats_of(open_sessions=2), "capacity": {"headroom": 0.6}})
+    assert fleet.core.replicas["b"].headroom() == pytest.approx(0.6)
+    fleet.client(A, p.Open(req=1, image=b"png"))  # not answered yet: b's open in flight takes about 0.2 of it
+    assert fleet.core.replicas["b"].opening == 1 and fleet.core.replicas["b"].headroom() == pytest.approx(0.4)
+    fleet.client(A, p.Open(req=2, image=b"png"))  # b (0.4) still before a (0.3), whatever the session counts
+    fleet.client(A, p.Open(req=3, image=b"png"))  # b would be at 0.2 now: a
+    assert (fleet.core.replicas["a"].opening, fleet.core.replicas["b"].opening) == (1, 2)
