@@ -683,3 +683,13 @@ def test_a_sessions_steps_reach_every_dit_rank_and_a_controls_change_is_receipte
     assert [(f.steps, f.steps_changed) for f in facts] == [(2, None), (2, None), (1, "client")]
     (mine,) = job.core.stats(job.now, A)["capacity"]["sessions"].values()
     assert (mine["steps"], mine["want_steps"], mine["steps_changed"]) == (1, 1, "client")
+
+
+def test_a_live_sessions_steps_change_from_the_next_chunk_cut() -> None:
+    job = Job()
+    sid = job.open(live=True, num_chunks=None)  # chunk 0 is cut at once, at the default 4 steps
+    job.send(A, p.ControlState(req=1, session=sid, keys=["w"], revision=1, steps=1))
+    job.answer(p.ConditionChunk, sid, 0)
+    job.answer(p.ConditionChunk, sid, 1)
+    job.answer(p.DenoiseChunk, sid, 0)  # chunk 1 is cut now, with the new steps
+    assert sorted({(t.index, t.steps) for _, t in job.sent(p.DenoiseChunk)}) == [(0, 4), (1, 1)]
