@@ -159,6 +159,7 @@ class SessionInfo:
     frames_per_chunk: int
     num_chunks: int | None
     intrinsics: tuple[float, float, float, float] | None = None  # (fx, fy, cx, cy) at this frame size: the camera used
+    steps: int = 0  # denoising steps its first chunks run (0: a server before quality presets)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class ChunkResult:
 
 def session_info(opened: protocol.Opened) -> SessionInfo:
     return SessionInfo(opened.session, opened.height, opened.width, opened.fps, opened.frames_first_chunk,
-                       opened.frames_per_chunk, opened.num_chunks, opened.intrinsics)
+                       opened.frames_per_chunk, opened.num_chunks, opened.intrinsics, opened.steps)
 
 
 class InputToPhoton:

@@ -317,6 +317,9 @@ class Opened(_Msg, tag="opened"):
     # the camera the DiT's rays use for this session: (fx, fy, cx, cy) in pixels of *this session's* frame (the open
     # request's or the server's intrinsics, scaled from 480x832); None from a server that predates the field
     intrinsics: tuple[float, float, float, float] | None = None
+    # denoising steps its first chunks run (the open's, or fewer when the ladder admitted it lower; each chunk's facts
+    # say what it ran and when that changed); 0 from a server before quality presets
+    steps: int = 0
 
 
 class Accepted(_Msg, tag="accepted"):

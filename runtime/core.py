@@ -474,12 +474,16 @@ class CoordinatorCore:
             for i in asked:
                 del session.asked[i]
             self._log_steps(self.capacity.ask(session.id, want), f"its control asked for {want}")
+        steps = self._steps_of(session.id)
         seat = self.capacity.seats.get(session.id)
-        steps = seat.steps if seat is not None else QUALITY_STEPS[0]
         changed = seat.why if seat is not None and session.last_steps and steps != session.last_steps else None
         session.chunk_steps[index] = (steps, changed)
         session.last_steps = steps
         return steps
+
+    def _steps_of(self, sid: str) -> int:
+        seat = self.capacity.seats.get(sid)
+        return seat.steps if seat is not None else QUALITY_STEPS[0]
 
     def _send(self, session: Session, tasks: Iterable[tuple[bytes, protocol.WorkerTask]], now: float) -> None:
         for to, task in tasks:
@@ -496,7 +500,8 @@ class CoordinatorCore:
             req=session.open_req, session=session.id, height=g.height, width=g.width, fps=self.stream.fps,
             frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
             num_chunks=session.num_chunks,
-            intrinsics=intrinsics_at(session.intrinsics or self.intrinsics, g.height, g.width)))
+            intrinsics=intrinsics_at(session.intrinsics or self.intrinsics, g.height, g.width),
+            steps=self._steps_of(session.id)))
 
     def _idle(self, action: sch.DitIdle) -> None:
         self.metrics.on_idle(action.start, action.end, action.cause)

@@ -674,6 +674,7 @@ def test_a_session_gets_the_camera_its_open_asks_for_or_the_servers_and_the_repl
 def test_a_sessions_steps_reach_every_dit_rank_and_a_controls_change_is_receipted_from_its_chunk() -> None:
     job = Job()
     sid = job.open(steps=2, num_chunks=4)
+    assert job.to(A, p.Opened)[-1].steps == 2
     for index, steps in enumerate((None, None, 1)):
         job.send(A, p.Control(req=next(job.req), session=sid, index=index, steps=steps))
         job.chunk(sid, index)
