@@ -79,8 +79,9 @@ _SUBSETS = {4: (0, 1, 2, 3), 2: (0, 2), 1: (0,)}  # positions in the preset's 4 
 
 def step_subset(steps: list[Step] | tuple[Step, ...], count: int) -> list[Step]:
     """The ``count`` steps (4, 2 or 1) a chunk runs out of a preset's ``steps`` (``ValueError`` otherwise). A
-    preset with another number of steps (a golden fixture's) runs all of them, and only that count."""
-    if count == len(steps):
+    preset with another number of steps (a golden fixture's) runs all of them for 4 (the full quality rank 0 asks by
+    default) or its own count, and no other."""
+    if count in (len(steps), QUALITY_STEPS[0]):
         return list(steps)
     if len(steps) != 4 or count not in _SUBSETS:
         raise ValueError(f"{count} denoising steps is not a quality preset of a {len(steps)}-step schedule "
