@@ -14,13 +14,15 @@ seconds (frames / fps: 12 / 16 = 0.75 s for v1) over ``P``; it keeps real time w
 ``1 + margin``.
 
 **Ladder.** The steps of every session follow from the sessions present, by one function (``assign``): start each
-at its best (``want``); while the prediction misses real time, lower by one quality preset (4 -> 2 -> 1) the newest
-session still above its floor (policy ``newest``), or every such session at once (``all``); ``off`` never lowers.
-It runs when a session asks to open (admitted only if some assignment keeps everyone in real time: otherwise
-``busy``), closes (the others climb back), changes its own best steps, and whenever the measurements say the
-current assignment no longer holds real time. Until every stage of a session's frame size is measured the model
-cannot predict: admission falls back to ``server.max_sessions`` and the steps stay where they are. So it does
-when real time is out of reach even for one session alone at its floor (``hopeless``: the real model on a CPU).
+at its best (``want``); while the prediction misses real time and sessions share the pipeline (a session alone runs
+what it asked: the ladder makes room for others, it does not fix a slow deployment), lower by one quality preset
+(4 -> 2 -> 1) the newest session still above its floor (policy ``newest``), or every such session at once
+(``all``); ``off`` never lowers. It runs when a session asks
+to open (admitted only if some assignment keeps everyone in real time: otherwise ``busy``), closes (the others
+climb back), changes its own best steps, and whenever the measurements say the current assignment no longer holds
+real time. Until every stage of a session's frame size is measured the model cannot predict: admission falls back
+to ``server.max_sessions`` and the steps stay where they are. So it does when real time is out of reach even for
+one session alone at its floor (``hopeless``: the real model on a CPU).
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ class CapacityModel:
         newest_first = sorted(seats, key=lambda s: -s.order)
         while True:
             fits = self._fits(seats, plan)
-            if fits is not False or self.config.ladder == "off":
+            if fits is not False or self.config.ladder == "off" or len(seats) == 1:  # alone: no one to make room for
                 return plan, fits
             lowerable = [s for s in newest_first if plan[s.sid] > s.floor]
             if not lowerable:

@@ -164,3 +164,12 @@ def test_a_pipeline_that_cannot_hold_real_time_even_for_one_session_serves_by_co
     assert m.rebalance() == {} and m.seats["a"].steps == 4
     admission = m.admit("b", SIZE, MEDIA, 4, 1)
     assert admission.ok and admission.changed == {"b": 4}
+
+
+def test_a_session_alone_runs_the_steps_it_asked_for_even_when_they_miss_real_time() -> None:
+    m = model()
+    m.admit("a", SIZE, MEDIA, 4, 1)
+    for i in range(1, 4):  # 4 steps miss real time alone (0.8 s for 0.75 s), 1 step would hold it
+        m.on_chunk("a", facts(i, 4, float(i), {**COSTS, "denoise": 0.8}), warm=False)
+    assert m.rebalance() == {} and m.seats["a"].steps == 4
+    assert m.admit("b", SIZE, MEDIA, 4, 1).changed == {"a": 1, "b": 1}  # sharing: the ladder makes room
