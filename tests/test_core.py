@@ -694,3 +694,22 @@ def test_a_live_sessions_steps_change_from_the_next_chunk_cut() -> None:
     job.answer(p.ConditionChunk, sid, 1)
     job.answer(p.DenoiseChunk, sid, 0)  # chunk 1 is cut now, with the new steps
     assert sorted({(t.index, t.steps) for _, t in job.sent(p.DenoiseChunk)}) == [(0, 4), (1, 1)]
+
+
+def test_an_open_real_time_cannot_hold_is_refused_busy_with_the_models_reason_after_others_step_down() -> None:
+    job = Job()
+    first = job.open(num_chunks=None)
+    for stage, seconds in (("condition", 0.02), ("denoise", 0.32), ("decode", 0.03)):  # as if measured: 4 steps
+        job.core.capacity.times.add(stage, 4, (160, 256), seconds)
+    C, D = b"client-c", b"client-d"
+    second = job.open(B, num_chunks=None)  # 2 x 0.32 s holds 0.75 s of media with the 10 % margin
+    third = job.open(C, num_chunks=None)  # 3 x 0.32 s does not: the newest steps down (1 step), then the second (2)
+    assert {sid: job.core.capacity.seats[sid].steps for sid in (first, second, third)} == {first: 4, second: 2,
+                                                                                          third: 1}
+    assert job.to(C, p.Opened)[-1].steps == 1
+    out = job.send(D, p.Open(req=99, image=b"png", num_chunks=4, min_steps=4))  # the others at 1 step: 0.704 s
+    (decode,) = [o for o in out if isinstance(o, DecodeImage)]
+    (error,) = job.to(D, p.Error, job.step(ImageDecoded(decode.ticket, image())))
+    assert error.code == "busy" and error.req == 99 and "real time cannot hold for 4 sessions" in error.message
+    assert error.retry_after_s == 5.0  # no session ends by itself: the default hint
+    assert len(job.core.sessions) == 3 and set(job.core.capacity.seats) == {first, second, third}
