@@ -125,6 +125,8 @@ class Replica:
         own = None
         if self.stats is not None:
             own = {k: v for k, v in self.stats.items() if k != "per_session"}
+            if isinstance(own.get("capacity"), dict):  # its per-session entries name sessions: their owners' only
+                own["capacity"] = {k: v for k, v in own["capacity"].items() if k != "sessions"}
         return {
             "state": self.state.value, "endpoint": self.endpoint, "source": "config" if self.listed else "registered",
             "layout": self.layout or (own or {}).get("layout", ""), "max_sessions": self.max_sessions,

@@ -506,7 +506,8 @@ def test_stats_sum_the_up_replicas_and_show_a_client_only_its_own_sessions(fleet
     fleet.step(Tick(), dt=1.1)
     for name, sid in ((name_a, sid_a), (name_b, sid_b)):
         fleet.answer_stats(name, stats_of(open_sessions=1, chunks=4, rejects={"busy": 1},
-                                          per_session={sid: {"chunks": 4}}))
+                                          per_session={sid: {"chunks": 4}},
+                                          capacity={"headroom": 0.5, "sessions": {sid: {"steps": 4}}}))
     fleet.step(ShellTimes({"count": 2, "p50": 0.0002}))
     fleet.client(A, p.Stats(req=5))
     (reply,) = fleet.to(A, p.StatsReply)
@@ -518,6 +519,7 @@ def test_stats_sum_the_up_replicas_and_show_a_client_only_its_own_sessions(fleet
     assert stats["per_session"] == {sid_a: {"chunks": 4, "replica": name_a}}  # not B's
     assert set(stats["replicas"]) == {"a", "b"} and stats["replicas"][name_a]["sessions"] == 1
     assert all("per_session" not in r["stats"] for r in stats["replicas"].values())
+    assert all(r["stats"]["capacity"] == {"headroom": 0.5} for r in stats["replicas"].values())  # no session ids
     assert stats["router"]["chunk_hold_s"] == {"count": 2, "p50": 0.0002}  # the shell's own measure
     assert stats["router"]["client_messages"] == 3  # two opens and this stats
     assert not fleet.to_replica(name_a, p.Stats)  # answered from what the router knows
