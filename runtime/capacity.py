@@ -179,6 +179,7 @@ class CapacityModel:
         """A session is gone: the others climb back as far as real time allows. Returns the changes."""
         if self.seats.pop(sid, None) is None:
             return {}
+        self._restart_periods()
         return self.rebalance(force=True)
 
     def ask(self, sid: str, want: int) -> dict[str, int]:
@@ -214,11 +215,15 @@ class CapacityModel:
             seat.why = "client" if sid == asked else "ladder_down" if steps < seat.steps else "ladder_up"
             seat.steps = steps
             changed[sid] = steps
-        if changed or skip is not None:  # the pipeline changed: periods measured before say nothing of it now
-            for seat in self.seats.values():
-                seat.periods.clear()
-                seat.last_emitted = None
+        if changed or skip is not None:
+            self._restart_periods()
         return changed
+
+    def _restart_periods(self) -> None:
+        """The pipeline changed (steps or sessions): periods measured before say nothing of it now."""
+        for seat in self.seats.values():
+            seat.periods.clear()
+            seat.last_emitted = None
 
     def on_chunk(self, sid: str, facts: ChunkFacts, warm: bool) -> None:
         """An emitted chunk of ``sid``: its stage times (when ``facts.steps`` is known) and its period."""

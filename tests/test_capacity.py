@@ -143,6 +143,11 @@ def test_the_measured_real_time_factor_counts_only_periods_since_the_pipeline_la
     assert m.rtf(m.seats["a"])[1] is None
     stats = m.to_dict(visible={"b"})
     assert set(stats["sessions"]) == {"b"} and stats["headroom"] == pytest.approx(1 - 0.6 * 1.1 / MEDIA)
+    for i, t in enumerate((2.0, 2.6, 3.2), start=4):
+        m.on_chunk("a", facts(i, 4, t), warm=False)
+    assert m.rtf(m.seats["a"])[1] == pytest.approx(MEDIA / 0.6)
+    m.remove("b")  # a session leaves: the same steps, another period
+    assert m.rtf(m.seats["a"])[1] is None
 
 
 def test_measurements_that_miss_real_time_step_sessions_down_without_an_event() -> None:
