@@ -30,6 +30,7 @@ import zmq.asyncio
 
 from ipc import protocol
 from ipc.client import (
+    BadRequest,
     ChunkResult,
     ClientCore,
     ControlBackpressure,
@@ -99,24 +100,33 @@ class AsyncClient:
 
     async def open(self, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None,
                    live: bool = False, pause_when_idle: bool = False,
-                   intrinsics: tuple[float, float, float, float] | None = None) -> SessionInfo:  # fmt: skip
-        """Open a session; see ``Client.open`` (``intrinsics``: the camera at 480x832, checked before sending)."""
-        message = open_message(next(self._req), image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics)
+                   intrinsics: tuple[float, float, float, float] | None = None, steps: int | None = None,
+                   min_steps: int | None = None) -> SessionInfo:  # fmt: skip
+        """Open a session; see ``Client.open`` (``intrinsics``: the camera at 480x832, checked before sending;
+        ``steps``/``min_steps``: denoising steps per chunk, 4, 2 or 1)."""
+        message = open_message(next(self._req), image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics,
+                               steps, min_steps)
         return session_info(await self._request(message.req, message))
 
     async def control(self, session: str, index: int, keys: Iterable[str] = (),
                       mouse: tuple[float, float] = (0.0, 0.0), poses: list[list[float]] | None = None,
-                      wait: bool = True) -> None:
+                      wait: bool = True, steps: int | None = None) -> None:
         """Send control[index]; see ``Client.control`` (backpressure is retried until the client timeout)."""
         control = chunk_control(keys, mouse, poses, session)
+        if protocol.steps_problem(steps) is not None:
+            raise BadRequest("bad_control", str(protocol.steps_problem(steps)), session)
+
+        def ask(req: int) -> protocol.Control:
+            return protocol.Control(req=req, session=session, index=index, control=control, steps=steps)
+
         deadline = time.monotonic() + self.timeout_s
         while True:
             req = next(self._req)
             if not wait:
-                self._send_quiet(req, protocol.Control(req=req, session=session, index=index, control=control))
+                self._send_quiet(req, ask(req))
                 return
             try:
-                await self._request(req, protocol.Control(req=req, session=session, index=index, control=control),
+                await self._request(req, ask(req),
                                     max(0.0, deadline - time.monotonic()))
                 return
             except ControlBackpressure as error:
@@ -125,12 +135,12 @@ class AsyncClient:
                 await asyncio.sleep(error.retry_after_s or 0.002)
 
     def control_state(self, session: str, keys: Iterable[str], revision: int, mouse: tuple[float, float] = (0, 0),
-                      taps: Iterable[str] = ()) -> None:
+                      taps: Iterable[str] = (), steps: int | None = None) -> None:
         """Live mode, fire and forget (call it from the loop's thread); see ``Client.control_state``."""
         req = next(self._req)
         self._send_quiet(req, protocol.ControlState(
             req=req, session=session, keys=sorted(_norm(keys)), mouse=(float(mouse[0]), float(mouse[1])),
-            taps=sorted(_norm(taps)), revision=revision), stamp=(session, revision))
+            taps=sorted(_norm(taps)), revision=revision, steps=steps), stamp=(session, revision))
 
     def live(self, session: str, first_revision: int = 1) -> LiveInput:
         return LiveInput(self, session, first_revision)

@@ -159,6 +159,7 @@ class SessionInfo:
     frames_per_chunk: int
     num_chunks: int | None
     intrinsics: tuple[float, float, float, float] | None = None  # (fx, fy, cx, cy) at this frame size: the camera used
+    steps: int = 0  # denoising steps its first chunks run (0: a server before quality presets)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class ChunkResult:
 
 def session_info(opened: protocol.Opened) -> SessionInfo:
     return SessionInfo(opened.session, opened.height, opened.width, opened.fps, opened.frames_first_chunk,
-                       opened.frames_per_chunk, opened.num_chunks, opened.intrinsics)
+                       opened.frames_per_chunk, opened.num_chunks, opened.intrinsics, opened.steps)
 
 
 class InputToPhoton:
@@ -273,14 +274,15 @@ def chunk_control(keys: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0
 
 
 def open_message(req: int, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None,
-                 live: bool = False, pause_when_idle: bool = False,
-                 intrinsics: Iterable[float] | None = None) -> protocol.Open:  # fmt: skip
-    """An ``open`` request; ``BadRequest`` (code ``bad_request``) when its camera intrinsics are not valid, before
-    anything is sent."""
+                 live: bool = False, pause_when_idle: bool = False, intrinsics: Iterable[float] | None = None,
+                 steps: int | None = None, min_steps: int | None = None) -> protocol.Open:  # fmt: skip
+    """An ``open`` request; ``BadRequest`` (code ``bad_request``) when its camera intrinsics or its steps (4, 2, 1)
+    are not valid, before anything is sent."""
     try:
         camera = None if intrinsics is None else tuple(float(v) for v in intrinsics)
         return protocol.Open(req=req, image=image, prompt=prompt, seed=seed, num_chunks=num_chunks, live=live,
-                             pause_when_idle=pause_when_idle, intrinsics=camera)  # type: ignore[arg-type]
+                             pause_when_idle=pause_when_idle, intrinsics=camera,  # type: ignore[arg-type]
+                             steps=steps, min_steps=min_steps)
     except (ValueError, TypeError) as error:
         raise BadRequest("bad_request", str(error)) from None
 
@@ -491,35 +493,42 @@ class Client:
     # ------------------------------------------------------------------------------------------ requests
 
     def open(self, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None, live: bool = False,
-             pause_when_idle: bool = False,
-             intrinsics: tuple[float, float, float, float] | None = None) -> SessionInfo:  # fmt: skip
+             pause_when_idle: bool = False, intrinsics: tuple[float, float, float, float] | None = None,
+             steps: int | None = None, min_steps: int | None = None) -> SessionInfo:  # fmt: skip
         """Open a session and wait until its caches are ready. Raises ``Busy`` (with ``retry_after_s``) when the
         server is at its session limit, ``BadRequest`` for a bad image or a length beyond the server's limit.
         ``intrinsics``: the camera ``(fx, fy, cx, cy)`` in pixels of a 480x832 frame, scaled to the session's frame
         size (None: the server's ``controls.intrinsics``); bad values raise ``BadRequest`` before anything is sent.
-        ``SessionInfo.intrinsics`` says what applies, at the session's frame size."""
-        message = open_message(self._next_req(), image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics)
+        ``SessionInfo.intrinsics`` says what applies, at the session's frame size. ``steps``: denoising steps per
+        chunk (4, 2, 1; None: 4), the best quality the server's degrade ladder may lower down to ``min_steps``."""
+        message = open_message(self._next_req(), image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics,
+                               steps, min_steps)
         future = self._expect(message.req)
         self._send(message)
         return session_info(self._wait(future, self.timeout_s))
 
     def control(self, session: str, index: int, keys: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0.0),
-                poses: list[list[float]] | None = None, wait: bool = True) -> None:
+                poses: list[list[float]] | None = None, wait: bool = True, steps: int | None = None) -> None:
         """Send control[index]; with ``wait`` block until the server accepted it (or raise its error).
 
         A control that meets a full edge (code ``control_backpressure``) is resent after the server's hint until
         it is accepted or the client's timeout passes: a scripted client may send as fast as it likes. Without
         ``wait`` an error arrives through ``error()``. An invalid control (unknown keys, a mouse turn beyond a full
-        turn, poses that are not 4x4) raises ``BadRequest`` before anything is sent."""
+        turn, poses that are not 4x4) raises ``BadRequest`` before anything is sent. ``steps``: the session's best
+        quality from this chunk on (4, 2, 1; None: unchanged)."""
         control = chunk_control(keys, mouse, poses, session)
+        if protocol.steps_problem(steps) is not None:
+            raise BadRequest("bad_control", str(protocol.steps_problem(steps)), session)
         deadline = time.monotonic() + self.timeout_s
         while True:
             req = self._next_req()
             if not wait:
-                self._send_quiet(req, protocol.Control(req=req, session=session, index=index, control=control))
+                self._send_quiet(req, protocol.Control(req=req, session=session, index=index, control=control,
+                                                        steps=steps))
                 return
             future = self._expect(req)
-            self._send(protocol.Control(req=req, session=session, index=index, control=control))
+            self._send(protocol.Control(req=req, session=session, index=index, control=control,
+                                                        steps=steps))
             try:
                 self._wait(future, max(0.0, deadline - time.monotonic()))
                 return
@@ -529,14 +538,14 @@ class Client:
                 time.sleep(error.retry_after_s or 0.002)
 
     def control_state(self, session: str, keys: Iterable[str], revision: int, mouse: tuple[float, float] = (0, 0),
-                      taps: Iterable[str] = ()) -> None:
+                      taps: Iterable[str] = (), steps: int | None = None) -> None:
         """Live mode: the whole held-key state, sent whenever input changes (fire and forget: a rejection, e.g.
         ``StaleRevision``, arrives through ``error()`` and does not interrupt the chunk stream). The moment it
         leaves the socket starts the input-to-photon clock of ``revision``."""
         req = self._next_req()
         self._send_quiet(req, protocol.ControlState(
             req=req, session=session, keys=sorted(_norm(keys)), mouse=(float(mouse[0]), float(mouse[1])),
-            taps=sorted(_norm(taps)), revision=revision), stamp=(session, revision))
+            taps=sorted(_norm(taps)), revision=revision, steps=steps), stamp=(session, revision))
 
     def live(self, session: str, first_revision: int = 1) -> LiveInput:
         """A ``LiveInput`` bound to this client and a live session."""

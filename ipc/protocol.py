@@ -34,8 +34,12 @@ MAX_INTERNAL_ITEMS = 1_000_000  # from the server or another rank: trusted, only
 MAX_ERROR_CHARS = 300  # error texts never echo unbounded input
 INTRINSICS_HEIGHT, INTRINSICS_WIDTH = 480, 832  # camera intrinsics are given for this frame (the official convention)
 MAX_FOCAL_PIXELS = 1e5  # at 832 pixels wide a field of view of about half a degree: more is a unit mistake
+# Quality presets: denoising steps a chunk may run, best first (subsets of the preset's timesteps, see
+# models.schedule.step_subset); the degrade ladder walks down this list and back up.
+QUALITY_STEPS = (4, 2, 1)
 
 # Field types with the bounds every client message is held to while it is decoded (not after).
+Steps = Annotated[int, msgspec.Meta(ge=1, le=4)]  # one of QUALITY_STEPS (checked after decoding)
 SessionId = Annotated[str, msgspec.Meta(max_length=64)]
 Key = Annotated[str, msgspec.Meta(max_length=8)]
 KeyList = Annotated[list[Key], msgspec.Meta(max_length=16)]
@@ -203,6 +207,10 @@ class ChunkFacts(_Value):
     control: ChunkControl  # the control the model saw
     times: ChunkTimes  # the scheduler's rank-0 times
     spans: tuple[Span, ...] = ()  # every rank's stages and transfers of this chunk, on the rank-0 clock
+    steps: int = 0  # denoising steps the chunk ran (QUALITY_STEPS); 0: from a server before quality presets
+    # set on the first chunk that runs a new steps setting (the receipt of a change, from this chunk on): "client"
+    # (its control asked), "ladder_down" or "ladder_up" (the server's degrade ladder); None: same as the chunk before
+    steps_changed: str | None = None
 
 
 class TensorSpec(_Value):
@@ -227,11 +235,25 @@ class Open(_Msg, tag="open"):
     # the camera (fx, fy, cx, cy) in pixels of a 480x832 frame (the official examples' convention), scaled to the
     # session's frame size; None: the server's controls.intrinsics. The DiT's camera rays are computed with it.
     intrinsics: tuple[float, float, float, float] | None = None
+    # denoising steps per chunk, a quality preset (4, 2 or 1; None: 4, the preset's all): the session's best quality,
+    # which the server's degrade ladder may lower (to hold real time for every session) but never below min_steps
+    steps: Steps | None = None
+    min_steps: Steps | None = None  # the lowest steps this session accepts from the ladder (None: capacity.min_steps)
 
     def __post_init__(self) -> None:
         why = None if self.intrinsics is None else intrinsics_problem(self.intrinsics)
+        why = why or steps_problem(self.steps) or steps_problem(self.min_steps)
+        if why is None and self.steps is not None and self.min_steps is not None and self.min_steps > self.steps:
+            why = f"min_steps ({self.min_steps}) must not exceed steps ({self.steps})"
         if why is not None:
             raise ValueError(why)
+
+
+def steps_problem(steps: int | None) -> str | None:
+    """Why ``steps`` is not a quality preset, or None (None itself is fine: the default)."""
+    if steps is None or steps in QUALITY_STEPS:
+        return None
+    return f"steps must be one of {', '.join(map(str, QUALITY_STEPS))} (denoising steps per chunk), got {steps}"
 
 
 class Control(_Msg, tag="control"):
@@ -239,6 +261,14 @@ class Control(_Msg, tag="control"):
     session: SessionId
     index: int  # chunk index this control applies to; must be the next expected one
     control: ChunkControl = ChunkControl()  # keys, mouse or poses of that chunk (no keys: a still camera)
+    # from this chunk on, the session's best quality in denoising steps (QUALITY_STEPS; None: unchanged); the chunk
+    # facts' steps_changed is the receipt. Below the session's min_steps it lowers that floor too.
+    steps: Steps | None = None
+
+    def __post_init__(self) -> None:
+        why = steps_problem(self.steps)
+        if why is not None:
+            raise ValueError(why)
 
 
 class ControlState(_Msg, tag="control_state"):
@@ -248,6 +278,13 @@ class ControlState(_Msg, tag="control_state"):
     mouse: tuple[float, float] = (0.0, 0.0)  # mouse motion (yaw, pitch degrees) since the previous message
     taps: KeyList = []  # keys pressed and released since the previous message
     revision: int = 0  # client input revision, strictly increasing; echoed on the chunk that applied it
+    # from the next chunk cut on, the session's best quality in denoising steps (as ``Control.steps``; None: unchanged)
+    steps: Steps | None = None
+
+    def __post_init__(self) -> None:
+        why = steps_problem(self.steps)
+        if why is not None:
+            raise ValueError(why)
 
 
 class Close(_Msg, tag="close"):
@@ -280,6 +317,9 @@ class Opened(_Msg, tag="opened"):
     # the camera the DiT's rays use for this session: (fx, fy, cx, cy) in pixels of *this session's* frame (the open
     # request's or the server's intrinsics, scaled from 480x832); None from a server that predates the field
     intrinsics: tuple[float, float, float, float] | None = None
+    # denoising steps its first chunks run (the open's, or fewer when the ladder admitted it lower; each chunk's facts
+    # say what it ran and when that changed); 0 from a server before quality presets
+    steps: int = 0
 
 
 class Accepted(_Msg, tag="accepted"):
@@ -377,6 +417,7 @@ class DenoiseChunk(_Task, tag="denoise_chunk"):
     index: int
     control: ChunkControl
     latent: TensorSpec  # what the DiT leader sends to the decode rank (zeros of it after a failure)
+    steps: int | None = None  # denoising steps this chunk runs (QUALITY_STEPS, chosen on rank 0); None: all
 
 
 class DecodeChunk(_Task, tag="decode_chunk"):

@@ -14,7 +14,8 @@ DiT(x0, 0.0, y_k, control_k)                                  # refresh: rewrite
 Noise source of a session: one ``torch.Generator`` on the stage's device seeded with ``spec.seed`` (noise is drawn
 where it is used: no host copy per step; the same seed gives the same numbers on the same kind of device). Per
 chunk, in order, it draws ``randn(16, cs, h, w)`` for the chunk's initial noise, then one ``randn(16, cs, h, w)``
-per re-noise step ``s = 1..n-1``. (The reference draws the initial noise of the *whole clip* first,
+per re-noise step ``s = 1..n-1`` (``n``: the steps the chunk runs, 4, 2 or 1, ``models.schedule.step_subset``).
+(The reference draws the initial noise of the *whole clip* first,
 ``randn(16, F, h, w)``, which a stream of unknown length cannot do, so the streams differ in which numbers land
 where but not in distribution; the fixtures store every noise tensor, and tests inject them through
 ``NoiseSource``.)
@@ -40,7 +41,7 @@ from models.dit import ARCH_FIELDS, ChunkCamera, DiTConfig, WanModelFast, apply_
 from models.dit_checkpoint import load_dit, load_state_dict_strict, random_dit
 from models.kv_cache import KVCache, TextCache, kv_cache_bytes, new_kv_cache
 from models.memory import dit_working_bytes, ensure_headroom
-from models.schedule import FlowMatchSchedule, Step, renoise, x0_from_velocity
+from models.schedule import FlowMatchSchedule, Step, renoise, step_subset, x0_from_velocity
 from models.stages import SessionSpec, StreamGeometry, agree_prepared
 
 log = logging.getLogger(__name__)
@@ -217,8 +218,10 @@ class LingbotDenoiseStage:
         )
 
     @torch.no_grad()
-    def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl) -> torch.Tensor:
+    def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl,
+                steps: int | None = None) -> torch.Tensor:  # fmt: skip
         """Clean latent ``[16, cs, h, w]`` (float32, on the stage's device) of chunk ``index``; same on every rank.
+        ``steps``: the denoising steps the chunk runs (4, 2 or 1: a subset of the preset's timesteps; None: all).
 
         The chunk's per-session inputs (poses, camera modulation, condition) are prepared first and the DiT group
         agrees that every rank succeeded before the passes, whose all-to-alls a failing rank would leave hanging:
@@ -226,11 +229,12 @@ class LingbotDenoiseStage:
         passes ends the job."""
         error: Exception | None = None
         try:
+            chosen = self.steps if steps is None else step_subset(self.steps, steps)
             st, cam, y = self._prepare(session, index, condition, control)
         except Exception as e:
             error = e
         agree_prepared(self.model.sp.group, self.device, error)
-        return denoise_chunk(self.model, self.steps, st.noise, index, y, cam, st.text, st.cache)
+        return denoise_chunk(self.model, chosen, st.noise, index, y, cam, st.text, st.cache)
 
     def _prepare(self, session: str, index: int, condition: torch.Tensor,
                  control: ChunkControl) -> tuple[_Session, ChunkCamera, torch.Tensor]:  # fmt: skip

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ipc.protocol import QUALITY_STEPS  # the presets, best first (the wire's vocabulary)
+
 
 @dataclass(frozen=True)
 class Step:
@@ -67,3 +69,21 @@ def renoise(x0: torch.Tensor, noise: torch.Tensor, sigma: float) -> torch.Tensor
     """``(1 - sigma) * x0 + sigma * noise`` in float32 (``1 - sigma`` computed in float32)."""
     s = torch.tensor(sigma, dtype=torch.float32)
     return ((1 - s) * x0.float() + s * noise.float()).float()
+
+
+# Quality presets: how many of the preset's own denoising steps a chunk runs. Fewer steps are a subset of the
+# distilled schedule's timesteps (never a new schedule): 1 step runs the first timestep, 2 steps the first and the
+# third, 4 steps all four. The t = 0 pass that refreshes the KV cache runs after any of them.
+_SUBSETS = {4: (0, 1, 2, 3), 2: (0, 2), 1: (0,)}  # positions in the preset's 4 steps
+
+
+def step_subset(steps: list[Step] | tuple[Step, ...], count: int) -> list[Step]:
+    """The ``count`` steps (4, 2 or 1) a chunk runs out of a preset's ``steps`` (``ValueError`` otherwise). A
+    preset with another number of steps (a golden fixture's) runs all of them for 4 (the full quality rank 0 asks by
+    default) or its own count, and no other."""
+    if count in (len(steps), QUALITY_STEPS[0]):
+        return list(steps)
+    if len(steps) != 4 or count not in _SUBSETS:
+        raise ValueError(f"{count} denoising steps is not a quality preset of a {len(steps)}-step schedule "
+                         f"(presets: {', '.join(map(str, QUALITY_STEPS))} of the 4-step schedule)")
+    return [steps[i] for i in _SUBSETS[count]]

@@ -138,8 +138,10 @@ class DenoiseStage(Protocol):
     def open(self, spec: SessionSpec, context: torch.Tensor) -> None:
         """Initialise KV cache, noise source (seeded by ``spec.seed``) and camera state."""
 
-    def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl) -> torch.Tensor:
-        """Latent of chunk ``index`` (``latent_shape``); chunks arrive in order."""
+    def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl,
+                steps: int | None = None) -> torch.Tensor:  # fmt: skip
+        """Latent of chunk ``index`` (``latent_shape``); chunks arrive in order. ``steps``: the denoising steps the
+        chunk runs (4, 2 or 1, ``models.schedule.QUALITY_STEPS``; None: the preset's all)."""
 
     def release(self, session: str) -> None:
         """Free the session's caches; idempotent."""

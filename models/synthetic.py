@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from ipc.protocol import QUALITY_STEPS
 from models.controls import ChunkControl, MotionSpeeds, integrate
 from models.stages import SessionSpec, StreamGeometry, agree_prepared
 
@@ -49,6 +50,16 @@ def synthetic_geometry(height: int, width: int, chunk_latent_frames: int) -> Str
         condition_shape=(3, height, width),
         latent_shape=(4 * chunk_latent_frames, 3, height // 2, width // 2),
     )
+
+
+def pass_cost(cost_4_steps: float, steps: int | None) -> float:
+    """A denoise's cost at ``steps`` denoising steps when ``cost_4_steps`` is that of the full 4: in proportion
+    to the DiT's passes (each step one pass, plus the t = 0 refresh pass), so 2 steps cost 3/5 and 1 step 2/5."""
+    if steps is None:
+        return cost_4_steps
+    if steps not in QUALITY_STEPS:
+        raise ValueError(f"{steps} denoising steps is not a quality preset ({', '.join(map(str, QUALITY_STEPS))})")
+    return cost_4_steps * (steps + 1) / (max(QUALITY_STEPS) + 1)
 
 
 def _spend(seconds: float) -> None:
@@ -173,21 +184,22 @@ class SyntheticDenoise:
         state.chunks += 1
         return state, poses, noise
 
-    def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl) -> torch.Tensor:
+    def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl,
+                steps: int | None = None) -> torch.Tensor:  # fmt: skip
         """The rendered chunk on the group's first rank (the leader, whose latent is used); the other ranks keep
         the same camera and noise state and return zeros, without spending the CPU on a render. The group agrees
-        that every rank prepared its part before it ends together (as the real stage does before its passes)."""
+        that every rank prepared its part before it ends together (as the real stage does before its passes).
+        ``steps`` (4, 2, 1; None: 4) scales the cost as the DiT's passes do (``pass_cost``)."""
         started = time.monotonic()
         error: Exception | None = None
         latent: torch.Tensor | None = None
-        cold = 0.0
         try:
             geometry = self._sessions[session].geometry
-            cold = self.first_use.cost(geometry.height, geometry.width)
+            cost = pass_cost(self.cost_s, steps) + self.first_use.cost(geometry.height, geometry.width)
             latent = self._render(session, index, condition, control)
         except Exception as e:
-            error = e
-        _spend(self.cost_s + cold - (time.monotonic() - started))
+            error, cost = e, 0.0
+        _spend(cost - (time.monotonic() - started))
         agree_prepared(self.group, "cpu", error)  # also the step's end together, as a sequence-parallel step
         assert latent is not None  # every rank prepared its part, or agree_prepared raised
         return latent

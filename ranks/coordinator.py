@@ -81,7 +81,7 @@ class Coordinator:
         self.core = CoordinatorCore(c.layout, c.server, c.stream, c.scheduler, c.timeouts, c.metrics,
                                     self.ctx.backend.geometry, time.monotonic(), sink=self.exporter,
                                     intrinsics=c.controls.intrinsics, rooms=self.rooms,
-                                    session_cost=session_cost, warm_start=self.warm_start)
+                                    session_cost=session_cost, warm_start=self.warm_start, capacity=c.capacity)
         log.info("warm-up: %s", self.warm_start.describe())
         for reason in self.core.admission.unservable(served_sizes(c.stream)):
             log.warning("%s", reason)

@@ -123,7 +123,7 @@ def denoise_worker(ctx: RankContext) -> None:
         failure: Exception | None = None
         try:
             with spans.span("denoise"):
-                latent = stage.denoise(task.session, task.index, condition, task.control)
+                latent = stage.denoise(task.session, task.index, condition, task.control, task.steps)
         except SessionInputError as error:  # found before the collectives, alike on every rank: the group is whole
             failure, latent = error, zeros(task.latent)
         except Exception as error:

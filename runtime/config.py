@@ -109,6 +109,17 @@ class SchedulerConfig(_Section):
     output_capacity: int = 2  # decoded chunks per session not yet emitted
 
 
+class CapacityConfig(_Section):
+    """Admission by real time and the degrade ladder (``runtime.capacity``). A session keeps real time when its
+    predicted real-time factor (chunk media seconds / predicted chunk period) is at least ``1 + margin``."""
+
+    admission: Literal["realtime", "count"] = "realtime"  # count: server.max_sessions only (the old rule)
+    ladder: Literal["newest", "all", "off"] = "newest"  # who steps down first: the newest session, all alike, nobody
+    margin: float = 0.1  # head room kept on the predicted real-time factor (0.1: >= 1.1 predicted)
+    min_steps: Literal[1, 2, 4] = 1  # a session's floor when its open gives no min_steps
+    alpha: float = 0.3  # weight of the newest measurement in each moving estimate of a stage time (0 < alpha <= 1)
+
+
 class SyntheticConfig(_Section):
     """Stage costs of the synthetic backend (seconds per chunk)."""
 
@@ -200,6 +211,7 @@ class Config(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     controls: ControlsConfig = msgspec.field(default_factory=ControlsConfig)
     synthetic: SyntheticConfig = msgspec.field(default_factory=SyntheticConfig)
+    capacity: CapacityConfig = msgspec.field(default_factory=CapacityConfig)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
@@ -300,6 +312,10 @@ def validate(config: Config, where: str) -> Config:
     mem = config.memory
     if mem.budget_gb < 0 or mem.margin_gb < 0 or mem.tolerance < 0:
         raise ConfigError(f"{where}: memory.budget_gb, memory.margin_gb and memory.tolerance must be >= 0")
+    cap = config.capacity
+    if not 0 <= cap.margin <= 10 or not 0 < cap.alpha <= 1:
+        raise ConfigError(f"{where}: capacity.margin must be in [0, 10] and capacity.alpha in (0, 1], got "
+                          f"{cap.margin}, {cap.alpha}")
     rep = config.replica
     if rep.router and not rep.router.startswith(("tcp://", "ipc://")):
         raise ConfigError(f"{where}: replica.router must be a ZeroMQ endpoint (tcp://host:port), got {rep.router!r}")

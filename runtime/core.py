@@ -8,6 +8,10 @@ It owns each session end to end: the scheduler's cursors (``runtime.scheduler``)
 besides (``runtime.session``: its client, start image, accepted controls, spans, per-rank joins), the live controls
 (``runtime.control_service``) and the metrics. Rules that live here and nowhere else:
 
+- **Real time.** A session is created only if the capacity model (``runtime.capacity``) admits it; its steps and
+  everyone else's follow from the model's ladder, read when each denoise is dispatched (a change takes effect at a
+  chunk boundary, and the chunk facts carry the receipt); a control's ``steps`` reaches the model when its chunk is
+  dispatched.
 - **Opening.** ``open`` is checked (length, prompt, session limit counting images still being decoded), then its
   image is decoded off the loop (``DecodeImage``); sessions are created in request order once their images are
   there. The frame size is ``stream.height x stream.width`` (``stream.size = "fixed"``) or the allowed size nearest
@@ -41,13 +45,22 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ipc import protocol
-from ipc.protocol import ChunkFacts, Edge, Phase, Stage, clip
+from ipc.protocol import QUALITY_STEPS, ChunkFacts, Edge, Phase, Stage, clip
 from models.camera import intrinsics_at
 from models.controls import OFFICIAL_INTRINSICS
 from models.stages import frame_size
 from runtime import scheduler as sch
+from runtime.capacity import CapacityModel
 from runtime.clock import ClockSync
-from runtime.config import LayoutConfig, MetricsConfig, SchedulerConfig, ServerConfig, StreamConfig, TimeoutsConfig
+from runtime.config import (
+    CapacityConfig,
+    LayoutConfig,
+    MetricsConfig,
+    SchedulerConfig,
+    ServerConfig,
+    StreamConfig,
+    TimeoutsConfig,
+)
 from runtime.control_service import ControlStateError, LiveControls
 from runtime.core_types import (
     EXIT_FAILED,
@@ -119,7 +132,7 @@ class CoordinatorCore:
                  server_id: str | None = None,
                  intrinsics: tuple[float, float, float, float] = OFFICIAL_INTRINSICS,
                  rooms: dict[int, int] | None = None, session_cost: Cost | None = None,
-                 warm_start: WarmStart | None = None) -> None:  # fmt: skip
+                 warm_start: WarmStart | None = None, capacity: CapacityConfig | None = None) -> None:  # fmt: skip
         self.layout, self.server, self.stream, self.timeouts, self.metrics_config = (layout, server, stream,
                                                                                       timeouts, metrics)
         self.geometry = geometry  # the backend's, at stream.height x stream.width
@@ -137,6 +150,8 @@ class CoordinatorCore:
         self.server_id = server_id or _new_id()  # in every heartbeat ack: a client tells a restarted server apart
         self.intrinsics = intrinsics  # controls.intrinsics: the camera of sessions whose open gives none
         self.sessions: dict[str, Session] = {}
+        self.capacity_config = capacity or CapacityConfig()
+        self.capacity = CapacityModel(self.capacity_config)  # real-time admission and the steps of every session
         self.opening: deque[_Opening] = deque()
         self.tickets: Iterator[int] = itertools.count()
         self.peers: dict[bytes, float] = {}  # client identity -> last heard
@@ -240,6 +255,8 @@ class CoordinatorCore:
                     session.live.update(message)
                 except ControlStateError as error:
                     raise ClientError(error.reason, str(error)) from None
+                if message.steps is not None:  # from the next chunk cut
+                    session.asked[self.scheduler.next_control_index(session.id)] = message.steps
             case protocol.Close():
                 sid = self._owned(who, message.session).id
                 if not self._live(sid):  # a repeated close: answered, and the one ``closed`` still follows
@@ -339,6 +356,7 @@ class CoordinatorCore:
             raise ClientError("busy", f"{refusal}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
         sid = self.new_id()
         self.admission.admit(sid, geometry.height, geometry.width)
+        self._admit(sid, geometry, message)  # may refuse busy: before the memory is held, which it cannot refuse
         live = LiveControls(pause_when_idle=message.pause_when_idle) if message.live else None
         metrics = self.metrics.open_session(sid, now, self.stream.fps, self.metrics_config.warmup_chunks)
         self.sessions[sid] = Session(
@@ -348,6 +366,23 @@ class CoordinatorCore:
             last_heard=now, image=result.image, intrinsics=message.intrinsics or self.intrinsics)
         self._guarded(sid, lambda: self._run(self.scheduler.open(sid, message.num_chunks or self.max_chunks, now),
                                              now), now)
+
+    def _admit(self, sid: str, geometry: StreamGeometry, message: protocol.Open) -> None:
+        """Real-time admission (``runtime.capacity``): a seat for ``sid`` with its steps, or ``busy``."""
+        want = message.steps or QUALITY_STEPS[0]
+        admission = self.capacity.admit(sid, (geometry.height, geometry.width),
+                                        geometry.frames_in_chunk(1) / self.stream.fps, want,
+                                        message.min_steps or self.capacity_config.min_steps,
+                                        message.num_chunks)  # fmt: skip
+        if not admission.ok:
+            raise ClientError("busy", admission.reason, retry_after_s=admission.retry_after_s or BUSY_RETRY_S)
+        self._log_steps(admission.changed, f"session {sid} opened")
+
+    def _log_steps(self, changed: dict[str, int], cause: str) -> None:
+        for sid, steps in changed.items():
+            seat = self.capacity.seats[sid]
+            log.info("session %s: %d denoising steps from its next chunk (%s: %s)", sid, steps, seat.why or "open",
+                     cause)
 
     def _control(self, session: Session, message: protocol.Control, now: float) -> None:
         if session.live is not None:
@@ -366,6 +401,8 @@ class CoordinatorCore:
         except sch.SchedulerError as error:
             raise ClientError("rejected_control", str(error)) from None
         session.controls[message.index] = control
+        if message.steps is not None:
+            session.asked[message.index] = message.steps
         self._run(actions, now)
         self._emit(ToClient(session.client, protocol.Accepted(req=message.req, session=session.id,
                                                               index=message.index), session.id))
@@ -435,14 +472,36 @@ class CoordinatorCore:
     def _dispatch(self, action: StageAction, now: float) -> None:
         """Send the per-rank tasks of a stage action (the table: ``runtime.placement.plan``) and start its join."""
         session = self.sessions[action.session]
-        control = session.controls.get(action.index) if isinstance(action, sch.RunDenoise) else None
-        tasks = plan(action, session.facts(), self.where, control)
+        control, steps = None, None
+        if isinstance(action, sch.RunDenoise):
+            control, steps = session.controls.get(action.index), self._chunk_steps(session, action.index)
+        tasks = plan(action, session.facts(), self.where, control, steps)
         if isinstance(action, sch.InitCache) and action.stage is Stage.CONDITION:
             session.image = None  # the condition stage has it now
         if isinstance(action, sch.Release):
             session.released.pop(action.stage.value, None)  # a retry counts confirmations afresh
         self._send(session, tasks.sends, now)
         session.joins[_key_of(action)] = Join(set(tasks.waits), now, tasks.then)
+
+    def _chunk_steps(self, session: Session, index: int) -> int:
+        """The denoising steps chunk ``index`` runs (at its dispatch: a chunk boundary), a control's request applied
+        first; remembered with why they changed for the chunk's facts."""
+        asked = [i for i in session.asked if i <= index]
+        if asked:
+            want = session.asked[max(asked)]
+            for i in asked:
+                del session.asked[i]
+            self._log_steps(self.capacity.ask(session.id, want), f"its control asked for {want}")
+        steps = self._steps_of(session.id)
+        seat = self.capacity.seats.get(session.id)
+        changed = seat.why if seat is not None and session.last_steps and steps != session.last_steps else None
+        session.chunk_steps[index] = (steps, changed)
+        session.last_steps = steps
+        return steps
+
+    def _steps_of(self, sid: str) -> int:
+        seat = self.capacity.seats.get(sid)
+        return seat.steps if seat is not None else QUALITY_STEPS[0]
 
     def _send(self, session: Session, tasks: Iterable[tuple[bytes, protocol.WorkerTask]], now: float) -> None:
         for to, task in tasks:
@@ -460,7 +519,8 @@ class CoordinatorCore:
             req=session.open_req, session=session.id, height=g.height, width=g.width, fps=self.stream.fps,
             frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
             num_chunks=session.num_chunks,
-            intrinsics=intrinsics_at(session.intrinsics or self.intrinsics, g.height, g.width)))
+            intrinsics=intrinsics_at(session.intrinsics or self.intrinsics, g.height, g.width),
+            steps=self._steps_of(session.id)))
 
     def _idle(self, action: sch.DitIdle) -> None:
         self.metrics.on_idle(action.start, action.end, action.cause)
@@ -474,9 +534,13 @@ class CoordinatorCore:
         control, spans = session.take_chunk(action.index)
         for rank, mem in self.memory.items():
             session.metrics.on_memory(rank, max(mem["peak_rss"], mem["cuda_peak"]))
-        facts = ChunkFacts(action.index, session.geometry.frames_in_chunk(action.index), control, action.times, spans)
+        steps, changed = session.chunk_steps.pop(action.index, (0, None))
+        facts = ChunkFacts(action.index, session.geometry.frames_in_chunk(action.index), control, action.times, spans,
+                           steps, changed)
         previous = session.metrics.last_emitted
         self.metrics.on_chunk(session.id, facts)
+        self.capacity.on_chunk(session.id, facts, warm=action.index < max(1, self.metrics_config.warmup_chunks))
+        self._log_steps(self.capacity.rebalance(), "the measured stage times miss real time")
         if self.sink is not None:
             period = None if previous is None else action.times.emitted - previous
             self.sink.on_chunk(facts.frames, action.times.control_to_output, period)
@@ -485,6 +549,7 @@ class CoordinatorCore:
     def _closed(self, action: sch.SessionClosed, now: float) -> None:
         session = self.sessions.pop(action.session)  # present: _run skips actions of sessions dropped
         self.admission.release(session.id)
+        self._log_steps(self.capacity.remove(session.id), f"session {session.id} closed")
         summary = self.metrics.close_session(session.id, now)
         summary["clock_offsets"] = self.clock.to_dict()
         summary["released"] = session.released  # stage -> ranks that confirmed, in release order
@@ -617,6 +682,7 @@ class CoordinatorCore:
             log.exception("session %s could not be closed; dropping it", session.id)
             self.sessions.pop(session.id, None)
             self.admission.release(session.id)
+            self.capacity.remove(session.id)
             self._emit(DropTensors(session.id))
 
     def _notify_all(self, code: str, message: str) -> None:
@@ -652,6 +718,7 @@ class CoordinatorCore:
             "warm": self.warm_start.warm,  # every stage ran at every served size before the port opened
             "warm_up": self.warm_start.to_dict(),
             "sizes": [list(size) for size in self.sizes],
+            "capacity": self.capacity.to_dict(visible),  # real-time factors, headroom, the ladder's steps
         }
 
 

@@ -133,8 +133,9 @@ def _dtype(geometry: StreamGeometry) -> str:
 
 
 def plan(action: StageAction, session: SessionFacts, where: Placement,
-         control: protocol.ChunkControl | None = None) -> Plan:
-    """The tasks of ``action`` for ``session`` on this layout (``control``: the accepted control of a denoise)."""
+         control: protocol.ChunkControl | None = None, steps: int | None = None) -> Plan:
+    """The tasks of ``action`` for ``session`` on this layout (``control``: the accepted control of a denoise;
+    ``steps``: the denoising steps it runs, None: the preset's all)."""
     sid, g = session.id, session.geometry
     condition, decode = identity(where.condition, Stage.CONDITION.value), identity(where.decode, Stage.DECODE.value)
     dit = where.workers_of(Stage.DENOISE)
@@ -165,7 +166,7 @@ def plan(action: StageAction, session: SessionFacts, where: Placement,
             latent = TensorSpec(shape=g.latent_shape, dtype=_dtype(g))
             receive = () if where.latent_receiver is None else (
                 (where.latent_receiver, protocol.ReceiveLatent(session=sid, index=index, tensor=latent)),)
-            denoise = protocol.DenoiseChunk(session=sid, index=index, control=control, latent=latent)
+            denoise = protocol.DenoiseChunk(session=sid, index=index, control=control, latent=latent, steps=steps)
             return Plan((*receive, *((w, denoise) for w in dit)), frozenset({(Phase.CHUNK, where.dit_leader)}))
         case RunDecode(index=index):
             frames = TensorSpec(shape=g.frames_shape(index), dtype="uint8")

@@ -18,9 +18,15 @@ the core marks its replica down with the reason. Nothing a replica says is used 
 client its own sessions only, opens it already accepted included), as of the last stats reply. Exact: an open the
 replica accepted before its stats were taken counts once, as the router's. **Placement** (``choose``) takes the up
 replica with fresh stats (read on its current connection) and room (load < max_sessions, and not refused with
-``busy`` since its last stats) whose share of its capacity after one more session, ``(load + 1) / max_sessions``,
-is smallest; on a tie the shorter recent chunk period per session wins (the replica that streams faster), then the
-name.
+``busy`` since its last stats) with the most real-time headroom when every candidate reports one (``headroom``);
+otherwise, or on a tie, the one whose share of its capacity after one more session, ``(load + 1) / max_sessions``,
+is smallest; then the shorter recent chunk period per session (the replica that streams faster), then the name.
+
+**Real-time headroom** = its stats' ``capacity.headroom`` (the share of the real-time budget its sessions leave,
+``runtime.capacity``; read as a finite number in [-1000, 1], anything else: not reported), less what the opens in
+flight there will take: each about the share one of its sessions takes now, ``(1 - headroom) / open sessions``
+(nothing known with no session open: the opens count 0). None from a replica that does not report it (not measured
+yet, or an older server).
 
 **Recent chunk period** per session (``fold_stats``) = the replica's open sessions x the time between two stats
 replies / the chunks it emitted in between: the mean interval between two chunks of one of its sessions over the
@@ -109,6 +115,13 @@ def nesting(value: Any) -> int:
     return deepest
 
 
+def _headroom(value: Any) -> float | None:
+    """A reported headroom, if it is one: a finite number in [-1000, 1] (a replica's word is never trusted further)."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not -1000.0 <= value <= 1.0:
+        return None  # NaN fails the range test too
+    return float(value)
+
+
 class State(str, Enum):
     DOWN = "down"  # not answering yet on its connection, or not any more
     UP = "up"  # answering: it takes sessions
@@ -189,6 +202,17 @@ class Replica:
         self.fresh = True
         return not restarted
 
+    def headroom(self) -> float | None:
+        """Its real-time headroom (module docstring), or None when it reports none."""
+        if self.stats is None:
+            return None
+        capacity = self.shown.get("capacity")
+        headroom = _headroom(capacity.get("headroom")) if isinstance(capacity, dict) else None
+        if headroom is None:
+            return None
+        present = self.stats.open_sessions
+        return headroom - (self.opening * (1.0 - headroom) / present if present else 0.0)
+
     def forget_connection(self) -> None:
         """A new connection: nothing measured on the old one carries over."""
         self.generation += 1
@@ -205,6 +229,8 @@ class Replica:
         if self.stats is not None:
             own = {**self.shown, **msgspec.to_builtins(self.stats)}
             del own["per_session"]
+            if isinstance(own.get("capacity"), dict):  # its per-session entries name sessions: their owners' only
+                own["capacity"] = {k: v for k, v in own["capacity"].items() if k != "sessions"}
         return {
             "state": self.state.value, "endpoint": self.endpoint, "source": "config" if self.listed else "registered",
             "layout": self.layout or (self.stats.layout if self.stats else ""), "max_sessions": self.max_sessions,
@@ -221,7 +247,10 @@ def choose(replicas: Iterable[Replica], now: float, exclude: Iterable[str] = ())
     candidates = [r for r in replicas if r.name not in skip and r.has_room(now)]
     if not candidates:
         return None
-    return min(candidates, key=lambda r: ((r.load + 1) / r.max_sessions,
+    room = {r.name: r.headroom() for r in candidates}
+    by_headroom = all(h is not None for h in room.values())
+    return min(candidates, key=lambda r: (-(room[r.name] or 0.0) if by_headroom else 0.0,
+                                          (r.load + 1) / r.max_sessions,
                                           r.period_s if r.period_s is not None else 0.0, r.name))
 
 

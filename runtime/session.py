@@ -55,6 +55,9 @@ class Session:
     queued: dict[tuple[Step, int], float] = field(default_factory=dict)  # (step, chunk) -> when its task left
     joins: dict[JoinKey, Join] = field(default_factory=dict)
     released: dict[str, list[int]] = field(default_factory=dict)  # stage -> ranks that confirmed, in order
+    asked: dict[int, int] = field(default_factory=dict)  # chunk -> steps its control asked for (until dispatched)
+    chunk_steps: dict[int, tuple[int, str | None]] = field(default_factory=dict)  # dispatched, not emitted: steps, why
+    last_steps: int = 0  # steps of the latest dispatched chunk (0: none yet)
 
     def facts(self) -> SessionFacts:
         image = self.image

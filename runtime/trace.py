@@ -11,6 +11,8 @@ chrome://tracing). Rules:
   session, the chunk index and the queue wait before the span started.
 - With ``windows=True`` each chunk also gets an event on rank 0's "chunks" track covering its window, from the
   control acceptance or condition submission (whichever came first) to emission.
+- A chunk whose steps changed (``steps_changed``: the first chunk of a new setting) also gets an instant event
+  (``ph: "i"``) "steps N (why) <session>#<chunk>" on the chunks track at its denoise start, where it took effect.
 - Spans must already be in rank-0 time (convert with ``runtime.clock.ClockSync``); ``spans_outside_window`` finds
   the ones that do not fit their chunk's window, which after conversion points at a bad clock offset.
 """
@@ -76,8 +78,14 @@ def chrome_trace(
                 "tid": tids[WINDOW_ROLE],
                 "args": {"session": session, "chunk": record.index, "frames": record.frames,
                          "latency_us": None if latency is None else _us(latency),
-                         "control": to_builtins(record.control)},
+                         "control": to_builtins(record.control), "steps": record.steps},
             })
+        if record.steps_changed is not None:
+            tracks.add((0, WINDOW_ROLE))
+            events.append({"name": f"steps {record.steps} ({record.steps_changed}) {label}", "cat": "steps",
+                           "ph": "i", "s": "t", "ts": _us(record.times.denoise_start - origin), "pid": 0,
+                           "tid": tids[WINDOW_ROLE], "args": {"session": session, "chunk": record.index,
+                                                              "steps": record.steps, "why": record.steps_changed}})
     meta: list[dict[str, object]] = []
     for rank in sorted({rank for rank, _ in tracks}):
         meta.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})

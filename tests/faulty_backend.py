@@ -84,13 +84,14 @@ class FaultyDenoise(SyntheticDenoise):
             raise torch.OutOfMemoryError(f"injected: CUDA out of memory preparing chunk {index} on one DiT rank")
         return super()._render(session, index, condition, control)
 
-    def denoise(self, session: str, index: int, condition: torch.Tensor, control: Any) -> torch.Tensor:
+    def denoise(self, session: str, index: int, condition: torch.Tensor, control: Any,
+                steps: int | None = None) -> torch.Tensor:  # fmt: skip
         denoise_at, decode_at = self._fail_at.get(session, (None, None))
         if denoise_at == index:  # every DiT rank knows the prompt: they all fail here, before the group's collective
             raise InjectedFailure(f"injected denoise failure at chunk {index}")
         if self._hang_at.get(session) == index:
             time.sleep(HANG_S)
-        latent = super().denoise(session, index, condition, control)
+        latent = super().denoise(session, index, condition, control, steps)
         return latent.fill_(float("nan")) if decode_at == index else latent
 
 

@@ -44,6 +44,7 @@ from runtime.core_types import (
     WorkerSent,
 )
 from runtime.images import DecodedImage
+from runtime.memory_admission import MemoryAdmission
 from runtime.placement import CONDITION_EDGE, LATENT_RECEIVER
 
 A, B = b"client-a", b"client-b"
@@ -688,3 +689,49 @@ def test_a_session_gets_the_camera_its_open_asks_for_or_the_servers_and_the_repl
         (opened,) = [o for o in job.to(who, p.Opened) if o.session == sid]
         assert opened.intrinsics == intrinsics_at(camera, opened.height, opened.width)  # at the session's frame
         assert opened.intrinsics != camera or (opened.height, opened.width) == (480, 832)
+
+
+def test_a_sessions_steps_reach_every_dit_rank_and_a_controls_change_is_receipted_from_its_chunk() -> None:
+    job = Job()
+    sid = job.open(steps=2, num_chunks=4)
+    assert job.to(A, p.Opened)[-1].steps == 2
+    for index, steps in enumerate((None, None, 1)):
+        job.send(A, p.Control(req=next(job.req), session=sid, index=index, steps=steps))
+        job.chunk(sid, index)
+    per_chunk = {(t.index, t.steps) for _, t in job.sent(p.DenoiseChunk)}
+    assert per_chunk == {(0, 2), (1, 2), (2, 1)}  # every DiT rank runs what rank 0 chose for the chunk
+    facts = [e.facts for e in job.emitted(sid)]
+    assert [(f.steps, f.steps_changed) for f in facts] == [(2, None), (2, None), (1, "client")]
+    (mine,) = job.core.stats(job.now, A)["capacity"]["sessions"].values()
+    assert (mine["steps"], mine["want_steps"], mine["steps_changed"]) == (1, 1, "client")
+
+
+def test_a_live_sessions_steps_change_from_the_next_chunk_cut() -> None:
+    job = Job()
+    sid = job.open(live=True, num_chunks=None)  # chunk 0 is cut at once, at the default 4 steps
+    job.send(A, p.ControlState(req=1, session=sid, keys=["w"], revision=1, steps=1))
+    job.answer(p.ConditionChunk, sid, 0)
+    job.answer(p.ConditionChunk, sid, 1)
+    job.answer(p.DenoiseChunk, sid, 0)  # chunk 1 is cut now, with the new steps
+    assert sorted({(t.index, t.steps) for _, t in job.sent(p.DenoiseChunk)}) == [(0, 4), (1, 1)]
+
+
+def test_an_open_real_time_cannot_hold_is_refused_busy_with_the_models_reason_after_others_step_down() -> None:
+    job = Job()
+    job.core.admission = MemoryAdmission(lambda height, width: {2: 1}, {})  # each session holds a byte on rank 2
+    first = job.open(num_chunks=None)
+    for stage, seconds in (("condition", 0.02), ("denoise", 0.32), ("decode", 0.03)):  # as if measured: 4 steps
+        job.core.capacity.times.add(stage, 4, (160, 256), seconds)
+    C, D = b"client-c", b"client-d"
+    second = job.open(B, num_chunks=None)  # 2 x 0.32 s holds 0.75 s of media with the 10 % margin
+    third = job.open(C, num_chunks=None)  # 3 x 0.32 s does not: the newest steps down (1 step), then the second (2)
+    assert {sid: job.core.capacity.seats[sid].steps for sid in (first, second, third)} == {first: 4, second: 2,
+                                                                                          third: 1}
+    assert job.to(C, p.Opened)[-1].steps == 1
+    out = job.send(D, p.Open(req=99, image=b"png", num_chunks=4, min_steps=4))  # the others at 1 step: 0.704 s
+    (decode,) = [o for o in out if isinstance(o, DecodeImage)]
+    (error,) = job.to(D, p.Error, job.step(ImageDecoded(decode.ticket, image())))
+    assert error.code == "busy" and error.req == 99 and "real time cannot hold for 4 sessions" in error.message
+    assert error.retry_after_s == 5.0  # no session ends by itself: the default hint
+    assert len(job.core.sessions) == 3 and set(job.core.capacity.seats) == {first, second, third}
+    assert set(job.core.admission.held) == {first, second, third}  # the refused open holds no bytes

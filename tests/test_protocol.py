@@ -197,3 +197,18 @@ def test_an_open_carries_a_camera_and_a_bad_one_is_refused_naming_the_problem_an
     assert p.decode(p.encode(reply), "server") == reply
     init = p.InitDenoise(session="s", seed=1, prompt="", height=240, width=416, intrinsics=camera)
     assert p.decode(p.encode(init), "coordinator") == init
+
+
+def test_steps_are_a_quality_preset_and_a_floor_above_them_is_refused_while_decoding() -> None:
+    ok = p.decode(p.encode(p.Open(req=1, image=b"x", steps=2, min_steps=1)), "client")
+    assert (ok.steps, ok.min_steps) == (2, 1) and p.decode(p.encode(p.Open(req=1, image=b"x")), "client").steps is None
+    refused = (({"steps": 3}, "steps must be one of 4, 2, 1"), ({"steps": 2, "min_steps": 4}, "must not exceed"),
+               ({"min_steps": 0}, ">= 1"))
+    for fields, why in refused:
+        with pytest.raises(p.ProtocolViolation, match=why):
+            p.decode(msgspec.msgpack.encode({"v": 2, "type": "open", "req": 1, "image": b"x", **fields}), "client")
+    for kind in ("control", "control_state"):
+        with pytest.raises(p.ProtocolViolation, match="steps must be one of"):
+            p.decode(msgspec.msgpack.encode({"v": 2, "type": kind, "req": 1, "session": "s", "index": 0, "steps": 3}
+                                            if kind == "control" else
+                                            {"v": 2, "type": kind, "req": 1, "session": "s", "steps": 3}), "client")

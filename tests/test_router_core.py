@@ -514,7 +514,8 @@ def test_stats_sum_the_up_replicas_and_show_a_client_only_its_own_sessions(fleet
     fleet.step(Tick(), dt=1.1)
     for name, sid in ((name_a, sid_a), (name_b, sid_b)):
         fleet.answer_stats(name, stats_of(open_sessions=1, chunks=4, rejects={"busy": 1},
-                                          per_session={sid: {"chunks": 4}}))
+                                          per_session={sid: {"chunks": 4}},
+                                          capacity={"headroom": 0.5, "sessions": {sid: {"steps": 4}}}))
     fleet.step(ShellTimes({"count": 2, "p50": 0.0002}))
     fleet.client(A, p.Stats(req=5))
     (reply,) = fleet.to(A, p.StatsReply)
@@ -526,6 +527,7 @@ def test_stats_sum_the_up_replicas_and_show_a_client_only_its_own_sessions(fleet
     assert stats["per_session"] == {sid_a: {"chunks": 4, "replica": name_a}}  # not B's
     assert set(stats["replicas"]) == {"a", "b"} and stats["replicas"][name_a]["sessions"] == 1
     assert all("per_session" not in r["stats"] for r in stats["replicas"].values())
+    assert all(r["stats"]["capacity"] == {"headroom": 0.5} for r in stats["replicas"].values())  # no session ids
     assert stats["router"]["chunk_hold_s"] == {"count": 2, "p50": 0.0002}  # the shell's own measure
     assert stats["router"]["client_messages"] == 3  # two opens and this stats
     assert not fleet.to_replica(name_a, p.Stats)  # answered from what the router knows
@@ -639,3 +641,17 @@ def test_a_registration_cannot_move_a_listed_replica() -> None:
     (refused,) = [o.message for o in f.step(RegisterSent(b"peer", thief)) if isinstance(o, ToRegistrant)]
     assert not refused.ok and "listed replica" in refused.message
     assert f.core.replicas["a"].endpoint == "tcp://a:5555" and sid in f.core.sessions and not f.errors(A)
+
+
+def test_a_new_session_goes_to_the_replica_with_the_most_real_time_headroom_less_its_opens_in_flight() -> None:
+    fleet = Fleet({"a": 8, "b": 8})
+    fleet.up("a", "b")
+    # a holds one session using 70 % of its real-time budget, b two sessions using 40 % between them
+    fleet.answer_stats("a", {**stats_of(open_sessions=1), "capacity": {"headroom": 0.3}})
+    fleet.answer_stats("b", {**stats_of(open_sessions=2), "capacity": {"headroom": 0.6}})
+    assert fleet.core.replicas["b"].headroom() == pytest.approx(0.6)
+    fleet.client(A, p.Open(req=1, image=b"png"))  # not answered yet: b's open in flight takes about 0.2 of it
+    assert fleet.core.replicas["b"].opening == 1 and fleet.core.replicas["b"].headroom() == pytest.approx(0.4)
+    fleet.client(A, p.Open(req=2, image=b"png"))  # b (0.4) still before a (0.3), whatever the session counts
+    fleet.client(A, p.Open(req=3, image=b"png"))  # b would be at 0.2 now: a
+    assert (fleet.core.replicas["a"].opening, fleet.core.replicas["b"].opening) == (1, 2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import numpy as np
 
 from ipc.protocol import ChunkControl, ChunkFacts, ChunkTimes, Span
@@ -107,3 +108,14 @@ def test_unconverted_worker_timestamps_fall_outside_their_windows() -> None:
     chunks = simulate(None, rng)  # worker clocks left as they are
     outside = {(s.rank, s.name) for _, record in chunks for s in spans_outside_window(record)}
     assert {r for r, _ in outside} == set(SKEWS)  # every skewed worker rank, never rank 0
+
+
+def test_a_change_of_steps_is_an_instant_event_at_the_chunk_where_it_took_effect() -> None:
+    chunks = simulate(None, np.random.default_rng(0))
+    session, record = chunks[4]
+    chunks[4] = (session, msgspec.structs.replace(record, steps=2, steps_changed="ladder_down"))
+    trace = chrome_trace(chunks, origin=0.0)
+    (event,) = [e for e in trace["traceEvents"] if e.get("cat") == "steps"]  # type: ignore[union-attr]
+    assert event["ph"] == "i" and event["name"] == f"steps 2 (ladder_down) {session}#{record.index}"
+    assert event["ts"] == round(record.times.denoise_start * 1e6, 3) and event["tid"] == ROLE_TIDS["chunks"]
+    assert event["args"]["why"] == "ladder_down"

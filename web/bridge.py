@@ -288,6 +288,7 @@ class Bridge:
             self.send({"type": "chunk", "session": info.id, "index": view.index, "frames": int(view.frames.shape[0]),
                        "keys": list(view.keys), "mouse": list(view.mouse), "revision": view.revision,
                        "control_to_output_s": view.control_to_output_s,
+                       "steps": view.facts.steps, "steps_changed": view.facts.steps_changed,  # quality, for the HUD
                        "gateway_input_to_photon_s": {str(r): s for r, s in view.gateway_input_to_photon_s.items()},
                        "dropped": self.playout.dropped.to_wire()})
 

@@ -409,7 +409,8 @@ function renderHud() {
   $("h-session").textContent = opened ? `${opened.session} · ${opened.width}×${opened.height} @ ${opened.fps} fps` +
     (state.session ? "" : " (ended)") : "–";
   $("h-chunk").textContent = last ? `${last.index}${opened && opened.num_chunks ? ` of ${opened.num_chunks}` : ""}` +
-    ` · revision ${last.revision}` : "–";
+    ` · revision ${last.revision}` + (last.steps ? ` · ${last.steps} denoising steps` +
+    (last.steps_changed ? ` (${last.steps_changed})` : "") : "") : "–";
   $("h-applied").textContent = last ? `keys ${last.keys.join("").toUpperCase() || "none"} · mouse ` +
     `${last.mouse.map((v) => v.toFixed(1)).join("°, ")}°` : "–";
   const painted = rate(state.paintTimes, 2000);
