@@ -355,8 +355,8 @@ class CoordinatorCore:
         if refusal is not None:
             raise ClientError("busy", f"{refusal}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
         sid = self.new_id()
-        self.admission.admit(sid, geometry.height, geometry.width)
         self._admit(sid, geometry, message)  # may refuse busy: before the memory is held, which it cannot refuse
+        self.admission.admit(sid, geometry.height, geometry.width)
         live = LiveControls(pause_when_idle=message.pause_when_idle) if message.live else None
         metrics = self.metrics.open_session(sid, now, self.stream.fps, self.metrics_config.warmup_chunks)
         self.sessions[sid] = Session(
