@@ -14,6 +14,7 @@ from ipc import protocol as p
 from models.camera import intrinsics_at
 from models.synthetic import synthetic_geometry
 from ranks.worker import completion
+from runtime.clients import MAX_PEERS
 from runtime.config import LayoutConfig, MetricsConfig, SchedulerConfig, ServerConfig, StreamConfig, TimeoutsConfig
 from runtime.core import (
     BACKPRESSURE_RETRY_COLD_S,
@@ -517,6 +518,16 @@ def test_a_fatal_failure_ends_the_job_and_tells_every_client() -> None:
     assert errors(job, B, out) == ["rank_failed"] and "rank 4 denoise" in job.to(B, p.Error, out)[0].message
     assert out[-1] == Stop(EXIT_FAILED, "rank 4 denoise: denoise of s0/0 on a 5-rank DiT group")
     assert job.step(Tick()) == []  # stopped: nothing more
+
+
+def test_a_failed_rank_reaches_each_session_of_a_client_however_many_other_clients_were_heard() -> None:
+    job = Job()
+    first, second = job.open(A), job.open(A)
+    for n in range(MAX_PEERS + 10):  # more identities than are remembered beside the sessions' owners
+        job.step(ClientUnreadable(f"peer-{n}".encode(), "not a msgpack message"), dt=0.0001)
+    out = job.step(RankLost("rank 3 is unreachable (its denoise worker disconnected)"))
+    assert [(e.code, e.session) for e in job.to(A, p.Error, out)] == [("rank_failed", first), ("rank_failed", second)]
+    assert errors(job, f"peer-{MAX_PEERS + 9}".encode(), out) == ["rank_failed"]  # and the latest of the others
 
 
 def test_a_silent_rank_ends_the_job_while_beating_ranks_keep_it_alive() -> None:

@@ -390,6 +390,17 @@ def test_a_gone_client_resumes_with_a_heartbeat_and_only_its_owner_may(fleet: Fl
     assert not fleet.to_replica(name, p.Heartbeat)  # answered by the router itself
 
 
+def test_a_client_may_resume_a_session_its_replica_is_closing_and_hears_the_closed_as_from_a_server(
+        fleet: Fleet) -> None:
+    sid, name = fleet.open(A)
+    fleet.step(ClientUnreachable(A, sid, "full"))  # it stopped reading: the router closes the session
+    fleet.clear()
+    fleet.client(A, p.Heartbeat(req=5, session=sid))  # back, reading again, before the replica's closed
+    assert fleet.to(A, p.HeartbeatAck)[-1].session == sid
+    fleet.replica(name, p.Closed(session=sid, reason="client"))
+    assert [c.session for c in fleet.to(A, p.Closed)] == [sid] and sid not in fleet.core.sessions
+
+
 # ------------------------------------------------------------------------------------------------ membership
 
 
