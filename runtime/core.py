@@ -43,9 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 from ipc import protocol
 from ipc.protocol import ChunkFacts, Edge, Phase, Stage, clip
-from models.camera import intrinsics_at
 from models.controls import OFFICIAL_INTRINSICS
-from models.stages import frame_size
+from models.geometry import frame_size, intrinsics_at
 from runtime import scheduler as sch
 from runtime.clients import Clients
 from runtime.clock import ClockSync
@@ -84,7 +83,7 @@ from runtime.sizes import served_sizes, snap
 from runtime.warm_start import WarmStart
 
 if TYPE_CHECKING:
-    from models.stages import StreamGeometry
+    from models.geometry import StreamGeometry
 
 log = logging.getLogger(__name__)
 

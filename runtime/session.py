@@ -18,7 +18,7 @@ from runtime.metrics import SessionMetrics
 from runtime.placement import Part, SessionFacts
 
 if TYPE_CHECKING:
-    from models.stages import StreamGeometry
+    from models.geometry import StreamGeometry
 
 Step = Stage | Edge  # what a task of the session works on: a stage, or a transfer
 JoinKey = tuple[Stage, Phase, int]  # a stage's init, chunk (its index) or release (index -1)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import subprocess
+import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -699,3 +702,12 @@ def test_a_session_gets_the_camera_its_open_asks_for_or_the_servers_and_the_repl
         (opened,) = [o for o in job.to(who, p.Opened) if o.session == sid]
         assert opened.intrinsics == intrinsics_at(camera, opened.height, opened.width)  # at the session's frame
         assert opened.intrinsics != camera or (opened.height, opened.width) == (480, 832)
+
+
+def test_the_core_imports_without_torch() -> None:
+    """Rank 0's rules plan with shapes and never build a tensor: a tool or a router host without torch can load them."""
+    blocked = ("import sys; sys.modules['torch'] = None; import runtime.core, runtime.router; "
+               "assert 'torch' not in [m for m, v in sys.modules.items() if v is not None]")
+    done = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
