@@ -18,7 +18,7 @@ each owns, and the rules that follow from it. Pure: no socket, no clock (``now``
   (closing or not: it then gets what is left, its ``closed`` included); a client that is connected but not reading
   (``full``) has its session closed at once, never buffered (``unreachable`` returns it).
 - **Job-wide notices** (``notices``): every session whose client is reachable gets the error naming it (and its
-  ``closed``, when the core has one), every remembered identity without a session gets it without one.
+  ``closed``, when the core has one), every other remembered identity gets it without one.
 
 What a core does with a silent or full client's session (close it through its scheduler, or ask its replica) stays
 in that core.
@@ -97,10 +97,6 @@ class Clients(Generic[S]):
         """Every identity remembered (with sessions or not)."""
         return {*self._held, *self._idle}
 
-    def last_heard(self, who: bytes) -> float | None:
-        """When an identity that owns sessions was last heard (None: it owns none)."""
-        return self._held.get(who)
-
     # ------------------------------------------------------------------------------------------ requests
 
     def owned(self, who: bytes, sid: str) -> S:
@@ -157,17 +153,21 @@ class Clients(Generic[S]):
     def notices(self, code: str, message: str,
                 closed: Callable[[S], protocol.Closed] | None = None) -> list[ToClient]:  # fmt: skip
         """A job-wide error (``shutdown``, ``rank_failed``) for everyone: each session whose client is reachable
-        gets it naming the session (then ``closed(session)`` when given), each identity without a session gets it
+        gets it naming the session (then ``closed(session)`` when given), so every stream of a client ends; every
+        other identity remembered (no session, or none reachable: it may have reconnected without resuming) gets it
         plain."""
-        out = []
+        out: list[ToClient] = []
+        told: set[bytes] = set()
         for session in self.sessions.values():
             if session.gone:
                 continue
+            told.add(session.client)
             out.append(ToClient(session.client, protocol.Error(session=session.id, code=code, message=message),
                                 session.id))
             if closed is not None:
                 out.append(ToClient(session.client, closed(session), session.id))
-        out += [ToClient(who, protocol.Error(code=code, message=message)) for who in self._idle]
+        out += [ToClient(who, protocol.Error(code=code, message=message))
+                for who in (*self._held, *self._idle) if who not in told]
         return out
 
     # ------------------------------------------------------------------------------------------ the index

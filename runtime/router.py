@@ -551,13 +551,17 @@ class RouterCore:
                 self._refuse(pending.client, ClientError("failed", f"replica {pending.replica} did not open the "
                                                          f"session within {config.open_timeout_s:.0f} s"),
                              pending.message.req)
+        timed_out: set[str] = set()
         for session in self.clients.silent(now):
             if not session.closing:
                 log.info("session %s: client silent for over %.1f s, closing it on replica %s", session.id,
                          config.client_timeout_s, session.replica)
                 session.gone = True
                 self._close_on_replica(session, now)
+                timed_out.add(session.id)
         for session in list(self.sessions.values()):
+            if session.id in timed_out:
+                continue  # closed just now: nothing more is sent for it
             if session.closing and now >= session.close_due:
                 self._close_on_replica(session, now)  # no `closed` yet: the close (or its answer) was lost
             elif session.state is not None:

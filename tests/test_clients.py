@@ -154,5 +154,6 @@ def test_a_notice_reaches_every_reachable_session_and_every_identity_without_one
     assert [(o.identity, type(o.message).__name__, o.message.session, o.session) for o in out] == [
         (A, "Error", "a1", "a1"), (A, "Closed", "a1", "a1"),
         (A, "Error", "a2", "a2"), (A, "Closed", "a2", "a2"),  # each stream of A ends, not only its first
-        (E, "Error", None, None)]  # b1's client is gone; E owns nothing
+        (B, "Error", None, None),  # b1's client is gone: told plainly, in case it reconnected without resuming
+        (E, "Error", None, None)]  # E owns nothing
     assert {o.message.code for o in out if isinstance(o.message, p.Error)} == {"rank_failed"}
