@@ -13,8 +13,8 @@ each owns, and the rules that follow from it. Pure: no socket, no clock (``now``
 - **Client timeout.** The last time each identity was heard is kept per identity (any message refreshes every
   session it owns; a new session counts as hearing from it). ``silent`` lists the sessions of identities silent
   past the timeout, oldest first, in time proportional to what it returns.
-- **Gone and full.** A send that could not be queued marks the session's client gone (its messages are dropped,
-  ``reachable`` is False) until the identity resumes it with a ``heartbeat`` naming it, while the session exists
+- **Gone and full.** A send that could not be queued marks the session's client gone (its messages are dropped)
+  until the identity resumes it with a ``heartbeat`` naming it, while the session exists
   (closing or not: it then gets what is left, its ``closed`` included); a client that is connected but not reading
   (``full``) has its session closed at once, never buffered (``unreachable`` returns it).
 - **Job-wide notices** (``notices``): every session whose client is reachable gets the error naming it (and its
@@ -36,7 +36,7 @@ from runtime.client_types import ClientError, ClientUnreachable, ToClient
 
 log = logging.getLogger(__name__)
 
-MAX_PEERS = 1024  # identities remembered for notices beyond those that own sessions
+MAX_PEERS = 1024  # identities remembered in all; those that own sessions are kept even beyond it
 
 
 class Attached(Protocol):
