@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -30,20 +29,22 @@ import zmq.asyncio
 
 from ipc import protocol
 from ipc.client import (
+    MAX_OUTBOX,
     BadRequest,
     ChunkResult,
     ClientCore,
     ControlBackpressure,
     LiveInput,
+    OutboxFull,
+    Requests,
     ServerError,
     ServerGone,
     SessionClosed,
     SessionInfo,
     SessionState,
-    _norm,
     chunk_control,
     closed_summary,
-    open_message,
+    outbox_room,
     session_info,
 )
 
@@ -52,13 +53,15 @@ class AsyncClient:
     """An asyncio client; use it from one event loop (``async with``, or ``await start()`` / ``await aclose()``)."""
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", identity: bytes | None = None,
-                 timeout_s: float = 60.0, heartbeat_s: float = 1.0, server_silent_s: float = 5.0) -> None:
+                 timeout_s: float = 60.0, heartbeat_s: float = 1.0, server_silent_s: float = 5.0,
+                 max_outbox: int = MAX_OUTBOX) -> None:  # fmt: skip
         self.endpoint = endpoint
         self.identity = identity or f"aclient-{uuid.uuid4().hex[:10]}".encode()
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.server_silent_s = server_silent_s  # no reply this long (heartbeats included): ``ServerGone``
-        self._req = itertools.count(1)
+        self.max_outbox = max_outbox  # messages of callers waiting to leave the socket: more raise ``OutboxFull``
+        self._requests = Requests()
         self._errors: asyncio.Queue[ServerError] = asyncio.Queue(maxsize=256)
         self._core: ClientCore[asyncio.Queue[Any], asyncio.Future[Any]] = ClientCore(
             asyncio.Queue, self._put_error, close_orphan=self._close_orphan)
@@ -104,9 +107,9 @@ class AsyncClient:
                    min_steps: int | None = None) -> SessionInfo:  # fmt: skip
         """Open a session; see ``Client.open`` (``intrinsics``: the camera at 480x832, checked before sending;
         ``steps``/``min_steps``: denoising steps per chunk, 4, 2 or 1)."""
-        message = open_message(next(self._req), image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics,
-                               steps, min_steps)
-        return session_info(await self._request(message.req, message))
+        message = self._requests.open(image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics, steps,
+                                      min_steps)
+        return session_info(await self._request(message))
 
     async def control(self, session: str, index: int, keys: Iterable[str] = (),
                       mouse: tuple[float, float] = (0.0, 0.0), poses: list[list[float]] | None = None,
@@ -116,18 +119,14 @@ class AsyncClient:
         if protocol.steps_problem(steps) is not None:
             raise BadRequest("bad_control", str(protocol.steps_problem(steps)), session)
 
-        def ask(req: int) -> protocol.Control:
-            return protocol.Control(req=req, session=session, index=index, control=control, steps=steps)
-
         deadline = time.monotonic() + self.timeout_s
         while True:
-            req = next(self._req)
+            message = self._requests.control(session, index, control, steps)
             if not wait:
-                self._send_quiet(req, ask(req))
+                self._send_quiet(message)
                 return
             try:
-                await self._request(req, ask(req),
-                                    max(0.0, deadline - time.monotonic()))
+                await self._request(message, max(0.0, deadline - time.monotonic()))
                 return
             except ControlBackpressure as error:
                 if time.monotonic() > deadline:
@@ -137,19 +136,16 @@ class AsyncClient:
     def control_state(self, session: str, keys: Iterable[str], revision: int, mouse: tuple[float, float] = (0, 0),
                       taps: Iterable[str] = (), steps: int | None = None) -> None:
         """Live mode, fire and forget (call it from the loop's thread); see ``Client.control_state``."""
-        req = next(self._req)
-        self._send_quiet(req, protocol.ControlState(
-            req=req, session=session, keys=sorted(_norm(keys)), mouse=(float(mouse[0]), float(mouse[1])),
-            taps=sorted(_norm(taps)), revision=revision, steps=steps), stamp=(session, revision))
+        self._send_quiet(self._requests.control_state(session, keys, revision, mouse, taps, steps),
+                         stamp=(session, revision))
 
     def live(self, session: str, first_revision: int = 1) -> LiveInput:
         return LiveInput(self, session, first_revision)
 
     async def close(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
         """Ask the server to close the session; its summary once closed (``UnknownSession`` if it is not held)."""
-        req = next(self._req)
-        refused = self._expect(req)
-        self._put((protocol.encode(protocol.Close(req=req, session=session)), None))
+        message = self._requests.close(session)
+        refused = self._ask(message)
         waiting = asyncio.ensure_future(self.wait_closed(session, timeout_s))
         try:
             done, _ = await asyncio.wait({waiting, refused}, return_when=asyncio.FIRST_COMPLETED)
@@ -159,19 +155,17 @@ class AsyncClient:
             return await waiting
         finally:
             waiting.cancel()
-            self._core.forget(req)
+            self._core.forget(message.req)
             if not refused.done():
                 refused.cancel()
 
     async def stats(self) -> dict[str, Any]:
-        req = next(self._req)
-        return (await self._request(req, protocol.Stats(req=req))).stats
+        return (await self._request(self._requests.stats())).stats
 
     async def resume(self, session: str) -> None:
         """Re-attach to a session this identity owns; see ``Client.resume``."""
-        req = next(self._req)
         self._session(session)
-        await self._request(req, protocol.Heartbeat(req=req, session=session))
+        await self._request(self._requests.resume(session))
 
     # ------------------------------------------------------------------------------------------ receiving
 
@@ -230,32 +224,41 @@ class AsyncClient:
 
     # ------------------------------------------------------------------------------------------ plumbing
 
-    def _expect(self, req: int) -> asyncio.Future[Any]:
-        return self._core.expect(req, asyncio.get_running_loop().create_future())
+    def _ask(self, message: Any) -> asyncio.Future[Any]:
+        """Send a request whose reply is waited for: the future it resolves."""
+        future = self._core.expect(message.req, asyncio.get_running_loop().create_future())
+        try:
+            self._put(protocol.encode(message))
+        except (OutboxFull, RuntimeError):
+            self._core.forget(message.req)
+            raise
+        return future
 
-    async def _request(self, req: int, message: Any, timeout_s: float | None = None) -> Any:
-        future = self._expect(req)
-        self._put((protocol.encode(message), None))
+    async def _request(self, message: Any, timeout_s: float | None = None) -> Any:
+        future = self._ask(message)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no reply from {self.endpoint} within {timeout:.1f} s") from None
         finally:
-            self._core.forget(req)
+            self._core.forget(message.req)
 
-    def _send_quiet(self, req: int, message: Any, stamp: tuple[str, int] | None = None) -> None:
-        self._core.quiet(req)
-        self._put((protocol.encode(message), stamp))
+    def _send_quiet(self, message: Any, stamp: tuple[str, int] | None = None, own: bool = False) -> None:
+        """Send a fire-and-forget request: its error goes to ``error()``, never to a chunk stream."""
+        self._core.quiet(message.req)
+        self._put(protocol.encode(message), stamp, own)
 
     def _close_orphan(self, session: str) -> None:
-        req = next(self._req)
-        self._send_quiet(req, protocol.Close(req=req, session=session))
+        self._send_quiet(self._requests.close(session), own=True)  # from the reader: never refused
 
-    def _put(self, item: tuple[bytes, tuple[str, int] | None]) -> None:
+    def _put(self, data: bytes, stamp: tuple[str, int] | None = None, own: bool = False) -> None:
+        """Queue a message for the writer; a caller's (not ``own``) is refused beyond ``max_outbox``."""
         if self._sock is None:
             raise RuntimeError("the client is not started (use `async with AsyncClient(...)` or `await start()`)")
-        self._outbox.put_nowait(item)
+        if not own:
+            outbox_room(self._outbox.qsize(), self.max_outbox, self.endpoint)
+        self._outbox.put_nowait((data, stamp))
 
     def _session(self, session: str) -> SessionState[asyncio.Queue[Any]]:
         return self._core.session(session)
@@ -270,7 +273,8 @@ class AsyncClient:
     async def _heartbeats(self) -> None:
         beat = protocol.encode(protocol.Heartbeat())
         while True:
-            self._outbox.put_nowait((beat, None))
+            if self._outbox.qsize() < self.max_outbox:  # else the writer is stuck on a full socket: never pile up
+                self._outbox.put_nowait((beat, None))
             await asyncio.sleep(self.heartbeat_s)
             self._core.check_server(self.server_silent_s)
 

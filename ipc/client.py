@@ -46,6 +46,7 @@ from ipc import protocol, tolerant
 
 KEEP_REVISIONS = 1024  # sent-but-not-yet-shown revisions remembered per session for input-to-photon (bounded)
 KEEP_QUIET_REQS = 4096  # fire-and-forget request ids remembered, so their errors do not end a chunk stream
+MAX_OUTBOX = 1024  # a caller's messages waiting to leave the socket; one more is refused with ``OutboxFull``
 
 # ------------------------------------------------------------------------------------------------ errors
 
@@ -126,9 +127,17 @@ class ServerGone(ServerError):
     codes = ("shutdown", "rank_failed", "server_gone")
 
 
+class OutboxFull(ServerError):
+    """Found by the client itself: ``max_outbox`` messages already wait to leave its socket (the server does not take
+    them: down, unreachable, or slower than the caller). Nothing was sent and nothing queued; send again later (live
+    input: the next change sends the whole state again)."""
+
+    codes = ("outbox_full",)
+
+
 _ERROR_TYPES: dict[str, type[ServerError]] = {
     code: cls for cls in (Busy, UnknownSession, RejectedControl, ControlBackpressure, BadRequest, StaleRevision,
-                          SessionFailed, ServerGone) for code in cls.codes
+                          SessionFailed, ServerGone, OutboxFull) for code in cls.codes
 }
 
 
@@ -251,10 +260,10 @@ class LiveInput:
         mouse = (float(mouse[0]), float(mouse[1]))
         if held == self.held and not tapped and mouse == (0.0, 0.0):
             return None
-        self.held = held
-        self.revision += 1
-        self.sink.control_state(self.session, sorted(held), self.revision, mouse=mouse, taps=tapped)
-        return self.revision
+        revision = self.revision + 1
+        self.sink.control_state(self.session, sorted(held), revision, mouse=mouse, taps=tapped)
+        self.held, self.revision = held, revision  # only once sent: a refused send (``OutboxFull``) changes nothing
+        return revision
 
 
 def _norm(keys: Iterable[str]) -> frozenset[str]:
@@ -285,6 +294,47 @@ def open_message(req: int, image: bytes, prompt: str = "", seed: int = 0, num_ch
                              steps=steps, min_steps=min_steps)
     except (ValueError, TypeError) as error:
         raise BadRequest("bad_request", str(error)) from None
+
+
+class Requests:
+    """Every request a client sends, built once for ``Client`` and ``AsyncClient``: each with a fresh request id, its
+    arguments checked before anything is sent (``BadRequest``). The clients differ only in how they send and wait."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+
+    def open(self, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None, live: bool = False,
+             pause_when_idle: bool = False, intrinsics: Iterable[float] | None = None, steps: int | None = None,
+             min_steps: int | None = None) -> protocol.Open:  # fmt: skip
+        return open_message(next(self._ids), image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics,
+                            steps, min_steps)
+
+    def control(self, session: str, index: int, control: protocol.ChunkControl,
+                steps: int | None = None) -> protocol.Control:  # fmt: skip
+        return protocol.Control(req=next(self._ids), session=session, index=index, control=control, steps=steps)
+
+    def control_state(self, session: str, keys: Iterable[str], revision: int, mouse: tuple[float, float] = (0, 0),
+                      taps: Iterable[str] = (), steps: int | None = None) -> protocol.ControlState:
+        return protocol.ControlState(req=next(self._ids), session=session, keys=sorted(_norm(keys)),
+                                     mouse=(float(mouse[0]), float(mouse[1])), taps=sorted(_norm(taps)),
+                                     revision=revision, steps=steps)
+
+    def close(self, session: str) -> protocol.Close:
+        return protocol.Close(req=next(self._ids), session=session)
+
+    def stats(self) -> protocol.Stats:
+        return protocol.Stats(req=next(self._ids))
+
+    def resume(self, session: str) -> protocol.Heartbeat:
+        """A heartbeat naming the session: its chunks come to this identity from now on."""
+        return protocol.Heartbeat(req=next(self._ids), session=session)
+
+
+def outbox_room(waiting: int, limit: int, endpoint: str) -> None:
+    """``OutboxFull`` when ``waiting`` messages already wait to leave for ``endpoint`` (``limit`` at the most)."""
+    if waiting >= limit:
+        raise OutboxFull("outbox_full", f"{waiting} messages already wait to be sent to {endpoint}: the server is "
+                         "not taking them (down, unreachable or slower than this client); nothing was sent")
 
 
 # ------------------------------------------------------------------------------------------------ routing
@@ -469,17 +519,22 @@ class Client:
     reconnects with the identity that opened a session may ``resume`` it while the server still holds it."""
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", identity: bytes | None = None,
-                 timeout_s: float = 60.0, heartbeat_s: float = 1.0, server_silent_s: float = 5.0) -> None:
+                 timeout_s: float = 60.0, heartbeat_s: float = 1.0, server_silent_s: float = 5.0,
+                 max_outbox: int = MAX_OUTBOX) -> None:  # fmt: skip
         self.endpoint = endpoint
         self.identity = identity or f"client-{uuid.uuid4().hex[:10]}".encode()
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.server_silent_s = server_silent_s  # no reply this long (heartbeats included): ``ServerGone``
-        self._req = itertools.count(1)
+        self.max_outbox = max_outbox  # messages of callers waiting to leave the socket: more raise ``OutboxFull``
+        self._requests = Requests()
         self._errors: queue.Queue[ServerError] = queue.Queue(maxsize=256)  # errors tied to no waiting request
         self._core: ClientCore[queue.Queue[Any], Future[Any]] = ClientCore(
             queue.Queue, self._put_error, close_orphan=self._close_orphan)
+        # callers' messages are counted against max_outbox before they are queued; the client's own (an orphan's
+        # close) are not refused, and are bounded by the callers' opens
         self._outbox: queue.Queue[tuple[bytes, tuple[str, int] | None]] = queue.Queue()
+        self._unsent: tuple[bytes, tuple[str, int] | None] | None = None  # met a full socket: sent first next turn
         self._stop = threading.Event()
         self._context = zmq.Context.instance()
         # Any thread wakes the I/O thread through a pipe (os.write is thread-safe; a ZeroMQ socket is not).
@@ -501,11 +556,9 @@ class Client:
         size (None: the server's ``controls.intrinsics``); bad values raise ``BadRequest`` before anything is sent.
         ``SessionInfo.intrinsics`` says what applies, at the session's frame size. ``steps``: denoising steps per
         chunk (4, 2, 1; None: 4), the best quality the server's degrade ladder may lower down to ``min_steps``."""
-        message = open_message(self._next_req(), image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics,
-                               steps, min_steps)
-        future = self._expect(message.req)
-        self._send(message)
-        return session_info(self._wait(future, self.timeout_s))
+        message = self._requests.open(image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics, steps,
+                                      min_steps)
+        return session_info(self._wait(self._ask(message), self.timeout_s))
 
     def control(self, session: str, index: int, keys: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0.0),
                 poses: list[list[float]] | None = None, wait: bool = True, steps: int | None = None) -> None:
@@ -521,16 +574,12 @@ class Client:
             raise BadRequest("bad_control", str(protocol.steps_problem(steps)), session)
         deadline = time.monotonic() + self.timeout_s
         while True:
-            req = self._next_req()
+            message = self._requests.control(session, index, control, steps)
             if not wait:
-                self._send_quiet(req, protocol.Control(req=req, session=session, index=index, control=control,
-                                                        steps=steps))
+                self._send_quiet(message)
                 return
-            future = self._expect(req)
-            self._send(protocol.Control(req=req, session=session, index=index, control=control,
-                                                        steps=steps))
             try:
-                self._wait(future, max(0.0, deadline - time.monotonic()))
+                self._wait(self._ask(message), max(0.0, deadline - time.monotonic()))
                 return
             except ControlBackpressure as error:
                 if time.monotonic() > deadline:
@@ -541,11 +590,10 @@ class Client:
                       taps: Iterable[str] = (), steps: int | None = None) -> None:
         """Live mode: the whole held-key state, sent whenever input changes (fire and forget: a rejection, e.g.
         ``StaleRevision``, arrives through ``error()`` and does not interrupt the chunk stream). The moment it
-        leaves the socket starts the input-to-photon clock of ``revision``."""
-        req = self._next_req()
-        self._send_quiet(req, protocol.ControlState(
-            req=req, session=session, keys=sorted(_norm(keys)), mouse=(float(mouse[0]), float(mouse[1])),
-            taps=sorted(_norm(taps)), revision=revision, steps=steps), stamp=(session, revision))
+        leaves the socket starts the input-to-photon clock of ``revision``. ``OutboxFull`` when the server does not
+        take messages: nothing is sent (a ``LiveInput`` sends the whole state again with the next change)."""
+        self._send_quiet(self._requests.control_state(session, keys, revision, mouse, taps, steps),
+                         stamp=(session, revision))
 
     def live(self, session: str, first_revision: int = 1) -> LiveInput:
         """A ``LiveInput`` bound to this client and a live session."""
@@ -554,33 +602,24 @@ class Client:
     def close(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
         """Ask the server to close the session; returns its summary once closed (``UnknownSession`` if the
         server no longer holds it)."""
-        req = self._next_req()
-        future = self._expect(req)
-        self._send(protocol.Close(req=req, session=session))
+        message = self._requests.close(session)
         try:
-            return self.wait_closed(session, timeout_s, refused=future)
+            return self.wait_closed(session, timeout_s, refused=self._ask(message))
         finally:
-            self._forget(req)
+            self._core.forget(message.req)
 
     def stats(self) -> dict[str, Any]:
-        req = self._next_req()
-        future = self._expect(req)
-        self._send(protocol.Stats(req=req))
-        return self._wait(future, self.timeout_s).stats
+        return self._wait(self._ask(self._requests.stats()), self.timeout_s).stats
 
     def resume(self, session: str) -> None:
         """Re-attach to a session this client identity owns (after a reconnect): its chunks come here from now
         on. Raises ``UnknownSession`` when the server no longer holds it (closed, or its client timed out)."""
-        req = self._next_req()
-        future = self._expect(req)
         self._session(session)
-        self._send(protocol.Heartbeat(req=req, session=session))
-        self._wait(future, self.timeout_s)
+        self._wait(self._ask(self._requests.resume(session)), self.timeout_s)
 
     def send_raw(self, data: bytes) -> None:
         """Send bytes as they are (for protocol tests)."""
-        self._outbox.put((data, None))
-        self._wake()
+        self._put(data)
 
     # ------------------------------------------------------------------------------------------ receiving
 
@@ -644,14 +683,15 @@ class Client:
 
     # ------------------------------------------------------------------------------------------ plumbing
 
-    def _next_req(self) -> int:
-        return next(self._req)
-
-    def _expect(self, req: int) -> Future[Any]:
-        return self._core.expect(req, Future())
-
-    def _forget(self, req: int) -> None:
-        self._core.forget(req)
+    def _ask(self, message: Any) -> Future[Any]:
+        """Send a request whose reply is waited for: the future it resolves."""
+        future: Future[Any] = self._core.expect(message.req, Future())
+        try:
+            self._put(protocol.encode(message))
+        except OutboxFull:
+            self._core.forget(message.req)
+            raise
+        return future
 
     def _wait(self, future: Future[Any], timeout_s: float) -> Any:
         try:
@@ -663,17 +703,21 @@ class Client:
     def _session(self, session: str) -> SessionState[queue.Queue[Any]]:
         return self._core.session(session)
 
-    def _send(self, message: Any, stamp: tuple[str, int] | None = None) -> None:
-        self._outbox.put((protocol.encode(message), stamp))
+    def _put(self, data: bytes, stamp: tuple[str, int] | None = None, own: bool = False) -> None:
+        """Queue a message for the I/O thread; a caller's (not ``own``) is refused beyond ``max_outbox``. Callers on
+        several threads may pass the check together: the queue holds at most ``max_outbox`` plus one per thread."""
+        if not own:
+            outbox_room(self._outbox.qsize(), self.max_outbox, self.endpoint)
+        self._outbox.put((data, stamp))
         self._wake()
 
-    def _send_quiet(self, req: int, message: Any, stamp: tuple[str, int] | None = None) -> None:
-        self._core.quiet(req)
-        self._send(message, stamp)
+    def _send_quiet(self, message: Any, stamp: tuple[str, int] | None = None, own: bool = False) -> None:
+        """Send a fire-and-forget request: its error goes to ``error()``, never to a chunk stream."""
+        self._core.quiet(message.req)
+        self._put(protocol.encode(message), stamp, own)
 
     def _close_orphan(self, session: str) -> None:
-        req = self._next_req()
-        self._send_quiet(req, protocol.Close(req=req, session=session))
+        self._send_quiet(self._requests.close(session), own=True)  # from the I/O thread: never refused
 
     def _wake(self) -> None:
         with self._wake_lock:
@@ -697,22 +741,34 @@ class Client:
                     with contextlib.suppress(BlockingIOError):
                         while os.read(self._wake_rx, 4096):
                             pass
-                while True:
-                    try:
-                        data, stamp = self._outbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    sock.send(data)
-                    self._core.sent(stamp)  # the input-to-photon clock of a live revision starts as it leaves
+                self._flush(sock)
                 if self.heartbeat_s > 0 and time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.heartbeat_s
-                    sock.send(protocol.encode(protocol.Heartbeat()))
+                    with contextlib.suppress(zmq.Again):  # a full socket: the server hears the queued ones first
+                        sock.send(protocol.encode(protocol.Heartbeat()), zmq.NOBLOCK)
                 while sock.poll(0):
                     self._core.route(sock.recv())
                 if self.heartbeat_s > 0:
                     self._core.check_server(self.server_silent_s)
         finally:
             sock.close()
+
+    def _flush(self, sock: zmq.Socket) -> None:
+        """Send what is queued, in order, until the socket's own queue is full (no server, or one that does not
+        read): the rest waits in the outbox, and the loop keeps receiving and watching the server meanwhile."""
+        while True:
+            if self._unsent is None:
+                try:
+                    self._unsent = self._outbox.get_nowait()
+                except queue.Empty:
+                    return
+            data, stamp = self._unsent
+            try:
+                sock.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._unsent = None
+            self._core.sent(stamp)  # the input-to-photon clock of a live revision starts as it leaves
 
     def _put_error(self, error: ServerError) -> None:
         with contextlib.suppress(queue.Full):  # an unread error queue must not grow without bound

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ipc.protocol import INTRINSICS_HEIGHT, INTRINSICS_WIDTH
+from models.geometry import intrinsics_at  # noqa: F401  # torch-free (rank 0 answers with it), re-exported
 
 REFERENCE_HEIGHT, REFERENCE_WIDTH = INTRINSICS_HEIGHT, INTRINSICS_WIDTH  # the intrinsics are given for this frame
 MIN_TRANSLATION = 1e-4  # streaming rule: below this largest step a chunk counts as not translating
@@ -41,12 +42,6 @@ def scale_intrinsics(intrinsics: torch.Tensor, height: int, width: int) -> torch
     row = intrinsics.reshape(-1, 4)[0].float()
     sx, sy = width / REFERENCE_WIDTH, height / REFERENCE_HEIGHT
     return row * torch.tensor([sx, sy, sx, sy], dtype=torch.float32)
-
-
-def intrinsics_at(intrinsics: tuple[float, ...], height: int, width: int) -> tuple[float, float, float, float]:
-    """``(fx, fy, cx, cy)`` given for 480x832 at ``height x width``: the float32 numbers the rays are computed with."""
-    fx, fy, cx, cy = scale_intrinsics(torch.tensor(intrinsics, dtype=torch.float32), height, width).tolist()
-    return fx, fy, cx, cy
 
 
 def _matrix_to_quat(r: np.ndarray) -> np.ndarray:

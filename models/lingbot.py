@@ -105,7 +105,7 @@ def lingbot_geometry(model: Any, stream: Any) -> StreamGeometry:
         context_shape=(cfg.text_len, cfg.text_dim),
         condition_shape=(CONDITION_CHANNELS, cs, h, w),
         latent_shape=(LATENT_CHANNELS, cs, h, w),
-        dtype=torch.float32,  # the sampler state stays float32 on the wire, whatever the compute dtype
+        dtype="float32",  # the sampler state stays float32 on the wire, whatever the compute dtype
         max_chunks=cfg.max_chunks,
     )
 

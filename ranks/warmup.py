@@ -77,15 +77,20 @@ def _condition(backend: Backend, geometry: StreamGeometry, chunks: int) -> None:
         stage.release(sid)
 
 
+def _zeros(shape: tuple[int, ...], geometry: StreamGeometry, device: torch.device) -> torch.Tensor:
+    """A tensor as it travels on the tensor plane (the geometry names its dtype)."""
+    return torch.zeros(shape, dtype=getattr(torch, geometry.dtype), device=device)
+
+
 def _denoise(backend: Backend, geometry: StreamGeometry, device: torch.device, chunks: int) -> None:
     stage = backend.denoise
     assert stage is not None
     sid = session_id(geometry.height, geometry.width)
     try:
-        context = torch.zeros(geometry.context_shape, dtype=geometry.dtype, device=device)
+        context = _zeros(geometry.context_shape, geometry, device)
         stage.open(SessionSpec(sid, 0, "", height=geometry.height, width=geometry.width), context)
         for index in range(chunks):
-            condition = torch.zeros(geometry.condition_shape, dtype=geometry.dtype, device=device)
+            condition = _zeros(geometry.condition_shape, geometry, device)
             stage.denoise(sid, index, condition, ChunkControl())
     finally:
         stage.release(sid)
@@ -98,6 +103,6 @@ def _decode(backend: Backend, geometry: StreamGeometry, device: torch.device, ch
     try:
         stage.open(SessionSpec(sid, 0, "", height=geometry.height, width=geometry.width))
         for index in range(chunks):
-            stage.decode(sid, index, torch.zeros(geometry.latent_shape, dtype=geometry.dtype, device=device))
+            stage.decode(sid, index, _zeros(geometry.latent_shape, geometry, device))
     finally:
         stage.release(sid)

@@ -24,9 +24,10 @@ besides (``runtime.session``: its client, start image, accepted controls, spans,
   hear of it. A completion that no join waits for only adds its spans. A task whose join is older than
   ``timeouts.stage_s`` ends the job; so does a rank silent for ``timeouts.rank_dead_s`` and any fatal failure.
 - **Live controls** are cut when the scheduler wants them (``Scheduler.control_wanted``), after every event.
-- **Clients.** Any message refreshes the sessions of its identity; a session whose client is silent for
-  ``server.client_timeout_s`` is closed ("disconnect"); a client that is gone is skipped until it resumes (same
-  identity, ``heartbeat`` naming the session); one that stops reading is closed at once.
+- **Clients** (``runtime.clients``, the front door shared with the router): the sessions of a client silent for
+  ``server.client_timeout_s`` are closed ("disconnect", told to it in case it is still there); a client that is gone
+  is skipped until it resumes (same identity, ``heartbeat`` naming the session); one that stops reading is closed at
+  once.
 - **Containment.** A bad request gets a clear error and changes nothing; an unexpected error while handling an
   event costs the session it concerns (error to its client, caches released), never the server.
 - Actions never re-enter: a scheduler event's actions become outputs only; consequences that need the scheduler
@@ -40,17 +41,17 @@ import itertools
 import logging
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ipc import protocol
 from ipc.protocol import QUALITY_STEPS, ChunkFacts, Edge, Phase, Stage, clip
-from models.camera import intrinsics_at
 from models.controls import OFFICIAL_INTRINSICS
-from models.stages import frame_size
+from models.geometry import frame_size, intrinsics_at
 from runtime import scheduler as sch
 from runtime.capacity import CapacityModel
+from runtime.clients import Clients
 from runtime.clock import ClockSync
 from runtime.config import (
     CapacityConfig,
@@ -95,7 +96,7 @@ from runtime.sizes import served_sizes, snap
 from runtime.warm_start import WarmStart
 
 if TYPE_CHECKING:
-    from models.stages import StreamGeometry
+    from models.geometry import StreamGeometry
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,6 @@ BACKPRESSURE_RETRY_MIN_S = 0.002
 BACKPRESSURE_RETRY_MAX_S = 0.1
 BACKPRESSURE_RETRY_COLD_S = 0.02  # before the session's second chunk (the cold start: nothing moves for a while)
 BUSY_RETRY_S = 5.0  # hint to clients refused at the session limit
-MAX_PEERS = 1024  # client identities remembered for notices (bounded: the longest-silent are forgotten)
 
 
 def _new_id() -> str:
@@ -149,12 +149,11 @@ class CoordinatorCore:
         self.new_id = new_id
         self.server_id = server_id or _new_id()  # in every heartbeat ack: a client tells a restarted server apart
         self.intrinsics = intrinsics  # controls.intrinsics: the camera of sessions whose open gives none
-        self.sessions: dict[str, Session] = {}
         self.capacity_config = capacity or CapacityConfig()
         self.capacity = CapacityModel(self.capacity_config)  # real-time admission and the steps of every session
+        self.clients: Clients[Session] = Clients(self.server_id, server.client_timeout_s)
         self.opening: deque[_Opening] = deque()
         self.tickets: Iterator[int] = itertools.count()
-        self.peers: dict[bytes, float] = {}  # client identity -> last heard
         self.last_beat = {rank: now for rank in self.where.heartbeat_ranks}
         self.memory: dict[int, dict[str, int]] = {}
         # memory-aware admission: each rank's room (from its hello) against the model's cost of a session
@@ -163,6 +162,10 @@ class CoordinatorCore:
         self.next_ping = now
         self.stopped = False
         self._out: list[Output] = []
+
+    @property
+    def sessions(self) -> Mapping[str, Session]:
+        return self.clients.sessions  # by id (the front door indexes them by client too)
 
     # ---------------------------------------------------------------------------------------------- step
 
@@ -177,7 +180,7 @@ class CoordinatorCore:
                 self._cut_live(now)
             except JobFailed as error:
                 log.error("job failed: %s", error)
-                self._notify_all("rank_failed", str(error))
+                self._out += self.clients.notices("rank_failed", str(error))
                 self._stop(EXIT_FAILED, str(error))
             except Exception:  # a bug outside any session (every session's work is guarded): keep serving
                 log.exception("internal error handling %s", type(event).__name__)
@@ -189,7 +192,7 @@ class CoordinatorCore:
             case ClientSent(identity=who, message=message):
                 self._from_client(who, message, now)
             case ClientUnreadable(identity=who, error=error, req=req):
-                self._remember_peer(who, now)
+                self.clients.heard(who, now)
                 self._refuse(who, ClientError("bad_message", error), req)
             case ImageDecoded():
                 self._image_decoded(event, now)
@@ -227,10 +230,7 @@ class CoordinatorCore:
     # ---------------------------------------------------------------------------------------------- clients
 
     def _from_client(self, who: bytes, message: protocol.ClientMessage, now: float) -> None:
-        self._remember_peer(who, now)
-        for session in self.sessions.values():
-            if session.client == who:
-                session.last_heard = now
+        self.clients.heard(who, now)
         try:
             self._request(who, message, now)
         except ClientError as error:
@@ -246,9 +246,9 @@ class CoordinatorCore:
             case protocol.Open():
                 self._open(who, message)
             case protocol.Control():
-                self._control(self._owned(who, message.session), message, now)
+                self._control(self.clients.owned(who, message.session), message, now)
             case protocol.ControlState():
-                session = self._owned(who, message.session)
+                session = self.clients.owned(who, message.session)
                 if session.live is None:
                     raise ClientError("bad_control", "this session takes indexed controls; open it with live=true")
                 try:
@@ -258,42 +258,23 @@ class CoordinatorCore:
                 if message.steps is not None:  # from the next chunk cut
                     session.asked[self.scheduler.next_control_index(session.id)] = message.steps
             case protocol.Close():
-                sid = self._owned(who, message.session).id
+                sid = self.clients.owned(who, message.session).id
                 if not self._live(sid):  # a repeated close: answered, and the one ``closed`` still follows
                     raise ClientError("closing", f"session {sid} is already closing; its closed message follows")
                 self._close(sid, "client", now)
             case protocol.Stats():
                 self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(now, who))))
-            case protocol.Heartbeat(session=sid) if sid is not None:
-                session = self.sessions.get(sid)
-                if session is None or who not in (session.owner, session.client):
-                    raise ClientError("unknown_session", f"no session {sid!r} to resume")
-                session.client, session.gone, session.last_heard = who, False, now
-                self._emit(ToClient(who, protocol.HeartbeatAck(req=message.req, session=sid, server=self.server_id)))
             case protocol.Heartbeat():
-                self._emit(ToClient(who, protocol.HeartbeatAck(req=message.req, server=self.server_id)))
+                self._emit(self.clients.heartbeat(who, message, now))
 
     def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
         self._reject(error.code)
-        self._emit(ToClient(who, protocol.Error(req=req, session=session, code=error.code, message=clip(str(error)),
-                                                retry_after_s=error.retry_after_s)))
+        self._emit(self.clients.refusal(who, error, req, session))
 
     def _reject(self, reason: str) -> None:
         self.metrics.on_reject(reason)
         if self.sink is not None:
             self.sink.on_reject(reason)
-
-    def _remember_peer(self, who: bytes, now: float) -> None:
-        self.peers[who] = now
-        if len(self.peers) > MAX_PEERS:
-            for old in sorted(self.peers, key=self.peers.__getitem__)[: MAX_PEERS // 4]:
-                del self.peers[old]
-
-    def _owned(self, who: bytes, sid: str) -> Session:
-        session = self.sessions.get(sid)
-        if session is None or session.client != who:
-            raise ClientError("unknown_session", f"no session {sid!r} for this client")
-        return session
 
     @property
     def max_chunks(self) -> int:
@@ -359,11 +340,11 @@ class CoordinatorCore:
         self.admission.admit(sid, geometry.height, geometry.width)
         live = LiveControls(pause_when_idle=message.pause_when_idle) if message.live else None
         metrics = self.metrics.open_session(sid, now, self.stream.fps, self.metrics_config.warmup_chunks)
-        self.sessions[sid] = Session(
+        self.clients.add(Session(
             id=sid, client=opening.identity, owner=opening.identity, open_req=message.req, seed=message.seed,
             prompt=message.prompt, geometry=geometry, live=live, metrics=metrics,
             num_chunks=message.num_chunks or (None if self.geometry.max_chunks is None else self.max_chunks),
-            last_heard=now, image=result.image, intrinsics=message.intrinsics or self.intrinsics)
+            image=result.image, intrinsics=message.intrinsics or self.intrinsics), now)
         self._guarded(sid, lambda: self._run(self.scheduler.open(sid, message.num_chunks or self.max_chunks, now),
                                              now), now)
 
@@ -425,15 +406,8 @@ class CoordinatorCore:
             self._run(actions, now)
 
     def _unreachable(self, event: ClientUnreachable, now: float) -> None:
-        session = self.sessions.get(event.session)
-        if session is None or session.client != event.identity or session.gone:
-            return
-        session.gone = True
-        if event.why == "gone":  # disconnected: it may reconnect and resume within server.client_timeout_s
-            log.info("session %s: client disconnected; waiting %.0f s for a resume", session.id,
-                     self.server.client_timeout_s)
-        else:  # connected but not reading: never buffer without bound
-            log.info("session %s: client stopped reading, closing", session.id)
+        session = self.clients.unreachable(event)
+        if session is not None:  # connected but not reading: never buffered without bound
             self._close(session.id, "disconnect", now)
 
     def _close(self, sid: str, reason: str, now: float) -> None:
@@ -547,7 +521,8 @@ class CoordinatorCore:
         self._emit(EmitChunk(session.id, facts, None if session.gone else session.client))
 
     def _closed(self, action: sch.SessionClosed, now: float) -> None:
-        session = self.sessions.pop(action.session)  # present: _run skips actions of sessions dropped
+        session = self.clients.remove(action.session)  # present: _run skips actions of sessions dropped
+        assert session is not None
         self.admission.release(session.id)
         self._log_steps(self.capacity.remove(session.id), f"session {session.id} closed")
         summary = self.metrics.close_session(session.id, now)
@@ -644,10 +619,9 @@ class CoordinatorCore:
                     what = f"{stage.value} of chunk {index}" if phase is Phase.CHUNK else f"{stage.value} {phase.value}"
                     raise JobFailed(f"rank {ranks} did not finish the {what} of session {session.id} within "
                                     f"{self.timeouts.stage_s:.0f} s")
-        timeout = self.server.client_timeout_s
-        for session in list(self.sessions.values()):
-            if now - session.last_heard > timeout and self._live(session.id):
-                log.info("session %s: client silent for %.1f s, closing", session.id, now - session.last_heard)
+        for session in self.clients.silent(now):
+            if self._live(session.id):
+                log.info("session %s: client silent for over %.1f s, closing", session.id, self.clients.timeout_s)
                 self._guarded(session.id, lambda sid=session.id: self._close(sid, "disconnect", now), now)
 
     # ---------------------------------------------------------------------------------------------- failures
@@ -680,25 +654,17 @@ class CoordinatorCore:
             raise
         except Exception:  # the session cannot even close cleanly: forget it rather than stop serving
             log.exception("session %s could not be closed; dropping it", session.id)
-            self.sessions.pop(session.id, None)
+            self.clients.remove(session.id)
             self.admission.release(session.id)
             self.capacity.remove(session.id)
             self._emit(DropTensors(session.id))
-
-    def _notify_all(self, code: str, message: str) -> None:
-        """Tell every client we know of, sessions or not, before the job ends."""
-        for who in list(self.peers):
-            sid = next((s.id for s in self.sessions.values() if s.client == who), None)
-            self._emit(ToClient(who, protocol.Error(session=sid, code=code, message=message)))
 
     def _shutdown(self, lost: tuple[int, ...], now: float) -> None:
         code, message = "shutdown", "the server is shutting down"
         if lost:  # under torchrun a dead rank reaches rank 0 as a SIGTERM: say what really happened
             code, message = "rank_failed", f"rank {', '.join(map(str, lost))} is gone; the job is ending"
-        self._notify_all(code, message)
-        for session in list(self.sessions.values()):
-            self._to_client(session, protocol.Closed(session=session.id, reason="shutdown", error=message,
-                                                     summary=self.metrics.close_session(session.id, now)))
+        self._out += self.clients.notices(code, message, lambda session: protocol.Closed(
+            session=session.id, reason="shutdown", error=message, summary=self.metrics.close_session(session.id, now)))
         self._stop(EXIT_OK, message)
 
     # ---------------------------------------------------------------------------------------------- queries

@@ -2,38 +2,39 @@
 
 Plain data, no rules. Every event is something that happened at rank 0 (a decoded message, a finished image
 decode, a send that failed, a timer turn); every output is something the shell must do, in list order (send a
-message, decode an image off the loop thread, hand a chunk's frames to its client, end the job).
+message, decode an image off the loop thread, hand a chunk's frames to its client, end the job). What concerns
+clients alone (their messages, failed sends, replies, the timer turn, the stop) is ``runtime.client_types``, shared
+with the router core and re-exported here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 from ipc import protocol
+from runtime.client_types import (  # the client side, shared with the router core
+    ClientError,
+    ClientSent,
+    ClientUnreachable,
+    ClientUnreadable,
+    ShutdownRequested,
+    Stop,
+    Tick,
+    ToClient,
+)
 from runtime.images import DecodedImage
+
+__all__ = ["EXIT_FAILED", "EXIT_OK", "ClientError", "ClientSent", "ClientUnreachable", "ClientUnreadable",
+           "DecodeImage", "DropTensors", "EmitChunk", "Event", "FramesMissing", "ImageDecoded", "JobFailed",
+           "MemorySampled",
+           "MetricsSink", "Output", "RankLost", "ShutdownRequested", "Stop", "Tick", "ToClient", "ToWorker",
+           "WorkerSent"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 
 # ---- events ----
-
-
-@dataclass(frozen=True)
-class ClientSent:
-    """A client message, decoded."""
-
-    identity: bytes  # the ROUTER identity it came from
-    message: protocol.ClientMessage
-
-
-@dataclass(frozen=True)
-class ClientUnreadable:
-    """A client message that did not decode (``protocol.ProtocolViolation``)."""
-
-    identity: bytes
-    error: str
-    req: int | None = None  # when it could still be read: the error reaches the waiting request
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,6 @@ class ImageDecoded:
     ticket: int
     image: DecodedImage | None
     error: str = ""
-
-
-@dataclass(frozen=True)
-class ClientUnreachable:
-    """A message to a client's session could not be queued: the peer is ``gone`` (it may reconnect and resume) or
-    ``full`` (connected but not reading: it is dropped, never buffered)."""
-
-    identity: bytes
-    session: str
-    why: Literal["gone", "full"]
 
 
 @dataclass(frozen=True)
@@ -89,30 +80,10 @@ class RankLost:
     reason: str
 
 
-@dataclass(frozen=True)
-class Tick:
-    """A turn of the loop: timers (pings, liveness, deadlines, silent clients) are due."""
-
-
-@dataclass(frozen=True)
-class ShutdownRequested:
-    """Stop serving. The shell already ordered every worker to stop; ``lost`` ranks could not be reached."""
-
-    lost: tuple[int, ...] = ()
-
-
 Event = (ClientSent | ClientUnreadable | ImageDecoded | ClientUnreachable | WorkerSent | MemorySampled
          | FramesMissing | RankLost | Tick | ShutdownRequested)
 
 # ---- outputs ----
-
-
-@dataclass(frozen=True)
-class ToClient:
-    identity: bytes
-    message: protocol.Opened | protocol.Accepted | protocol.Closed | protocol.Error | protocol.StatsReply \
-        | protocol.HeartbeatAck
-    session: str | None = None  # the session it belongs to: a failed send is reported back for it
 
 
 @dataclass(frozen=True)
@@ -147,14 +118,6 @@ class DropTensors:
     session: str
 
 
-@dataclass(frozen=True)
-class Stop:
-    """End the job with this exit code, after sending the outputs before it."""
-
-    code: int
-    reason: str
-
-
 Output = ToClient | ToWorker | DecodeImage | EmitChunk | DropTensors | Stop
 
 
@@ -170,15 +133,6 @@ class MetricsSink(Protocol):
     def on_idle(self, seconds: float, cause: str) -> None: ...
 
     def update(self, open_sessions: int, memory: dict[int, dict[str, int]]) -> None: ...
-
-
-class ClientError(Exception):
-    """A client request cannot be served; ``code`` goes on the wire, the state is unchanged."""
-
-    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.retry_after_s = retry_after_s
 
 
 class JobFailed(Exception):

@@ -39,7 +39,7 @@ from runtime.config import LayoutConfig
 from runtime.scheduler_types import InitCache, Release, RunCondition, RunDecode, RunDenoise
 
 if TYPE_CHECKING:
-    from models.stages import StreamGeometry
+    from models.geometry import StreamGeometry
 
 CONDITION_EDGE = "condition_edge"
 LATENT_RECEIVER = "latent_receiver"
@@ -129,7 +129,7 @@ class Plan:
 
 
 def _dtype(geometry: StreamGeometry) -> str:
-    return str(geometry.dtype).removeprefix("torch.")
+    return geometry.dtype  # a torch dtype's name already (``models.geometry``)
 
 
 def plan(action: StageAction, session: SessionFacts, where: Placement,

@@ -30,16 +30,17 @@ Rules that live here and nowhere else:
   at the replica's endpoint it is refused when that endpoint answers as another live server; at another endpoint it
   is refused while the replica answers (a rival under its name) and moves it once it stopped. An endpoint that
   answers with the router's own id is the router itself: never up, and registrations naming it are refused.
-- **Clients.** Any message refreshes the sessions of its identity; sessions of a client silent for
-  ``router.client_timeout_s`` are closed on their replicas (the router keeps its replica connections alive with its
-  own heartbeats, so this rule must live here). A client that is gone has its chunks dropped until it resumes; one
-  that stops reading has its session closed, never buffered. A message meeting a full replica link gets what a
+- **Clients** (``runtime.clients``, the front door shared with the coordinator core): sessions of a client silent
+  for ``router.client_timeout_s`` are closed on their replicas (the router keeps its replica connections alive with
+  its own heartbeats, so this rule must live here; their client counts as gone: the replica's ``closed`` names the
+  router's close, not the client's). A client that is gone has its chunks dropped until it resumes; one that stops
+  reading has its session closed, never buffered. A message meeting a full replica link gets what a
   server would answer: a ``control`` ``control_backpressure``; a ``close`` nothing (the router sends it again until
   the replica's ``closed`` comes); a ``control_state`` nothing (folded with later ones, sent when the link drains).
 - **Containment and bounds.** A bad request gets an error and changes nothing; an unexpected error costs the
   request it concerns. Sessions and pending opens are bounded by the replicas' capacities (placement refuses
-  beyond), remembered client identities by ``MAX_PEERS``, replicas by ``router.max_replicas``, reject counters by
-  ``MAX_REASONS``; a registered replica down for ``router.forget_after_s`` is forgotten.
+  beyond), remembered client identities by ``runtime.clients.MAX_PEERS``, replicas by ``router.max_replicas``,
+  reject counters by ``MAX_REASONS``; a registered replica down for ``router.forget_after_s`` is forgotten.
 """
 
 from __future__ import annotations
@@ -47,13 +48,14 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from ipc import protocol
+from runtime.clients import Clients
 from runtime.core_types import EXIT_OK, ClientError
 from runtime.replicas import MAX_SESSIONS_PER_REPLICA, Replica, State, UnusableStats, choose, read_stats, summary
 from runtime.router_config import ReplicaEntry, RouterSection, check_endpoint, check_name, chunk_limit
@@ -86,7 +88,6 @@ from runtime.router_types import (
 
 log = logging.getLogger(__name__)
 
-MAX_PEERS = 1024  # client identities remembered for notices (the longest-silent without a session are forgotten)
 MAX_REASONS = 32  # distinct reject codes counted; more count as "other"
 SESSION_RETRY_S = 0.01  # hint when a control met a full replica connection (a server's control_backpressure)
 ENDING_CODES = frozenset({"rank_failed", "shutdown"})  # a replica says its whole job is ending
@@ -98,7 +99,6 @@ class RoutedSession:
     replica: str
     client: bytes  # the identity its messages go to
     owner: bytes  # the identity that opened it (a reconnect with it may resume)
-    last_heard: float
     gone: bool = False  # the client disconnected: its messages are dropped until it resumes
     closing: bool = False  # the router asked the replica to close it (client silent, not reading, or a close
     # that met a full link: the router sends it again by itself, as a server never refuses a close)
@@ -126,10 +126,8 @@ class RouterCore:
         self.id = router_id  # in every heartbeat ack, as a server's id: a client sees a restarted router
         self.started = now
         self.replicas: dict[str, Replica] = {}
-        self.sessions: dict[str, RoutedSession] = {}
-        self.by_client: dict[bytes, set[str]] = {}  # client identity -> its sessions
+        self.clients: Clients[RoutedSession] = Clients(router_id, config.client_timeout_s)
         self.opens: dict[int, PendingOpen] = {}
-        self.peers: dict[bytes, float] = {}  # client identity -> last heard
         self.new_req = new_req or itertools.count(1).__next__
         self.sessions_total = 0
         self.chunks_forwarded = 0
@@ -160,7 +158,7 @@ class RouterCore:
             case ClientSent():
                 self._from_client(event, now)
             case ClientUnreadable(identity=who, error=error, req=req):
-                self._remember_peer(who, now)
+                self.clients.heard(who, now)
                 self._refuse(who, ClientError("bad_message", error), req)
             case ClientUnreachable():
                 self._unreachable(event, now)
@@ -187,9 +185,7 @@ class RouterCore:
     def _from_client(self, event: ClientSent, now: float) -> None:
         who, message = event.identity, event.message
         self.client_messages += 1
-        self._remember_peer(who, now)
-        for sid in self.by_client.get(who, ()):
-            self.sessions[sid].last_heard = now
+        self.clients.heard(who, now)
         req, sid = getattr(message, "req", None), getattr(message, "session", None)
         try:
             self._request(who, message, event.raw, now)
@@ -203,12 +199,12 @@ class RouterCore:
         match message:
             case protocol.Open():
                 self._open(who, message, now)
-            case protocol.ControlState() if self._owned(who, message.session).state is not None:
+            case protocol.ControlState() if self.clients.owned(who, message.session).state is not None:
                 session = self.sessions[message.session]  # earlier input waits for a full link: this goes after
                 session.state = fold(session.state, message)  # type: ignore[arg-type]
                 self._send_state(session)
             case protocol.Control() | protocol.ControlState() | protocol.Close():
-                session = self._owned(who, message.session)
+                session = self.clients.owned(who, message.session)
                 replica = self.replicas[session.replica]
                 kind = type(message).__struct_config__.tag
                 state = message if isinstance(message, protocol.ControlState) else None
@@ -216,25 +212,8 @@ class RouterCore:
                                      SessionOrigin(who, message.req, session.id, str(kind), state)))
             case protocol.Stats():
                 self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(who, now))))
-            case protocol.Heartbeat(session=sid) if sid is not None:
-                self._resume(who, sid, message.req, now)
             case protocol.Heartbeat():
-                self._emit(ToClient(who, protocol.HeartbeatAck(req=message.req, server=self.id)))
-
-    def _owned(self, who: bytes, sid: str) -> RoutedSession:
-        session = self.sessions.get(sid)
-        if session is None or session.client != who:
-            raise ClientError("unknown_session", f"no session {sid!r} for this client")
-        return session
-
-    def _resume(self, who: bytes, sid: str, req: int, now: float) -> None:
-        session = self.sessions.get(sid)
-        if session is None or session.closing or who not in (session.owner, session.client):
-            raise ClientError("unknown_session", f"no session {sid!r} to resume")
-        self.by_client.get(session.client, set()).discard(sid)
-        self.by_client.setdefault(who, set()).add(sid)
-        session.client, session.gone, session.last_heard = who, False, now
-        self._emit(ToClient(who, protocol.HeartbeatAck(req=req, session=sid, server=self.id)))
+                self._emit(self.clients.heartbeat(who, message, now))
 
     def _open(self, who: bytes, message: protocol.Open, now: float, tried: Iterable[str] = ()) -> None:
         tried = set(tried)
@@ -265,23 +244,11 @@ class RouterCore:
     def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
         code = error.code if error.code in self.rejects or len(self.rejects) < MAX_REASONS - 1 else "other"
         self.rejects[code] = self.rejects.get(code, 0) + 1
-        self._emit(ToClient(who, protocol.Error(req=req, session=session, code=error.code,
-                                                message=protocol.clip(str(error)), retry_after_s=error.retry_after_s)))
-
-    def _remember_peer(self, who: bytes, now: float) -> None:
-        self.peers[who] = now
-        if len(self.peers) > MAX_PEERS:
-            idle = [p for p in self.peers if not self.by_client.get(p)]
-            for old in sorted(idle, key=self.peers.__getitem__)[: MAX_PEERS // 4]:
-                del self.peers[old]
+        self._emit(self.clients.refusal(who, error, req, session))
 
     def _unreachable(self, event: ClientUnreachable, now: float) -> None:
-        session = self.sessions.get(event.session)
-        if session is None or session.client != event.identity or session.gone:
-            return
-        session.gone = True
-        if event.why == "full":  # connected but not reading: never buffer without bound
-            log.info("session %s: client stopped reading, closing it on replica %s", session.id, session.replica)
+        session = self.clients.unreachable(event)
+        if session is not None:  # connected but not reading: never buffered without bound
             self._close_on_replica(session, now)
 
     def _close_on_replica(self, session: RoutedSession, now: float) -> None:
@@ -298,19 +265,13 @@ class RouterCore:
             self._emit(ToReplica(replica.name, replica.generation, state,
                                  SessionOrigin(session.client, state.req, session.id, "control_state")))
 
-    def _add_session(self, session: RoutedSession) -> None:
-        self.sessions[session.id] = session
-        self.by_client.setdefault(session.client, set()).add(session.id)
+    def _add_session(self, session: RoutedSession, now: float) -> None:
+        self.clients.add(session, now)
         self.replicas[session.replica].sessions.add(session.id)
         self.sessions_total += 1
 
     def _remove_session(self, session: RoutedSession) -> None:
-        self.sessions.pop(session.id, None)
-        owned = self.by_client.get(session.client)
-        if owned is not None:
-            owned.discard(session.id)
-            if not owned:
-                del self.by_client[session.client]
+        self.clients.remove(session.id)
         replica = self.replicas.get(session.replica)
         if replica is not None:
             replica.sessions.discard(session.id)
@@ -374,7 +335,7 @@ class RouterCore:
                                  protocol.Close(req=self.new_req(), session=message.session)))
             self._refuse(pending.client, ClientError("failed", why), pending.message.req)
             return
-        self._add_session(RoutedSession(message.session, replica.name, pending.client, pending.client, now))
+        self._add_session(RoutedSession(message.session, replica.name, pending.client, pending.client), now)
         self._emit(ToClient(pending.client, msgspec.structs.replace(message, req=pending.message.req),
                             message.session))
 
@@ -590,13 +551,18 @@ class RouterCore:
                 self._refuse(pending.client, ClientError("failed", f"replica {pending.replica} did not open the "
                                                          f"session within {config.open_timeout_s:.0f} s"),
                              pending.message.req)
-        for session in list(self.sessions.values()):
-            if not session.closing and now - session.last_heard > config.client_timeout_s:
-                log.info("session %s: client silent for %.1f s, closing it on replica %s", session.id,
-                         now - session.last_heard, session.replica)
+        timed_out: set[str] = set()
+        for session in self.clients.silent(now):
+            if not session.closing:
+                log.info("session %s: client silent for over %.1f s, closing it on replica %s", session.id,
+                         config.client_timeout_s, session.replica)
                 session.gone = True
                 self._close_on_replica(session, now)
-            elif session.closing and now >= session.close_due:
+                timed_out.add(session.id)
+        for session in list(self.sessions.values()):
+            if session.id in timed_out:
+                continue  # closed just now: nothing more is sent for it
+            if session.closing and now >= session.close_due:
                 self._close_on_replica(session, now)  # no `closed` yet: the close (or its answer) was lost
             elif session.state is not None:
                 self._send_state(session)  # live input that met a full link, folded: the link may have drained
@@ -605,18 +571,16 @@ class RouterCore:
         message = "the router is shutting down"
         for session in list(self.sessions.values()):
             self._close_on_replica(session, now)  # its replica releases its caches now, not after a client timeout
-            if not session.gone:
-                self._emit(ToClient(session.client, protocol.Error(session=session.id, code="shutdown",
-                                                                   message=message), session.id))
-                self._emit(ToClient(session.client, protocol.Closed(session=session.id, reason="shutdown",
-                                                                    error=message), session.id))
-        for who in self.peers:
-            if not self.by_client.get(who):
-                self._emit(ToClient(who, protocol.Error(code="shutdown", message=message)))
+        self._out += self.clients.notices("shutdown", message, lambda session: protocol.Closed(
+            session=session.id, reason="shutdown", error=message))
         self.stopped = True
         self._emit(Stop(EXIT_OK, message))
 
     # ---------------------------------------------------------------------------------------------- queries
+
+    @property
+    def sessions(self) -> Mapping[str, RoutedSession]:
+        return self.clients.sessions
 
     def stats(self, who: bytes, now: float) -> dict[str, Any]:
         """The router's stats for client ``who``: totals over the up replicas (the keys a server has, summed), the
@@ -633,8 +597,8 @@ class RouterCore:
             return out
 
         mine = {}
-        for sid in sorted(self.by_client.get(who, ())):
-            session = self.sessions[sid]
+        for session in sorted(self.clients.of(who), key=lambda s: s.id):
+            sid = session.id
             stats = self.replicas[session.replica].stats
             mine[sid] = {**(stats.per_session.get(sid, {}) if stats else {}), "replica": session.replica}
         chunks, frames = sum(s.chunks_emitted for s in read), sum(s.frames_emitted for s in read)

@@ -3,7 +3,8 @@
 Plain data, no rules. An event is something that happened at the router (a client message, a replica message, a
 registration, a send that could not be queued, a timer turn); an output is something the shell must do, in list
 order (send to a client, a replica or a registering replica; open a fresh connection to a replica; log a replica
-going up or down; stop).
+going up or down; stop). What concerns clients alone is ``runtime.client_types``, shared with the coordinator core
+and re-exported here.
 
 ``Payload`` is what the shell received, kept as it came (bytes or a ``zmq.Frame``): the core never reads it, it
 only hands it back in an output, so a chunk's frames cross the router without being decoded or copied.
@@ -12,41 +13,26 @@ only hands it back in an output, so a chunk's frames cross the router without be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from ipc import protocol
+from runtime.client_types import (  # the client side, shared with the coordinator core
+    ClientSent,
+    ClientUnreachable,
+    ClientUnreadable,
+    Payload,
+    ShutdownRequested,
+    Stop,
+    Tick,
+    ToClient,
+)
 
-Payload = Any  # bytes or a zmq.Frame, forwarded as received
+__all__ = ["ChunkHead", "ClientSent", "ClientUnreachable", "ClientUnreadable", "Connect", "Disconnect", "Event",
+           "OpenOrigin", "Origin", "Output", "Payload", "RegisterSent", "RegisterUnreadable", "ReplicaDown",
+           "ReplicaRefused", "ReplicaSent", "ReplicaUp", "SessionOrigin", "ShellTimes", "ShutdownRequested", "Stop",
+           "Tick", "ToClient", "ToRegistrant", "ToReplica"]
 
 # ---- events ----
-
-
-@dataclass(frozen=True)
-class ClientSent:
-    """A client message, decoded (``message``) and as it came (``raw``, forwarded unchanged to its replica)."""
-
-    identity: bytes
-    message: protocol.ClientMessage
-    raw: Payload
-
-
-@dataclass(frozen=True)
-class ClientUnreadable:
-    """A client message that did not decode (``protocol.ProtocolViolation``)."""
-
-    identity: bytes
-    error: str
-    req: int | None = None
-
-
-@dataclass(frozen=True)
-class ClientUnreachable:
-    """A message to a client's session could not be queued: ``gone`` (it may reconnect and resume) or ``full``
-    (connected but not reading: its session is closed, never buffered)."""
-
-    identity: bytes
-    session: str
-    why: Literal["gone", "full"]
 
 
 @dataclass(frozen=True)
@@ -111,11 +97,6 @@ class RegisterUnreadable:
 
 
 @dataclass(frozen=True)
-class Tick:
-    """A turn of the loop: timers (pings, stats polls, deadlines, silent clients, expired opens) are due."""
-
-
-@dataclass(frozen=True)
 class ShellTimes:
     """What the shell measured of itself, for ``stats``: how long a chunk stayed in the router, from the moment
     it was read off a replica's socket to the moment it was queued for its client (a distribution, seconds)."""
@@ -123,22 +104,10 @@ class ShellTimes:
     hold_s: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class ShutdownRequested:
-    """Stop routing: every session is closed on its replica and its client told."""
-
-
 Event = (ClientSent | ClientUnreadable | ClientUnreachable | ReplicaSent | ReplicaRefused | RegisterSent
          | RegisterUnreadable | Tick | ShellTimes | ShutdownRequested)
 
 # ---- outputs ----
-
-
-@dataclass(frozen=True)
-class ToClient:
-    identity: bytes
-    message: protocol.ServerMessage | Payload  # a typed message (encoded by the shell) or a payload as received
-    session: str | None = None  # the session it belongs to: a failed send comes back as ``ClientUnreachable``
 
 
 @dataclass(frozen=True)
@@ -184,12 +153,6 @@ class ReplicaDown:
     replica: str
     reason: str
     sessions_lost: int
-
-
-@dataclass(frozen=True)
-class Stop:
-    code: int
-    reason: str
 
 
 Output = ToClient | ToReplica | ToRegistrant | Connect | Disconnect | ReplicaUp | ReplicaDown | Stop

@@ -18,7 +18,7 @@ from runtime.metrics import SessionMetrics
 from runtime.placement import Part, SessionFacts
 
 if TYPE_CHECKING:
-    from models.stages import StreamGeometry
+    from models.geometry import StreamGeometry
 
 Step = Stage | Edge  # what a task of the session works on: a stage, or a transfer
 JoinKey = tuple[Stage, Phase, int]  # a stage's init, chunk (its index) or release (index -1)
@@ -45,7 +45,6 @@ class Session:
     num_chunks: int | None
     live: LiveControls | None
     metrics: SessionMetrics
-    last_heard: float
     image: DecodedImage | None  # the start image until the condition stage has it
     gone: bool = False  # the client can no longer be reached (until it resumes)
     intrinsics: tuple[float, float, float, float] | None = None  # its camera at 480x832 (the open's or the server's)

@@ -124,6 +124,13 @@ def test_the_default_camera_is_the_official_fast_examples_and_scales_with_the_fr
                                       official[3] * 832 / 480), rel=1e-6)
 
 
+@pytest.mark.parametrize(("height", "width"), [(480, 832), (464, 832), (240, 416), (832, 480), (160, 256), (720, 1280)])
+def test_the_intrinsics_rank_0_answers_with_are_the_float32_numbers_the_rays_use(height: int, width: int) -> None:
+    for camera in ((415.5298, 415.6922, 415.77786, 239.77779), (520.0, 520.1, 416.3, 240.7)):
+        rays_k = scale_intrinsics(torch.tensor(camera, dtype=torch.float32), height, width).tolist()
+        assert intrinsics_at(camera, height, width) == tuple(rays_k)  # bit for bit, without torch on rank 0
+
+
 DEFAULT_SPEEDS = MotionSpeeds()
 
 

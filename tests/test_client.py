@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,9 @@ from ipc.client import (
     ControlBackpressure,
     InputToPhoton,
     LiveInput,
+    OutboxFull,
     RejectedControl,
+    Requests,
     ServerError,
     ServerGone,
     SessionFailed,
@@ -290,6 +293,78 @@ def test_async_client_has_the_same_api_shape_and_error_typing(fake: FakeServer) 
     assert [c.index for c in received] == [0, 1] and all(isinstance(c, ChunkResult) for c in received)
     assert list(received[0].input_to_photon_s) == [1] and received[1].input_to_photon_s == {}
     assert isinstance(error, StaleRevision) and busy.retry_after_s == 2.0 and beat.session is None
+
+
+# ------------------------------------------------------------------------------------------------ bounded outboxes
+
+
+def unanswered_endpoint() -> str:
+    """A loopback port nobody listens on: what a client sends there stays queued on its side."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    sock.close(linger=0)
+    return f"tcp://127.0.0.1:{port}"
+
+
+def test_requests_are_built_once_for_both_clients_with_fresh_ids_and_checked_before_sending() -> None:
+    requests = Requests()
+    built = [requests.open(b"png", live=True), requests.control("s", 0, protocol.ChunkControl()),
+             requests.control_state("s", ["W", "d"], 3, mouse=(1, 2), taps="i"), requests.close("s"),
+             requests.stats(), requests.resume("s")]
+    assert [m.req for m in built] == [1, 2, 3, 4, 5, 6]
+    state = built[2]
+    assert (state.keys, state.mouse, state.taps, state.revision) == (["d", "w"], (1.0, 2.0), ["i"], 3)
+    assert built[5].session == "s"
+    with pytest.raises(BadRequest):
+        requests.open(b"png", intrinsics=(1.0, 2.0))
+
+
+def test_a_live_input_the_outbox_refused_is_not_counted_as_sent() -> None:
+    class Refusing:
+        def control_state(self, *args: Any, **kwargs: Any) -> None:
+            raise OutboxFull("outbox_full", "full")
+
+    keys = LiveInput(Refusing(), "s")
+    with pytest.raises(OutboxFull):
+        keys.press("w")
+    assert keys.held == frozenset() and keys.revision == 0  # the next press sends w again, as revision 1
+
+
+def test_the_blocking_clients_outbox_is_bounded_and_a_full_one_refuses_with_outbox_full() -> None:
+    with Client(unanswered_endpoint(), timeout_s=5, heartbeat_s=0.05, server_silent_s=0.3, max_outbox=8) as client:
+        accepted, refused, until = 0, None, time.monotonic() + 1.0
+        while time.monotonic() < until:  # a caller that keeps sending to a server that is not there
+            try:
+                client.control_state("s", "w", accepted + 1)
+                accepted += 1
+            except OutboxFull as error:
+                refused = error
+                time.sleep(0.002)
+        # the socket's own queue took about 1000 (its high-water mark), the outbox 8, and then nothing more
+        assert refused is not None and refused.code == "outbox_full" and isinstance(refused, ServerError)
+        assert 500 < accepted <= 1000 + 8
+        with pytest.raises(OutboxFull, match="messages already wait to be sent"):
+            client.stats()  # refused at once, not a wait for a reply
+        gone = client.error(timeout_s=5)  # the I/O thread never blocks on the full socket: it still finds the
+        while gone is not None and gone.code != "server_gone":  # server silent
+            gone = client.error(timeout_s=5)
+        assert isinstance(gone, ServerGone)
+
+
+def test_the_async_clients_outbox_is_bounded_and_a_full_one_refuses_with_outbox_full() -> None:
+    async def scenario() -> tuple[int, BaseException]:
+        async with AsyncClient(unanswered_endpoint(), timeout_s=5, heartbeat_s=0.05, max_outbox=8) as client:
+            sent = 0
+            with pytest.raises(OutboxFull):
+                for revision in range(1, 100):
+                    client.control_state("s", "w", revision)
+                    sent += 1
+            with pytest.raises(OutboxFull) as refused:
+                await client.stats()
+            return sent, refused.value
+
+    sent, refused = asyncio.run(scenario())
+    assert sent == 8 and refused.code == "outbox_full"
 
 
 # ------------------------------------------------------------------------------------------------ record/replay tool

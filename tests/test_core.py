@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import subprocess
+import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +17,7 @@ from ipc import protocol as p
 from models.camera import intrinsics_at
 from models.synthetic import synthetic_geometry
 from ranks.worker import completion
+from runtime.clients import MAX_PEERS
 from runtime.config import LayoutConfig, MetricsConfig, SchedulerConfig, ServerConfig, StreamConfig, TimeoutsConfig
 from runtime.core import (
     BACKPRESSURE_RETRY_COLD_S,
@@ -520,6 +524,16 @@ def test_a_fatal_failure_ends_the_job_and_tells_every_client() -> None:
     assert job.step(Tick()) == []  # stopped: nothing more
 
 
+def test_a_failed_rank_reaches_each_session_of_a_client_however_many_other_clients_were_heard() -> None:
+    job = Job()
+    first, second = job.open(A), job.open(A)
+    for n in range(MAX_PEERS + 10):  # more identities than are remembered beside the sessions' owners
+        job.step(ClientUnreadable(f"peer-{n}".encode(), "not a msgpack message"), dt=0.0001)
+    out = job.step(RankLost("rank 3 is unreachable (its denoise worker disconnected)"))
+    assert [(e.code, e.session) for e in job.to(A, p.Error, out)] == [("rank_failed", first), ("rank_failed", second)]
+    assert errors(job, f"peer-{MAX_PEERS + 9}".encode(), out) == ["rank_failed"]  # and the latest of the others
+
+
 def test_a_silent_rank_ends_the_job_while_beating_ranks_keep_it_alive() -> None:
     job = Job(timeouts={"rank_dead_s": 5.0, "heartbeat_s": 1.0})
     for _ in range(5):
@@ -735,3 +749,12 @@ def test_an_open_real_time_cannot_hold_is_refused_busy_with_the_models_reason_af
     assert error.retry_after_s == 5.0  # no session ends by itself: the default hint
     assert len(job.core.sessions) == 3 and set(job.core.capacity.seats) == {first, second, third}
     assert set(job.core.admission.held) == {first, second, third}  # the refused open holds no bytes
+
+
+def test_the_core_imports_without_torch() -> None:
+    """Rank 0's rules plan with shapes and never build a tensor: a tool or a router host without torch can load them."""
+    blocked = ("import sys; sys.modules['torch'] = None; import runtime.core, runtime.router; "
+               "assert 'torch' not in [m for m, v in sys.modules.items() if v is not None]")
+    done = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]

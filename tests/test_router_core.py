@@ -12,10 +12,11 @@ import pytest
 
 from ipc import protocol as p
 from ipc import relay
+from runtime.clients import MAX_PEERS
 from runtime.config import ConfigError
 from runtime.core_types import ClientError
 from runtime.replicas import IllegalTransition, Replica, State
-from runtime.router import MAX_PEERS, MAX_REASONS, RouterCore
+from runtime.router import MAX_REASONS, RouterCore
 from runtime.router_config import ReplicaEntry, RouterSection, load
 from runtime.router_types import (
     ChunkHead,
@@ -389,6 +390,17 @@ def test_a_gone_client_resumes_with_a_heartbeat_and_only_its_owner_may(fleet: Fl
     assert not fleet.to_replica(name, p.Heartbeat)  # answered by the router itself
 
 
+def test_a_client_may_resume_a_session_its_replica_is_closing_and_hears_the_closed_as_from_a_server(
+        fleet: Fleet) -> None:
+    sid, name = fleet.open(A)
+    fleet.step(ClientUnreachable(A, sid, "full"))  # it stopped reading: the router closes the session
+    fleet.clear()
+    fleet.client(A, p.Heartbeat(req=5, session=sid))  # back, reading again, before the replica's closed
+    assert fleet.to(A, p.HeartbeatAck)[-1].session == sid
+    fleet.replica(name, p.Closed(session=sid, reason="client"))
+    assert [c.session for c in fleet.to(A, p.Closed)] == [sid] and sid not in fleet.core.sessions
+
+
 # ------------------------------------------------------------------------------------------------ membership
 
 
@@ -561,7 +573,7 @@ def test_remembered_peers_and_reject_reasons_stay_bounded(fleet: Fleet) -> None:
     fleet.open(A)
     for n in range(MAX_PEERS + 50):
         fleet.step(ClientUnreadable(f"peer-{n}".encode(), "not a msgpack message"), dt=0.0001)
-    assert len(fleet.core.peers) <= MAX_PEERS and A in fleet.core.peers  # a client with a session stays
+    assert len(fleet.core.clients.peers) <= MAX_PEERS and A in fleet.core.clients.peers  # a client with a session stays
     for n in range(MAX_REASONS + 10):
         fleet.core._refuse(B, ClientError(f"code{n}", "x"), None)
     assert len(fleet.core.rejects) <= MAX_REASONS and fleet.core.rejects["other"] > 0

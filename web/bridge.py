@@ -31,7 +31,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from ipc.aio_client import AsyncClient
-from ipc.client import ServerError, SessionClosed, SessionInfo, UnknownSession, closed_summary
+from ipc.client import OutboxFull, ServerError, SessionClosed, SessionInfo, UnknownSession, closed_summary
 from web import page_protocol as pp
 from web.chunks import ChunkView, Timeline, chrome_trace, read_chunk
 from web.playout import Playout, encode_frame
@@ -232,7 +232,10 @@ class Bridge:
                        session=self.session.id)
             return
         self.last_revision = state.revision
-        self.client.control_state(self.session.id, state.keys, state.revision, mouse=state.mouse, taps=state.taps)
+        try:
+            self.client.control_state(self.session.id, state.keys, state.revision, mouse=state.mouse, taps=state.taps)
+        except OutboxFull as error:  # the server is not taking input: the page hears it, its next state goes again
+            self.error(error.code, error.message, session=self.session.id)
 
     async def _on_stats(self) -> None:
         if self.client is None:
