@@ -28,13 +28,9 @@ from scripts.check_golden import compare
 from scripts.golden_dit import checks
 from tests.golden_fixtures import FIXTURES, fixture_params, require
 from tests.test_dit_golden import REGRESSION_FRACTION
+from tests.test_dit_stage import GEOMETRY, MOVE  # the stage tests' tiny geometry and control
 
 torch.set_num_threads(1)
-GEOMETRY = StreamGeometry(
-    height=32, width=48, chunk_latent_frames=3, context_shape=(16, 32), condition_shape=(20, 3, 4, 6),
-    latent_shape=(16, 3, 4, 6),
-)  # fmt: skip
-MOVE = ChunkControl(keys=frozenset("wl"))
 
 
 def _turn(k: int) -> ChunkControl:
