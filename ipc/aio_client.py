@@ -43,6 +43,7 @@ from ipc.client import (
     chunk_control,
     closed_summary,
     open_message,
+    prompt_message,
     session_info,
 )
 
@@ -134,6 +135,11 @@ class AsyncClient:
 
     def live(self, session: str, first_revision: int = 1) -> LiveInput:
         return LiveInput(self, session, first_revision)
+
+    async def set_prompt(self, session: str, prompt: str) -> protocol.PromptScheduled:
+        """A new prompt mid-stream: its revision and first chunk once encoded; see ``Client.set_prompt``."""
+        message = prompt_message(next(self._req), session, prompt)
+        return await self._request(message.req, message)
 
     async def close(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
         """Ask the server to close the session; its summary once closed (``UnknownSession`` if it is not held)."""

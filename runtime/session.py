@@ -16,6 +16,7 @@ from runtime.control_service import LiveControls
 from runtime.images import DecodedImage
 from runtime.metrics import SessionMetrics
 from runtime.placement import Part, SessionFacts
+from runtime.prompts import PromptRevisions
 
 if TYPE_CHECKING:
     from models.stages import StreamGeometry
@@ -55,12 +56,13 @@ class Session:
     queued: dict[tuple[Step, int], float] = field(default_factory=dict)  # (step, chunk) -> when its task left
     joins: dict[JoinKey, Join] = field(default_factory=dict)
     released: dict[str, list[int]] = field(default_factory=dict)  # stage -> ranks that confirmed, in order
+    prompts: PromptRevisions = field(default_factory=PromptRevisions)  # which text each chunk attends to
 
     def facts(self) -> SessionFacts:
         image = self.image
         return SessionFacts(self.id, self.seed, self.prompt, self.geometry,
                             image.pixels if image else b"", image.height if image else 0, image.width if image else 0,
-                            self.intrinsics)
+                            self.intrinsics, self.prompts.announced)
 
     def add_spans(self, index: int, rank: int, role: str, spans: tuple[WorkerSpan, ...], clock: ClockSync,
                   queued: float) -> None:
