@@ -6,7 +6,9 @@ from __future__ import annotations
 from ipc import protocol as p
 from runtime.core_types import ToWorker
 from runtime.prompts import MAX_PENDING
+from runtime.router_types import ClientSent, ReplicaRefused, SessionOrigin, ToReplica
 from tests.test_core import A, B, Job, control, errors
+from tests.test_router_core import Fleet
 
 
 def set_prompt(job: Job, sid: str, prompt: str, who: bytes = A) -> int:
@@ -167,3 +169,30 @@ def test_a_session_that_closes_while_its_new_prompt_encodes_answers_the_request(
     assert [(e.code, e.session) for e in job.to(A, p.Error) if e.req == req] == [("closing", sid)]
     out = job.answer(p.EncodePrompt, sid)  # a late answer for a session gone: nothing moves
     assert not job.sent(p.BroadcastContext, out) and not job.to(A, p.PromptScheduled)
+
+
+# ---- through the router core: forwarded to the session's replica as it came, the answer relayed to its client
+
+
+def test_the_router_forwards_set_prompt_to_the_sessions_replica_and_relays_its_answer() -> None:
+    fleet = Fleet()
+    fleet.up("a", "b")
+    sid, name = fleet.open(A)
+    message = p.SetPrompt(req=7, session=sid, prompt="snow")
+    raw = p.encode(message)
+    out = fleet.step(ClientSent(A, message, raw))
+    assert len(out) == 1 and isinstance(out[0], ToReplica) and out[0].replica == name and out[0].message is raw
+    fleet.replica(name, p.PromptScheduled(req=7, session=sid, revision=1, chunk=3))
+    (reply,) = fleet.to(A, p.PromptScheduled)
+    assert (reply.req, reply.revision, reply.chunk) == (7, 1, 3)
+    fleet.client(B, p.SetPrompt(req=8, session=sid, prompt="rain"))  # not B's session: never reaches the replica
+    assert [(e.req, e.code) for e in fleet.errors(B)] == [(8, "unknown_session")]
+
+
+def test_a_set_prompt_that_meets_a_full_replica_link_is_prompt_backpressure() -> None:
+    fleet = Fleet()
+    fleet.up("a", "b")
+    sid, name = fleet.open(A)
+    fleet.step(ReplicaRefused(name, fleet.generation[name], SessionOrigin(A, 9, sid, "set_prompt")))
+    (error,) = [e for e in fleet.errors(A) if e.req == 9]
+    assert error.code == "prompt_backpressure" and error.retry_after_s
