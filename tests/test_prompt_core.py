@@ -3,6 +3,8 @@ new text, supersession, bad requests. The harness is ``tests.test_core``'s 7-ran
 
 from __future__ import annotations
 
+import pytest
+
 from ipc import protocol as p
 from runtime.core_types import ToWorker
 from runtime.prompts import MAX_PENDING
@@ -196,3 +198,22 @@ def test_a_set_prompt_that_meets_a_full_replica_link_is_prompt_backpressure() ->
     fleet.step(ReplicaRefused(name, fleet.generation[name], SessionOrigin(A, 9, sid, "set_prompt")))
     (error,) = [e for e in fleet.errors(A) if e.req == 9]
     assert error.code == "prompt_backpressure" and error.retry_after_s
+
+
+# ---- the client tool's recordings: a prompt change replays at the chunk that first used it
+
+
+def test_a_recordings_prompt_changes_become_trace_changes_at_the_chunk_that_first_used_each() -> None:
+    from scripts.client import applied_trace
+
+    still = {"keys": [], "mouse": [0.0, 0.0], "revision": -1}
+    recorded = {"prompt": "p", "seed": 1, "events": [
+        {"t": 0.1, "chunk": 1, "prompt_revision": 1, "prompt": "rain"},  # superseded at chunk 1: never used
+        {"t": 0.2, "chunk": 1, "prompt_revision": 2, "prompt": "snow"},
+        {"t": 0.3, "revision": 1, "keys": "w", "taps": "", "mouse": [0, 0]}],
+        "applied": [{"index": i, "control": still, "prompt_revision": r} for i, r in enumerate([0, 2, 2, 2])]}
+    assert applied_trace(recorded)["prompts"] == [{"chunk": 1, "prompt": "snow"}]
+    assert "prompts" not in applied_trace({**recorded, "applied": recorded["applied"][:1]})  # none: as before
+    recorded["events"] = recorded["events"][:1]
+    with pytest.raises(ValueError, match="prompt revision 2"):
+        applied_trace(recorded)

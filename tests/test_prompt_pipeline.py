@@ -13,6 +13,7 @@ from models.controls import ChunkControl
 from models.stages import SessionSpec
 from runtime import config as config_mod
 from runtime.images import decode_image
+from scripts import client as tool
 from scripts.local_server import ROOT, LocalServer
 from tests.shared import FAST
 
@@ -68,17 +69,28 @@ def switched_reference(seed: int) -> list[np.ndarray]:
     return out
 
 
+LIVE = {"prompt": PROMPTS[0], "seed": 5, "num_chunks": 6,
+        "events": [{"t": 0.0, "keys": "w"}, {"t": 0.05, "prompt": PROMPTS[1]}, {"t": 0.1, "keys": "d"}]}
+
+
 def test_a_real_model_session_switches_its_prompt_at_the_announced_chunk() -> None:
     torch.set_num_threads(1)
     with LocalServer("cpu-tiny-model") as server, Client(server.endpoint) as client:
         plain, plain_revisions, _ = play(client, None)
         switched, revisions, announced = play(client, PROMPTS[1])
+        # a live recording with a prompt change replays frame for frame (the change lands where it did)
+        recorded = tool.recording(LIVE, tool.play_live(client, IMAGE, LIVE))
+        replayed, matched = tool.replay_exact(client, IMAGE, recorded)
     assert announced == SWITCH
     assert plain_revisions == [0] * len(KEYS) and revisions == [0] * SWITCH + [1] * (len(KEYS) - SWITCH)
     for index in range(SWITCH):  # the chunks before the switch: the very same computation
         assert np.array_equal(switched[index], plain[index]), f"chunk {index} changed before the switch"
     for index in range(SWITCH, len(KEYS)):
         assert not np.array_equal(switched[index], plain[index]), f"chunk {index} did not take the new prompt"
+    used = [a["prompt_revision"] for a in recorded["applied"]]
+    assert used[0] == 0 and used[-1] == 1 and sorted(used) == used  # the change took effect mid-session
+    assert matched and [c.prompt_revision for c in replayed.chunks] == used
+    assert replayed.prompts == [{"chunk": used.index(1), "prompt_revision": 1, "prompt": PROMPTS[1]}]
     reference = switched_reference(5)
     for got, want in zip(switched, reference, strict=True):
         # Ulysses over 5 ranks vs one process: float32 sums in another order, at most one uint8 level apart
@@ -86,9 +98,14 @@ def test_a_real_model_session_switches_its_prompt_at_the_announced_chunk() -> No
 
 
 def test_the_synthetic_backend_takes_a_new_prompt_and_its_facts_name_the_revision() -> None:
+    trace = {"prompt": "p", "seed": 1, "chunks": [{"keys": "w"}] * 5,
+             "prompts": [{"chunk": 1, "prompt": "rain"}, {"chunk": 3, "prompt": "snow"}]}
     with LocalServer("cpu-tiny", FAST) as server, Client(server.endpoint) as client:
         plain, plain_revisions, _ = play(client, None)
         switched, revisions, announced = play(client, "a desert")
+        traced = tool.play(client, IMAGE, trace)  # a trace's prompt changes land at their chunks
+    assert [c.prompt_revision for c in traced.chunks] == [0, 1, 1, 2, 2]
+    assert [(p["chunk"], p["prompt_revision"]) for p in traced.prompts] == [(1, 1), (3, 2)]
     assert announced == SWITCH and plain_revisions == [0] * len(KEYS)
     assert revisions == [0] * SWITCH + [1] * (len(KEYS) - SWITCH)
     assert all(np.array_equal(a, b) for a, b in zip(plain, switched, strict=True))  # its frames ignore the text
