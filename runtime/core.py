@@ -619,6 +619,8 @@ class CoordinatorCore:
                 if now - join.sent > self.timeouts.stage_s:
                     ranks = ", ".join(str(rank) for _, rank in sorted(join.waiting))
                     what = f"{stage.value} of chunk {index}" if phase is Phase.CHUNK else f"{stage.value} {phase.value}"
+                    if phase is Phase.CHUNK and index < 0:  # a NewPrompt's encode
+                        what = f"encode of prompt revision {protocol.revision_of(index)}"
                     raise JobFailed(f"rank {ranks} did not finish the {what} of session {session.id} within "
                                     f"{self.timeouts.stage_s:.0f} s")
         timeout = self.server.client_timeout_s

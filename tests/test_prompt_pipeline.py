@@ -45,6 +45,18 @@ def play(client: Client, switch: str | None, seed: int = 5) -> tuple[list[np.nda
     return frames, revisions, announced
 
 
+def supersede(client: Client) -> tuple[list[int], list[int]]:
+    """Two prompt changes between chunks 0 and 1: (the chunks their answers named, each chunk's revision)."""
+    info = client.open(IMAGE, prompt="p", seed=2, num_chunks=3)
+    client.control(info.id, 0, keys="w")
+    client.next_chunk(info.id, timeout_s=60)
+    named = [client.set_prompt(info.id, text).chunk for text in ("rain", "snow")]
+    for index in (1, 2):
+        client.control(info.id, index, keys="w")
+    revisions = [c.prompt_revision for c in client.chunks(info.id, timeout_s=60)]
+    return named, [0, *revisions]
+
+
 def switched_reference(seed: int) -> list[np.ndarray]:
     """The same session in one process, its DiT context replaced by the new prompt's at chunk ``SWITCH``."""
     from models import lingbot
@@ -104,7 +116,9 @@ def test_the_synthetic_backend_takes_a_new_prompt_and_its_facts_name_the_revisio
         plain, plain_revisions, _ = play(client, None)
         switched, revisions, announced = play(client, "a desert")
         traced = tool.play(client, IMAGE, trace)  # a trace's prompt changes land at their chunks
+        superseded = supersede(client)
     assert [c.prompt_revision for c in traced.chunks] == [0, 1, 1, 2, 2]
+    assert superseded == ([1, 1], [0, 2, 2])  # both named chunk 1; the DiT ranks took 2 and dropped 1's context
     assert [(p["chunk"], p["prompt_revision"]) for p in traced.prompts] == [(1, 1), (3, 2)]
     assert announced == SWITCH and plain_revisions == [0] * len(KEYS)
     assert revisions == [0] * SWITCH + [1] * (len(KEYS) - SWITCH)
