@@ -142,6 +142,10 @@ class AsyncClient:
     def live(self, session: str, first_revision: int = 1) -> LiveInput:
         return LiveInput(self, session, first_revision)
 
+    async def set_prompt(self, session: str, prompt: str) -> protocol.PromptScheduled:
+        """A new prompt mid-stream: its revision and first chunk once encoded; see ``Client.set_prompt``."""
+        return await self._request(self._requests.set_prompt(session, prompt))
+
     async def close(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
         """Ask the server to close the session; its summary once closed (``UnknownSession`` if it is not held)."""
         message = self._requests.close(session)

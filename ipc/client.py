@@ -114,6 +114,12 @@ class StaleRevision(BadRequest):
     codes = ("stale_revision",)
 
 
+class PromptBackpressure(ServerError):
+    """Too many prompt changes of the session wait for their first chunk; ``retry_after_s`` says when to retry."""
+
+    codes = ("prompt_backpressure",)
+
+
 class SessionFailed(ServerError):
     """A stage failed for this session; the server closes it and releases its caches."""
 
@@ -137,7 +143,7 @@ class OutboxFull(ServerError):
 
 _ERROR_TYPES: dict[str, type[ServerError]] = {
     code: cls for cls in (Busy, UnknownSession, RejectedControl, ControlBackpressure, BadRequest, StaleRevision,
-                          SessionFailed, ServerGone, OutboxFull) for code in cls.codes
+                          SessionFailed, ServerGone, OutboxFull, PromptBackpressure) for code in cls.codes
 }
 
 
@@ -185,6 +191,11 @@ class ChunkResult:
     def revision(self) -> int:
         """The client input revision the applied snapshot came from (-1: indexed, or no live input yet)."""
         return self.control.revision
+
+    @property
+    def prompt_revision(self) -> int:
+        """The prompt this chunk used: 0 the open's, r the one ``set_prompt`` answered with revision r."""
+        return self.facts.prompt_revision
 
 
 def session_info(opened: protocol.Opened) -> SessionInfo:
@@ -282,6 +293,14 @@ def chunk_control(keys: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0
         raise BadRequest("bad_control", str(error), session) from None
 
 
+def prompt_message(req: int, session: str, prompt: str) -> protocol.SetPrompt:
+    """A ``set_prompt`` request (both SDKs); ``BadRequest`` for a prompt the protocol cannot carry."""
+    try:
+        return protocol.SetPrompt(req=req, session=session, prompt=prompt)
+    except (TypeError, ValueError) as error:
+        raise BadRequest("bad_request", str(error)) from None
+
+
 def open_message(req: int, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None,
                  live: bool = False, pause_when_idle: bool = False, intrinsics: Iterable[float] | None = None,
                  steps: int | None = None, min_steps: int | None = None) -> protocol.Open:  # fmt: skip
@@ -318,6 +337,9 @@ class Requests:
         return protocol.ControlState(req=next(self._ids), session=session, keys=sorted(_norm(keys)),
                                      mouse=(float(mouse[0]), float(mouse[1])), taps=sorted(_norm(taps)),
                                      revision=revision, steps=steps)
+
+    def set_prompt(self, session: str, prompt: str) -> protocol.SetPrompt:
+        return prompt_message(next(self._ids), session, prompt)
 
     def close(self, session: str) -> protocol.Close:
         return protocol.Close(req=next(self._ids), session=session)
@@ -598,6 +620,14 @@ class Client:
     def live(self, session: str, first_revision: int = 1) -> LiveInput:
         """A ``LiveInput`` bound to this client and a live session."""
         return LiveInput(self, session, first_revision)
+
+    def set_prompt(self, session: str, prompt: str) -> protocol.PromptScheduled:
+        """A new prompt mid-stream. Returns once the server encoded it: its ``revision`` and the first ``chunk``
+        that uses it (each chunk's ``prompt_revision`` says which text it used; a later ``set_prompt`` answered
+        with the same chunk supersedes this one). Raises ``BadRequest`` for a prompt beyond the server's
+        ``max_prompt_chars``, ``UnknownSession``, ``PromptBackpressure``, or ``ServerError`` (code ``closing``,
+        ``prompt_failed``): the session then goes on with its current prompt."""
+        return self._wait(self._ask(self._requests.set_prompt(session, prompt)), self.timeout_s)
 
     def close(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
         """Ask the server to close the session; returns its summary once closed (``UnknownSession`` if the

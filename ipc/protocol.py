@@ -211,6 +211,8 @@ class ChunkFacts(_Value):
     # set on the first chunk that runs a new steps setting (the receipt of a change, from this chunk on): "client"
     # (its control asked), "ladder_down" or "ladder_up" (the server's degrade ladder); None: same as the chunk before
     steps_changed: str | None = None
+    # the prompt this chunk's cross-attention used: 0 the open's, r the r-th ``set_prompt`` (``PromptScheduled``)
+    prompt_revision: int = 0
 
 
 class TensorSpec(_Value):
@@ -292,6 +294,15 @@ class Close(_Msg, tag="close"):
     session: SessionId
 
 
+class SetPrompt(_Msg, tag="set_prompt"):
+    """A new prompt mid-stream: re-encoded on the condition rank, it replaces the session's cross-attention context
+    from the first chunk whose denoise was not yet dispatched when the new context was ready (``PromptScheduled``)."""
+
+    req: int
+    session: SessionId
+    prompt: Annotated[str, msgspec.Meta(max_length=100_000)]  # as ``open``'s (server.max_prompt_chars is tighter)
+
+
 class Stats(_Msg, tag="stats"):
     req: int
 
@@ -328,6 +339,15 @@ class Accepted(_Msg, tag="accepted"):
     index: int
 
 
+class PromptScheduled(_Msg, tag="prompt_scheduled"):
+    """The answer to ``set_prompt``, once its context is encoded and on its way to the DiT ranks."""
+
+    req: int
+    session: str
+    revision: int  # the new prompt's revision (the open's is 0; each accepted set_prompt adds one)
+    chunk: int  # the first chunk that uses it (its facts carry ``revision``), unless a later set_prompt supersedes it
+
+
 class Chunk(_Msg, tag="chunk"):
     session: str
     frames: bytes  # uint8 RGB, row-major [n, height, width, 3]
@@ -361,8 +381,8 @@ class HeartbeatAck(_Msg, tag="heartbeat_ack"):
     server: str = ""  # this server's id for its lifetime: a client sees a restarted server (its sessions are gone)
 
 
-ClientMessage = Union[Open, Control, ControlState, Close, Stats, Heartbeat]  # noqa: UP007
-ServerMessage = Union[Opened, Accepted, Chunk, Closed, Error, StatsReply, HeartbeatAck]  # noqa: UP007
+ClientMessage = Union[Open, Control, ControlState, Close, Stats, Heartbeat, SetPrompt]  # noqa: UP007
+ServerMessage = Union[Opened, Accepted, Chunk, Closed, Error, StatsReply, HeartbeatAck, PromptScheduled]  # noqa: UP007
 
 # ----------------------------------------------------------------------------------------------------------------
 # coordinator -> role workers: one task per operation. Each task states what it is (``phase``, and ``edge`` for
@@ -418,6 +438,29 @@ class DenoiseChunk(_Task, tag="denoise_chunk"):
     control: ChunkControl
     latent: TensorSpec  # what the DiT leader sends to the decode rank (zeros of it after a failure)
     steps: int | None = None  # denoising steps this chunk runs (QUALITY_STEPS, chosen on rank 0); None: all
+    # the prompt context this chunk attends to; a revision the DiT rank has not applied yet is taken from its
+    # mailbox (under ``context_index(revision)``) before the chunk's passes, the older ones dropped
+    prompt_revision: int = 0
+
+
+def context_index(revision: int) -> int:
+    """The (negative) index a session's prompt context of ``revision`` travels under: -1 the open's, -1 - r the
+    r-th ``set_prompt``'s; so chunk indices (>= 0) and contexts share one key space on every rank."""
+    return -1 - revision
+
+
+def revision_of(index: int) -> int:
+    """The prompt revision of a context index (``context_index``'s inverse)."""
+    return -1 - index
+
+
+class EncodePrompt(_Task, tag="encode_prompt"):
+    """The condition rank encodes a ``set_prompt``'s text; its context then moves like the open's
+    (``BroadcastContext`` with the same index). Answered as a chunk of the condition stage at that index."""
+
+    phase = Phase.CHUNK
+    index: int  # context_index(revision)
+    prompt: str
 
 
 class DecodeChunk(_Task, tag="decode_chunk"):
@@ -433,7 +476,7 @@ class Release(_Task, tag="release"):
 class _Transfer(_Task):
     phase = Phase.TRANSFER
     edge: ClassVar[Edge]
-    index: int  # the chunk (-1 for a session's prompt context)
+    index: int  # the chunk (a prompt context: ``context_index(revision)``, -1 for the open's)
     tensor: TensorSpec
 
 
@@ -459,7 +502,7 @@ class Shutdown(_Msg, tag="shutdown"):
 
 WorkerTask = Union[  # noqa: UP007
     InitCondition, InitDenoise, InitDecode, ConditionChunk, DenoiseChunk, DecodeChunk, Release, BroadcastContext,
-    BroadcastCondition, ReceiveLatent, ReceiveFrames,
+    BroadcastCondition, ReceiveLatent, ReceiveFrames, EncodePrompt,
 ]
 
 
@@ -558,7 +601,7 @@ class Beat(_Msg, tag="beat"):
 WorkerMessage = Union[Hello, InitDone, ChunkDone, ReleaseDone, TransferDone, TaskFailed, ShutdownDone, Beat]  # noqa: UP007
 CoordinatorMessage = Union[  # noqa: UP007
     InitCondition, InitDenoise, InitDecode, ConditionChunk, DenoiseChunk, DecodeChunk, Release, BroadcastContext,
-    BroadcastCondition, ReceiveLatent, ReceiveFrames, Shutdown, Ping,
+    BroadcastCondition, ReceiveLatent, ReceiveFrames, Shutdown, Ping, EncodePrompt,
 ]
 
 # ----------------------------------------------------------------------------------------------------------------

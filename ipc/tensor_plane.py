@@ -149,6 +149,11 @@ class Mailbox:
             handoff = self._items.pop(key)
         return take_over(handoff)
 
+    def discard(self, key: tuple[str, int]) -> bool:
+        """Drop one item nobody will take (a superseded prompt context); whether it was there."""
+        with self._cond:
+            return self._items.pop(key, None) is not None
+
     def drop_session(self, session: str) -> int:
         with self._cond:
             keys = [k for k in self._items if k[0] == session]

@@ -218,6 +218,16 @@ class LingbotDenoiseStage:
         )
 
     @torch.no_grad()
+    def set_context(self, session: str, context: torch.Tensor) -> None:
+        """A new prompt from the next chunk on: the text keys/values are rewritten in place (a captured CUDA graph
+        reads them at their addresses); on the DiT's own stream, after the chunks already run."""
+        if session not in self.sessions:
+            raise KeyError(f"unknown session {session!r}")
+        text, new = self.sessions[session].text, self.model.text_cache(context.to(self.device))
+        for old, fresh in zip((*text.k, *text.v), (*new.k, *new.v), strict=True):
+            old.copy_(fresh)
+
+    @torch.no_grad()
     def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl,
                 steps: int | None = None) -> torch.Tensor:  # fmt: skip
         """Clean latent ``[16, cs, h, w]`` (float32, on the stage's device) of chunk ``index``; same on every rank.

@@ -73,6 +73,9 @@ class ConditionStage(Protocol):
     def open(self, spec: SessionSpec) -> torch.Tensor:
         """Initialise the session's encoder cache and return the prompt context (``context_shape``)."""
 
+    def context(self, prompt: str) -> torch.Tensor:
+        """The prompt context (``context_shape``) of a new prompt mid-session (``set_prompt``)."""
+
     def encode(self, session: str, index: int) -> torch.Tensor:
         """Condition tensor of chunk ``index`` (``condition_shape``); called with index 0, 1, 2, ... in order."""
 
@@ -83,6 +86,10 @@ class ConditionStage(Protocol):
 class DenoiseStage(Protocol):
     def open(self, spec: SessionSpec, context: torch.Tensor) -> None:
         """Initialise KV cache, noise source (seeded by ``spec.seed``) and camera state."""
+
+    def set_context(self, session: str, context: torch.Tensor) -> None:
+        """The session's chunks from the next one on attend to ``context`` (a new prompt); the KV cache, noise and
+        camera go on unchanged. Called between chunks, alike on every rank of the group."""
 
     def denoise(self, session: str, index: int, condition: torch.Tensor, control: ChunkControl,
                 steps: int | None = None) -> torch.Tensor:  # fmt: skip

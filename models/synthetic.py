@@ -93,8 +93,10 @@ class SyntheticCondition:
         height, width = (spec.height, spec.width) if spec.height else (self.geometry.height, self.geometry.width)
         image = resize_uint8(spec.image, height, width)
         self._images[spec.session] = image.permute(2, 0, 1).float().div(255.0).contiguous()  # [3, H, W]
-        prompt_code = float(sum(spec.prompt.encode()) % 997)
-        return torch.full(self.geometry.context_shape, prompt_code)
+        return self.context(spec.prompt)
+
+    def context(self, prompt: str) -> torch.Tensor:
+        return torch.full(self.geometry.context_shape, float(sum(prompt.encode()) % 997))
 
     def encode(self, session: str, index: int) -> torch.Tensor:
         started = time.monotonic()
@@ -171,6 +173,11 @@ class SyntheticDenoise:
         geometry = self.geometry.with_size(spec.height, spec.width) if spec.height else self.geometry
         generator = torch.Generator().manual_seed(spec.seed)
         self._sessions[spec.session] = _DenoiseSession(geometry=geometry, pose=np.eye(4), generator=generator)
+
+    def set_context(self, session: str, context: torch.Tensor) -> None:
+        """A new prompt: the synthetic frames do not depend on the text (the chunk's facts carry its revision)."""
+        if session not in self._sessions:
+            raise KeyError(f"unknown session {session!r}")
 
     def _advance(
         self, session: str, index: int, control: ChunkControl

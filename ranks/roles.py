@@ -22,7 +22,7 @@ from models.stages import SessionInputError, SessionSpec
 from ranks.worker import Fatal, RankContext, Spans, serve, tensor_plane
 from runtime.placement import CONDITION_EDGE, FRAMES_RECEIVER, LATENT_RECEIVER
 
-CONTEXT_INDEX = -1  # mailbox index of a session's prompt context
+CONTEXT_INDEX = protocol.context_index(0)  # mailbox index of a session's prompt context (later revisions: below)
 STEADY_CHUNK = 1  # a session's VAE caches are at their steady size once this chunk is done (ranks.memory)
 SPATIAL_STRIDE = 8  # frame pixels per condition pixel
 
@@ -48,6 +48,12 @@ def condition_worker(ctx: RankContext) -> None:
             context = stage.open(SessionSpec(task.session, task.seed, task.prompt, image, task.height, task.width))
         ctx.contexts.put((task.session, CONTEXT_INDEX), context)
 
+    def reprompt(task: protocol.EncodePrompt, spans: Spans) -> None:
+        """A ``set_prompt``'s context, for its broadcast (announced once this task is answered)."""
+        with spans.span("condition.prompt"):
+            context = stage.context(task.prompt)
+        ctx.contexts.put((task.session, task.index), context)
+
     def encode(task: protocol.ConditionChunk, spans: Spans) -> None:
         with spans.span("condition"):
             condition = stage.encode(task.session, task.index)
@@ -63,7 +69,8 @@ def condition_worker(ctx: RankContext) -> None:
         ctx.contexts.drop_session(task.session)
 
     serve(ctx, Stage.CONDITION.value, Stage.CONDITION,
-          {protocol.InitCondition: init, protocol.ConditionChunk: encode, protocol.Release: release})
+          {protocol.InitCondition: init, protocol.ConditionChunk: encode, protocol.Release: release,
+           protocol.EncodePrompt: reprompt})
 
 
 def condition_edge(ctx: RankContext) -> None:
@@ -76,7 +83,7 @@ def condition_edge(ctx: RankContext) -> None:
 
     def move(task: protocol.BroadcastContext | protocol.BroadcastCondition, spans: Spans) -> None:
         context = isinstance(task, protocol.BroadcastContext)
-        key = (task.session, CONTEXT_INDEX if context else task.index)
+        key = (task.session, task.index)  # a context's index is negative (its revision), a condition's its chunk
         shape, dtype = tuple(task.tensor.shape), dtype_of(task.tensor)
         with tensor_plane(f"{task.edge.value} of {task.session}/{task.index}"):  # the peers wait: a miss is fatal
             tensor = None
@@ -98,7 +105,7 @@ def condition_edge(ctx: RankContext) -> None:
 
 
 def _dit_input(ctx: RankContext, session: str, index: int) -> torch.Tensor:
-    with tensor_plane(f"{'context' if index == CONTEXT_INDEX else 'condition'} of {session}/{index} never arrived"):
+    with tensor_plane(f"{'context' if index < 0 else 'condition'} of {session}/{index} never arrived"):
         return ctx.dit_inputs.take((session, index), ctx.timeouts.stage_s)
 
 
@@ -108,6 +115,7 @@ def denoise_worker(ctx: RankContext) -> None:
     leader = ctx.rank == lay.dit_leader
     group_ranks = len(lay.dit)
     assert stage is not None
+    prompts: dict[str, int] = {}  # session -> the prompt revision its text cache holds
 
     def init(task: protocol.InitDenoise, spans: Spans) -> None:
         context = _dit_input(ctx, task.session, CONTEXT_INDEX)
@@ -118,11 +126,24 @@ def denoise_worker(ctx: RankContext) -> None:
         if ctx.check_memory is not None:  # the KV ring and text cache are whole once open
             ctx.check_memory("denoise", stage, task.session, task.height, task.width)
 
+    def switch_prompt(task: protocol.DenoiseChunk) -> None:
+        """The first chunk of a newer prompt revision: its context (waited for: the broadcast may still be moving)
+        replaces the session's text before the passes; contexts of revisions it superseded are dropped unused."""
+        held = prompts.get(task.session, 0)
+        if task.prompt_revision == held:
+            return
+        context = _dit_input(ctx, task.session, protocol.context_index(task.prompt_revision))
+        for skipped in range(held + 1, task.prompt_revision):  # announced earlier, on this edge: already here
+            ctx.dit_inputs.discard((task.session, protocol.context_index(skipped)))
+        stage.set_context(task.session, context)
+        prompts[task.session] = task.prompt_revision
+
     def denoise(task: protocol.DenoiseChunk, spans: Spans) -> None:
         condition = _dit_input(ctx, task.session, task.index)
         failure: Exception | None = None
         try:
             with spans.span("denoise"):
+                switch_prompt(task)
                 latent = stage.denoise(task.session, task.index, condition, task.control, task.steps)
         except SessionInputError as error:  # found before the collectives, alike on every rank: the group is whole
             failure, latent = error, zeros(task.latent)
@@ -148,6 +169,7 @@ def denoise_worker(ctx: RankContext) -> None:
         with spans.span("denoise.release"):
             stage.release(task.session)
         ctx.dit_inputs.drop_session(task.session)  # conditions broadcast for chunks the session never reached
+        prompts.pop(task.session, None)
 
     # Every DiT rank answers: its spans reach the timeline, its init and release are joined by the coordinator.
     serve(ctx, Stage.DENOISE.value, Stage.DENOISE,

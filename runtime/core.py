@@ -90,7 +90,8 @@ from runtime.core_types import (
 )
 from runtime.memory_admission import Cost, MemoryAdmission
 from runtime.metrics import ServerMetrics
-from runtime.placement import HEARTBEAT, Placement, StageAction, identity, placement_of, plan
+from runtime.placement import HEARTBEAT, NewPrompt, Placement, StageAction, identity, placement_of, plan
+from runtime.prompts import PromptBackpressure
 from runtime.session import Join, JoinKey, Session, Step
 from runtime.sizes import served_sizes, snap
 from runtime.warm_start import WarmStart
@@ -257,6 +258,8 @@ class CoordinatorCore:
                     raise ClientError(error.reason, str(error)) from None
                 if message.steps is not None:  # from the next chunk cut
                     session.asked[self.scheduler.next_control_index(session.id)] = message.steps
+            case protocol.SetPrompt():
+                self._set_prompt(self.clients.owned(who, message.session), message, now)
             case protocol.Close():
                 sid = self.clients.owned(who, message.session).id
                 if not self._live(sid):  # a repeated close: answered, and the one ``closed`` still follows
@@ -388,6 +391,30 @@ class CoordinatorCore:
         self._emit(ToClient(session.client, protocol.Accepted(req=message.req, session=session.id,
                                                               index=message.index), session.id))
 
+    def _set_prompt(self, session: Session, message: protocol.SetPrompt, now: float) -> None:
+        """Validate a new prompt and start its encode (``runtime.prompts``); answered once its context is encoded
+        and announced to the DiT ranks (``_prompt_ready``), naming the first chunk that uses it."""
+        if not self._live(session.id) or not session.opened:
+            raise ClientError("closing", f"session {session.id} is closing; its prompt cannot change")
+        limit = self.server.max_prompt_chars
+        if len(message.prompt) > limit:
+            raise ClientError("bad_request", f"prompt of {len(message.prompt)} characters exceeds the limit of {limit}")
+        try:
+            revision = session.prompts.accept(message.req)
+        except PromptBackpressure as error:
+            raise ClientError("prompt_backpressure", str(error),
+                              retry_after_s=backpressure_retry_s(session.metrics.last_period)) from None
+        self._dispatch(NewPrompt(session.id, revision, message.prompt), now)
+
+    def _prompt_ready(self, session: Session, revision: int) -> None:
+        """Revision ``revision``'s context is encoded and its broadcast announced: denoises dispatched from now on
+        use it, so the first of them is the chunk the reply names."""
+        req = session.prompts.encoded(revision)
+        if req is not None:
+            self._to_client(session, protocol.PromptScheduled(
+                req=req, session=session.id, revision=revision,
+                chunk=self.scheduler.next_denoise_index(session.id)))
+
     def _cut_live(self, now: float) -> None:
         """The non-blocking path of live sessions: a snapshot is cut when the scheduler wants the control."""
         for session in list(self.sessions.values()):
@@ -449,6 +476,7 @@ class CoordinatorCore:
         control, steps = None, None
         if isinstance(action, sch.RunDenoise):
             control, steps = session.controls.get(action.index), self._chunk_steps(session, action.index)
+            session.prompts.dispatched(action.index)  # the chunk takes the prompt announced last (plan names it)
         tasks = plan(action, session.facts(), self.where, control, steps)
         if isinstance(action, sch.InitCache) and action.stage is Stage.CONDITION:
             session.image = None  # the condition stage has it now
@@ -510,7 +538,7 @@ class CoordinatorCore:
             session.metrics.on_memory(rank, max(mem["peak_rss"], mem["cuda_peak"]))
         steps, changed = session.chunk_steps.pop(action.index, (0, None))
         facts = ChunkFacts(action.index, session.geometry.frames_in_chunk(action.index), control, action.times, spans,
-                           steps, changed)
+                           steps, changed, prompt_revision=session.prompts.emitted(action.index))
         previous = session.metrics.last_emitted
         self.metrics.on_chunk(session.id, facts)
         self.capacity.on_chunk(session.id, facts, warm=action.index < max(1, self.metrics_config.warmup_chunks))
@@ -530,6 +558,9 @@ class CoordinatorCore:
         summary["released"] = session.released  # stage -> ranks that confirmed, in release order
         summary["leaked_caches"] = [s.value for s in action.leaked]
         summary["poisoned"] = action.poisoned
+        for revision, req in session.prompts.waiting().items():  # a set_prompt still encoding gets its answer
+            self._to_client(session, protocol.Error(req=req, session=session.id, code="closing", message=(
+                f"session {session.id} closed before its prompt revision {revision} was ready")))
         self._to_client(session, protocol.Closed(session=session.id, reason=action.reason, error=action.error,
                                                  summary=summary))
         self._emit(DropTensors(session.id))
@@ -577,7 +608,9 @@ class CoordinatorCore:
         self._send(session, join.then, now)
         stage, phase, index = key
         sid = session.id
-        if phase is Phase.INIT:
+        if phase is Phase.CHUNK and index < 0:  # a new prompt's encode (a NewPrompt; its context moves now)
+            self._prompt_ready(session, protocol.revision_of(index))
+        elif phase is Phase.INIT:
             self._run(self.scheduler.init_done(sid, stage, now), now)
         elif phase is Phase.RELEASE:
             self._run(self.scheduler.release_done(sid, stage, True, now), now)
@@ -594,6 +627,12 @@ class CoordinatorCore:
         index = failed.index if failed.phase is Phase.CHUNK else -1
         session.joins.pop((stage, failed.phase, index), None)
         error = f"{failed.role} {failed.phase.value}: {failed.error}"
+        if failed.phase is Phase.CHUNK and index < 0:  # a new prompt's encode: the session keeps its text
+            req = session.prompts.failed(protocol.revision_of(index))
+            if req is not None:
+                self._to_client(session, protocol.Error(req=req, session=session.id, code="prompt_failed",
+                                                        message=clip(f"the new prompt could not be encoded: {error}")))
+            return
         if failed.phase is Phase.RELEASE:
             self._run(self.scheduler.release_done(session.id, stage, False, now, error), now)
         else:
@@ -617,6 +656,8 @@ class CoordinatorCore:
                 if now - join.sent > self.timeouts.stage_s:
                     ranks = ", ".join(str(rank) for _, rank in sorted(join.waiting))
                     what = f"{stage.value} of chunk {index}" if phase is Phase.CHUNK else f"{stage.value} {phase.value}"
+                    if phase is Phase.CHUNK and index < 0:  # a NewPrompt's encode
+                        what = f"encode of prompt revision {protocol.revision_of(index)}"
                     raise JobFailed(f"rank {ranks} did not finish the {what} of session {session.id} within "
                                     f"{self.timeouts.stage_s:.0f} s")
         for session in self.clients.silent(now):
@@ -693,6 +734,8 @@ def _key_of(action: StageAction) -> JoinKey:
         return (action.stage, Phase.INIT, -1)
     if isinstance(action, sch.Release):
         return (action.stage, Phase.RELEASE, -1)
+    if isinstance(action, NewPrompt):  # a chunk of the condition stage under the context's negative index
+        return (Stage.CONDITION, Phase.CHUNK, action.index)
     stage = {sch.RunCondition: Stage.CONDITION, sch.RunDenoise: Stage.DENOISE, sch.RunDecode: Stage.DECODE}
     return (stage[type(action)], Phase.CHUNK, action.index)
 

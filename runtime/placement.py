@@ -22,8 +22,13 @@ that together finish it (the join), plus the tasks to send once it is finished:
 | RunDecode(i)         | ReceiveFrames -> frames (if any), DecodeChunk ->    | its ChunkDone and the   |             |
 |                      | decode                                              | frames' TransferDone    |             |
 | Release(stage)       | Release -> every rank of the stage                  | every such ReleaseDone  |             |
+| NewPrompt(r)         | EncodePrompt -> condition                           | its ChunkDone           | Broadcast-  |
+|                      |                                                     |                         | Context     |
+|                      |                                                     |                         | -> edges    |
 
-Receivers are announced before the sender's task, and the condition moves as soon as it is encoded (overlapping
+A ``NewPrompt`` (``set_prompt``, ``runtime.prompts``) is not a scheduler action: rank 0 plans it itself, and its
+chunk-phase completion travels under the negative index ``context_index(r)``, which no chunk has. Receivers are
+announced before the sender's task, and the condition moves as soon as it is encoded (overlapping
 the DiT's current chunk). The DiT ranks other than the leader answer their chunks too: their spans reach the
 timeline, but only the leader (who sends the latent) moves the schedule.
 """
@@ -46,7 +51,22 @@ LATENT_RECEIVER = "latent_receiver"
 FRAMES_RECEIVER = "frames"
 HEARTBEAT = "heartbeat"
 
-StageAction = InitCache | RunCondition | RunDenoise | RunDecode | Release
+
+
+@dataclass(frozen=True)
+class NewPrompt:
+    """Encode revision ``revision`` of a session's prompt, then move its context to every DiT rank."""
+
+    session: str
+    revision: int
+    prompt: str
+
+    @property
+    def index(self) -> int:
+        return protocol.context_index(self.revision)
+
+
+StageAction = InitCache | RunCondition | RunDenoise | RunDecode | Release | NewPrompt
 Part = tuple[Phase, int]  # one completion a join waits for: its phase and the rank that sends it
 
 
@@ -117,6 +137,7 @@ class SessionFacts:
     image_height: int = 0
     image_width: int = 0
     intrinsics: tuple[float, float, float, float] | None = None  # the session's camera at 480x832 (the DiT's init)
+    prompt_revision: int = 0  # the prompt revision a denoise dispatched now uses (``runtime.prompts``)
 
 
 @dataclass(frozen=True)
@@ -166,7 +187,8 @@ def plan(action: StageAction, session: SessionFacts, where: Placement,
             latent = TensorSpec(shape=g.latent_shape, dtype=_dtype(g))
             receive = () if where.latent_receiver is None else (
                 (where.latent_receiver, protocol.ReceiveLatent(session=sid, index=index, tensor=latent)),)
-            denoise = protocol.DenoiseChunk(session=sid, index=index, control=control, latent=latent, steps=steps)
+            denoise = protocol.DenoiseChunk(session=sid, index=index, control=control, latent=latent, steps=steps,
+                                            prompt_revision=session.prompt_revision)
             return Plan((*receive, *((w, denoise) for w in dit)), frozenset({(Phase.CHUNK, where.dit_leader)}))
         case RunDecode(index=index):
             frames = TensorSpec(shape=g.frames_shape(index), dtype="uint8")
@@ -176,6 +198,12 @@ def plan(action: StageAction, session: SessionFacts, where: Placement,
             receive = protocol.ReceiveFrames(session=sid, index=index, tensor=frames)
             return Plan(((where.frames_receiver, receive), task),
                         frozenset({(Phase.CHUNK, where.decode), (Phase.TRANSFER, where.coordinator)}))
+        case NewPrompt(index=index, prompt=prompt):
+            moved = protocol.BroadcastContext(session=sid, index=index,
+                                              tensor=TensorSpec(shape=g.context_shape, dtype=_dtype(g)))
+            return Plan(((condition, protocol.EncodePrompt(session=sid, index=index, prompt=prompt)),),
+                        frozenset({(Phase.CHUNK, where.condition)}),
+                        then=tuple((edge, moved) for edge in where.condition_edges))
         case Release(stage=stage):
             release = protocol.Release(session=sid)
             return Plan(tuple((w, release) for w in where.workers_of(stage)),

@@ -203,7 +203,7 @@ class RouterCore:
                 session = self.sessions[message.session]  # earlier input waits for a full link: this goes after
                 session.state = fold(session.state, message)  # type: ignore[arg-type]
                 self._send_state(session)
-            case protocol.Control() | protocol.ControlState() | protocol.Close():
+            case protocol.Control() | protocol.ControlState() | protocol.Close() | protocol.SetPrompt():
                 session = self.clients.owned(who, message.session)
                 replica = self.replicas[session.replica]
                 kind = type(message).__struct_config__.tag
@@ -300,7 +300,7 @@ class RouterCore:
                     self._remove_session(session)
                     if not session.gone:
                         self._emit(ToClient(session.client, event.raw, sid))
-            case protocol.Accepted(session=sid) | protocol.Error(session=sid):
+            case protocol.Accepted(session=sid) | protocol.Error(session=sid) | protocol.PromptScheduled(session=sid):
                 self._to_session(replica, sid, event.raw)  # type: ignore[arg-type]
             case protocol.StatsReply():
                 self._stats_reply(replica, message, now)
@@ -367,8 +367,9 @@ class RouterCore:
         elif origin.kind == "control_state":  # nor valid live input: it is folded and sent when the link drains
             if origin.state is not None:
                 session.state = origin.state if session.state is None else fold(origin.state, session.state)
-        else:  # what a server answers a control it cannot take now
-            self._refuse(origin.identity, ClientError("control_backpressure", f"the connection to replica "
+        else:  # what a server answers a control (or a new prompt) it cannot take now
+            code = "prompt_backpressure" if origin.kind == "set_prompt" else "control_backpressure"
+            self._refuse(origin.identity, ClientError(code, f"the connection to replica "
                                                       f"{event.replica} is full; send it again",
                                                       retry_after_s=SESSION_RETRY_S), origin.req, origin.session)
 

@@ -285,6 +285,10 @@ class Scheduler:
     def next_emit_index(self, session: str) -> int:
         return self._get(session).emission.expected
 
+    def next_denoise_index(self, session: str) -> int:
+        """The first chunk whose denoise has not been dispatched (a new prompt's context applies from it)."""
+        return self._get(session).next_denoise
+
     def edges(self, session: str) -> EdgeOccupancy:
         s = self._get(session)
         encoding = self._running(s, Stage.CONDITION, TaskKind.RUN)

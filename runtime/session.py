@@ -16,6 +16,7 @@ from runtime.control_service import LiveControls
 from runtime.images import DecodedImage
 from runtime.metrics import SessionMetrics
 from runtime.placement import Part, SessionFacts
+from runtime.prompts import PromptRevisions
 
 if TYPE_CHECKING:
     from models.geometry import StreamGeometry
@@ -57,12 +58,13 @@ class Session:
     asked: dict[int, int] = field(default_factory=dict)  # chunk -> steps its control asked for (until dispatched)
     chunk_steps: dict[int, tuple[int, str | None]] = field(default_factory=dict)  # dispatched, not emitted: steps, why
     last_steps: int = 0  # steps of the latest dispatched chunk (0: none yet)
+    prompts: PromptRevisions = field(default_factory=PromptRevisions)  # which text each chunk attends to
 
     def facts(self) -> SessionFacts:
         image = self.image
         return SessionFacts(self.id, self.seed, self.prompt, self.geometry,
                             image.pixels if image else b"", image.height if image else 0, image.width if image else 0,
-                            self.intrinsics)
+                            self.intrinsics, self.prompts.announced)
 
     def add_spans(self, index: int, rank: int, role: str, spans: tuple[WorkerSpan, ...], clock: ClockSync,
                   queued: float) -> None:

@@ -6,15 +6,19 @@
 A trace is JSON: ``{"prompt": str, "seed": int, "chunks": [{"keys": "wl", "mouse": [dx, dy]}, ...]}`` (the keys
 held during each chunk), optionally with ``"intrinsics": [fx, fy, cx, cy]``: the camera in pixels of a 480x832
 frame (default: the server's ``controls.intrinsics``); a timeline and a recording may carry it too.
-``--reactive`` sends control[i] only after chunk i-1 arrived (a person reacting to what they see) instead of as
-soon as the server admits it (a recorded trace).
+A trace may change the prompt mid-stream: ``"prompts": [{"chunk": k, "prompt": str}, ...]`` (k increasing) sends
+``set_prompt`` after chunk k-1 arrived and before control k, so chunk k is exactly the first to use it (checked
+against the server's answer). ``--reactive`` sends control[i] only after chunk i-1 arrived (a person reacting to
+what they see) instead of as soon as the server admits it (a recorded trace).
 
 Live mode: ``--live`` plays an input timeline (``--timeline t.json``, or a built-in one) as a live session: at
 each event's time (seconds after the session is ready) the whole input state is sent as a ``control_state``
 and the server cuts per-chunk snapshots from it. A timeline is JSON: ``{"prompt", "seed", "num_chunks",
 "pause_when_idle", "events": [{"t": 0.2, "keys": "w", "taps": "i", "mouse": [dx, dy]}, ...]}`` (``keys``: held
-now; ``taps`` and ``mouse``: since the previous event). ``--record out/live_trace.json`` writes the recording:
-the states as sent (revision, send time), the snapshot the server applied to every chunk, the frame hashes and
+now; ``taps`` and ``mouse``: since the previous event); an event ``{"t": 1.0, "prompt": "..."}`` changes the prompt
+instead (``set_prompt``). ``--record out/live_trace.json`` writes the recording:
+the states and prompt changes as sent (revision, send time; a prompt change with the ``prompt_revision`` and
+``chunk`` the server answered), the snapshot and prompt revision the server applied to every chunk, the frame hashes and
 the input-to-photon latencies. ``--replay out/live_trace.json`` sends the recorded states again with their
 original timing; ``--replay ... --exact`` instead replays the applied snapshots as indexed controls, which
 reproduces the recorded frames bit for bit (checked by hash; exit 1 on a mismatch).
@@ -65,6 +69,7 @@ class Played:
     chunks: list[ChunkResult] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
+    prompts: list[dict[str, Any]] = field(default_factory=list)  # set_prompt answers: chunk, prompt_revision, prompt
 
 
 def load_trace(path: Path) -> dict[str, Any]:
@@ -90,12 +95,16 @@ def play(client: Client, image: bytes, trace: dict[str, Any], reactive: bool = F
     played = Played(session=info.id, fps=info.fps, opened_s=time.monotonic() - started)
     errors: list[BaseException] = []
 
+    changes = {int(change["chunk"]): str(change["prompt"]) for change in trace.get("prompts", ())}
+
     def send_all() -> None:
         try:
             for index, step in enumerate(steps):
-                if reactive and index > 0:
+                if (reactive and index > 0) or index in changes:
                     while len(played.chunks) < index and not errors:
                         time.sleep(0.0005)
+                if index in changes:  # chunk index-1 arrived and control[index] is not sent: index is the switch
+                    played.prompts.append(change_prompt(client, info.id, changes[index], expect_chunk=index))
                 client.control(info.id, index, keys=step.get("keys", ""), mouse=tuple(step.get("mouse", (0, 0))))
         except BaseException as error:  # surfaced in the caller's thread
             errors.append(error)
@@ -112,6 +121,14 @@ def play(client: Client, image: bytes, trace: dict[str, Any], reactive: bool = F
     played.summary = client.wait_closed(info.id)
     played.wall_s = time.monotonic() - started
     return played
+
+
+def change_prompt(client: Client, session: str, prompt: str, expect_chunk: int | None = None) -> dict[str, Any]:
+    """``set_prompt``; the answer as a record. ``expect_chunk``: the chunk the change must take effect at."""
+    reply = client.set_prompt(session, prompt)
+    if expect_chunk is not None and reply.chunk != expect_chunk:
+        raise RuntimeError(f"the new prompt took effect at chunk {reply.chunk}, not {expect_chunk}")
+    return {"chunk": reply.chunk, "prompt_revision": reply.revision, "prompt": prompt}
 
 
 @dataclass
@@ -160,6 +177,11 @@ def play_live(client: Client, image: bytes, timeline: dict[str, Any], tail_s: fl
             for event in timeline["events"]:
                 if done.wait(max(0.0, ready + float(event["t"]) - time.monotonic())):
                     return
+                if "prompt" in event:
+                    change = change_prompt(client, info.id, str(event["prompt"]))
+                    played.prompts.append(change)
+                    played.sent.append({"t": time.monotonic() - ready, **change})
+                    continue
                 state = {"keys": "".join(event.get("keys", "")), "taps": "".join(event.get("taps", "")),
                          "mouse": [float(v) for v in event.get("mouse", (0.0, 0.0))]}
                 revision = live.set(state["keys"], state["taps"], (state["mouse"][0], state["mouse"][1]))
@@ -225,7 +247,8 @@ def recording(timeline: dict[str, Any], played: LivePlayed) -> dict[str, Any]:
         "pause_when_idle": bool(timeline.get("pause_when_idle")),
         "intrinsics": timeline.get("intrinsics"),
         "events": played.sent,
-        "applied": [{"index": c.index, "control": to_builtins(c.control)} for c in played.chunks],
+        "applied": [{"index": c.index, "control": to_builtins(c.control), "prompt_revision": c.prompt_revision}
+                    for c in played.chunks],
         "hashes": frame_hashes(played.chunks),
         "input_to_photon_s": {str(r): v for c in played.chunks for r, v in sorted(c.input_to_photon_s.items())},
     }
@@ -236,10 +259,20 @@ def applied_trace(recorded: dict[str, Any]) -> dict[str, Any]:
     applied = sorted(recorded["applied"], key=lambda a: a["index"])
     if [a["index"] for a in applied] != list(range(len(applied))) or not applied:
         raise ValueError("the recording's applied snapshots must cover chunks 0..n-1")
-    return {"prompt": recorded.get("prompt", ""), "seed": recorded.get("seed", 0),
-            "intrinsics": recorded.get("intrinsics"), "chunks": [
+    texts = {e["prompt_revision"]: e["prompt"] for e in recorded.get("events", ()) if "prompt" in e}
+    prompts, shown = [], 0
+    for a in applied:  # each chunk that first used a newer prompt revision: a change at that chunk
+        revision = int(a.get("prompt_revision", 0))
+        if revision != shown:
+            if revision not in texts:
+                raise ValueError(f"chunk {a['index']} used prompt revision {revision}, which the recording lacks")
+            prompts.append({"chunk": a["index"], "prompt": texts[revision]})
+            shown = revision
+    trace = {"prompt": recorded.get("prompt", ""), "seed": recorded.get("seed", 0),
+             "intrinsics": recorded.get("intrinsics"), "chunks": [
         {"keys": "".join(a["control"].get("keys", ())), "mouse": a["control"].get("mouse", (0.0, 0.0))}
         for a in applied]}
+    return {**trace, "prompts": prompts} if prompts else trace
 
 
 def replay_exact(client: Client, image: bytes, recorded: dict[str, Any]) -> tuple[Played, bool]:
@@ -331,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         write_video(played.chunks, args.out, played.fps)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"report": facts, "summary": summary, "chunks": [
+        args.json.write_text(json.dumps({"report": facts, "summary": summary, "prompts": played.prompts, "chunks": [
             to_builtins(c.facts) for c in played.chunks]}, indent=1))
     if args.chrome_trace:
         write_chrome_trace(played, args.chrome_trace)

@@ -173,7 +173,7 @@ def test_bad_page_messages_get_clear_errors_and_the_session_streams_on(gateway: 
                 (json.dumps({"type": "state", "keys": ["x"], "revision": 6}), "unknown_keys"),
                 (json.dumps({"type": "state", "keys": [], "revision": 5}), "stale_revision"),  # not newer than 5
                 (json.dumps({"type": "teleport"}), "bad_message"),
-                (json.dumps({"type": "state", "keys": [], "revision": 6, "pad": "x" * 5000}), "too_large"),
+                (json.dumps({"type": "state", "keys": [], "revision": 6, "pad": "x" * 10000}), "too_large"),
             ]:
                 await page.ws.send_str(bad)
                 error = await page.next("error")

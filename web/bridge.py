@@ -170,6 +170,8 @@ class Bridge:
                 self.error("no_session", "no session is open in this tab")
             else:
                 await self._close_session()
+        elif isinstance(request, pp.PromptRequest):
+            self._tasks.spawn(self._on_prompt(request))  # answered once encoded: input keeps flowing meanwhile
         elif isinstance(request, pp.StatsRequest):
             await self._on_stats()
         else:
@@ -237,6 +239,19 @@ class Bridge:
         except OutboxFull as error:  # the server is not taking input: the page hears it, its next state goes again
             self.error(error.code, error.message, session=self.session.id)
 
+    async def _on_prompt(self, request: pp.PromptRequest) -> None:
+        info, client = self.session, self.client
+        if info is None or client is None:
+            self.error("no_session", "no session is open in this tab: start one with this prompt instead")
+            return
+        try:
+            reply = await client.set_prompt(info.id, request.prompt)
+        except (ServerError, TimeoutError) as error:
+            self.error(getattr(error, "code", "server_unreachable"), getattr(error, "message", str(error)),
+                       getattr(error, "retry_after_s", None), session=info.id)
+            return
+        self.send({"type": "prompt", "session": info.id, "revision": reply.revision, "chunk": reply.chunk})
+
     async def _on_stats(self) -> None:
         if self.client is None:
             self.error("no_session", "no session has been opened in this tab yet")
@@ -290,6 +305,7 @@ class Bridge:
             self.playing = view
             self.send({"type": "chunk", "session": info.id, "index": view.index, "frames": int(view.frames.shape[0]),
                        "keys": list(view.keys), "mouse": list(view.mouse), "revision": view.revision,
+                       "prompt_revision": view.prompt_revision,
                        "control_to_output_s": view.control_to_output_s,
                        "steps": view.facts.steps, "steps_changed": view.facts.steps_changed,  # quality, for the HUD
                        "gateway_input_to_photon_s": {str(r): s for r, s in view.gateway_input_to_photon_s.items()},

@@ -25,6 +25,7 @@ class ChunkView:
     control_to_output_s: float | None  # server clock: control accepted -> frames emitted
     facts: protocol.ChunkFacts  # rank-0 times and every rank's spans (for the trace)
     gateway_input_to_photon_s: Mapping[int, float]  # gateway clock: revision sent -> this chunk received
+    prompt_revision: int = 0  # the prompt the chunk used (0: the open's; r: the page's r-th new prompt)
 
     def timeline(self) -> Timeline:
         """What the session's trace keeps of this chunk (no pixels)."""
@@ -55,6 +56,7 @@ def read_chunk(chunk: ChunkResult) -> ChunkView:
         control_to_output_s=facts.times.control_to_output,
         facts=facts,
         gateway_input_to_photon_s=dict(chunk.input_to_photon_s),
+        prompt_revision=facts.prompt_revision,
     )
 
 

@@ -7,12 +7,13 @@ Page -> gateway:
   ``max_msg_size`` refuses larger frames before they are read), the JSON header against ``MAX_HEADER_BYTES``.
 - **text** messages are JSON maps with a ``type``: ``state`` (the live input: ``keys`` held now, ``mouse`` motion
   [yaw, pitch] degrees since the previous state, ``taps`` pressed and released since, ``revision`` strictly
-  increasing), ``close``, ``stats``, ``trace`` (the session's Chrome trace). Each is at most
-  ``MAX_TEXT_BYTES``.
+  increasing), ``prompt`` (a new prompt mid-session: ``prompt``), ``close``, ``stats``, ``trace`` (the session's
+  Chrome trace). Each is at most ``MAX_TEXT_BYTES``.
 
 Gateway -> page:
 - **text** JSON maps: ``hello`` (limits, frame format), ``opened``, ``chunk`` (per chunk: the applied control,
-  control-to-output latency, drop counters; always sent, never dropped), ``closed`` (reason and the server's
+  the prompt revision it used, control-to-output latency, drop counters; always sent, never dropped), ``prompt``
+  (a new prompt's ``revision`` and the first ``chunk`` that uses it), ``closed`` (reason and the server's
   session summary), ``stats``, ``trace``, ``error`` (``code``, ``message``, ``retry_after_s``).
 - **binary** frames: a 16-byte header (``FRAME_HEADER``) and one encoded picture. Only the newest frames are
   sent (``playout``); the header names the chunk, the frame in it and the input revision the chunk applied, so the
@@ -36,7 +37,7 @@ from ipc.protocol import clip
 from models.controls import KEYS, MAX_MOUSE_DEGREES
 
 PAGE_PROTOCOL_VERSION = 1
-MAX_TEXT_BYTES = 4096  # a state is ~100 bytes; anything near this is not a page of ours
+MAX_TEXT_BYTES = 9000  # a state is ~100 bytes; a prompt message holds the server's 2000 characters (UTF-8: 8000 bytes)
 MAX_HEADER_BYTES = 8192  # the open header: a prompt of the server's 2000 characters fits several times over
 # Every number a page sends is range-checked here before anything uses it (a Python int has no size: unchecked, a
 # huge one overflows the frame header's int32 or msgpack's 64 bits far from the message that carried it).
@@ -96,6 +97,10 @@ class StateRequest(_PageMsg, tag="state"):
     taps: list[str] = []
 
 
+class PromptRequest(_PageMsg, tag="prompt"):
+    prompt: str  # the server holds it to its server.max_prompt_chars (its error names the limit)
+
+
 class CloseRequest(_PageMsg, tag="close"):
     pass
 
@@ -108,12 +113,12 @@ class TraceRequest(_PageMsg, tag="trace"):
     pass
 
 
-TextRequest = Union[StateRequest, CloseRequest, StatsRequest, TraceRequest]  # noqa: UP007
+TextRequest = Union[StateRequest, CloseRequest, StatsRequest, TraceRequest, PromptRequest]  # noqa: UP007
 _text = msgspec.json.Decoder(TextRequest)
 _open = msgspec.json.Decoder(OpenRequest)
 
 
-def parse_text(data: str) -> StateRequest | CloseRequest | StatsRequest | TraceRequest:
+def parse_text(data: str) -> StateRequest | CloseRequest | StatsRequest | TraceRequest | PromptRequest:
     """A text message from the page, validated (raises ``PageError``)."""
     raw = data.encode()
     if len(raw) > MAX_TEXT_BYTES:

@@ -67,6 +67,11 @@ class Tab:
         await self.ws.send_str(json.dumps({"type": "state", "keys": list(keys), "mouse": list(mouse),
                                            "taps": list(taps), "revision": revision}))
 
+    async def set_prompt(self, prompt: str) -> dict[str, Any]:
+        """A new prompt mid-session: the ``prompt`` reply (revision, first chunk) or the ``error``."""
+        await self.ws.send_str(json.dumps({"type": "prompt", "prompt": prompt}))
+        return await self.next("prompt", "error")
+
     async def close_session(self, timeout_s: float = 20.0) -> dict[str, Any]:
         """Stop the session: its ``closed`` (or the ``error`` saying there is none, e.g. it ended meanwhile)."""
         await self.ws.send_str(json.dumps({"type": "close"}))

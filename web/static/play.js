@@ -70,6 +70,7 @@ function onText(message) {
     case "closed": onClosed(message); break;
     case "stats": state.stats = message; break;
     case "trace": saveTrace(message); break;
+    case "prompt": onPrompt(message); break;
     case "error": onError(message); break;
   }
   updateButtons();
@@ -80,7 +81,7 @@ function onOpened(message) {
   Object.assign(state, {
     session: message.session, opened: message, closed: null, busyTries: 0, chunks: [], chunkByIndex: new Map(),
     painted: 0, paintLog: [], orderErrors: 0, droppedPage: 0, i2p: [], c2o: [], gatewayI2p: [], paintTimes: [],
-    chunkTimes: [], bytes: 0, bytesLog: [], lastApplied: -1, stats: null,
+    chunkTimes: [], bytes: 0, bytesLog: [], lastApplied: -1, stats: null, prompts: [],
   });
   input.reset();
   input.mouseSent = [0, 0];
@@ -107,6 +108,15 @@ function onChunk(message) {
   if (chunk.control_to_output_s != null) push(state.c2o, chunk.control_to_output_s * 1000);
   for (const value of Object.values(chunk.gateway_input_to_photon_s || {})) push(state.gatewayI2p, value * 1000);
   state.droppedGateway = chunk.dropped;
+}
+
+function onPrompt(message) {
+  state.prompts.push(message);  // revision r is used from chunk message.chunk on (a later one may supersede it)
+  showBanner(`New prompt (revision ${message.revision}) from chunk ${message.chunk}.`, true);
+}
+
+function setPrompt() {
+  if (state.session) send({ type: "prompt", prompt: $("prompt").value });
 }
 
 function onClosed(message) {
@@ -413,6 +423,9 @@ function renderHud() {
     (last.steps_changed ? ` (${last.steps_changed})` : "") : "") : "–";
   $("h-applied").textContent = last ? `keys ${last.keys.join("").toUpperCase() || "none"} · mouse ` +
     `${last.mouse.map((v) => v.toFixed(1)).join("°, ")}°` : "–";
+  const pending = (state.prompts || []).filter((p) => !last || p.chunk > last.index).length;
+  $("h-prompt").textContent = last ? `revision ${last.prompt_revision || 0}` +
+    (pending ? ` · ${pending} change${pending > 1 ? "s" : ""} coming` : "") : "–";
   const painted = rate(state.paintTimes, 2000);
   const chunkRate = rate(state.chunkTimes, 3000);
   const media = opened ? chunkRate * opened.frames_per_chunk / opened.fps : 0;
@@ -491,6 +504,7 @@ function hideBanner() { $("banner").hidden = true; }
 function updateButtons() {
   $("start").disabled = !(state.connected && image && !state.session);
   $("stop").disabled = !state.session;
+  $("set-prompt").disabled = !state.session;
   $("trace").disabled = !state.chunks.length;
 }
 
@@ -507,6 +521,7 @@ drop.addEventListener("drop", (event) => {
 });
 $("start").addEventListener("click", () => { state.busyTries = 0; start(); });
 $("stop").addEventListener("click", stop);
+$("set-prompt").addEventListener("click", setPrompt);
 $("trace").addEventListener("click", () => send({ type: "trace" }));
 $("banner-close").addEventListener("click", () => { clearInterval(retryTimer); retryTimer = null; hideBanner(); });
 $("banner-retry").addEventListener("click", () => { clearInterval(retryTimer); retryTimer = null; start(); });
