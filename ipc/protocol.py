@@ -21,7 +21,12 @@ from typing import Annotated, Any, ClassVar, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: controls and chunk facts are typed values (``ChunkControl``, ``ChunkFacts``)
+# 2: controls and chunk facts are typed values (``ChunkControl``, ``ChunkFacts``); 3: fields appended with defaults
+# (``open``'s intrinsics, steps and min_steps; a control's steps; ``set_prompt``; the facts' steps and prompt
+# revision) and clients read server messages tolerantly (unknown fields are skipped, ``ipc.tolerant``)
+PROTOCOL_VERSION = 3
+# the versions whose messages this one reads: a version-2 message is a version-3 message that uses no new field
+SUPPORTED_VERSIONS = frozenset({2, PROTOCOL_VERSION})
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 
 KEYS = frozenset("wasdijkl")  # W/S forward/back, A/D strafe, I/K pitch, J/L yaw
@@ -670,7 +675,7 @@ def decode(data: bytes | memoryview, direction: str, max_bytes: int = DEFAULT_MA
         raise _explain(data, error) from None
     except (RecursionError, MemoryError, OverflowError, ValueError, TypeError) as error:  # never out of decode
         raise ProtocolViolation(f"message could not be decoded ({type(error).__name__})") from None
-    if message.v != PROTOCOL_VERSION:
+    if message.v not in SUPPORTED_VERSIONS:
         raise ProtocolViolation(f"protocol version {message.v} is not supported (server speaks {PROTOCOL_VERSION})",
                                 getattr(message, "req", None))
     return message
@@ -770,7 +775,7 @@ def _explain(data: bytes, error: msgspec.DecodeError) -> ProtocolViolation:
         return ProtocolViolation(f"a message must be a msgpack map, got {type(raw).__name__}")
     req = _request_id(raw)
     version = raw.get("v", PROTOCOL_VERSION)
-    if version != PROTOCOL_VERSION:
+    if version not in SUPPORTED_VERSIONS:
         return ProtocolViolation(f"protocol version {version!r} is not supported (this server speaks "
                                  f"{PROTOCOL_VERSION})", req)
     if "type" not in raw:

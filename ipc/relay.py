@@ -33,6 +33,6 @@ def peek(data: Any) -> Head:
         head = _head.decode(data)
     except msgspec.DecodeError as error:
         raise protocol.ProtocolViolation(f"unreadable message head: {error}") from None
-    if head.v != protocol.PROTOCOL_VERSION:
+    if head.v not in protocol.SUPPORTED_VERSIONS:
         raise protocol.ProtocolViolation(f"protocol version {head.v} is not supported")
     return head

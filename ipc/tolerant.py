@@ -42,7 +42,7 @@ def decode(data: bytes | memoryview, direction: str, max_bytes: int = protocol.D
         except (protocol.ProtocolViolation, msgspec.DecodeError):
             raise strict from None
         schema = _schema(direction)
-        if not isinstance(raw, dict) or raw.get("v") != protocol.PROTOCOL_VERSION:
+        if not isinstance(raw, dict) or raw.get("v") not in protocol.SUPPORTED_VERSIONS:
             raise
         kind = raw.get("type")
         tags = {t.tag for t in _structs(schema)}

@@ -151,6 +151,14 @@ def test_a_message_without_a_version_is_refused_with_its_request_id() -> None:
     assert refused.value.req == 42
 
 
+def test_a_version_2_client_is_still_served_and_other_versions_are_refused_by_number() -> None:
+    old = p.decode(_raw(v=2, type="open", req=1, image=b"png"), "client")  # a v2 open uses no version-3 field
+    assert isinstance(old, p.Open) and old.steps is None and old.intrinsics is None
+    for version in (1, p.PROTOCOL_VERSION + 1):
+        with pytest.raises(p.ProtocolViolation, match=f"protocol version {version} is not supported"):
+            p.decode(_raw(v=version, type="stats", req=1), "client")
+
+
 def test_error_texts_are_clipped_and_never_echo_unbounded_input() -> None:
     with pytest.raises(p.ProtocolViolation) as refused:
         p.decode(_raw(v=V, type="close", req=1, session="s" * 10_000), "client")
