@@ -3,11 +3,13 @@
 Run without a torchrun (or ``srun``) environment, ``python launch.py --config X`` starts a local torchrun with
 the layout's world size itself and forwards SIGINT/SIGTERM to rank 0, which shuts every rank down cleanly.
 Under torchrun, each rank reads RANK/WORLD_SIZE/LOCAL_RANK (or SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID for a
-direct ``srun`` launch), joins the process group (NCCL with CUDA, else gloo), creates every process group in a
-fixed order, warms every stage up at every frame size the server serves (``ranks.warmup``) and only then runs the
-loops of its roles (whose hellos tell rank 0 the rank is ready). CUDA modules load eagerly in the ranks
-(``CUDA_MODULE_LOADING=EAGER`` unless set). Exit codes: 0 after a clean shutdown, non-zero when any rank
-died or hung (so Slurm can requeue).
+direct ``srun`` launch), joins the process group (NCCL with CUDA, bound to its device, else gloo), creates every
+process group in a fixed order and makes each group's communicator at once (``handshake``), builds its stages, waits
+for every rank to have built (``timeouts.startup_s``), then starts its role threads: each stage thread warms its stage
+up at every served frame size (``ranks.warmup``) on its own stream before its hello tells rank 0 it is ready, and the
+rank's room is measured once all of them have. The ranks load CUDA modules eagerly (``CUDA_MODULE_LOADING=EAGER``)
+and the allocator uses expandable segments, unless the user set them. Exit codes: 0 after a clean shutdown,
+non-zero when any rank died or hung (so Slurm can requeue).
 """
 
 from __future__ import annotations
@@ -55,12 +57,25 @@ def distributed_env() -> tuple[int, int, int] | None:
     return None
 
 
-def eager_module_loading(env: MutableMapping[str, str]) -> None:
-    """Load every CUDA kernel module when CUDA initialises, unless the user chose otherwise. Lazy loading (the driver
-    default since CUDA 12.2) loads a module at its kernel's first launch, which may wait for the device to drain: behind
-    an NCCL receive spinning on the same GPU (another role thread's), a hang in the co-located layouts. CUDA reads it
-    when it initialises, so it is set before any rank touches CUDA (and inherited by torchrun's ranks)."""
-    env.setdefault("CUDA_MODULE_LOADING", "EAGER")
+# What the ranks' CUDA runtime and allocator are told, unless the user set the variable (then it is logged: an
+# inherited CUDA_MODULE_LOADING=LAZY from a shell profile would otherwise silently bring the hazard back).
+# - CUDA_MODULE_LOADING=EAGER: every kernel module loads when CUDA initialises. Lazy loading (the driver default since
+#   CUDA 12.2) loads a module at its kernel's first launch, which may wait for the device to drain: behind an NCCL
+#   receive spinning on the same GPU (another role thread's), a hang in the co-located layouts.
+# - PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator pools blocks per stream, and every role
+#   thread has its own (``ipc.streams``); with fixed segments a block cached by one stream is unusable to another
+#   and memory fragments across them, so the room a rank measured (``ranks.memory``) would not all be usable.
+RANK_ENV = {"CUDA_MODULE_LOADING": "EAGER", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def rank_environment(env: MutableMapping[str, str], say: bool = True) -> None:
+    """Set ``RANK_ENV`` in ``env`` where the user did not choose; log where they did. CUDA reads these when it
+    initialises, so this runs before any rank touches CUDA (and torchrun's ranks inherit them)."""
+    for name, value in RANK_ENV.items():
+        if name not in env:
+            env[name] = value
+        elif env[name] != value and say:
+            log.warning("%s=%s is set in the environment: kept (worldstream would set %s)", name, env[name], value)
 
 
 def self_launch(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -211,12 +226,13 @@ def run_coordinator(ctx: RankContext, coordinator: Coordinator, port: int) -> in
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    eager_module_loading(os.environ)  # before torch initialises CUDA, in the ranks and in torchrun's environment
     env = distributed_env()
     rank = env[0] if env else None
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {'launcher' if rank is None else f'rank{rank}'} %(levelname)s "
                                "%(name)s: %(message)s")
+    # before torch initialises CUDA, in the ranks and in torchrun's environment; a user's choice said by one process
+    rank_environment(os.environ, say=rank is None or rank == 0)
     try:
         if env is None:
             return self_launch(args, overrides)

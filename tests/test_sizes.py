@@ -104,8 +104,9 @@ def test_every_stage_of_every_rank_is_warm_at_every_allowed_size_before_serving(
     assert -1 < log.find("warm-up: warm at 160x240, 240x160") < log.find("coordinator: serving on tcp:")
 
 
-def test_the_ranks_load_cuda_modules_eagerly(server: LocalServer) -> None:
+def test_the_ranks_load_cuda_modules_eagerly_and_expand_allocator_segments(server: LocalServer) -> None:
     assert server.process is not None
     ranks = [p for p in psutil.Process(server.process.pid).children(recursive=True) if "RANK" in p.environ()]
     assert len(ranks) == 7
     assert {p.environ().get("CUDA_MODULE_LOADING") for p in ranks} == {"EAGER"}
+    assert {p.environ().get("PYTORCH_CUDA_ALLOC_CONF") for p in ranks} == {"expandable_segments:True"}
