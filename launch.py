@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # torch and zmq load only in the ranks, not in the self-launc
 
 log = logging.getLogger("worldstream")
 
+EXIT_START_FAILED = 1  # a rank did not build its stages within timeouts.startup_s
+
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -115,11 +117,11 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
 
     from ipc import transport
     from ipc.streams import RoleStreams
-    from ipc.tensor_plane import build_groups
+    from ipc.tensor_plane import build_groups, handshake
     from models import precision
     from ranks import backend as backend_mod
     from ranks import memory, roles
-    from ranks.warmup import warm_up
+    from ranks.warmup import StartGate, stages_of
     from ranks.worker import RankContext, heartbeat, run_thread
     from runtime.sizes import served_sizes
 
@@ -140,8 +142,16 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
         torch.set_num_threads(1)  # seven ranks on two cores: one thread each
         device = torch.device("cpu")
     timeout = timedelta(seconds=cfg.timeouts.collective_s)
-    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
+    # device_id binds the rank to its GPU: NCCL makes each communicator when its group is created (all ranks are
+    # there together), not at its first use by some role thread mid-session
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
+                            device_id=device if backend == "nccl" else None)
     groups = build_groups(lay, backend, cfg.timeouts.collective_s, device)
+    # every rank waits here for the slowest to build its stages (umT5-XXL and a VAE before a DiT on some ranks):
+    # gloo, with the start-up deadline, not the collective one the first DiT collective would otherwise time out on
+    start_group = dist.new_group(list(range(world)), timeout=timedelta(seconds=cfg.timeouts.startup_s),
+                                 backend="gloo")
+    log.info("rank %d: communicators made, in order: %s", rank, ", ".join(handshake(groups)))
     context = zmq.Context()
     clients = workers = None
     port = 0
@@ -159,13 +169,19 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     built = backend_mod.build(cfg.model, cfg.stream, cfg.synthetic, cfg.controls, rank_roles, device, groups.dit)
     if device.type == "cuda":  # the weights were written on the legacy default stream; the role streams don't wait
         torch.cuda.synchronize(device)
-    streams = RoleStreams(device)
-    started = time.monotonic()
-    warmed = warm_up(built, served_sizes(cfg.stream), device, streams)  # before any thread: the rank is not ready yet
-    log.info("rank %d: warm in %.2f s (%d stage runs)", rank, time.monotonic() - started, len(warmed))
-    room = memory.room_bytes(cfg, rank, device)  # after the weights and the warm-up: what sessions may take
+    began = time.monotonic()
+    try:
+        dist.monitored_barrier(group=start_group, timeout=timedelta(seconds=cfg.timeouts.startup_s),
+                               wait_all_ranks=True)
+    except RuntimeError as error:
+        log.error("job failed: not every rank built its stages within %.0f s (timeouts.startup_s): %s",
+                  cfg.timeouts.startup_s, str(error).strip().splitlines()[0])
+        return EXIT_START_FAILED
+    log.info("rank %d: built; every rank was built %.2f s later", rank, time.monotonic() - began)
+    start = StartGate(stages_of(built))
     ctx = RankContext(layout=lay, timeouts=cfg.timeouts, rank=rank, roles=rank_roles, endpoint=shared[0],
-                      zmq=context, groups=groups, backend=built, streams=streams, warm_up=warmed, room=room,
+                      zmq=context, groups=groups, backend=built, streams=RoleStreams(device),
+                      sizes=served_sizes(cfg.stream), start=start,
                       check_memory=lambda *args: memory.check_later(cfg, rank, *args))
     coordinator = None
     if rank == lay.coordinator:  # before any worker thread: a fatal error on this rank reaches clients first
@@ -178,21 +194,32 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
 
             start_registration(cfg.replica, cfg.server, port, lay.name, context, ctx.stop)
     threads = []
-    if "condition" in rank_roles:
-        threads.append(run_thread(ctx, "condition", lambda: roles.condition_worker(ctx)))
-    if rank == lay.condition or rank in lay.dit:
-        threads.append(run_thread(ctx, "condition_edge", lambda: roles.condition_edge(ctx)))
-    if "denoise" in rank_roles:
-        threads.append(run_thread(ctx, "denoise", lambda: roles.denoise_worker(ctx)))
-    if "decode" in rank_roles:
-        threads.append(run_thread(ctx, "decode", lambda: roles.decode_worker(ctx)))
-        if rank != lay.dit_leader:
-            threads.append(run_thread(ctx, "latent_receiver", lambda: roles.latent_receiver(ctx)))
-    if coordinator is not None:
-        if lay.decode != rank:
+    began = time.monotonic()
+    # The stage threads warm their stages up (``ranks.warmup``); the RNG state is restored once all did, before any
+    # session. No thread says hello before the rank's room is measured (``StartGate``).
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if "condition" in rank_roles:
+            threads.append(run_thread(ctx, "condition", lambda: roles.condition_worker(ctx)))
+        if rank == lay.condition or rank in lay.dit:
+            threads.append(run_thread(ctx, "condition_edge", lambda: roles.condition_edge(ctx)))
+        if "denoise" in rank_roles:
+            threads.append(run_thread(ctx, "denoise", lambda: roles.denoise_worker(ctx)))
+        if "decode" in rank_roles:
+            threads.append(run_thread(ctx, "decode", lambda: roles.decode_worker(ctx)))
+            if rank != lay.dit_leader:
+                threads.append(run_thread(ctx, "latent_receiver", lambda: roles.latent_receiver(ctx)))
+        if coordinator is not None and lay.decode != rank:
             threads.append(run_thread(ctx, "frames", lambda: roles.frames_receiver(ctx)))
+        if coordinator is None:
+            threads.append(run_thread(ctx, "heartbeat", lambda: heartbeat(ctx)))
+        warmed = start.wait_warm(ctx.stop)
+    failed = [f"{w.stage} {w.height}x{w.width}" for w in warmed or () if w.failed]
+    log.info("rank %d: warm in %.2f s (%d stage runs%s)", rank, time.monotonic() - began, len(warmed or ()),
+             f"; not served here: {', '.join(failed)}" if failed else "")
+    ctx.room = memory.room_bytes(cfg, rank, device)  # after the weights and every stage thread's warm-up
+    start.ready.set()  # the hellos go, with the room
+    if coordinator is not None:
         return run_coordinator(ctx, coordinator, port)
-    threads.append(run_thread(ctx, "heartbeat", lambda: heartbeat(ctx)))
     ignore_stop_signals()
     for thread in threads:
         while thread.is_alive():

@@ -93,7 +93,8 @@ def test_a_job_is_warm_only_once_every_rank_of_every_stage_warmed_every_size() -
     assert warm.warm
     summary = warm.to_dict()
     assert summary["denoise"]["seconds"] == 3.0  # the slowest rank (4): the job's start waited for it
-    assert summary["condition"] == {"seconds": 1.0, "chunks_per_size": 2, "ranks": {"0": ["160x240", "240x160"]}}
+    assert summary["condition"] == {"seconds": 1.0, "chunks_per_size": 2, "ranks": {"0": ["160x240", "240x160"]},
+                                    "threads": {"0": [""]}, "failed": {}}
 
 
 def test_the_launcher_loads_cuda_modules_eagerly_and_expands_segments_unless_the_user_chose_otherwise(
