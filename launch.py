@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -174,8 +175,7 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
         dist.monitored_barrier(group=start_group, timeout=timedelta(seconds=cfg.timeouts.startup_s),
                                wait_all_ranks=True)
     except RuntimeError as error:
-        log.error("job failed: not every rank built its stages within %.0f s (timeouts.startup_s): %s",
-                  cfg.timeouts.startup_s, str(error).strip().splitlines()[0])
+        log.error("job failed: %s", late_ranks(str(error), lay, cfg.timeouts.startup_s))
         return EXIT_START_FAILED
     log.info("rank %d: built; every rank was built %.2f s later", rank, time.monotonic() - began)
     start = StartGate(stages_of(built))
@@ -226,6 +226,18 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
             thread.join(timeout=0.5)
     log.info("rank %d: clean exit", rank)
     return 0
+
+
+def late_ranks(error: str, layout: config_mod.LayoutConfig, startup_s: float) -> str:
+    """What a failed start-up barrier says: on rank 0 (which ``monitored_barrier`` tells) the late ranks and their
+    roles; elsewhere that rank 0 names them."""
+    found = re.search(r"Ranks? ([\d, ]+) failed to pass", error)
+    if found is None:
+        return (f"not every rank built its stages within {startup_s:.0f} s (timeouts.startup_s); rank 0's log "
+                f"names the late ones ({error.strip().splitlines()[0] if error.strip() else 'no detail'})")
+    late = [int(r) for r in found.group(1).replace(",", " ").split()]
+    named = ", ".join(f"rank {r} ({', '.join(layout.roles_of(r))})" for r in late)
+    return f"{named} did not finish building its stages within {startup_s:.0f} s (timeouts.startup_s)"
 
 
 def ignore_stop_signals() -> None:
