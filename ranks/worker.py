@@ -142,7 +142,8 @@ def serve(ctx: RankContext, role: str, stage: Stage | None, handlers: dict[type,
           answers: bool = True) -> None:
     """Run one role's task loop in the calling thread until shutdown; never returns on a fatal error. ``stage``:
     the stage whose tasks it runs (None for a transfer thread). ``answers=False``: a receiving end of a transfer
-    whose sender answers for it; it reports failures only."""
+    whose sender answers for it; it reports failures only. First, on this thread's stream, a stage thread warms its
+    stage up (``ranks.warmup``), and every thread waits for the rank's room (``StartGate``) before its hello."""
     if ctx.groups.device.type == "cuda":
         torch.cuda.set_device(ctx.groups.device)  # the current device is per thread; new threads start on cuda:0
     assert ctx.streams is not None
