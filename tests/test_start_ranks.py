@@ -47,21 +47,27 @@ def test_a_rank_slow_to_build_does_not_fail_the_others_first_collective(tmp_path
     assert len(waited) == 7 and max(waited) >= SLOW_BUILD_S - 1.0, waited  # the others did wait, at the barrier
 
 
-def test_a_size_a_rank_cannot_warm_up_is_refused_naming_the_rank_and_the_others_are_served(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("stage", "rank", "failed_ranks"), [("decode", 1, ["1"]),
+                                                          ("denoise", 3, ["2", "3", "4", "5", "6"])])
+def test_a_size_a_rank_cannot_warm_up_is_refused_naming_the_rank_and_the_others_are_served(
+        tmp_path: Path, stage: str, rank: int, failed_ranks: list[str]) -> None:
+    """Decode rank 1 out of memory at 240x160; or DiT rank 3 alone, which its group agrees on (every DiT rank fails
+    that size alike instead of waiting for rank 3 in a collective)."""
     flags = [*FAST, "--model.kind=tests.faulty_backend:build_small_card", "--stream.size=image",
              "--stream.sizes=[[160, 240], [240, 160]]"]
-    env = {"FAULTY_OOM_SIZE": "240x160"}
+    env = {"FAULTY_OOM_SIZE": "240x160", "FAULTY_OOM_STAGE": stage}
     with LocalServer("cpu-tiny", flags, log_path=tmp_path / "server.log", env=env) as server, \
             Client(server.endpoint) as client:  # fmt: skip
         stats = client.stats()
         assert stats["warm"] is False
-        failed = stats["warm_up"]["decode"]["failed"]
-        assert list(failed) == ["1"] and list(failed["1"]) == ["240x160"]
-        assert "OutOfMemoryError" in failed["1"]["240x160"]
-        assert stats["warm_up"]["decode"]["ranks"] == {"1": ["160x240"]}
+        failed = stats["warm_up"][stage]["failed"]
+        assert sorted(failed) == failed_ranks and all(list(f) == ["240x160"] for f in failed.values()), failed
+        assert "OutOfMemoryError: injected" in failed[str(rank)]["240x160"]
+        assert set(map(tuple, stats["warm_up"][stage]["ranks"].values())) == {("160x240",)}
         with pytest.raises(Busy) as refused:
             client.open(png(200, 300))  # portrait: 240x160
-        assert "rank 1 could not run its decode stage at 240x160" in refused.value.message, refused.value
+        why = refused.value.message
+        assert f"could not run its {stage} stage at 240x160" in why and f"rank {rank}" in why, why
         assert stream(client, png(300, 200), 2) == [(160, 240)] * 2  # the size that fits streams
     log = (tmp_path / "server.log").read_text(errors="replace")
-    assert "no 240x160 session can open on this server: rank 1 could not run its decode stage" in log
+    assert f"no 240x160 session can open on this server: rank {failed_ranks[0]} could not run its {stage}" in log
