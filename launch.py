@@ -3,11 +3,13 @@
 Run without a torchrun (or ``srun``) environment, ``python launch.py --config X`` starts a local torchrun with
 the layout's world size itself and forwards SIGINT/SIGTERM to rank 0, which shuts every rank down cleanly.
 Under torchrun, each rank reads RANK/WORLD_SIZE/LOCAL_RANK (or SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID for a
-direct ``srun`` launch), joins the process group (NCCL with CUDA, else gloo), creates every process group in a
-fixed order, warms every stage up at every frame size the server serves (``ranks.warmup``) and only then runs the
-loops of its roles (whose hellos tell rank 0 the rank is ready). CUDA modules load eagerly in the ranks
-(``CUDA_MODULE_LOADING=EAGER`` unless set). Exit codes: 0 after a clean shutdown, non-zero when any rank
-died or hung (so Slurm can requeue).
+direct ``srun`` launch), joins the process group (NCCL with CUDA, bound to its device, else gloo), creates every
+process group in a fixed order and makes each group's communicator at once (``handshake``), builds its stages, waits
+for every rank to have built (``timeouts.startup_s``), then starts its role threads: each stage thread warms its stage
+up at every served frame size (``ranks.warmup``) on its own stream before its hello tells rank 0 it is ready, and the
+rank's room is measured once all of them have. The ranks load CUDA modules eagerly (``CUDA_MODULE_LOADING=EAGER``)
+and the allocator uses expandable segments, unless the user set them. Exit codes: 0 after a clean shutdown,
+non-zero when any rank died or hung (so Slurm can requeue).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +36,8 @@ if TYPE_CHECKING:  # torch and zmq load only in the ranks, not in the self-launc
     from ranks.worker import RankContext
 
 log = logging.getLogger("worldstream")
+
+EXIT_START_FAILED = 1  # a rank did not build its stages within timeouts.startup_s
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -55,12 +60,25 @@ def distributed_env() -> tuple[int, int, int] | None:
     return None
 
 
-def eager_module_loading(env: MutableMapping[str, str]) -> None:
-    """Load every CUDA kernel module when CUDA initialises, unless the user chose otherwise. Lazy loading (the driver
-    default since CUDA 12.2) loads a module at its kernel's first launch, which may wait for the device to drain: behind
-    an NCCL receive spinning on the same GPU (another role thread's), a hang in the co-located layouts. CUDA reads it
-    when it initialises, so it is set before any rank touches CUDA (and inherited by torchrun's ranks)."""
-    env.setdefault("CUDA_MODULE_LOADING", "EAGER")
+# What the ranks' CUDA runtime and allocator are told, unless the user set the variable (then it is logged: an
+# inherited CUDA_MODULE_LOADING=LAZY from a shell profile would otherwise silently bring the hazard back).
+# - CUDA_MODULE_LOADING=EAGER: every kernel module loads when CUDA initialises. Lazy loading (the driver default since
+#   CUDA 12.2) loads a module at its kernel's first launch, which may wait for the device to drain: behind an NCCL
+#   receive spinning on the same GPU (another role thread's), a hang in the co-located layouts.
+# - PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator pools blocks per stream, and every role
+#   thread has its own (``ipc.streams``); with fixed segments a block cached by one stream is unusable to another
+#   and memory fragments across them, so the room a rank measured (``ranks.memory``) would not all be usable.
+RANK_ENV = {"CUDA_MODULE_LOADING": "EAGER", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def rank_environment(env: MutableMapping[str, str], say: bool = True) -> None:
+    """Set ``RANK_ENV`` in ``env`` where the user did not choose; log where they did. CUDA reads these when it
+    initialises, so this runs before any rank touches CUDA (and torchrun's ranks inherit them)."""
+    for name, value in RANK_ENV.items():
+        if name not in env:
+            env[name] = value
+        elif env[name] != value and say:
+            log.warning("%s=%s is set in the environment: kept (worldstream would set %s)", name, env[name], value)
 
 
 def self_launch(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -100,11 +118,11 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
 
     from ipc import transport
     from ipc.streams import RoleStreams
-    from ipc.tensor_plane import build_groups
+    from ipc.tensor_plane import build_groups, handshake
     from models import precision
     from ranks import backend as backend_mod
     from ranks import memory, roles
-    from ranks.warmup import warm_up
+    from ranks.warmup import StartGate, stages_of
     from ranks.worker import RankContext, heartbeat, run_thread
     from runtime.sizes import served_sizes
 
@@ -125,8 +143,16 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
         torch.set_num_threads(1)  # seven ranks on two cores: one thread each
         device = torch.device("cpu")
     timeout = timedelta(seconds=cfg.timeouts.collective_s)
-    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
+    # device_id binds the rank to its GPU: NCCL makes each communicator when its group is created (all ranks are
+    # there together), not at its first use by some role thread mid-session
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
+                            device_id=device if backend == "nccl" else None)
     groups = build_groups(lay, backend, cfg.timeouts.collective_s, device)
+    # every rank waits here for the slowest to build its stages (umT5-XXL and a VAE before a DiT on some ranks):
+    # gloo, with the start-up deadline, not the collective one the first DiT collective would otherwise time out on
+    start_group = dist.new_group(list(range(world)), timeout=timedelta(seconds=cfg.timeouts.startup_s),
+                                 backend="gloo")
+    log.info("rank %d: communicators made, in order: %s", rank, ", ".join(handshake(groups)))
     context = zmq.Context()
     clients = workers = None
     port = 0
@@ -144,13 +170,18 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     built = backend_mod.build(cfg.model, cfg.stream, cfg.synthetic, cfg.controls, rank_roles, device, groups.dit)
     if device.type == "cuda":  # the weights were written on the legacy default stream; the role streams don't wait
         torch.cuda.synchronize(device)
-    streams = RoleStreams(device)
-    started = time.monotonic()
-    warmed = warm_up(built, served_sizes(cfg.stream), device, streams)  # before any thread: the rank is not ready yet
-    log.info("rank %d: warm in %.2f s (%d stage runs)", rank, time.monotonic() - started, len(warmed))
-    room = memory.room_bytes(cfg, rank, device)  # after the weights and the warm-up: what sessions may take
+    began = time.monotonic()
+    try:
+        dist.monitored_barrier(group=start_group, timeout=timedelta(seconds=cfg.timeouts.startup_s),
+                               wait_all_ranks=True)
+    except RuntimeError as error:
+        log.error("job failed: %s", late_ranks(str(error), lay, cfg.timeouts.startup_s))
+        return EXIT_START_FAILED
+    log.info("rank %d: built; every rank was built %.2f s later", rank, time.monotonic() - began)
+    start = StartGate(stages_of(built))
     ctx = RankContext(layout=lay, timeouts=cfg.timeouts, rank=rank, roles=rank_roles, endpoint=shared[0],
-                      zmq=context, groups=groups, backend=built, streams=streams, warm_up=warmed, room=room,
+                      zmq=context, groups=groups, backend=built, streams=RoleStreams(device),
+                      sizes=served_sizes(cfg.stream), start=start,
                       check_memory=lambda *args: memory.check_later(cfg, rank, *args))
     coordinator = None
     if rank == lay.coordinator:  # before any worker thread: a fatal error on this rank reaches clients first
@@ -163,27 +194,50 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
 
             start_registration(cfg.replica, cfg.server, port, lay.name, context, ctx.stop)
     threads = []
-    if "condition" in rank_roles:
-        threads.append(run_thread(ctx, "condition", lambda: roles.condition_worker(ctx)))
-    if rank == lay.condition or rank in lay.dit:
-        threads.append(run_thread(ctx, "condition_edge", lambda: roles.condition_edge(ctx)))
-    if "denoise" in rank_roles:
-        threads.append(run_thread(ctx, "denoise", lambda: roles.denoise_worker(ctx)))
-    if "decode" in rank_roles:
-        threads.append(run_thread(ctx, "decode", lambda: roles.decode_worker(ctx)))
-        if rank != lay.dit_leader:
-            threads.append(run_thread(ctx, "latent_receiver", lambda: roles.latent_receiver(ctx)))
-    if coordinator is not None:
-        if lay.decode != rank:
+    began = time.monotonic()
+    # The stage threads warm their stages up (``ranks.warmup``); the RNG state is restored once all did, before any
+    # session. No thread says hello before the rank's room is measured (``StartGate``).
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if "condition" in rank_roles:
+            threads.append(run_thread(ctx, "condition", lambda: roles.condition_worker(ctx)))
+        if rank == lay.condition or rank in lay.dit:
+            threads.append(run_thread(ctx, "condition_edge", lambda: roles.condition_edge(ctx)))
+        if "denoise" in rank_roles:
+            threads.append(run_thread(ctx, "denoise", lambda: roles.denoise_worker(ctx)))
+        if "decode" in rank_roles:
+            threads.append(run_thread(ctx, "decode", lambda: roles.decode_worker(ctx)))
+            if rank != lay.dit_leader:
+                threads.append(run_thread(ctx, "latent_receiver", lambda: roles.latent_receiver(ctx)))
+        if coordinator is not None and lay.decode != rank:
             threads.append(run_thread(ctx, "frames", lambda: roles.frames_receiver(ctx)))
+        if coordinator is None:
+            threads.append(run_thread(ctx, "heartbeat", lambda: heartbeat(ctx)))
+        warmed = start.wait_warm(ctx.stop)
+    failed = [f"{w.stage} {w.height}x{w.width}" for w in warmed or () if w.failed]
+    log.info("rank %d: warm in %.2f s (%d stage runs%s)", rank, time.monotonic() - began, len(warmed or ()),
+             f"; not served here: {', '.join(failed)}" if failed else "")
+    ctx.room = memory.room_bytes(cfg, rank, device)  # after the weights and every stage thread's warm-up
+    start.ready.set()  # the hellos go, with the room
+    if coordinator is not None:
         return run_coordinator(ctx, coordinator, port)
-    threads.append(run_thread(ctx, "heartbeat", lambda: heartbeat(ctx)))
     ignore_stop_signals()
     for thread in threads:
         while thread.is_alive():
             thread.join(timeout=0.5)
     log.info("rank %d: clean exit", rank)
     return 0
+
+
+def late_ranks(error: str, layout: config_mod.LayoutConfig, startup_s: float) -> str:
+    """What a failed start-up barrier says: on rank 0 (which ``monitored_barrier`` tells) the late ranks and their
+    roles; elsewhere that rank 0 names them."""
+    found = re.search(r"Ranks? ([\d, ]+) failed to pass", error)
+    if found is None:
+        return (f"not every rank built its stages within {startup_s:.0f} s (timeouts.startup_s); rank 0's log "
+                f"names the late ones ({error.strip().splitlines()[0] if error.strip() else 'no detail'})")
+    late = [int(r) for r in found.group(1).replace(",", " ").split()]
+    named = ", ".join(f"rank {r} ({', '.join(layout.roles_of(r))})" for r in late)
+    return f"{named} did not finish building its stages within {startup_s:.0f} s (timeouts.startup_s)"
 
 
 def ignore_stop_signals() -> None:
@@ -211,12 +265,13 @@ def run_coordinator(ctx: RankContext, coordinator: Coordinator, port: int) -> in
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    eager_module_loading(os.environ)  # before torch initialises CUDA, in the ranks and in torchrun's environment
     env = distributed_env()
     rank = env[0] if env else None
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {'launcher' if rank is None else f'rank{rank}'} %(levelname)s "
                                "%(name)s: %(message)s")
+    # before torch initialises CUDA, in the ranks and in torchrun's environment; a user's choice said by one process
+    rank_environment(os.environ, say=rank is None or rank == 0)
     try:
         if env is None:
             return self_launch(args, overrides)

@@ -530,6 +530,8 @@ class WarmUp(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like
     width: int
     chunks: int  # chunks of the throwaway session
     seconds: float
+    thread: str = ""  # the thread that ran it: the one that serves the stage (cuDNN's autotune cache is per thread)
+    failed: str = ""  # why this size could not warm here (out of memory): the rank cannot serve it; "" when it did
 
 
 class Hello(_Msg, tag="hello"):
@@ -538,7 +540,7 @@ class Hello(_Msg, tag="hello"):
     pid: int = 0  # the rank's process: rank 0 watches the processes on its own host to name a dead rank
     host: str = ""  # the rank's host name (a pid means something on that host only)
     room: int = -1  # bytes this rank can give to sessions once ready (memory-aware admission); -1: unlimited
-    warm_up: tuple[WarmUp, ...] = ()  # a stage thread: its stage's warm-up, run before any thread of the rank started
+    warm_up: tuple[WarmUp, ...] = ()  # a stage thread: its stage's warm-up, which it ran itself before this hello
 
 
 class WorkerSpan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):

@@ -7,7 +7,7 @@ queued behind the encoder, and a span's sync waited for the other role's kernels
 - **A stream per thread.** Each role thread enters its own stream once, for its whole life (``RoleStreams.enter``):
   everything it launches (kernels, copies, the NCCL calls of its group, whose internal stream waits on it) queues
   there, and its spans wait for that stream only (``RoleStreams.synchronize``). The start-up warm-up of a stage runs
-  on the stream its thread will use, so the caching allocator's blocks (cached per stream) serve the first session.
+  in its thread, on its stream (``ranks.warmup``): cuDNN's autotune cache is per thread.
 - **Events at hand-offs.** A tensor handed to another thread goes through ``hand_off`` where it was produced (an
   event recorded on the producing thread's stream: the GPU point at which its producing work is queued) and
   ``take_over`` where it is consumed: the consuming thread's stream waits on that event, on the GPU; neither the

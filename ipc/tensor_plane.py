@@ -91,6 +91,26 @@ def build_groups(layout: LayoutConfig, backend: str, timeout_s: float, device: t
     return Groups(rank=rank, device=device, control=control, **made)
 
 
+def handshake(groups: Groups) -> list[str]:
+    """One tiny all-reduce on every group this rank belongs to, in their creation order (every rank walks the same
+    order, so each blocking step has all its members), from the main thread before any role thread starts: every
+    NCCL communicator (and its buffers) exists before the warm-up, before the rank's room is measured, and before
+    two threads of a rank could use two groups at once (a communicator made lazily mid-session by one role thread,
+    while another thread of the rank waits in a collective for a peer, can deadlock a co-located rank). The names
+    of the groups, in order."""
+    made = []
+    for name in ("control", "dit", "condition", "latent", "frames"):
+        group = getattr(groups, name)
+        if group is None:
+            continue
+        device = torch.device("cpu") if name == "control" else groups.device  # control is gloo everywhere
+        dist.all_reduce(torch.ones(1, device=device), group=group)
+        made.append(name)
+    if groups.device.type == "cuda":
+        torch.cuda.synchronize(groups.device)
+    return made
+
+
 def broadcast(tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, src: int, groups: Groups,
               group: Any) -> torch.Tensor:
     """Broadcast from global rank ``src``; ``tensor`` is given on the source, allocated elsewhere."""

@@ -248,6 +248,47 @@ def check_backend(name: str, shapes: AttentionShapes, device: torch.device, dtyp
                                f"{device.type}): {str(error).splitlines()[0][:200]}") from None
 
 
+def kernel_error(name: str, head_dim: int, device: torch.device, dtype: torch.dtype,
+                 run: AttentionFn | None = None) -> float:  # fmt: skip
+    """Relative error (max abs difference over max abs) of SDPA kernel ``name`` alone against the float32 math path,
+    on a small random input of this DiT's head dim, dtype and layout. ``run``: the kernel's call (a seam)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(4, n, head_dim, device=device, generator=generator).to(dtype) for n in (64, 96, 96))
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)  # the DiT's query layout: a transposed [tokens, heads, hd]
+    if run is None:
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            with sdpa_kernel([SDPA_BACKENDS[name]]):
+                return sdpa(q, k, v)
+    got = run(q, k, v).float()
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = sdpa(q.float(), k.float(), v.float())
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+
+
+def checked_pin(name: str, head_dim: int, device: torch.device, dtype: torch.dtype,
+                run: AttentionFn | None = None) -> str:  # fmt: skip
+    """``name`` if that SDPA kernel agrees with the math path here (``kernel_error`` within ``PIN_BOUND``), else
+    ``"sdpa"`` (PyTorch's order) with a warning: a kernel is pinned on its timing, and a fast kernel that computes
+    something else (a driver or build bug) must not serve every session."""
+    if name not in SDPA_BACKENDS:
+        return name
+    bound = PIN_BOUND[dtype] if dtype in PIN_BOUND else PIN_BOUND[torch.float32]
+    try:
+        error = kernel_error(name, head_dim, device, dtype, run)
+    except RuntimeError as failure:
+        error, why = math.inf, str(failure).splitlines()[0][:200]
+    else:
+        why = f"relative error {error:.2e} > {bound:.0e}"
+    if error <= bound:
+        return name
+    log.warning("attention: SDPA kernel %s disagrees with the math path (%s); keeping PyTorch's kernel order", name,
+                why)
+    return "sdpa"
+
+
+PIN_BOUND = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}  # a kernel's rounding, far below a bug
+
+
 def resolve_attention(kind: str, shapes: AttentionShapes, device: torch.device, dtype: torch.dtype,
                       repeat: int = 5) -> tuple[str, str, dict[str, Timing]]:  # fmt: skip
     """``(self-attention kernel, SDPA kernel to pin, timing table)`` for ``kind`` on this device: ``auto`` is timed
@@ -261,6 +302,7 @@ def resolve_attention(kind: str, shapes: AttentionShapes, device: torch.device, 
         return kind if kind == "sage" else "sdpa", "sdpa", {}
     table = time_attention(shapes, device, dtype, repeat)
     attend, backend = choose_attention(table)
+    backend = checked_pin(backend, shapes.head_dim, device, dtype)  # chosen on timing alone: is it right?
     log.info("attention=auto at [%d heads, %d x %d, hd %d] + cross [%d heads, %d x %d], %s: %s -> %s on SDPA %s",
              shapes.heads, shapes.tokens, shapes.window, shapes.head_dim, shapes.cross_heads, shapes.local_tokens,
              shapes.text_len, dtype, format_table(table, shapes), attend, backend)  # fmt: skip

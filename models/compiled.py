@@ -24,6 +24,7 @@ such an error (``fullgraph=True``); the tests assert that none happens, so one a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import weakref
@@ -229,6 +230,18 @@ class CudaGraphPasses:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # Not ``with torch.cuda.graph(...)``: its __enter__ synchronizes the whole device and empties the cache, and
+        # it captures on one side stream shared by every thread. A session's passes are captured mid-serving (its
+        # ring lives at its own addresses), where a device-wide wait could sit behind an NCCL kernel of another role
+        # thread spinning for its peer. So: capture on this thread's own (non-default) stream, without a device
+        # sync, and in "thread_local" mode, so the other role threads' work meanwhile (a decode's .cpu(), their
+        # allocations) neither invalidates the capture nor is refused by it; only this thread is restricted.
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        try:
             out = run()
+        except BaseException:
+            with contextlib.suppress(Exception):  # end the capture; the error that broke it is the one to see
+                graph.capture_end()
+            raise
+        graph.capture_end()
         return graph, out

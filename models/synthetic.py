@@ -11,7 +11,8 @@ fixed stage times without burning the CPU) and computes something cheap but mean
 - decode: upsamples to ``H x W`` and converts to uint8 ``[n, H, W, 3]``.
 
 Each stage may also pay ``cold_s`` extra on its first chunk at a frame size it has not run at, as a GPU pays for cuDNN
-autotuning and module loads on a shape's first use: what the start-up warm-up (``ranks.warmup``) must absorb.
+autotuning and module loads on a shape's first use (per thread, as cuDNN's autotune cache): what the start-up
+warm-up (``ranks.warmup``) must absorb, in the thread that serves the stage.
 
 Yaw (J/L, mouse x) and strafe (A/D) pan the picture horizontally, pitch (I/K, mouse y) vertically, forward
 and back (W/S) zoom in and out; the picture wraps around so the frame stays full.
@@ -20,6 +21,7 @@ and back (W/S) zoom in and out; the picture wraps around so the frame stays full
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -68,16 +70,18 @@ def _spend(seconds: float) -> None:
 
 
 class FirstUse:
-    """The extra cost of a stage's first chunk at each frame size (a GPU's first use of a shape)."""
+    """The extra cost of a stage's first chunk at each frame size (a GPU's first use of a shape), per thread: PyTorch
+    keeps cuDNN's autotune results per thread, so a size warmed by another thread is cold in this one."""
 
     def __init__(self, cost_s: float) -> None:
         self.cost_s = cost_s
-        self.seen: set[tuple[int, int]] = set()
+        self.seen: set[tuple[int, int, int]] = set()  # (thread, height, width)
 
     def cost(self, height: int, width: int) -> float:
-        if (height, width) in self.seen:
+        key = (threading.get_ident(), height, width)
+        if key in self.seen:
             return 0.0
-        self.seen.add((height, width))
+        self.seen.add(key)
         return self.cost_s
 
 

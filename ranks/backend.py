@@ -64,10 +64,13 @@ def build_lingbot(model: ModelConfig, stream: StreamConfig, costs: SyntheticConf
     from models import lingbot
 
     backend = Backend(geometry=lingbot.lingbot_geometry(model, stream))
-    if "condition" in roles:
-        backend.condition = lingbot.build_condition(model, stream, device)
+    # The DiT first: its build ends in a collective of the DiT group (the attention choice, on CUDA), which every
+    # DiT rank then reaches after loading the same DiT, not a co-located rank after also loading umT5-XXL and a VAE
+    # (over a minute on fast4's rank 0, past timeouts.collective_s). The launcher's start-up barrier covers the rest.
     if "denoise" in roles:
         backend.denoise = lingbot.build_denoise(model, stream, controls, device, dit_group)
+    if "condition" in roles:
+        backend.condition = lingbot.build_condition(model, stream, device)
     if "decode" in roles:
         backend.decode = lingbot.build_decode(model, stream, device)
     return backend

@@ -83,6 +83,7 @@ class Coordinator:
                                     intrinsics=c.controls.intrinsics, rooms=self.rooms,
                                     session_cost=session_cost, warm_start=self.warm_start, capacity=c.capacity)
         log.info("warm-up: %s", self.warm_start.describe())
+        self.core.admission.unservable_sizes.update(self.warm_start.failures())  # a rank out of memory at a size
         for reason in self.core.admission.unservable(served_sizes(c.stream)):
             log.warning("%s", reason)
         port_file = os.environ.get("WORLDSTREAM_PORT_FILE")  # written once serving: tests and scripts wait on it

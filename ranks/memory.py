@@ -1,10 +1,11 @@
 """A rank's side of memory-aware admission: its room, what its sessions hold, and the check of the model.
 
 - ``room_bytes``: what this rank can give to sessions, reported to rank 0 in every hello and beat. On CUDA: the
-  memory not in use (free on the device plus what the caching allocator holds unused) once the weights are
-  loaded, less the working peaks of the stages this rank runs (``models.memory.working_bytes``: they must stay
-  free for a chunk to run) and ``memory.margin_gb``; ``memory.budget_gb`` caps it when set. On CPU:
-  ``memory.budget_gb`` (0: unlimited), so tests can exercise admission.
+  memory free on the device (after ``empty_cache``: a block cached for one role stream is not usable by another)
+  once the weights are loaded and every stage thread warmed up, less the working peaks of the stages this rank
+  runs (``models.memory.working_bytes``: they must stay free for a chunk to run) and ``memory.margin_gb``;
+  ``memory.budget_gb`` caps it when set. On CPU: ``memory.budget_gb`` (0: unlimited), so tests can exercise
+  admission.
 - ``held_bytes``: the bytes the open sessions' caches hold now, as the stages count them (shown in ``stats``).
 - ``check_session``: once a session's caches reached their steady size on this rank, the bytes of its tensors (on
   CUDA what the allocator gave them, to its 512-byte rounding) against the model's; a model that under-estimates
@@ -30,8 +31,10 @@ def room_bytes(config: Any, rank: int, device: torch.device) -> int:
     budget = int(config.memory.budget_gb * GIB)
     if device.type != "cuda":
         return budget if budget > 0 else UNLIMITED
-    free, _ = torch.cuda.mem_get_info(device)
-    unused = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    # The warm-up's blocks were cached per stream (one per role thread): reserved-but-unallocated memory is not
+    # usable by another stream, so it goes back to the device first and only what the device has free counts.
+    torch.cuda.empty_cache()
+    unused, _ = torch.cuda.mem_get_info(device)
     stream = config.stream
     working = memory.working_bytes(config, rank, stream.height, stream.width, "cuda")
     room = max(0, unused - working - int(config.memory.margin_gb * GIB))

@@ -1,32 +1,44 @@
-"""Warm start: before any thread of a rank starts (so before the rank reports in, and before the port opens), each
-stage of the rank runs a throwaway session at every frame size the server serves (``runtime.sizes.served_sizes``).
+"""Warm start: before a rank reports in (so before the port opens), each stage thread of the rank runs a throwaway
+session at every frame size the server serves (``runtime.sizes.served_sizes``), in the thread and on the stream that
+will serve the stage.
 
 Why: a shape's first use on a GPU costs, with device-wide syncs. cuDNN autotunes every new convolution shape of the
 VAEs (first decodes at a new size measured at 4.9 s and 2.2 s against 0.29 s steady on an H200); mid-serving that
-stalls every stream of the GPU, or waits behind an NCCL receive spinning on it. (Module loads are done before: the
-launcher sets ``CUDA_MODULE_LOADING=EAGER``.)
+stalls every stream of the GPU, or waits behind an NCCL receive spinning on it. PyTorch keeps cuDNN's autotune
+results (and its cuDNN attention plans) per thread, so a warm-up in any other thread than the serving one leaves the
+serving one cold: each stage thread warms itself (``warm_stage``, called by ``ranks.worker.serve``). A compiled DiT
+(``model.compile``) compiles once per fill level of its KV window: its warm-up runs every level and one steady chunk
+more (``stage_chunks``), so no compile lands on a session. (Module loads are done before: the launcher sets
+``CUDA_MODULE_LOADING=EAGER``.)
 
 The session: ``WARMUP_CHUNKS`` chunks through the real stage code (chunk 0 runs the first latent frame's path,
 chunk 1 the path with the causal caches filled: the tiny VAE meets new convolution shapes in both and none after,
 ``tests/test_warm_start.py``), seed 0, an empty prompt, a mid-gray start image on the condition rank and zeros for
-what other ranks would send (context, condition, latent), on the stream the stage's thread will use. Every DiT rank
-runs the same sizes in the same order, so the group's collectives pair up; denoise goes first on every rank (a stage
-co-located with it would otherwise keep the other DiT ranks waiting in a collective). The global RNG state is
-restored afterwards and every cache released: no real session sees a trace of it (sessions seed their own
-generators, and the golden and bit-identity tests run through warmed servers).
+what other ranks would send (context, condition, latent). Every DiT rank's denoise thread runs the same sizes in the
+same order, so the group's collectives pair up (the argument for co-located stages is in ``StartGate``). Every cache
+is released afterwards and the launcher restores the RNG state around the whole warm-up: no real session sees a
+trace of it (sessions seed their own generators, and the golden and bit-identity tests run through warmed servers).
+
+A size that runs out of memory (a card too small for it) is reported as not warm, with why, and the rank goes on:
+rank 0 refuses sessions at that size naming the rank, and the sizes that fit are served. On a DiT group the ranks
+agree on the opening of each warm-up session (``agree_prepared``), as they do for every chunk, so one rank short of
+memory fails that size on every rank alike instead of leaving the others inside a collective.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 from ipc.protocol import ChunkControl, Stage, WarmUp
 from ipc.streams import RoleStreams
-from models.stages import SessionSpec, StreamGeometry
+from models.stages import SessionInputError, SessionSpec, StreamGeometry, agree_prepared
 from ranks.backend import Backend
 from runtime.sizes import Size
 
@@ -40,28 +52,118 @@ def session_id(height: int, width: int) -> str:
     return f"warmup:{height}x{width}"  # never a real id (those are 12 hex digits)
 
 
+def stage_chunks(backend: Backend, stage: Stage) -> int:
+    """Chunks of the throwaway session of ``stage``: ``WARMUP_CHUNKS``, or for a compiled DiT every fill level of its
+    KV window plus one steady chunk (the last compile, and a ``graphs`` DiT's first capture), within its cap."""
+    denoise = backend.denoise
+    if stage is not Stage.DENOISE or getattr(denoise, "compile", "off") == "off":
+        return WARMUP_CHUNKS
+    cfg = denoise.cfg  # type: ignore[union-attr]
+    chunks = -(-cfg.local_attn_size // cfg.chunk_size) + 1
+    if cfg.max_chunks is not None:  # a full (non-evicting) window holds no more
+        chunks = min(chunks, cfg.max_chunks)
+    return max(chunks, WARMUP_CHUNKS)
+
+
+def stages_of(backend: Backend) -> list[Stage]:
+    """The stages this backend runs, denoise first."""
+    present = {Stage.DENOISE: backend.denoise, Stage.CONDITION: backend.condition, Stage.DECODE: backend.decode}
+    return [stage for stage, built in present.items() if built is not None]
+
+
 def warm_up(backend: Backend, sizes: tuple[Size, ...], device: torch.device, streams: RoleStreams,
-            chunks: int = WARMUP_CHUNKS) -> tuple[WarmUp, ...]:  # fmt: skip
-    """Run every stage of ``backend`` at every size of ``sizes``; what ran, with its seconds."""
-    stages: list[tuple[Stage, Callable[[StreamGeometry], None]]] = []
-    if backend.denoise is not None:
-        stages.append((Stage.DENOISE, lambda g: _denoise(backend, g, device, chunks)))
-    if backend.condition is not None:
-        stages.append((Stage.CONDITION, lambda g: _condition(backend, g, chunks)))
-    if backend.decode is not None:
-        stages.append((Stage.DECODE, lambda g: _decode(backend, g, device, chunks)))
+            dit_group: Any | None = None) -> tuple[WarmUp, ...]:  # fmt: skip
+    """Every stage of ``backend`` at every size of ``sizes``, one after the other in the calling thread (each on its
+    role's stream), with the RNG state restored after: for a process that serves every stage itself (tests,
+    benchmarks). A server warms each stage in its own serving thread instead (``warm_stage``)."""
     runs: list[WarmUp] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for stage, run in stages:
-            with streams.enter(stage.value):  # the stream this stage's thread will run on
-                for height, width in sizes:
-                    started = time.monotonic()
-                    run(backend.geometry.with_size(height, width))
-                    streams.synchronize()
-                    seconds = time.monotonic() - started
-                    runs.append(WarmUp(stage.value, height, width, chunks, seconds))
-                    log.info("warm-up: %s at %dx%d, %d chunks in %.2f s", stage.value, height, width, chunks, seconds)
+        for stage in stages_of(backend):
+            with streams.enter(stage.value):
+                runs.extend(warm_stage(backend, stage, sizes, device, dit_group))
     return tuple(runs)
+
+
+def warm_stage(backend: Backend, stage: Stage, sizes: tuple[Size, ...], device: torch.device,
+               dit_group: Any | None = None) -> tuple[WarmUp, ...]:  # fmt: skip
+    """Run ``stage`` at every size of ``sizes`` in the calling thread, on its current stream; what ran, with its
+    seconds, its thread, and why a size failed (out of memory: this rank then does not serve that size)."""
+    chunks = stage_chunks(backend, stage)
+    run: Callable[[StreamGeometry], None] = {
+        Stage.DENOISE: lambda g: _denoise(backend, g, device, chunks, dit_group),
+        Stage.CONDITION: lambda g: _condition(backend, g, chunks),
+        Stage.DECODE: lambda g: _decode(backend, g, device, chunks),
+    }[stage]
+    thread = threading.current_thread().name
+    runs: list[WarmUp] = []
+    for height, width in sizes:
+        started = time.monotonic()
+        failed = ""
+        try:
+            run(backend.geometry.with_size(height, width))
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+        except (torch.OutOfMemoryError, SessionInputError) as error:  # the latter: the DiT group agreed on an OOM
+            failed = f"{type(error).__name__}: {error}"
+            del error  # its traceback's frames hold the failed session's tensors
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            log.warning("warm-up: %s at %dx%d could not run on this rank (%s): it will not serve that size",
+                        stage.value, height, width, failed)
+        seconds = time.monotonic() - started
+        runs.append(WarmUp(stage.value, height, width, chunks, seconds, thread=thread, failed=failed))
+        if not failed:
+            log.info("warm-up: %s at %dx%d, %d chunks in %.2f s (thread %s)", stage.value, height, width, chunks,
+                     seconds, thread)
+    return tuple(runs)
+
+
+class StartGate:
+    """A rank's start: its stage threads warm up, then the main thread measures the rank's room, then every role
+    thread sends its hello (which carries that room).
+
+    Why the concurrent warm-ups cannot deadlock a co-located rank (fast4, aggregated8: condition, decode and denoise
+    threads on one GPU):
+    - the only collectives of the warm-up are the DiT group's, all in the denoise threads, each running the same
+      sizes and chunks in the same order: they pair up. Every other group's communicator was made before any role
+      thread started (``launch.handshake``) and carries nothing until the port opens, after every hello;
+    - a denoise thread depends on nothing another thread of its rank does (no mailbox, no lock: its inputs are
+      zeros). A condition or decode thread may wait on the host for its device (cuDNN autotuning syncs it, an
+      allocation may free cached blocks) behind a DiT kernel spinning for a peer; that peer's denoise thread does not
+      depend on its own rank's other threads either, so it arrives and the kernel ends. Waits run from a rank's
+      other stages to the DiT group and never back: no cycle;
+    - the main thread measures room only after every stage thread finished (``wait_warm``): no warm-up block is
+      counted as free, and none is allocated after the measurement.
+    """
+
+    def __init__(self, stages: Iterable[Stage]) -> None:
+        self.pending = set(stages)
+        self.runs: dict[Stage, tuple[WarmUp, ...]] = {}
+        self.ready = threading.Event()  # set once the room is measured: the hellos may go
+        self._cond = threading.Condition()
+
+    def warmed(self, stage: Stage, runs: tuple[WarmUp, ...]) -> None:
+        with self._cond:
+            self.runs[stage] = runs
+            self.pending.discard(stage)
+            self._cond.notify_all()
+
+    def wait_warm(self, stop: threading.Event) -> tuple[WarmUp, ...] | None:
+        """Every stage's warm-up, once all are done (None when ``stop`` was set first)."""
+        with self._cond:
+            while self.pending:
+                if stop.is_set():
+                    return None
+                self._cond.wait(0.5)
+            return tuple(run for runs in self.runs.values() for run in runs)
+
+    def wait_ready(self, stop: threading.Event) -> bool:
+        """Wait until the rank's room is known; False when ``stop`` was set first."""
+        while not self.ready.wait(0.5):
+            if stop.is_set():
+                return False
+        return True
 
 
 def _condition(backend: Backend, geometry: StreamGeometry, chunks: int) -> None:
@@ -82,13 +184,19 @@ def _zeros(shape: tuple[int, ...], geometry: StreamGeometry, device: torch.devic
     return torch.zeros(shape, dtype=getattr(torch, geometry.dtype), device=device)
 
 
-def _denoise(backend: Backend, geometry: StreamGeometry, device: torch.device, chunks: int) -> None:
+def _denoise(backend: Backend, geometry: StreamGeometry, device: torch.device, chunks: int,
+             dit_group: Any | None) -> None:  # fmt: skip
     stage = backend.denoise
     assert stage is not None
     sid = session_id(geometry.height, geometry.width)
     try:
-        context = _zeros(geometry.context_shape, geometry, device)
-        stage.open(SessionSpec(sid, 0, "", height=geometry.height, width=geometry.width), context)
+        error: torch.OutOfMemoryError | None = None
+        try:
+            context = _zeros(geometry.context_shape, geometry, device)
+            stage.open(SessionSpec(sid, 0, "", height=geometry.height, width=geometry.width), context)
+        except torch.OutOfMemoryError as e:  # the KV ring, a session's largest allocation
+            error = e
+        agree_prepared(dit_group, device, error)  # every DiT rank opened it, or all fail this size alike
         for index in range(chunks):
             condition = _zeros(geometry.condition_shape, geometry, device)
             stage.denoise(sid, index, condition, ChunkControl())

@@ -32,7 +32,9 @@ from ipc.tensor_plane import Groups, Mailbox
 from ipc.transport import WorkerLink
 from ranks.backend import Backend
 from ranks.memory import held_bytes
+from ranks.warmup import StartGate, warm_stage
 from runtime.config import LayoutConfig, TimeoutsConfig
+from runtime.sizes import Size
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,8 @@ class RankContext:
     groups: Groups
     backend: Backend
     streams: RoleStreams | None = None  # one CUDA stream per role thread (None: made from groups.device)
-    warm_up: tuple[WarmUp, ...] = ()  # what ``ranks.warmup`` ran on this rank before any thread started
+    sizes: tuple[Size, ...] = ()  # the frame sizes each stage thread warms its stage at before its hello
+    start: StartGate | None = None  # the rank's start (``ranks.warmup``); None: no warm-up, the hellos go at once
     on_fatal: Callable[[str], None] | None = None  # on the coordinator's rank: its loop tells clients first
     room: int = -1  # bytes this rank can give to sessions (ranks.memory.room_bytes); -1: unlimited
     # (role, stage, session, height, width): compares a session's bytes with the memory model (ranks.memory)
@@ -139,18 +142,26 @@ def serve(ctx: RankContext, role: str, stage: Stage | None, handlers: dict[type,
           answers: bool = True) -> None:
     """Run one role's task loop in the calling thread until shutdown; never returns on a fatal error. ``stage``:
     the stage whose tasks it runs (None for a transfer thread). ``answers=False``: a receiving end of a transfer
-    whose sender answers for it; it reports failures only."""
+    whose sender answers for it; it reports failures only. First, on this thread's stream, a stage thread warms its
+    stage up (``ranks.warmup``), and every thread waits for the rank's room (``StartGate``) before its hello."""
     if ctx.groups.device.type == "cuda":
         torch.cuda.set_device(ctx.groups.device)  # the current device is per thread; new threads start on cuda:0
     assert ctx.streams is not None
     with ctx.streams.enter(role):  # this thread's own CUDA stream for its whole life
-        _serve_tasks(ctx, role, stage, handlers, answers)
+        warmed: tuple[WarmUp, ...] = ()
+        if ctx.start is not None:
+            if stage is not None:  # here, in the thread that serves the stage: cuDNN's autotune cache is per thread
+                group = ctx.groups.dit if stage is Stage.DENOISE else None
+                warmed = warm_stage(ctx.backend, stage, ctx.sizes, ctx.groups.device, group)
+                ctx.start.warmed(stage, warmed)
+            if not ctx.start.wait_ready(ctx.stop):  # the rank's room, measured once every stage thread warmed
+                return
+        _serve_tasks(ctx, role, stage, handlers, answers, warmed)
 
 
 def _serve_tasks(ctx: RankContext, role: str, stage: Stage | None, handlers: dict[type, Handler],
-                 answers: bool) -> None:  # fmt: skip
-    warm_up = tuple(w for w in ctx.warm_up if stage is not None and w.stage == stage.value)
-    link = WorkerLink(ctx.zmq, ctx.endpoint, ctx.rank, role, ctx.room, warm_up)  # its hello: this rank's warm-up
+                 answers: bool, warmed: tuple[WarmUp, ...]) -> None:  # fmt: skip
+    link = WorkerLink(ctx.zmq, ctx.endpoint, ctx.rank, role, ctx.room, warmed)  # its hello: its stage's warm-up
     try:
         while not ctx.stop.is_set():
             task = link.recv(timeout_s=0.1)
@@ -216,6 +227,8 @@ def heartbeat(ctx: RankContext) -> None:
     timeouts = ctx.timeouts
     if ctx.groups.device.type == "cuda":
         torch.cuda.set_device(ctx.groups.device)  # so memory_facts reads this rank's GPU
+    if ctx.start is not None and not ctx.start.wait_ready(ctx.stop):  # its hello carries the rank's room
+        return
     link = WorkerLink(ctx.zmq, ctx.endpoint, ctx.rank, "heartbeat", ctx.room)
     last_ping = time.monotonic()
     try:

@@ -337,6 +337,8 @@ class CoordinatorCore:
         geometry = self.geometry.with_size(*self._frame_size(result.image.height, result.image.width))
         refusal = self.admission.refusal(geometry.height, geometry.width)
         if refusal is not None:
+            if (geometry.height, geometry.width) in self.admission.unservable_sizes:  # no close frees this size
+                raise ClientError("busy", f"{refusal}; a start image of another aspect ratio streams at another size")
             raise ClientError("busy", f"{refusal}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
         sid = self.new_id()
         self._admit(sid, geometry, message)  # may refuse busy: before the memory is held, which it cannot refuse

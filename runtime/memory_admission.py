@@ -30,6 +30,8 @@ class MemoryAdmission:
     rooms: dict[int, int] = field(default_factory=dict)  # rank -> bytes for sessions (absent or -1: unlimited)
     held: dict[str, dict[int, int]] = field(default_factory=dict)  # session -> bytes admitted on each rank
     measured: dict[int, int] = field(default_factory=dict)  # rank -> bytes its sessions hold, as the rank measures
+    # (height, width) -> why no session of that size can open (a rank ran out of memory warming it up: ranks.warmup)
+    unservable_sizes: dict[tuple[int, int], str] = field(default_factory=dict)
 
     def report(self, rank: int, room: int, held: int | None = None) -> None:
         self.rooms[rank] = room
@@ -45,6 +47,8 @@ class MemoryAdmission:
 
     def refusal(self, height: int, width: int) -> str | None:
         """Why one more ``height x width`` session does not fit (the first rank short of room), or None."""
+        if (height, width) in self.unservable_sizes:
+            return self.unservable_sizes[(height, width)]
         if self.cost is None:
             return None
         for rank, need in sorted(self.cost(height, width).items()):

@@ -2,7 +2,8 @@
 
 Each stage thread reports in its ``hello`` the sizes its rank warmed that stage at, with the seconds each took; the
 hellos arrive before the port opens. ``warm`` holds once every rank of every stage warmed every size the server
-serves. A stage's ``seconds`` is its slowest rank's total (the job's start waited for that rank).
+serves. A stage's ``seconds`` is its slowest rank's total (the job's start waited for that rank). A size a rank
+could not warm (out of memory) is not warm, and rank 0 refuses sessions at it (``failures``), naming the rank.
 """
 
 from __future__ import annotations
@@ -30,7 +31,18 @@ class WarmStart:
             self.runs.setdefault((run.stage, rank), []).append(run)
 
     def _sizes_of(self, stage: Stage, rank: int) -> list[str]:
-        return [size_name(r.height, r.width) for r in self.runs.get((stage.value, rank), [])]
+        return [size_name(r.height, r.width) for r in self.runs.get((stage.value, rank), []) if not r.failed]
+
+    def failures(self) -> dict[tuple[int, int], str]:
+        """The sizes some rank could not warm up (out of memory: it cannot serve them), each with the first such
+        rank and why; rank 0 refuses sessions at these sizes."""
+        out: dict[tuple[int, int], str] = {}
+        for (stage, rank), runs in sorted(self.runs.items(), key=lambda item: item[0][1]):
+            for r in runs:
+                if r.failed and (r.height, r.width) not in out:
+                    out[(r.height, r.width)] = (f"rank {rank} could not run its {stage} stage at "
+                                                f"{size_name(r.height, r.width)} when it warmed up ({r.failed})")
+        return out
 
     @property
     def warm(self) -> bool:
@@ -49,9 +61,14 @@ class WarmStart:
         for stage in Stage:
             ranks = self.placement.ranks_of(stage)
             chunks = {r.chunks for rank in ranks for r in self.runs.get((stage.value, rank), [])}
+            runs = {rank: self.runs.get((stage.value, rank), []) for rank in ranks}
+            failed = {str(rank): {size_name(r.height, r.width): r.failed for r in rs if r.failed}
+                      for rank, rs in runs.items() if any(r.failed for r in rs)}
             out[stage.value] = {"seconds": round(self.seconds(stage), 3),
                                 "chunks_per_size": max(chunks, default=0),
-                                "ranks": {str(rank): self._sizes_of(stage, rank) for rank in ranks}}
+                                "ranks": {str(rank): self._sizes_of(stage, rank) for rank in ranks},
+                                "threads": {str(rank): sorted({r.thread for r in rs}) for rank, rs in runs.items()},
+                                "failed": failed}
         return out
 
     def describe(self) -> str:

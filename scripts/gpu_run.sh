@@ -66,13 +66,15 @@ BENCH=("$PY" scripts/bench_gpu.py --merge --out "$JSON")
 # script to ENTRIES (so the import check covers it); keep the total within LIMIT_S (the dry run checks), and since the
 # device returns at most 8 files from $OUT, merge into $JSON or write one file rather than many.
 plan() {
-    step matmul 20 "${BENCH[@]}" --only matmul --only kv_cache
-    step sdpa 25 "${BENCH[@]}" --only sdpa
-    step dit 110 "${BENCH[@]}" --only dit
-    step vae 70 "${BENCH[@]}" --only vae
-    step umt5 30 "${BENCH[@]}" --only umt5
-    step dit_bf16 20 "${BENCH[@]}" --only dit_bf16_vs_fp32
-    step serve 120 "${BENCH[@]}" --only serve
+    step matmul 15 "${BENCH[@]}" --only matmul --only kv_cache
+    step sdpa 20 "${BENCH[@]}" --only sdpa
+    step dit 90 "${BENCH[@]}" --only dit
+    step vae 60 "${BENCH[@]}" --only vae
+    step umt5 25 "${BENCH[@]}" --only umt5
+    step dit_bf16 15 "${BENCH[@]}" --only dit_bf16_vs_fp32
+    # serve: EAGER module loading, random init of the 14B DiT and umT5-XXL, attention timing, pricing every size,
+    # the warm-up at one size (a session per stage thread) and then 8 chunks of a served session
+    step serve 175 "${BENCH[@]}" --only serve
 }
 
 # The second call: v1 at 480x832 through the window's fill (every compile and capture happens there) and two steady

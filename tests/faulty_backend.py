@@ -10,11 +10,16 @@ it raise one while it opens the session's caches (its KV ring, the largest alloc
 ``HANG:denoise:<chunk>`` makes every DiT rank sleep through that chunk's
 denoise (their heartbeats go on), as a stuck kernel would. Selected by the tests with
 ``--model.kind=tests.faulty_backend:build``; ``build_never_ready`` is a backend whose decode rank never finishes
-loading. No production config can reach either.
+loading; ``build_slow`` one whose last DiT rank takes ``FAULTY_SLOW_BUILD_S`` (environment) more to build;
+``build_small_card`` one whose decode stage (or second DiT rank, ``FAULTY_OOM_STAGE=denoise``) runs out of memory (a
+real ``torch.OutOfMemoryError``) whenever it opens a session at the frame size ``FAULTY_OOM_SIZE`` (``HxW``), its
+warm-up's included. No production config can reach
+any of them.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -22,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from models.stages import SessionSpec
-from models.synthetic import SyntheticCondition, SyntheticDenoise
+from models.synthetic import SyntheticCondition, SyntheticDecode, SyntheticDenoise
 from ranks.backend import Backend, build_synthetic
 from runtime.config import ControlsConfig, ModelConfig, StreamConfig, SyntheticConfig
 
@@ -111,3 +116,56 @@ def build_never_ready(model: ModelConfig, stream: StreamConfig, costs: Synthetic
     if "decode" in roles:
         time.sleep(HANG_S)
     return build(model, stream, costs, controls, roles, device, dit_group)
+
+
+def build_slow(model: ModelConfig, stream: StreamConfig, costs: SyntheticConfig, controls: ControlsConfig,
+               roles: list[str], device: torch.device, dit_group: Any | None) -> Backend:
+    """The last DiT rank builds ``FAULTY_SLOW_BUILD_S`` seconds late (a weight load slower than the others')."""
+    if dit_group is not None and dist.get_rank(dit_group) == dist.get_world_size(dit_group) - 1:
+        time.sleep(float(os.environ["FAULTY_SLOW_BUILD_S"]))
+    return build(model, stream, costs, controls, roles, device, dit_group)
+
+
+def too_big() -> tuple[int, int]:
+    height, width = os.environ["FAULTY_OOM_SIZE"].split("x")
+    return int(height), int(width)
+
+
+class SmallCardDecode(SyntheticDecode):
+    """Out of memory opening a session at one frame size, as a card too small for that size would be."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.too_big = too_big()
+
+    def open(self, spec: SessionSpec) -> None:
+        if (spec.height, spec.width) == self.too_big:
+            raise torch.OutOfMemoryError(f"injected: CUDA out of memory opening the decode caches at "
+                                         f"{spec.height}x{spec.width}")
+        super().open(spec)
+
+
+class SmallCardDenoise(FaultyDenoise):
+    """The second DiT rank alone runs out of memory opening a session (its KV ring) at one frame size."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.too_big = too_big()
+
+    def open(self, spec: SessionSpec, context: torch.Tensor) -> None:
+        if (spec.height, spec.width) == self.too_big and self._group_rank == 1:
+            raise torch.OutOfMemoryError(f"injected: CUDA out of memory allocating the KV ring at "
+                                         f"{spec.height}x{spec.width}")
+        super().open(spec, context)
+
+
+def build_small_card(model: ModelConfig, stream: StreamConfig, costs: SyntheticConfig, controls: ControlsConfig,
+                     roles: list[str], device: torch.device, dit_group: Any | None) -> Backend:
+    """``FAULTY_OOM_STAGE`` (``decode`` or ``denoise``) runs out of memory at ``FAULTY_OOM_SIZE``."""
+    backend = build(model, stream, costs, controls, roles, device, dit_group)
+    stage = os.environ.get("FAULTY_OOM_STAGE", "decode")
+    if backend.decode is not None and stage == "decode":
+        backend.decode = SmallCardDecode(backend.geometry, costs.decode_s, costs.cold_s)
+    if backend.denoise is not None and stage == "denoise":
+        backend.denoise = SmallCardDenoise(backend.geometry, costs.denoise_s, dit_group)
+    return backend

@@ -123,3 +123,25 @@ def test_the_stage_pins_its_kernel_once_at_start_and_no_attention_call_touches_t
         LingbotDenoiseStage(DiTConfig.from_name("tiny", attention="efficient"), GEOMETRY, init_seed=5)
     LingbotDenoiseStage(DiTConfig.from_name("tiny", attention="sdpa"), GEOMETRY, init_seed=5)
     assert pinned_backend() == "sdpa"  # the conformance path: PyTorch's own order again
+
+
+def test_a_pinned_kernel_that_disagrees_with_the_math_path_is_dropped_for_pytorchs_order(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Pinned on timing alone, a kernel is checked once against the float32 math path: CPU's flash kernel agrees; a
+    wrong one (here: an injected kernel that scales its output, as a broken build might) falls back with a warning."""
+    cpu = torch.device("cpu")
+    assert attention.kernel_error("flash", 16, cpu, torch.float32) < attention.PIN_BOUND[torch.float32]
+    assert attention.checked_pin("flash", 16, cpu, torch.float32) == "flash"
+
+    def wrong(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention.sdpa(q, k, v) * 1.05
+
+    with caplog.at_level("WARNING", logger="models.attention"):
+        assert attention.checked_pin("flash", 16, cpu, torch.float32, run=wrong) == "sdpa"
+    assert "SDPA kernel flash disagrees with the math path" in caplog.text
+
+    def refuses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("No available kernel")
+
+    assert attention.checked_pin("flash", 16, cpu, torch.bfloat16, run=refuses) == "sdpa"
+    assert attention.checked_pin("flash", 16, cpu, torch.bfloat16) == "flash"  # bf16 rounding is within its bound

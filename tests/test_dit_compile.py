@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from ipc.protocol import Stage
 from models.compiled import CompiledBlocks, CudaGraphPasses, compile_dit
 from models.controls import ChunkControl
 from models.dit import DiTConfig, WanModelFast
@@ -22,6 +23,8 @@ from models.lingbot import dit_config
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.rope import apply_rope, rope_angles, rope_freqs
 from models.stages import SessionSpec, StreamGeometry
+from ranks.backend import Backend
+from ranks.warmup import WARMUP_CHUNKS, stage_chunks, warm_stage
 from runtime.config import ConfigError, ModelConfig, StreamConfig, load
 from scripts import check_golden
 from scripts.check_golden import compare
@@ -235,3 +238,20 @@ def test_steady_passes_replay_through_static_buffers_and_match_eager() -> None:
     passes_per_chunk = len(stage.steps) + 1
     assert len(passes.recorded) == 2 * passes_per_chunk  # captured at chunk 2 (window full), per session and pass
     assert [r.replays for r in passes.recorded] == [4] * 2 * passes_per_chunk  # chunk 2 (after capture), 3, 4, 5
+
+
+def test_the_warm_up_of_a_compiled_dit_runs_every_fill_level_so_no_session_compiles() -> None:
+    """The tiny window fills in 3 chunks: a compiled DiT's warm-up runs them and one steady chunk (4, not the 2 of an
+    eager one), so every graph is compiled at start and a session's first chunks compile nothing."""
+    stage = _stage("blocks", compile_backend="eager")  # dynamo counts its graphs whatever the backend; eager is quick
+    backend = Backend(GEOMETRY, denoise=stage)
+    assert stage_chunks(backend, Stage.DENOISE) == 4
+    assert stage_chunks(Backend(GEOMETRY, denoise=_stage("off")), Stage.DENOISE) == WARMUP_CHUNKS
+    runs = warm_stage(backend, Stage.DENOISE, ((GEOMETRY.height, GEOMETRY.width),), torch.device("cpu"))
+    assert [(r.chunks, r.failed) for r in runs] == [(4, "")]
+    warmed = _graphs()
+    assert warmed == 3
+    stage.open(SessionSpec(session="s", seed=1, prompt=""), torch.zeros(16, 32))
+    for k in range(5):
+        stage.denoise("s", k, _condition(GEOMETRY, k), _turn(k))
+    assert _graphs() == warmed and _breaks() == 0

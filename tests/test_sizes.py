@@ -6,6 +6,7 @@ size (``synthetic.cold_s``, what cuDNN autotuning costs on a GPU) never lands on
 from __future__ import annotations
 
 import io
+import re
 import statistics
 import threading
 from collections.abc import Iterator
@@ -97,15 +98,31 @@ def test_every_stage_of_every_rank_is_warm_at_every_allowed_size_before_serving(
     warm = stats["warm_up"]
     assert {stage: warm[stage]["ranks"] for stage in warm} == {
         "condition": {"0": SIZES}, "decode": {"1": SIZES}, "denoise": {str(r): SIZES for r in range(2, 7)}}
-    for stage in warm.values():
+    for name, stage in warm.items():
         assert stage["chunks_per_size"] == 2
         assert stage["seconds"] >= 2 * COLD_S  # the first use of each size was paid at start-up
+        # by the thread that serves the stage (run_thread names it after its role): cuDNN's cache is per thread
+        assert set(map(tuple, stage["threads"].values())) == {(name,)}, stage["threads"]
+        assert stage["failed"] == {}
     log = server.log()  # warm before serving
     assert -1 < log.find("warm-up: warm at 160x240, 240x160") < log.find("coordinator: serving on tcp:")
 
 
-def test_the_ranks_load_cuda_modules_eagerly(server: LocalServer) -> None:
+def test_every_rank_makes_the_communicator_of_each_of_its_groups_once_in_creation_order_at_start(
+        server: LocalServer) -> None:
+    log = server.log_path.read_text(errors="replace")
+    made = re.findall(r"rank(\d) INFO worldstream: rank \d: communicators made, in order: (.*)$", log, re.M)
+    # cpu-tiny: condition 0, decode 1, DiT 2-6 (leader 2); latent 2 -> 1, frames 1 -> 0
+    assert sorted(made) == [("0", "control, condition, frames"), ("1", "control, latent, frames"),
+                            ("2", "control, dit, condition, latent"),
+                            *[(str(r), "control, dit, condition") for r in range(3, 7)]]
+    # before any warm-up: no role thread could make one lazily while another waits in a collective
+    assert max(log.find(f"rank{r} INFO worldstream: rank {r}: communicators") for r in range(7)) < log.find("warm-up:")
+
+
+def test_the_ranks_load_cuda_modules_eagerly_and_expand_allocator_segments(server: LocalServer) -> None:
     assert server.process is not None
     ranks = [p for p in psutil.Process(server.process.pid).children(recursive=True) if "RANK" in p.environ()]
     assert len(ranks) == 7
     assert {p.environ().get("CUDA_MODULE_LOADING") for p in ranks} == {"EAGER"}
+    assert {p.environ().get("PYTORCH_CUDA_ALLOC_CONF") for p in ranks} == {"expandable_segments:True"}

@@ -93,13 +93,18 @@ def test_a_job_is_warm_only_once_every_rank_of_every_stage_warmed_every_size() -
     assert warm.warm
     summary = warm.to_dict()
     assert summary["denoise"]["seconds"] == 3.0  # the slowest rank (4): the job's start waited for it
-    assert summary["condition"] == {"seconds": 1.0, "chunks_per_size": 2, "ranks": {"0": ["160x240", "240x160"]}}
+    assert summary["condition"] == {"seconds": 1.0, "chunks_per_size": 2, "ranks": {"0": ["160x240", "240x160"]},
+                                    "threads": {"0": [""]}, "failed": {}}
 
 
-def test_the_launcher_loads_cuda_modules_eagerly_unless_the_user_chose_otherwise() -> None:
+def test_the_launcher_loads_cuda_modules_eagerly_and_expands_segments_unless_the_user_chose_otherwise(
+        caplog: pytest.LogCaptureFixture) -> None:
     env: dict[str, str] = {}
-    launch.eager_module_loading(env)
-    assert env == {"CUDA_MODULE_LOADING": "EAGER"}
-    chosen = {"CUDA_MODULE_LOADING": "LAZY"}
-    launch.eager_module_loading(chosen)
-    assert chosen == {"CUDA_MODULE_LOADING": "LAZY"}
+    launch.rank_environment(env)
+    assert env == {"CUDA_MODULE_LOADING": "EAGER", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    chosen = {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    with caplog.at_level("WARNING", logger="worldstream"):
+        launch.rank_environment(chosen)
+    assert chosen == {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    said = caplog.text  # kept, but never silently: the hazard the default avoids is back
+    assert "CUDA_MODULE_LOADING=LAZY" in said and "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512" in said
