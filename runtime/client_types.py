@@ -70,6 +70,27 @@ class ToClient:
 
 
 @dataclass(frozen=True)
+class ToWatchers:
+    """A chunk of ``session`` for its watchers: the shell queues ``payload`` (as received or encoded once) in each
+    watcher's own feed (``runtime.watchers.Feeds``), never waiting for one."""
+
+    session: str
+    watchers: tuple[bytes, ...]
+    payload: Payload
+
+
+@dataclass(frozen=True)
+class EndWatch:
+    """A watcher's stream of ``session`` ends with ``closed``: after the chunks its feed holds (``keep``: the
+    session's last ones) or instead of them."""
+
+    identity: bytes
+    session: str
+    closed: protocol.Closed
+    keep: bool
+
+
+@dataclass(frozen=True)
 class Stop:
     """End with this exit code, after sending the outputs before it."""
 

@@ -18,6 +18,7 @@ from runtime.client_types import (  # the client side, shared with the router co
     ClientSent,
     ClientUnreachable,
     ClientUnreadable,
+    EndWatch,
     ShutdownRequested,
     Stop,
     Tick,
@@ -26,7 +27,7 @@ from runtime.client_types import (  # the client side, shared with the router co
 from runtime.images import DecodedImage
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "ClientError", "ClientSent", "ClientUnreachable", "ClientUnreadable",
-           "DecodeImage", "DropTensors", "EmitChunk", "Event", "FramesMissing", "ImageDecoded", "JobFailed",
+           "DecodeImage", "DropTensors", "EmitChunk", "EndWatch", "Event", "FramesMissing", "ImageDecoded", "JobFailed",
            "MemorySampled",
            "MetricsSink", "Output", "RankLost", "ShutdownRequested", "Stop", "Tick", "ToClient", "ToWorker",
            "WorkerSent"]
@@ -109,6 +110,7 @@ class EmitChunk:
     session: str
     facts: protocol.ChunkFacts
     to: bytes | None
+    watchers: tuple[bytes, ...] = ()  # its watchers: the same encoded chunk goes to each one's feed
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class DropTensors:
     session: str
 
 
-Output = ToClient | ToWorker | DecodeImage | EmitChunk | DropTensors | Stop
+Output = ToClient | ToWorker | DecodeImage | EmitChunk | EndWatch | DropTensors | Stop
 
 
 class MetricsSink(Protocol):
