@@ -173,6 +173,7 @@ class AsyncClient:
     async def unwatch(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
         """Stop watching; see ``Client.unwatch``."""
         message = self._requests.unwatch(session)
+        self._session(session).closed = None  # the closed that ends this watch, not an earlier one
         refused = self._ask(message)
         waiting = asyncio.ensure_future(self.wait_closed(session, timeout_s))
         try:

@@ -668,6 +668,7 @@ class Client:
     def unwatch(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
         """Stop watching; returns once the stream ended (its ``closed``, reason "unwatched")."""
         message = self._requests.unwatch(session)
+        self._session(session).closed = None  # the closed that ends this watch, not an earlier one
         try:
             return self.wait_closed(session, timeout_s, refused=self._ask(message))
         finally:
