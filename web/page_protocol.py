@@ -7,11 +7,14 @@ Page -> gateway:
   ``max_msg_size`` refuses larger frames before they are read), the JSON header against ``MAX_HEADER_BYTES``.
 - **text** messages are JSON maps with a ``type``: ``state`` (the live input: ``keys`` held now, ``mouse`` motion
   [yaw, pitch] degrees since the previous state, ``taps`` pressed and released since, ``revision`` strictly
-  increasing), ``close``, ``stats``, ``trace`` (the session's Chrome trace). Each is at most
+  increasing), ``close``, ``stats``, ``trace`` (the session's Chrome trace), ``watch`` (``session``, ``token``:
+  watch another tab's session read-only, from a share link; ``close`` ends the watch). Each is at most
   ``MAX_TEXT_BYTES``.
 
 Gateway -> page:
-- **text** JSON maps: ``hello`` (limits, frame format), ``opened``, ``chunk`` (per chunk: the applied control,
+- **text** JSON maps: ``hello`` (limits, frame format), ``opened`` (with the ``watch_token`` a share link carries),
+  ``watching`` (as ``opened``, for a watch), ``chunk`` (with ``missed``: chunks the server dropped for a slow
+  watcher) (per chunk: the applied control,
   control-to-output latency, drop counters; always sent, never dropped), ``closed`` (reason and the server's
   session summary), ``stats``, ``trace``, ``error`` (``code``, ``message``, ``retry_after_s``).
 - **binary** frames: a 16-byte header (``FRAME_HEADER``) and one encoded picture. Only the newest frames are
@@ -28,7 +31,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -108,12 +111,17 @@ class TraceRequest(_PageMsg, tag="trace"):
     pass
 
 
-TextRequest = Union[StateRequest, CloseRequest, StatsRequest, TraceRequest]  # noqa: UP007
+class WatchRequest(_PageMsg, tag="watch"):
+    session: Annotated[str, msgspec.Meta(max_length=64)]
+    token: Annotated[str, msgspec.Meta(max_length=128)]
+
+
+TextRequest = Union[StateRequest, CloseRequest, StatsRequest, TraceRequest, WatchRequest]  # noqa: UP007
 _text = msgspec.json.Decoder(TextRequest)
 _open = msgspec.json.Decoder(OpenRequest)
 
 
-def parse_text(data: str) -> StateRequest | CloseRequest | StatsRequest | TraceRequest:
+def parse_text(data: str) -> StateRequest | CloseRequest | StatsRequest | TraceRequest | WatchRequest:
     """A text message from the page, validated (raises ``PageError``)."""
     raw = data.encode()
     if len(raw) > MAX_TEXT_BYTES:
