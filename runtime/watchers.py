@@ -104,13 +104,14 @@ class Watchers:
 
     def silent(self, now: float) -> list[tuple[bytes, str]]:
         """Every (watcher, session) whose watcher was silent past the timeout, removed; the longest silent first."""
-        out: list[tuple[bytes, str]] = []
-        for who, heard in list(self._heard.items()):
+        silent: list[bytes] = []
+        for who, heard in self._heard.items():
             if now - heard <= self.timeout_s:
                 break  # in order of last heard: every later one was heard more recently
-            for sid in list(self._watching.get(who, ())):
-                self.remove(who, sid)
-                out.append((who, sid))
+            silent.append(who)
+        out = [(who, sid) for who in silent for sid in self._watching[who]]
+        for who, sid in out:
+            self.remove(who, sid)
         return out
 
     def end(self, sid: str) -> tuple[bytes, ...]:
