@@ -28,6 +28,10 @@ besides (``runtime.session``: its client, start image, accepted controls, spans,
   ``server.client_timeout_s`` are closed ("disconnect", told to it in case it is still there); a client that is gone
   is skipped until it resumes (same identity, ``heartbeat`` naming the session); one that stops reading is closed at
   once.
+- **Spectators** (``runtime.watchers``): each session's ``opened`` carries a watch token; ``watch`` with it adds a
+  read-only watcher named on every later ``EmitChunk`` (the shell feeds it without ever waiting); a watcher's
+  controls, close and the like are refused ``watch_only``; when the session ends each watcher gets its own
+  ``closed`` after its last chunks (``EndWatch``).
 - **Containment.** A bad request gets a clear error and changes nothing; an unexpected error while handling an
   event costs the session it concerns (error to its client, caches released), never the server.
 - Actions never re-enter: a scheduler event's actions become outputs only; consequences that need the scheduler
