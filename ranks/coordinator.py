@@ -172,6 +172,7 @@ class Coordinator:
         if now >= self.next_memory:  # rank 0 has no heartbeat thread of its own
             self.next_memory = now + self.timeouts.heartbeat_s
             events.append(ct.MemorySampled(self.ctx.rank, *memory_facts(), held=held_bytes(self.ctx.backend)))
+            events.append(ct.WatchDropped(self.feeds.dropped))
         if now >= self.next_probe:  # often: a dead rank is named before the launcher tears the others down
             self.next_probe = now + PROBE_S
             events.extend(self._dead_ranks())

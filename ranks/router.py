@@ -116,7 +116,7 @@ class RouterShell:
                 events.append(rt.Tick())
             if now >= next_times:  # its percentiles cost a little: once a second is fresh enough for stats
                 next_times = now + TIMES_S
-                events.append(rt.ShellTimes(self.hold.to_dict()))
+                events.append(rt.ShellTimes(self.hold.to_dict(), self.feeds.dropped))
             if events:
                 code = self._carry_out(self.core.step(events, now))
             if code is None and self.clients in ready:

@@ -52,6 +52,13 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class WatchDropped:
+    """The shell's count of chunks dropped for slow watchers so far (``runtime.watchers.Feeds``), for stats."""
+
+    total: int
+
+
+@dataclass(frozen=True)
 class ShutdownRequested:
     """Stop serving: every client is told, every session closed. ``lost``: ranks the coordinator's shell could not
     reach when it ordered its workers to stop (a router has none)."""

@@ -91,6 +91,7 @@ from runtime.core_types import (
     Tick,
     ToClient,
     ToWorker,
+    WatchDropped,
     WorkerSent,
 )
 from runtime.memory_admission import Cost, MemoryAdmission
@@ -159,6 +160,7 @@ class CoordinatorCore:
         self.capacity = CapacityModel(self.capacity_config)  # real-time admission and the steps of every session
         self.clients: Clients[Session] = Clients(self.server_id, server.client_timeout_s)
         self.watchers = Watchers(server.max_watchers, server.client_timeout_s)  # spectators, beside the owners
+        self.watch_dropped = 0  # chunks the shell dropped for slow watchers (``WatchDropped``)
         self.opening: deque[_Opening] = deque()
         self.tickets: Iterator[int] = itertools.count()
         self.last_beat = {rank: now for rank in self.where.heartbeat_ranks}
@@ -224,6 +226,8 @@ class CoordinatorCore:
                 raise JobFailed(reason)
             case ShutdownRequested(lost=lost):
                 self._shutdown(lost, now)
+            case WatchDropped(total=total):
+                self.watch_dropped = total
 
     def _emit(self, output: Output) -> None:
         self._out.append(output)
@@ -722,6 +726,7 @@ class CoordinatorCore:
             **self.metrics.to_dict(now, visible),
             "open_sessions": len(self.sessions),
             "watchers": self.watchers.count(),  # spectators of every session now
+            "watch_dropped": self.watch_dropped,  # chunks dropped for slow watchers so far (never the players')
             "ranks": {str(r): {"rss": 0, "peak_rss": 0, "cuda_peak": 0, **self.memory.get(r, {}),
                                **self.admission.stats(r)}
                       for r in sorted({*self.memory, *range(self.where.world_size)})},

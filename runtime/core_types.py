@@ -23,6 +23,7 @@ from runtime.client_types import (  # the client side, shared with the router co
     Stop,
     Tick,
     ToClient,
+    WatchDropped,
 )
 from runtime.images import DecodedImage
 
@@ -30,7 +31,7 @@ __all__ = ["EXIT_FAILED", "EXIT_OK", "ClientError", "ClientSent", "ClientUnreach
            "DecodeImage", "DropTensors", "EmitChunk", "EndWatch", "Event", "FramesMissing", "ImageDecoded", "JobFailed",
            "MemorySampled",
            "MetricsSink", "Output", "RankLost", "ShutdownRequested", "Stop", "Tick", "ToClient", "ToWorker",
-           "WorkerSent"]
+           "WatchDropped", "WorkerSent"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -82,7 +83,7 @@ class RankLost:
 
 
 Event = (ClientSent | ClientUnreadable | ImageDecoded | ClientUnreachable | WorkerSent | MemorySampled
-         | FramesMissing | RankLost | Tick | ShutdownRequested)
+         | FramesMissing | RankLost | Tick | ShutdownRequested | WatchDropped)
 
 # ---- outputs ----
 

@@ -142,6 +142,7 @@ class RouterCore:
         self.chunks_forwarded = 0
         self.client_messages = 0
         self.hold_s: dict[str, Any] = {}  # the shell's measure of a chunk's stay in the router (``ShellTimes``)
+        self.watch_dropped = 0  # chunks the shell dropped for slow watchers (``ShellTimes``)
         self.rejects: dict[str, int] = {}
         self.stopped = False
         self._out: list[Output] = []
@@ -181,8 +182,8 @@ class RouterCore:
                 self._emit(ToRegistrant(peer, protocol.Registered(ok=False, message=error)))
             case Tick():
                 self._timers(now)
-            case ShellTimes(hold_s=hold):
-                self.hold_s = hold
+            case ShellTimes(hold_s=hold, watch_dropped=dropped):
+                self.hold_s, self.watch_dropped = hold, dropped
             case ShutdownRequested():
                 self._shutdown(now)
 
@@ -670,7 +671,7 @@ class RouterCore:
                 "rejects": merged("rejects"), "errors": merged("errors"),
             },
             "router": {"chunks_forwarded": self.chunks_forwarded, "client_messages": self.client_messages,
-                       "watchers": self.watchers.count(),
+                       "watchers": self.watchers.count(), "watch_dropped": self.watch_dropped,
                        "opening": len(self.opens), "sessions_total": self.sessions_total, "chunk_hold_s": self.hold_s},
             "replicas": {name: r.describe(now) for name, r in sorted(self.replicas.items())},
             "per_session": mine,

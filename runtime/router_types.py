@@ -105,6 +105,7 @@ class ShellTimes:
     it was read off a replica's socket to the moment it was queued for its client (a distribution, seconds)."""
 
     hold_s: dict[str, Any]
+    watch_dropped: int = 0  # chunks dropped for slow watchers so far (``runtime.watchers.Feeds``)
 
 
 Event = (ClientSent | ClientUnreadable | ClientUnreachable | ReplicaSent | ReplicaRefused | RegisterSent

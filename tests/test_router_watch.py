@@ -81,6 +81,8 @@ def test_a_slow_watcher_at_the_router_loses_its_oldest_chunks_and_slows_no_one(r
     missed = [m for m in got if isinstance(m, protocol.Missed)]
     assert missed and missed[-1].total == chunks - len(indices)
     assert indices == sorted(indices) and indices[-1] == chunks - 1
+    with Client(router.endpoint) as reader:  # the router counts them (its shell reports once a second)
+        wait_for("drops counted", lambda: reader.stats()["router"]["watch_dropped"] >= missed[-1].total, 5)
 
 
 def test_the_router_refuses_bad_tokens_extra_watchers_and_a_watchers_controls(router: LocalRouter) -> None:

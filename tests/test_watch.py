@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -120,6 +121,11 @@ def test_a_watcher_that_stops_reading_drops_its_oldest_chunks_and_slows_no_one(s
     assert missed and missed[-1].total == sum(m.chunks for m in missed) == chunks - len(indices)
     assert indices == sorted(indices) and indices[-1] == chunks - 1  # it lost the oldest, never the newest
     assert isinstance(got[-1], protocol.Closed) and got[-1].reason == "complete"
+    with Client(server.endpoint) as reader:  # the server counts them (its shell reports once a heartbeat)
+        deadline = time.monotonic() + 10
+        while reader.stats()["watch_dropped"] < missed[-1].total:
+            assert time.monotonic() < deadline, "the drops never reached the server's stats"
+            time.sleep(0.1)
     period = summary["chunk_period_s"]
     print(f"player chunk period p50 {period['p50']:.4f} s p90 {period['p90']:.4f} s; slow watcher got "
           f"{len(indices)} of {chunks} chunks, {missed[-1].total} dropped")
