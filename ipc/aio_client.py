@@ -22,6 +22,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -166,6 +167,31 @@ class AsyncClient:
     async def stats(self) -> dict[str, Any]:
         return (await self._request(self._requests.stats())).stats
 
+    async def watch(self, session: str, token: str, timeout_s: float | None = None) -> AsyncWatch:
+        """Watch another client's session read-only; see ``Client.watch`` (``async for`` the returned watch)."""
+        state = self._session(session)
+        state.closed, state.missed = None, 0  # a session watched again after an unwatch
+        reply = await self._request(self._requests.watch(session, token))
+        return AsyncWatch(session_info(reply), self.chunks(session, timeout_s))
+
+    async def unwatch(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """Stop watching; see ``Client.unwatch``."""
+        message = self._requests.unwatch(session)
+        self._session(session).closed = None  # the closed that ends this watch, not an earlier one
+        refused = self._ask(message)
+        waiting = asyncio.ensure_future(self.wait_closed(session, timeout_s))
+        try:
+            done, _ = await asyncio.wait({waiting, refused}, return_when=asyncio.FIRST_COMPLETED)
+            error = refused.exception() if refused in done else None
+            if error is not None:
+                raise error
+            return await waiting
+        finally:
+            waiting.cancel()
+            self._core.forget(message.req)
+            if not refused.done():
+                refused.cancel()
+
     async def resume(self, session: str) -> None:
         """Re-attach to a session this identity owns; see ``Client.resume``."""
         self._session(session)
@@ -290,3 +316,21 @@ class AsyncClient:
     def _put_error(self, error: ServerError) -> None:
         with contextlib.suppress(asyncio.QueueFull):
             self._errors.put_nowait(error)
+
+
+@dataclass
+class AsyncWatch:
+    """The asyncio twin of ``ipc.client.Watch``: ``info``, then ``async for`` the chunks; ``missed`` sums what was
+    dropped for this client."""
+
+    info: SessionInfo
+    chunks: AsyncIterator[ChunkResult]
+    missed: int = 0
+
+    def __aiter__(self) -> AsyncWatch:
+        return self
+
+    async def __anext__(self) -> ChunkResult:
+        chunk = await self.chunks.__anext__()
+        self.missed += chunk.missed
+        return chunk

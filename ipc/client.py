@@ -141,9 +141,16 @@ class OutboxFull(ServerError):
     codes = ("outbox_full",)
 
 
+class WatchOnly(ServerError):
+    """This client watches the session: it cannot send its controls or close it (only its owner can)."""
+
+    codes = ("watch_only",)
+
+
 _ERROR_TYPES: dict[str, type[ServerError]] = {
     code: cls for cls in (Busy, UnknownSession, RejectedControl, ControlBackpressure, BadRequest, StaleRevision,
-                          SessionFailed, ServerGone, OutboxFull, PromptBackpressure) for code in cls.codes
+                          SessionFailed, ServerGone, OutboxFull, PromptBackpressure, WatchOnly) for code in
+                          cls.codes
 }
 
 
@@ -175,6 +182,7 @@ class SessionInfo:
     num_chunks: int | None
     intrinsics: tuple[float, float, float, float] | None = None  # (fx, fy, cx, cy) at this frame size: the camera used
     steps: int = 0  # denoising steps its first chunks run (0: a server before quality presets)
+    watch_token: str = ""  # the owner shares it: others ``watch`` the session with it ("" when watching)
 
 
 @dataclass(frozen=True)
@@ -186,6 +194,7 @@ class ChunkResult:
     facts: protocol.ChunkFacts  # its times and every rank's spans on the server's clock (facts.control is control)
     received: float  # client monotonic clock at arrival
     input_to_photon_s: dict[int, float] = field(default_factory=dict)  # live: revision first shown here -> latency
+    missed: int = 0  # watching: chunks of the session dropped for this client right before this one (it read slowly)
 
     @property
     def revision(self) -> int:
@@ -198,9 +207,33 @@ class ChunkResult:
         return self.facts.prompt_revision
 
 
-def session_info(opened: protocol.Opened) -> SessionInfo:
+def session_info(opened: protocol.Opened | protocol.Watching) -> SessionInfo:
+    if isinstance(opened, protocol.Watching):
+        return SessionInfo(opened.session, opened.height, opened.width, opened.fps, opened.frames_first_chunk,
+                           opened.frames_per_chunk, opened.num_chunks)
     return SessionInfo(opened.session, opened.height, opened.width, opened.fps, opened.frames_first_chunk,
-                       opened.frames_per_chunk, opened.num_chunks, opened.intrinsics, opened.steps)
+                       opened.frames_per_chunk, opened.num_chunks, opened.intrinsics, opened.steps,
+                       opened.watch_token)
+
+
+@dataclass
+class Watch:
+    """A session watched read-only (``Client.watch``): its geometry, then its chunks as an iterator, from the next
+    one emitted after the subscription until the session (or the watch) ends. ``ChunkResult.missed`` counts the
+    chunks dropped for this client before each one (a watcher that reads too slowly loses chunks, never slows the
+    player); ``missed`` here sums them."""
+
+    info: SessionInfo
+    chunks: Iterator[ChunkResult]
+    missed: int = 0
+
+    def __iter__(self) -> Iterator[ChunkResult]:
+        return self
+
+    def __next__(self) -> ChunkResult:
+        chunk = next(self.chunks)
+        self.missed += chunk.missed
+        return chunk
 
 
 class InputToPhoton:
@@ -347,6 +380,12 @@ class Requests:
     def stats(self) -> protocol.Stats:
         return protocol.Stats(req=next(self._ids))
 
+    def watch(self, session: str, token: str) -> protocol.Watch:
+        return protocol.Watch(req=next(self._ids), session=session, token=token)
+
+    def unwatch(self, session: str) -> protocol.Unwatch:
+        return protocol.Unwatch(req=next(self._ids), session=session)
+
     def resume(self, session: str) -> protocol.Heartbeat:
         """A heartbeat naming the session: its chunks come to this identity from now on."""
         return protocol.Heartbeat(req=next(self._ids), session=session)
@@ -390,6 +429,7 @@ class SessionState(Generic[Q]):
     events: Q  # ChunkResult, protocol.Closed or ServerError, in arrival order
     closed: protocol.Closed | None = None
     photon: InputToPhoton = field(default_factory=InputToPhoton)  # touched by the receiving side only
+    missed: int = 0  # watching: chunks dropped for this client since the last one it got (``protocol.Missed``)
 
 
 class ClientCore(Generic[Q, F]):
@@ -499,8 +539,12 @@ class ClientCore(Generic[Q, F]):
             facts = message.facts
             photon = state.photon.shown(facts.control.revision, received)
             frames = np.frombuffer(message.frames, dtype=np.uint8).reshape(message.shape)
+            missed, state.missed = state.missed, 0
             state.events.put_nowait(ChunkResult(message.session, facts.index, frames, facts.control, facts,
-                                                received, photon))
+                                                received, photon, missed))
+            return
+        if isinstance(message, protocol.Missed):
+            self.session(message.session).missed += message.chunks
             return
         if isinstance(message, protocol.Closed):
             state = self.session(message.session)
@@ -640,6 +684,26 @@ class Client:
 
     def stats(self) -> dict[str, Any]:
         return self._wait(self._ask(self._requests.stats()), self.timeout_s).stats
+
+    def watch(self, session: str, token: str, timeout_s: float | None = None) -> Watch:
+        """Watch another client's session read-only with the token its owner shared (``SessionInfo.watch_token``):
+        a ``Watch`` (iterate it for the chunks, from the next one the server emits, until the session or the watch
+        ends; ``timeout_s`` bounds the wait for each). ``UnknownSession`` for a wrong token or a session that is
+        not running (the same words), ``Busy`` at the server's ``max_watchers``. A watcher's controls and close are
+        refused (``WatchOnly``)."""
+        state = self._session(session)
+        state.closed, state.missed = None, 0  # a session watched again after an unwatch
+        reply = self._wait(self._ask(self._requests.watch(session, token)), self.timeout_s)
+        return Watch(session_info(reply), self.chunks(session, timeout_s))
+
+    def unwatch(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """Stop watching; returns once the stream ended (its ``closed``, reason "unwatched")."""
+        message = self._requests.unwatch(session)
+        self._session(session).closed = None  # the closed that ends this watch, not an earlier one
+        try:
+            return self.wait_closed(session, timeout_s, refused=self._ask(message))
+        finally:
+            self._core.forget(message.req)
 
     def resume(self, session: str) -> None:
         """Re-attach to a session this client identity owns (after a reconnect): its chunks come here from now

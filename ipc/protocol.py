@@ -317,6 +317,21 @@ class Heartbeat(_Msg, tag="heartbeat"):
     session: SessionId | None = None  # resume: a reconnecting client re-attaches to a session it still owns
 
 
+class Watch(_Msg, tag="watch"):
+    """Spectate a running session read-only from its next chunk, with the token its owner got in ``opened``."""
+
+    req: int
+    session: SessionId
+    token: Annotated[str, msgspec.Meta(max_length=128)]  # the session's watch token (unguessable)
+
+
+class Unwatch(_Msg, tag="unwatch"):
+    """Stop watching: the watcher's stream of the session ends with a ``closed`` (reason "unwatched")."""
+
+    req: int
+    session: SessionId
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # coordinator -> client
 
@@ -336,6 +351,8 @@ class Opened(_Msg, tag="opened"):
     # denoising steps its first chunks run (the open's, or fewer when the ladder admitted it lower; each chunk's facts
     # say what it ran and when that changed); 0 from a server before quality presets
     steps: int = 0
+    # the token others ``watch`` this session with (the owner shares it; "" from a server without spectators)
+    watch_token: str = ""
 
 
 class Accepted(_Msg, tag="accepted"):
@@ -362,7 +379,7 @@ class Chunk(_Msg, tag="chunk"):
 
 class Closed(_Msg, tag="closed"):
     session: str
-    reason: str  # "client", "complete", "disconnect", "failed", "shutdown"
+    reason: str  # "client", "complete", "disconnect", "failed", "shutdown"; to a watcher also "unwatched"
     error: str | None = None
     summary: dict[str, Any] = {}  # the session's metrics (JSON-able, documented in runtime/metrics.py)
 
@@ -373,6 +390,28 @@ class Error(_Msg, tag="error", kw_only=True):
     code: str  # machine-readable: bad_message, unknown_session, rejected_control, busy, failed, shutdown, ...
     message: str
     retry_after_s: float | None = None  # set when trying again later can work (server full)
+
+
+class Watching(_Msg, tag="watching"):
+    """The answer to ``watch``: the session's geometry; its chunks follow from the next one emitted."""
+
+    req: int
+    session: str
+    height: int
+    width: int
+    fps: float
+    frames_first_chunk: int
+    frames_per_chunk: int
+    num_chunks: int | None
+
+
+class Missed(_Msg, tag="missed"):
+    """To a watcher, right before the next chunk it gets: ``chunks`` chunks of the session were dropped for it since
+    the last one it got (it read too slowly; the player never waits for a watcher). ``total``: so far."""
+
+    session: str
+    chunks: int
+    total: int
 
 
 class StatsReply(_Msg, tag="stats_reply"):
@@ -386,8 +425,10 @@ class HeartbeatAck(_Msg, tag="heartbeat_ack"):
     server: str = ""  # this server's id for its lifetime: a client sees a restarted server (its sessions are gone)
 
 
-ClientMessage = Union[Open, Control, ControlState, Close, Stats, Heartbeat, SetPrompt]  # noqa: UP007
-ServerMessage = Union[Opened, Accepted, Chunk, Closed, Error, StatsReply, HeartbeatAck, PromptScheduled]  # noqa: UP007
+ClientMessage = Union[Open, Control, ControlState, Close, Stats, Heartbeat, SetPrompt, Watch, Unwatch]  # noqa: UP007
+ServerMessage = Union[  # noqa: UP007
+    Opened, Accepted, Chunk, Closed, Error, StatsReply, HeartbeatAck, PromptScheduled, Watching, Missed,
+]
 
 # ----------------------------------------------------------------------------------------------------------------
 # coordinator -> role workers: one task per operation. Each task states what it is (``phase``, and ``edge`` for

@@ -55,11 +55,13 @@ def send_to(sock: zmq.Socket, identity: bytes, message: Any) -> bool:
     return send_or_why(sock, identity, message) is None
 
 
-def send_or_why(sock: zmq.Socket, identity: bytes, message: Any) -> str | None:
+def send_or_why(sock: zmq.Socket, identity: bytes, message: Any, copy: bool = True) -> str | None:
     """Send to one ROUTER peer: None when queued, "gone" (no such peer connected now: it may reconnect) or
-    "full" (connected but not reading: its send queue reached the high-water mark)."""
+    "full" (connected but not reading: its send queue reached the high-water mark). ``message``: typed, or bytes
+    encoded already (a chunk encoded once for its player and its watchers; ``copy=False`` shares them)."""
     try:
-        sock.send_multipart([identity, protocol.encode(message)], flags=zmq.NOBLOCK)
+        data = message if isinstance(message, bytes) else protocol.encode(message)
+        sock.send_multipart([identity, data], flags=zmq.NOBLOCK, copy=copy)
         return None
     except zmq.ZMQError as error:
         if error.errno == zmq.EHOSTUNREACH:

@@ -32,6 +32,7 @@ from runtime.memory_admission import Cost, gib
 from runtime.placement import placement_of
 from runtime.sizes import served_sizes
 from runtime.warm_start import WarmStart
+from runtime.watchers import Feeds
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class Coordinator:
         self.watch = RankWatch()  # the rank processes on this host, from the workers' hellos
         self.rooms: dict[int, int] = {}  # rank -> bytes it can give to sessions, from the workers' hellos
         self.warm_start = WarmStart(self.where, served_sizes(config.stream))  # from the hellos too
+        # each watcher's outbox of chunks (``runtime.watchers``): emission never waits for a watcher
+        self.feeds = Feeds(config.server.watch_queue, config.server.client_timeout_s)
 
     def run(self, port: int) -> int:
         """Serve until shutdown or a lost rank; returns the process exit code. A failed job ends the other ranks on
@@ -170,6 +173,7 @@ class Coordinator:
         if now >= self.next_memory:  # rank 0 has no heartbeat thread of its own
             self.next_memory = now + self.timeouts.heartbeat_s
             events.append(ct.MemorySampled(self.ctx.rank, *memory_facts(), held=held_bytes(self.ctx.backend)))
+            events.append(ct.WatchDropped(self.feeds.dropped))
         if now >= self.next_probe:  # often: a dead rank is named before the launcher tears the others down
             self.next_probe = now + PROBE_S
             events.extend(self._dead_ranks())
@@ -225,13 +229,23 @@ class Coordinator:
                 self._to_client(output.identity, output.message, output.session, unreachable)
             elif isinstance(output, ct.EmitChunk):
                 self._emit(output, unreachable)
+            elif isinstance(output, ct.EndWatch):
+                self.feeds.end(output.identity, output.session, output.closed, output.keep, time.monotonic())
             elif isinstance(output, ct.DecodeImage):
                 self.decoding[output.ticket] = self.image_decoder.submit(decode_image, output.data, output.max_pixels)
             elif isinstance(output, ct.DropTensors):
                 self.ctx.frames.drop_session(output.session)
             elif isinstance(output, ct.Stop):
+                self._flush_feeds()  # what the watchers can still take (their closed) before the end
                 return output.code
+        self._flush_feeds()  # every turn: a watcher whose queue was full may have read since
         return None
+
+    def _flush_feeds(self) -> None:
+        """Send each watcher what its feed holds, as far as its queue takes it now (never waiting)."""
+        gone = self.feeds.flush(lambda who, item: send_or_why(self.clients, who, item, copy=False),
+                                time.monotonic())
+        self.carried.extend(ct.ClientUnreachable(who, sid, "gone") for who, sid in gone)
 
     def _to_client(self, identity: bytes, message: object, session: str | None,
                    unreachable: set[tuple[bytes, str]]) -> None:
@@ -247,10 +261,14 @@ class Coordinator:
         except (TimeoutError, tp.Dropped) as error:
             self.carried.append(ct.FramesMissing(output.session, index, str(error)))
             return
+        if output.to is None and not output.watchers:
+            return
+        data = protocol.encode(protocol.Chunk(session=output.session, frames=frames.numpy().tobytes(),
+                                              shape=tuple(frames.shape), facts=output.facts))  # once for all
         if output.to is not None:
-            message = protocol.Chunk(session=output.session, frames=frames.numpy().tobytes(),
-                                     shape=tuple(frames.shape), facts=output.facts)
-            self._to_client(output.to, message, output.session, unreachable)
+            self._to_client(output.to, data, output.session, unreachable)
+        for who in output.watchers:
+            self.feeds.put(who, output.session, data)
 
     # ---------------------------------------------------------------------------------------------- ending
 

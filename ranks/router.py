@@ -32,6 +32,7 @@ from runtime.config import ConfigError
 from runtime.metrics import StreamStat
 from runtime.router import RouterCore
 from runtime.router_config import RouterConfig, load, replica_queue
+from runtime.watchers import Feeds
 
 log = logging.getLogger("worldstream.router")
 
@@ -78,6 +79,8 @@ class RouterShell:
         self.read_at: dict[int, float] = {}  # this turn's chunks: id(frame) -> when read off its replica's socket
         self.hold = StreamStat()  # a chunk's stay in the router: read -> queued for its client (reported in stats)
         self.stopping = False  # set by a signal handler
+        # each watcher's outbox (``runtime.watchers``): a chunk's frame is queued for every watcher, never copied
+        self.feeds = Feeds(self.section.watch_queue, self.section.client_timeout_s)
         self.core = RouterCore(self.section, config.replicas, time.monotonic(), router_id=f"router-{self.me}")
 
     @property
@@ -113,7 +116,7 @@ class RouterShell:
                 events.append(rt.Tick())
             if now >= next_times:  # its percentiles cost a little: once a second is fresh enough for stats
                 next_times = now + TIMES_S
-                events.append(rt.ShellTimes(self.hold.to_dict()))
+                events.append(rt.ShellTimes(self.hold.to_dict(), self.feeds.dropped))
             if events:
                 code = self._carry_out(self.core.step(events, now))
             if code is None and self.clients in ready:
@@ -197,9 +200,31 @@ class RouterShell:
                 self._connect(output)
             elif isinstance(output, rt.Disconnect):
                 self._disconnect(output.replica)
+            elif isinstance(output, rt.ToWatchers):
+                for who in output.watchers:
+                    self.feeds.put(who, output.session, output.payload)
+            elif isinstance(output, rt.EndWatch):
+                self.feeds.end(output.identity, output.session, output.closed, output.keep, time.monotonic())
             elif isinstance(output, rt.Stop):
+                self._flush_feeds()
                 return output.code
+        self._flush_feeds()  # every turn (a tick at least): a watcher whose queue was full may have read since
         return None
+
+    def _flush_feeds(self) -> None:
+        gone = self.feeds.flush(self._to_watcher, time.monotonic())
+        self.carried.extend(rt.ClientUnreachable(who, sid, "gone") for who, sid in gone)
+
+    def _to_watcher(self, identity: bytes, item: Any) -> str | None:
+        """A non-blocking send to a watcher: None when queued, else "gone" or "full" (the feed keeps it)."""
+        try:
+            self.clients.send_multipart([identity, _payload(item)], flags=zmq.NOBLOCK, copy=False)
+            return None
+        except zmq.ZMQError as error:
+            why = {zmq.EHOSTUNREACH: "gone", zmq.EAGAIN: "full"}.get(error.errno)
+            if why is None:
+                raise
+            return why
 
     def _to_client(self, output: rt.ToClient) -> None:
         try:

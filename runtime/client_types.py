@@ -52,6 +52,13 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class WatchDropped:
+    """The shell's count of chunks dropped for slow watchers so far (``runtime.watchers.Feeds``), for stats."""
+
+    total: int
+
+
+@dataclass(frozen=True)
 class ShutdownRequested:
     """Stop serving: every client is told, every session closed. ``lost``: ranks the coordinator's shell could not
     reach when it ordered its workers to stop (a router has none)."""
@@ -67,6 +74,27 @@ class ToClient:
     identity: bytes
     message: protocol.ServerMessage | Payload  # a typed message (encoded by the shell) or a payload as received
     session: str | None = None  # the session it belongs to: a failed send comes back as ``ClientUnreachable``
+
+
+@dataclass(frozen=True)
+class ToWatchers:
+    """A chunk of ``session`` for its watchers: the shell queues ``payload`` (as received or encoded once) in each
+    watcher's own feed (``runtime.watchers.Feeds``), never waiting for one."""
+
+    session: str
+    watchers: tuple[bytes, ...]
+    payload: Payload
+
+
+@dataclass(frozen=True)
+class EndWatch:
+    """A watcher's stream of ``session`` ends with ``closed``: after the chunks its feed holds (``keep``: the
+    session's last ones) or instead of them."""
+
+    identity: bytes
+    session: str
+    closed: protocol.Closed
+    keep: bool
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,10 @@ besides (``runtime.session``: its client, start image, accepted controls, spans,
   ``server.client_timeout_s`` are closed ("disconnect", told to it in case it is still there); a client that is gone
   is skipped until it resumes (same identity, ``heartbeat`` naming the session); one that stops reading is closed at
   once.
+- **Spectators** (``runtime.watchers``): each session's ``opened`` carries a watch token; ``watch`` with it adds a
+  read-only watcher named on every later ``EmitChunk`` (the shell feeds it without ever waiting); a watcher's
+  controls, close and the like are refused ``watch_only``; when the session ends each watcher gets its own
+  ``closed`` after its last chunks (``EndWatch``).
 - **Containment.** A bad request gets a clear error and changes nothing; an unexpected error while handling an
   event costs the session it concerns (error to its client, caches released), never the server.
 - Actions never re-enter: a scheduler event's actions become outputs only; consequences that need the scheduler
@@ -73,6 +77,7 @@ from runtime.core_types import (
     DecodeImage,
     DropTensors,
     EmitChunk,
+    EndWatch,
     Event,
     FramesMissing,
     ImageDecoded,
@@ -86,6 +91,7 @@ from runtime.core_types import (
     Tick,
     ToClient,
     ToWorker,
+    WatchDropped,
     WorkerSent,
 )
 from runtime.memory_admission import Cost, MemoryAdmission
@@ -95,6 +101,7 @@ from runtime.prompts import PromptBackpressure
 from runtime.session import Join, JoinKey, Session, Step
 from runtime.sizes import served_sizes, snap
 from runtime.warm_start import WarmStart
+from runtime.watchers import Watchers
 
 if TYPE_CHECKING:
     from models.geometry import StreamGeometry
@@ -153,6 +160,8 @@ class CoordinatorCore:
         self.capacity_config = capacity or CapacityConfig()
         self.capacity = CapacityModel(self.capacity_config)  # real-time admission and the steps of every session
         self.clients: Clients[Session] = Clients(self.server_id, server.client_timeout_s)
+        self.watchers = Watchers(server.max_watchers, server.client_timeout_s)  # spectators, beside the owners
+        self.watch_dropped = 0  # chunks the shell dropped for slow watchers (``WatchDropped``)
         self.opening: deque[_Opening] = deque()
         self.tickets: Iterator[int] = itertools.count()
         self.last_beat = {rank: now for rank in self.where.heartbeat_ranks}
@@ -182,6 +191,8 @@ class CoordinatorCore:
             except JobFailed as error:
                 log.error("job failed: %s", error)
                 self._out += self.clients.notices("rank_failed", str(error))
+                for sid in list(self.watchers.tokens):
+                    self._end_watchers(sid, "failed", str(error), keep=False)
                 self._stop(EXIT_FAILED, str(error))
             except Exception:  # a bug outside any session (every session's work is guarded): keep serving
                 log.exception("internal error handling %s", type(event).__name__)
@@ -216,6 +227,8 @@ class CoordinatorCore:
                 raise JobFailed(reason)
             case ShutdownRequested(lost=lost):
                 self._shutdown(lost, now)
+            case WatchDropped(total=total):
+                self.watch_dropped = total
 
     def _emit(self, output: Output) -> None:
         self._out.append(output)
@@ -232,6 +245,7 @@ class CoordinatorCore:
 
     def _from_client(self, who: bytes, message: protocol.ClientMessage, now: float) -> None:
         self.clients.heard(who, now)
+        self.watchers.heard(who, now)
         try:
             self._request(who, message, now)
         except ClientError as error:
@@ -243,6 +257,8 @@ class CoordinatorCore:
             self._contain(getattr(message, "session", None), who, getattr(message, "req", None), error, now)
 
     def _request(self, who: bytes, message: protocol.ClientMessage, now: float) -> None:
+        if not isinstance(message, protocol.Watch | protocol.Unwatch | protocol.Heartbeat):
+            self.watchers.refuse(who, getattr(message, "session", None), type(message).__struct_config__.tag)
         match message:
             case protocol.Open():
                 self._open(who, message)
@@ -269,6 +285,28 @@ class CoordinatorCore:
                 self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(now, who))))
             case protocol.Heartbeat():
                 self._emit(self.clients.heartbeat(who, message, now))
+            case protocol.Watch():
+                self._watch(who, message, now)
+            case protocol.Unwatch():
+                self.watchers.unwatch(who, message.session)
+                self._emit(EndWatch(who, message.session, protocol.Closed(session=message.session, reason="unwatched"),
+                                    keep=False))
+
+    def _watch(self, who: bytes, message: protocol.Watch, now: float) -> None:
+        """A spectator subscribes (``runtime.watchers``): the session's geometry now, its chunks from the next."""
+        session = self.sessions.get(message.session)
+        self.watchers.watch(who, message.session, message.token, now, None if session is None else session.client)
+        assert session is not None  # a token exists only while its session runs
+        g = session.geometry
+        self._emit(ToClient(who, protocol.Watching(
+            req=message.req, session=session.id, height=g.height, width=g.width, fps=self.stream.fps,
+            frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
+            num_chunks=session.num_chunks)))
+
+    def _end_watchers(self, sid: str, reason: str, error: str | None, keep: bool) -> None:
+        """The session ended (or the server stops): each of its watchers gets a ``closed`` of its own."""
+        for who in self.watchers.end(sid):
+            self._emit(EndWatch(who, sid, protocol.Closed(session=sid, reason=reason, error=error), keep))
 
     def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
         self._reject(error.code)
@@ -435,6 +473,8 @@ class CoordinatorCore:
             self._run(actions, now)
 
     def _unreachable(self, event: ClientUnreachable, now: float) -> None:
+        if self.watchers.remove(event.identity, event.session):
+            return  # a watcher that disconnected: its feed is gone with it
         session = self.clients.unreachable(event)
         if session is not None:  # connected but not reading: never buffered without bound
             self._close(session.id, "disconnect", now)
@@ -524,7 +564,7 @@ class CoordinatorCore:
             frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
             num_chunks=session.num_chunks,
             intrinsics=intrinsics_at(session.intrinsics or self.intrinsics, g.height, g.width),
-            steps=self._steps_of(session.id)))
+            steps=self._steps_of(session.id), watch_token=self.watchers.grant(session.id)))
 
     def _idle(self, action: sch.DitIdle) -> None:
         self.metrics.on_idle(action.start, action.end, action.cause)
@@ -548,7 +588,8 @@ class CoordinatorCore:
         if self.sink is not None:
             period = None if previous is None else action.times.emitted - previous
             self.sink.on_chunk(facts.frames, action.times.control_to_output, period)
-        self._emit(EmitChunk(session.id, facts, None if session.gone else session.client))
+        self._emit(EmitChunk(session.id, facts, None if session.gone else session.client,
+                             self.watchers.of(session.id)))
 
     def _closed(self, action: sch.SessionClosed, now: float) -> None:
         session = self.clients.remove(action.session)  # present: _run skips actions of sessions dropped
@@ -565,6 +606,7 @@ class CoordinatorCore:
                 f"session {session.id} closed before its prompt revision {revision} was ready")))
         self._to_client(session, protocol.Closed(session=session.id, reason=action.reason, error=action.error,
                                                  summary=summary))
+        self._end_watchers(session.id, action.reason, action.error, keep=True)  # after its last chunks
         self._emit(DropTensors(session.id))
         log.info("session %s closed (%s)", session.id, action.reason)
 
@@ -662,6 +704,11 @@ class CoordinatorCore:
                         what = f"encode of prompt revision {protocol.revision_of(index)}"
                     raise JobFailed(f"rank {ranks} did not finish the {what} of session {session.id} within "
                                     f"{self.timeouts.stage_s:.0f} s")
+        for who, sid in self.watchers.silent(now):
+            log.info("session %s: a watcher silent for over %.1f s is dropped", sid, self.watchers.timeout_s)
+            self._emit(EndWatch(who, sid, protocol.Closed(session=sid, reason="disconnect",
+                                                          error="the watcher was silent past the client timeout"),
+                                keep=False))
         for session in self.clients.silent(now):
             if self._live(session.id):
                 log.info("session %s: client silent for over %.1f s, closing", session.id, self.clients.timeout_s)
@@ -700,6 +747,7 @@ class CoordinatorCore:
             self.clients.remove(session.id)
             self.admission.release(session.id)
             self.capacity.remove(session.id)
+            self._end_watchers(session.id, "failed", text, keep=False)
             self._emit(DropTensors(session.id))
 
     def _shutdown(self, lost: tuple[int, ...], now: float) -> None:
@@ -708,6 +756,8 @@ class CoordinatorCore:
             code, message = "rank_failed", f"rank {', '.join(map(str, lost))} is gone; the job is ending"
         self._out += self.clients.notices(code, message, lambda session: protocol.Closed(
             session=session.id, reason="shutdown", error=message, summary=self.metrics.close_session(session.id, now)))
+        for sid in list(self.watchers.tokens):
+            self._end_watchers(sid, "shutdown", message, keep=False)
         self._stop(EXIT_OK, message)
 
     # ---------------------------------------------------------------------------------------------- queries
@@ -718,6 +768,8 @@ class CoordinatorCore:
         return {
             **self.metrics.to_dict(now, visible),
             "open_sessions": len(self.sessions),
+            "watchers": self.watchers.count(),  # spectators of every session now
+            "watch_dropped": self.watch_dropped,  # chunks dropped for slow watchers so far (never the players')
             "ranks": {str(r): {"rss": 0, "peak_rss": 0, "cuda_peak": 0, **self.memory.get(r, {}),
                                **self.admission.stats(r)}
                       for r in sorted({*self.memory, *range(self.where.world_size)})},

@@ -18,18 +18,20 @@ from runtime.client_types import (  # the client side, shared with the router co
     ClientSent,
     ClientUnreachable,
     ClientUnreadable,
+    EndWatch,
     ShutdownRequested,
     Stop,
     Tick,
     ToClient,
+    WatchDropped,
 )
 from runtime.images import DecodedImage
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "ClientError", "ClientSent", "ClientUnreachable", "ClientUnreadable",
-           "DecodeImage", "DropTensors", "EmitChunk", "Event", "FramesMissing", "ImageDecoded", "JobFailed",
+           "DecodeImage", "DropTensors", "EmitChunk", "EndWatch", "Event", "FramesMissing", "ImageDecoded", "JobFailed",
            "MemorySampled",
            "MetricsSink", "Output", "RankLost", "ShutdownRequested", "Stop", "Tick", "ToClient", "ToWorker",
-           "WorkerSent"]
+           "WatchDropped", "WorkerSent"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -81,7 +83,7 @@ class RankLost:
 
 
 Event = (ClientSent | ClientUnreadable | ImageDecoded | ClientUnreachable | WorkerSent | MemorySampled
-         | FramesMissing | RankLost | Tick | ShutdownRequested)
+         | FramesMissing | RankLost | Tick | ShutdownRequested | WatchDropped)
 
 # ---- outputs ----
 
@@ -109,6 +111,7 @@ class EmitChunk:
     session: str
     facts: protocol.ChunkFacts
     to: bytes | None
+    watchers: tuple[bytes, ...] = ()  # its watchers: the same encoded chunk goes to each one's feed
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ class DropTensors:
     session: str
 
 
-Output = ToClient | ToWorker | DecodeImage | EmitChunk | DropTensors | Stop
+Output = ToClient | ToWorker | DecodeImage | EmitChunk | EndWatch | DropTensors | Stop
 
 
 class MetricsSink(Protocol):

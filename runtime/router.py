@@ -37,6 +37,10 @@ Rules that live here and nowhere else:
   reading has its session closed, never buffered. A message meeting a full replica link gets what a
   server would answer: a ``control`` ``control_backpressure``; a ``close`` nothing (the router sends it again until
   the replica's ``closed`` comes); a ``control_state`` nothing (folded with later ones, sent when the link drains).
+- **Spectators** are the router's own (``runtime.watchers``, as in a server): it keeps the watch token of each
+  ``opened`` it forwards (or grants one, for a replica that predates them), answers ``watch``/``unwatch`` itself and
+  hands each chunk's frame, as received, to its watchers' feeds in the shell: a replica sends every chunk once, and
+  no replica queue ever carries a watcher's copy. Sessions ending here end their watchers too.
 - **Containment and bounds.** A bad request gets an error and changes nothing; an unexpected error costs the
   request it concerns. Sessions and pending opens are bounded by the replicas' capacities (placement refuses
   beyond), remembered client identities by ``runtime.clients.MAX_PEERS``, replicas by ``router.max_replicas``,
@@ -66,6 +70,7 @@ from runtime.router_types import (
     ClientUnreadable,
     Connect,
     Disconnect,
+    EndWatch,
     Event,
     OpenOrigin,
     Output,
@@ -84,7 +89,9 @@ from runtime.router_types import (
     ToClient,
     ToRegistrant,
     ToReplica,
+    ToWatchers,
 )
+from runtime.watchers import Watchers
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +111,7 @@ class RoutedSession:
     # that met a full link: the router sends it again by itself, as a server never refuses a close)
     close_due: float = 0.0  # when the close is sent (again) unless the replica said ``closed``
     state: protocol.ControlState | None = None  # live input that met a full link: folded, sent when it drains
+    opened: protocol.Opened | None = None  # its replica's answer: the geometry a watcher is told
 
 
 @dataclass
@@ -127,12 +135,14 @@ class RouterCore:
         self.started = now
         self.replicas: dict[str, Replica] = {}
         self.clients: Clients[RoutedSession] = Clients(router_id, config.client_timeout_s)
+        self.watchers = Watchers(config.max_watchers, config.client_timeout_s)  # fed by the router itself
         self.opens: dict[int, PendingOpen] = {}
         self.new_req = new_req or itertools.count(1).__next__
         self.sessions_total = 0
         self.chunks_forwarded = 0
         self.client_messages = 0
         self.hold_s: dict[str, Any] = {}  # the shell's measure of a chunk's stay in the router (``ShellTimes``)
+        self.watch_dropped = 0  # chunks the shell dropped for slow watchers (``ShellTimes``)
         self.rejects: dict[str, int] = {}
         self.stopped = False
         self._out: list[Output] = []
@@ -172,8 +182,8 @@ class RouterCore:
                 self._emit(ToRegistrant(peer, protocol.Registered(ok=False, message=error)))
             case Tick():
                 self._timers(now)
-            case ShellTimes(hold_s=hold):
-                self.hold_s = hold
+            case ShellTimes(hold_s=hold, watch_dropped=dropped):
+                self.hold_s, self.watch_dropped = hold, dropped
             case ShutdownRequested():
                 self._shutdown(now)
 
@@ -186,6 +196,7 @@ class RouterCore:
         who, message = event.identity, event.message
         self.client_messages += 1
         self.clients.heard(who, now)
+        self.watchers.heard(who, now)
         req, sid = getattr(message, "req", None), getattr(message, "session", None)
         try:
             self._request(who, message, event.raw, now)
@@ -196,6 +207,8 @@ class RouterCore:
             self._refuse(who, ClientError("internal", f"internal error: {type(error).__name__}"), req, sid)
 
     def _request(self, who: bytes, message: protocol.ClientMessage, raw: Payload, now: float) -> None:
+        if not isinstance(message, protocol.Watch | protocol.Unwatch | protocol.Heartbeat):
+            self.watchers.refuse(who, getattr(message, "session", None), type(message).__struct_config__.tag)
         match message:
             case protocol.Open():
                 self._open(who, message, now)
@@ -214,6 +227,26 @@ class RouterCore:
                 self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(who, now))))
             case protocol.Heartbeat():
                 self._emit(self.clients.heartbeat(who, message, now))
+            case protocol.Watch():
+                session = self.sessions.get(message.session)
+                self.watchers.watch(who, message.session, message.token, now,
+                                    None if session is None else session.client)
+                assert session is not None and session.opened is not None  # a token exists while it runs here
+                o = session.opened
+                self._emit(ToClient(who, protocol.Watching(
+                    req=message.req, session=session.id, height=o.height, width=o.width, fps=o.fps,
+                    frames_first_chunk=o.frames_first_chunk, frames_per_chunk=o.frames_per_chunk,
+                    num_chunks=o.num_chunks)))
+            case protocol.Unwatch():
+                self.watchers.unwatch(who, message.session)
+                self._emit(EndWatch(who, message.session, protocol.Closed(session=message.session, reason="unwatched"),
+                                    keep=False))
+
+    def _end_watchers(self, sid: str, reason: str, error: str | None, keep: bool) -> None:
+        """The session ended here: each of its watchers gets a ``closed`` of its own (the owner's summary is not
+        theirs)."""
+        for who in self.watchers.end(sid):
+            self._emit(EndWatch(who, sid, protocol.Closed(session=sid, reason=reason, error=error), keep))
 
     def _open(self, who: bytes, message: protocol.Open, now: float, tried: Iterable[str] = ()) -> None:
         tried = set(tried)
@@ -247,6 +280,8 @@ class RouterCore:
         self._emit(self.clients.refusal(who, error, req, session))
 
     def _unreachable(self, event: ClientUnreachable, now: float) -> None:
+        if self.watchers.remove(event.identity, event.session):
+            return  # a watcher that disconnected: its feed is gone with it
         session = self.clients.unreachable(event)
         if session is not None:  # connected but not reading: never buffered without bound
             self._close_on_replica(session, now)
@@ -288,6 +323,9 @@ class RouterCore:
             case ChunkHead(session=sid):
                 if self._to_session(replica, sid, event.raw):
                     self.chunks_forwarded += 1
+                    watchers = self.watchers.of(sid)
+                    if watchers:  # the same frame, never copied: each watcher's feed in the shell
+                        self._emit(ToWatchers(sid, watchers, event.raw))
             case protocol.Opened():
                 self._opened(replica, message, now)
             case protocol.Error(code=code) if code in ENDING_CODES:
@@ -300,6 +338,7 @@ class RouterCore:
                     self._remove_session(session)
                     if not session.gone:
                         self._emit(ToClient(session.client, event.raw, sid))
+                    self._end_watchers(sid, message.reason, message.error, keep=True)
             case protocol.Accepted(session=sid) | protocol.Error(session=sid) | protocol.PromptScheduled(session=sid):
                 self._to_session(replica, sid, event.raw)  # type: ignore[arg-type]
             case protocol.StatsReply():
@@ -335,9 +374,13 @@ class RouterCore:
                                  protocol.Close(req=self.new_req(), session=message.session)))
             self._refuse(pending.client, ClientError("failed", why), pending.message.req)
             return
-        self._add_session(RoutedSession(message.session, replica.name, pending.client, pending.client), now)
-        self._emit(ToClient(pending.client, msgspec.structs.replace(message, req=pending.message.req),
-                            message.session))
+        # spectators are the router's own (a replica sends each chunk once, to the router): its replica's token,
+        # or one of the router's when the replica predates spectators
+        token = self.watchers.grant(message.session, message.watch_token or None)
+        message = msgspec.structs.replace(message, req=pending.message.req, watch_token=token)
+        self._add_session(RoutedSession(message.session, replica.name, pending.client, pending.client,
+                                        opened=message), now)
+        self._emit(ToClient(pending.client, message, message.session))
 
     def _open_failed(self, replica: Replica, error: protocol.Error, now: float) -> None:
         pending = self.opens.get(error.req) if error.req is not None else None
@@ -446,6 +489,7 @@ class RouterCore:
         lost = [self.sessions[sid] for sid in sorted(replica.sessions)]
         for session in lost:
             self._remove_session(session)
+            self._end_watchers(session.id, "shutdown" if code == "shutdown" else "failed", text, keep=False)
             if not session.gone:
                 self._emit(ToClient(session.client, protocol.Error(session=session.id, code=code, message=text),
                                     session.id))
@@ -552,6 +596,11 @@ class RouterCore:
                 self._refuse(pending.client, ClientError("failed", f"replica {pending.replica} did not open the "
                                                          f"session within {config.open_timeout_s:.0f} s"),
                              pending.message.req)
+        for who, sid in self.watchers.silent(now):
+            log.info("session %s: a watcher silent for over %.1f s is dropped", sid, config.client_timeout_s)
+            self._emit(EndWatch(who, sid, protocol.Closed(session=sid, reason="disconnect",
+                                                          error="the watcher was silent past the client timeout"),
+                                keep=False))
         timed_out: set[str] = set()
         for session in self.clients.silent(now):
             if not session.closing:
@@ -574,6 +623,8 @@ class RouterCore:
             self._close_on_replica(session, now)  # its replica releases its caches now, not after a client timeout
         self._out += self.clients.notices("shutdown", message, lambda session: protocol.Closed(
             session=session.id, reason="shutdown", error=message))
+        for sid in list(self.watchers.tokens):
+            self._end_watchers(sid, "shutdown", message, keep=False)
         self.stopped = True
         self._emit(Stop(EXIT_OK, message))
 
@@ -621,6 +672,7 @@ class RouterCore:
                 "rejects": merged("rejects"), "errors": merged("errors"),
             },
             "router": {"chunks_forwarded": self.chunks_forwarded, "client_messages": self.client_messages,
+                       "watchers": self.watchers.count(), "watch_dropped": self.watch_dropped,
                        "opening": len(self.opens), "sessions_total": self.sessions_total, "chunk_hold_s": self.hold_s},
             "replicas": {name: r.describe(now) for name, r in sorted(self.replicas.items())},
             "per_session": mine,

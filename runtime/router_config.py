@@ -36,6 +36,8 @@ class RouterSection(_Section):
     max_message_bytes: int = 16 * 1024 * 1024  # larger client messages are rejected before decoding (as a server)
     send_hwm: int = 8  # chunks queued per client (a 480x832 chunk is 14 MB, as on a server); a non-reader is dropped
     client_timeout_s: float = 10.0  # sessions of a client silent this long are closed on their replica
+    max_watchers: int = 8  # spectators per session, fed by the router itself (one more: busy; 0: none)
+    watch_queue: int = 2  # chunks waiting for one watcher beyond its send_hwm queue (a slower one drops the oldest)
     # where replicas register themselves (a ZeroMQ bind address, e.g. "tcp://0.0.0.0:5561"); empty: only the list
     register_bind: str = ""
     # a registration must carry it (replica.token); required when register_bind is beyond loopback
@@ -111,6 +113,8 @@ def validate(config: RouterConfig, where: str) -> RouterConfig:
             raise ConfigError(f"{where}: router.{key} must be > 0")
     if r.busy_retry_s < 0:
         raise ConfigError(f"{where}: router.busy_retry_s must be >= 0")
+    if r.max_watchers < 0 or r.watch_queue < 1:
+        raise ConfigError(f"{where}: router.max_watchers must be >= 0 and router.watch_queue >= 1")
     for key in ("max_message_bytes", "send_hwm", "max_replicas", "replica_queue_mb", "max_chunk_mb"):
         if getattr(r, key) < 1:
             raise ConfigError(f"{where}: router.{key} must be >= 1")

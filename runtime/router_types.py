@@ -20,17 +20,20 @@ from runtime.client_types import (  # the client side, shared with the coordinat
     ClientSent,
     ClientUnreachable,
     ClientUnreadable,
+    EndWatch,
     Payload,
     ShutdownRequested,
     Stop,
     Tick,
     ToClient,
+    ToWatchers,
 )
 
-__all__ = ["ChunkHead", "ClientSent", "ClientUnreachable", "ClientUnreadable", "Connect", "Disconnect", "Event",
+__all__ = ["ChunkHead", "ClientSent", "ClientUnreachable", "ClientUnreadable", "Connect", "Disconnect", "EndWatch",
+           "Event",
            "OpenOrigin", "Origin", "Output", "Payload", "RegisterSent", "RegisterUnreadable", "ReplicaDown",
            "ReplicaRefused", "ReplicaSent", "ReplicaUp", "SessionOrigin", "ShellTimes", "ShutdownRequested", "Stop",
-           "Tick", "ToClient", "ToRegistrant", "ToReplica"]
+           "Tick", "ToClient", "ToRegistrant", "ToReplica", "ToWatchers"]
 
 # ---- events ----
 
@@ -102,6 +105,7 @@ class ShellTimes:
     it was read off a replica's socket to the moment it was queued for its client (a distribution, seconds)."""
 
     hold_s: dict[str, Any]
+    watch_dropped: int = 0  # chunks dropped for slow watchers so far (``runtime.watchers.Feeds``)
 
 
 Event = (ClientSent | ClientUnreadable | ClientUnreachable | ReplicaSent | ReplicaRefused | RegisterSent
@@ -155,4 +159,5 @@ class ReplicaDown:
     sessions_lost: int
 
 
-Output = ToClient | ToReplica | ToRegistrant | Connect | Disconnect | ReplicaUp | ReplicaDown | Stop
+Output = (ToClient | ToReplica | ToRegistrant | Connect | Disconnect | ReplicaUp | ReplicaDown | ToWatchers | EndWatch
+          | Stop)

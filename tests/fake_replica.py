@@ -29,9 +29,10 @@ def sane_stats(mine: list[str], open_sessions: int) -> dict[str, Any]:
 
 
 class FakeReplica:
-    def __init__(self, server_id: str, port: int = 0, extra: dict[str, Any] | None = None) -> None:
+    def __init__(self, server_id: str, port: int = 0, extra: dict[str, Any] | None = None, side: int = 16) -> None:
         self.server_id = server_id
         self.extra = extra or {}
+        self.side = side  # frames are side x side (large ones fill a slow reader's queues in a few chunks)
         self.stats: Stats = sane_stats
         self.sessions: dict[str, bytes] = {}  # session -> the client that opened it
         self.heartbeats = 0
@@ -83,16 +84,16 @@ class FakeReplica:
             case protocol.Open():
                 sid = next(self._ids)
                 self.sessions[sid] = who
-                return [protocol.Opened(req=message.req, session=sid, height=16, width=16, fps=16.0,
+                return [protocol.Opened(req=message.req, session=sid, height=self.side, width=self.side, fps=16.0,
                                         frames_first_chunk=1, frames_per_chunk=4, num_chunks=message.num_chunks)]
             case protocol.Control() if message.session in self.sessions:
-                frames = 1 if message.index == 0 else 4
+                frames, side = 1 if message.index == 0 else 4, self.side
                 times = protocol.ChunkTimes(*[time.monotonic()] * 8)
                 facts = protocol.ChunkFacts(message.index, frames, message.control, times,
                                             (protocol.Span("decode", 1, "decode", 0.0, 0.0, 0.0),))
                 return [protocol.Accepted(req=message.req, session=message.session, index=message.index),
-                        protocol.Chunk(session=message.session, frames=bytes(frames * 16 * 16 * 3),
-                                       shape=(frames, 16, 16, 3), facts=facts)]
+                        protocol.Chunk(session=message.session, shape=(frames, side, side, 3), facts=facts,
+                                       frames=bytes([message.index % 256]) * (frames * side * side * 3))]
             case protocol.Close() if self.sessions.pop(message.session, None) is not None:
                 return [protocol.Closed(session=message.session, reason="client")]
             case protocol.Control() | protocol.Close():

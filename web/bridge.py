@@ -85,6 +85,7 @@ class Bridge:
         self.playing: ChunkView | None = None
         self.timeline: collections.deque[Timeline] = collections.deque(maxlen=TRACE_CHUNKS)
         self.last_revision = -1
+        self.watching = False  # the session is another tab's, watched read-only (``watch``)
         self.frames_sent = 0
         self.bytes_sent = 0
         self._opening: asyncio.Future[None] | None = None  # the open request in flight, if any
@@ -174,6 +175,8 @@ class Bridge:
             self._tasks.spawn(self._on_prompt(request))  # answered once encoded: input keeps flowing meanwhile
         elif isinstance(request, pp.StatsRequest):
             await self._on_stats()
+        elif isinstance(request, pp.WatchRequest):
+            await self._on_watch(request)
         else:
             await self._on_trace()
 
@@ -214,7 +217,7 @@ class Bridge:
             self.slots.release()
             raise
         # From here the slot is the session's: the page's close or the tab's teardown closes it and returns it.
-        self.session, self.last_revision = info, -1
+        self.session, self.last_revision, self.watching = info, -1, False
         log.info("session %s opened", info.id)
         if self._tasks.stopping:  # the tab went away while the server opened it
             return
@@ -223,11 +226,43 @@ class Bridge:
         self._pump = self._tasks.spawn(self._chunk_pump(client, info))
         self.send({"type": "opened", "session": info.id, "height": info.height, "width": info.width, "fps": info.fps,
                    "frames_first_chunk": info.frames_first_chunk, "frames_per_chunk": info.frames_per_chunk,
-                   "num_chunks": info.num_chunks, "format": self.settings.frame_format})
+                   "num_chunks": info.num_chunks, "format": self.settings.frame_format,
+                   "watch_token": info.watch_token})  # the page's share link carries it
+
+    async def _on_watch(self, request: pp.WatchRequest) -> None:
+        """Watch another tab's session read-only (a share link): a slot of the gateway's limit, like a session."""
+        if self.session is not None or (self._opening is not None and not self._opening.done()):
+            self.error("bad_request", "a session is already open in this tab: stop it first")
+            return
+        if not self.slots.acquire():
+            self.error("busy", f"this gateway serves at most {self.slots.limit} sessions at once and all are in use",
+                       retry_after_s=2.0)
+            return
+        try:
+            client = await self._client()
+            watch = await client.watch(request.session, request.token, timeout_s=IDLE_WAIT_S)
+        except (ServerError, TimeoutError) as error:
+            self.slots.release()
+            self.error(getattr(error, "code", "server_unreachable"), getattr(error, "message", str(error)),
+                       getattr(error, "retry_after_s", None))
+            return
+        info = watch.info
+        self.session, self.last_revision, self.watching = info, -1, True
+        self.playout, self.playing = Playout(info.fps), None
+        self.timeline.clear()
+        self._pump = self._tasks.spawn(self._chunk_pump(client, info))
+        self.send({"type": "watching", "session": info.id, "height": info.height, "width": info.width,
+                   "fps": info.fps, "frames_first_chunk": info.frames_first_chunk,
+                   "frames_per_chunk": info.frames_per_chunk, "num_chunks": info.num_chunks,
+                   "format": self.settings.frame_format})
 
     def _on_state(self, state: pp.StateRequest) -> None:
         if self.session is None or self.client is None:
             self.error("no_session", "no session is open in this tab: input is ignored until one is")
+            return
+        if self.watching:
+            self.error("watch_only", "this tab watches another tab's session: only its player steers it",
+                       session=self.session.id)
             return
         if state.revision <= self.last_revision:
             self.error("stale_revision", f"state revision {state.revision} is not newer than {self.last_revision}",
@@ -309,7 +344,7 @@ class Bridge:
                        "control_to_output_s": view.control_to_output_s,
                        "steps": view.facts.steps, "steps_changed": view.facts.steps_changed,  # quality, for the HUD
                        "gateway_input_to_photon_s": {str(r): s for r, s in view.gateway_input_to_photon_s.items()},
-                       "dropped": self.playout.dropped.to_wire()})
+                       "dropped": self.playout.dropped.to_wire(), "missed": chunk.missed})
 
     async def _close_session(self) -> None:
         """Close the open session on the server (page stop or tab gone), wait for its summary, return the slot."""
@@ -322,7 +357,10 @@ class Bridge:
         if self.session is not info:  # the session ended by itself meanwhile
             return
         try:
-            summary = await client.close(info.id, timeout_s=CLOSE_TIMEOUT_S)
+            if self.watching:
+                summary = await client.unwatch(info.id, timeout_s=CLOSE_TIMEOUT_S)
+            else:
+                summary = await client.close(info.id, timeout_s=CLOSE_TIMEOUT_S)
         except UnknownSession:  # it closed by itself just before: its `closed` is already here
             try:
                 summary = await client.wait_closed(info.id, timeout_s=2.0)

@@ -8,13 +8,15 @@ Page -> gateway:
 - **text** messages are JSON maps with a ``type``: ``state`` (the live input: ``keys`` held now, ``mouse`` motion
   [yaw, pitch] degrees since the previous state, ``taps`` pressed and released since, ``revision`` strictly
   increasing), ``prompt`` (a new prompt mid-session: ``prompt``), ``close``, ``stats``, ``trace`` (the session's
-  Chrome trace). Each is at most ``MAX_TEXT_BYTES``.
+  Chrome trace), ``watch`` (``session``, ``token``: watch another tab's session read-only, from a share link;
+  ``close`` ends the watch). Each is at most ``MAX_TEXT_BYTES``.
 
 Gateway -> page:
-- **text** JSON maps: ``hello`` (limits, frame format), ``opened``, ``chunk`` (per chunk: the applied control,
-  the prompt revision it used, control-to-output latency, drop counters; always sent, never dropped), ``prompt``
-  (a new prompt's ``revision`` and the first ``chunk`` that uses it), ``closed`` (reason and the server's
-  session summary), ``stats``, ``trace``, ``error`` (``code``, ``message``, ``retry_after_s``).
+- **text** JSON maps: ``hello`` (limits, frame format), ``opened`` (with the ``watch_token`` a share link carries),
+  ``watching`` (as ``opened``, for a watch), ``chunk`` (per chunk: the applied control, the prompt revision it used,
+  control-to-output latency, drop counters, ``missed``: chunks the server dropped for a slow watcher; always sent,
+  never dropped), ``prompt`` (a new prompt's ``revision`` and the first ``chunk`` that uses it), ``closed`` (reason
+  and the server's session summary), ``stats``, ``trace``, ``error`` (``code``, ``message``, ``retry_after_s``).
 - **binary** frames: a 16-byte header (``FRAME_HEADER``) and one encoded picture. Only the newest frames are
   sent (``playout``); the header names the chunk, the frame in it and the input revision the chunk applied, so the
   page times input-to-photon on its own clock.
@@ -29,7 +31,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -113,12 +115,18 @@ class TraceRequest(_PageMsg, tag="trace"):
     pass
 
 
-TextRequest = Union[StateRequest, CloseRequest, StatsRequest, TraceRequest, PromptRequest]  # noqa: UP007
+class WatchRequest(_PageMsg, tag="watch"):
+    session: Annotated[str, msgspec.Meta(max_length=64)]
+    token: Annotated[str, msgspec.Meta(max_length=128)]
+
+
+TextRequest = Union[StateRequest, CloseRequest, StatsRequest, TraceRequest, PromptRequest,  # noqa: UP007
+                    WatchRequest]
 _text = msgspec.json.Decoder(TextRequest)
 _open = msgspec.json.Decoder(OpenRequest)
 
 
-def parse_text(data: str) -> StateRequest | CloseRequest | StatsRequest | TraceRequest | PromptRequest:
+def parse_text(data: str) -> StateRequest | CloseRequest | StatsRequest | TraceRequest | PromptRequest | WatchRequest:
     """A text message from the page, validated (raises ``PageError``)."""
     raw = data.encode()
     if len(raw) > MAX_TEXT_BYTES:

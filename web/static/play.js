@@ -21,7 +21,9 @@ window.worldstream = state; // (and `window.worldstream.input`, below)
 
 // ------------------------------------------------------------------------------------------ connection
 
-const token = new URLSearchParams(location.search).get("token");
+const params = new URLSearchParams(location.search);
+const token = params.get("token");
+const shared = params.get("watch") ? { session: params.get("watch"), token: params.get("key") || "" } : null;
 let ws = null;
 
 function connect() {
@@ -64,8 +66,12 @@ function send(message) {
 
 function onText(message) {
   switch (message.type) {
-    case "hello": state.hello = message; break;
+    case "hello":
+      state.hello = message;
+      if (shared && !state.session) send({ type: "watch", ...shared }); // a share link: watch, read-only
+      break;
     case "opened": onOpened(message); break;
+    case "watching": onOpened({ ...message, watching: true }); break;
     case "chunk": onChunk(message); break;
     case "closed": onClosed(message); break;
     case "stats": state.stats = message; break;
@@ -81,7 +87,8 @@ function onOpened(message) {
   Object.assign(state, {
     session: message.session, opened: message, closed: null, busyTries: 0, chunks: [], chunkByIndex: new Map(),
     painted: 0, paintLog: [], orderErrors: 0, droppedPage: 0, i2p: [], c2o: [], gatewayI2p: [], paintTimes: [],
-    chunkTimes: [], bytes: 0, bytesLog: [], lastApplied: -1, stats: null, prompts: [],
+    chunkTimes: [], bytes: 0, bytesLog: [], lastApplied: -1, stats: null, prompts: [], watching: !!message.watching,
+    missed: 0,
   });
   input.reset();
   input.mouseSent = [0, 0];
@@ -91,7 +98,13 @@ function onOpened(message) {
   canvas.style.aspectRatio = `${message.width} / ${message.height}`;
   $("summary").hidden = true;
   hideBanner();
-  $("hint").textContent = "Click the video, then hold W/A/S/D and look with the mouse or I/J/K/L.";
+  $("hint").textContent = state.watching ? "Watching a shared session, read-only: its player steers."
+    : "Click the video, then hold W/A/S/D and look with the mouse or I/J/K/L.";
+  // the share link: anyone with it watches this session read-only (the watch token is unguessable)
+  const share = new URLSearchParams({ watch: message.session, key: message.watch_token || "" });
+  if (token) share.set("token", token);
+  $("share").href = `${location.origin}${location.pathname}?${share}`;
+  $("share").hidden = state.watching || !message.watch_token;
   canvas.focus();
   updateButtons();
 }
@@ -108,6 +121,7 @@ function onChunk(message) {
   if (chunk.control_to_output_s != null) push(state.c2o, chunk.control_to_output_s * 1000);
   for (const value of Object.values(chunk.gateway_input_to_photon_s || {})) push(state.gatewayI2p, value * 1000);
   state.droppedGateway = chunk.dropped;
+  state.missed += chunk.missed || 0; // a watcher that fell behind: chunks the server dropped for it
 }
 
 function onPrompt(message) {
@@ -122,12 +136,14 @@ function setPrompt() {
 function onClosed(message) {
   state.closed = message;
   state.session = null;
+  $("share").hidden = true;
   input.reset();
   if (document.pointerLockElement) document.exitPointerLock(); // give the mouse back: nothing to steer now
   updateButtons();
   renderSummary(message);
   const why = { complete: "the session reached its length", client: "stopped", disconnect: "the client went silent",
-                failed: "a stage failed", shutdown: "the server shut down" }[message.reason] || message.reason;
+                failed: "a stage failed", shutdown: "the server shut down",
+                unwatched: "you stopped watching" }[message.reason] || message.reason;
   $("hint").textContent = `Session ended: ${why}. Its trace can still be downloaded.`;
 }
 
@@ -243,7 +259,7 @@ const input = {
   // Send the whole state (held keys, taps and mouse motion since the last send) with the next revision.
   flush(force = false) {
     const moved = this.mouse[0] !== 0 || this.mouse[1] !== 0;
-    if (!state.session || (!force && !moved && this.taps.size === 0)) return;
+    if (!state.session || state.watching || (!force && !moved && this.taps.size === 0)) return;
     const revision = ++this.revision;
     const message = { type: "state", keys: [...this.held].sort(), taps: [...this.taps].sort(),
                       mouse: this.mouse.map((v) => Math.max(-360, Math.min(360, v))), revision };
@@ -269,7 +285,7 @@ function typing(event) {
 
 document.addEventListener("keydown", (event) => {
   const key = keyOf(event);
-  if (!key || typing(event) || !state.session) return;
+  if (!key || typing(event) || !state.session || state.watching) return;
   event.preventDefault();
   if (event.repeat || input.held.has(key)) return;
   input.held.add(key);
@@ -439,7 +455,8 @@ function renderHud() {
   const gate = state.droppedGateway || { superseded: 0, late: 0 };
   $("h-dropped").textContent = `${gate.superseded} older frames (a newer chunk came) · ${gate.late} late at the ` +
     `gateway · ${state.droppedPage} in this page · ${state.painted} shown` +
-    (state.orderErrors ? ` · ${state.orderErrors} OUT OF ORDER` : "");
+    (state.orderErrors ? ` · ${state.orderErrors} OUT OF ORDER` : "") +
+    (state.missed ? ` · ${state.missed} chunks missed (this watcher fell behind)` : "");
   const idle = (state.closed && state.closed.summary && state.closed.summary.dit_idle) ||
     (state.stats && state.stats.session && state.stats.session.dit_idle);
   $("h-idle").textContent = idle ? idleLine(idle) : "–";
