@@ -657,10 +657,10 @@ def save(results: dict[str, Any], path: Path) -> None:
 
 
 def run_section(results: dict[str, Any], name: str, fn: Callable[[], Any], out: Path | None = None) -> None:
-    print(f"# {name}", flush=True)
     began = time.perf_counter()
     interrupted: TimedOut | None = None
-    try:
+    try:  # the header inside: a SIGTERM that lands right after it is still this section's
+        print(f"# {name}", flush=True)
         results[name] = fn()
     except TimedOut as error:
         interrupted = error
