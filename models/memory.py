@@ -311,6 +311,13 @@ def counted(config: Any) -> bool:
     return config.model.kind == "lingbot-fast"
 
 
+def priced(config: Any, device_type: str) -> bool:
+    """Whether sessions are priced at all: on CUDA always, on a CPU only under a ``memory.budget_gb`` (unlimited
+    otherwise). The model builds the preset's full-size networks on the meta device, seconds of Python on rank 0 that
+    a CPU job without a budget (tiny weights under a release preset, in tests) would spend for nothing."""
+    return counted(config) and (device_type == "cuda" or config.memory.budget_gb > 0)
+
+
 def session_items(config: Any, rank: int, height: int, width: int, device_type: str) -> dict[str, int]:
     """Bytes one more session of ``height x width`` frames costs ``rank``, by item."""
     if not counted(config):

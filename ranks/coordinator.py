@@ -137,9 +137,9 @@ class Coordinator:
         """What one more session costs each rank at a frame size (``models.memory``): every served size is priced
         here, before the port opens (a meta-device run takes about a second per size for a full-size model), so no
         session waits for it on rank 0's loop."""
-        if not memory.counted(self.config):
-            return None
         device = self.ctx.groups.device.type
+        if not memory.priced(self.config, device):
+            return None
         config = self.config
         priced = {size: memory.session_costs(config, *size, device) for size in served_sizes(config.stream)}
         for (height, width), cost in priced.items():

@@ -74,9 +74,9 @@ def check_later(config: Any, rank: int, role: str, stage: Any, session: str, hei
 def check_session(config: Any, rank: int, role: str, stage: Any, session: str, height: int, width: int) -> None:
     """Warn when ``session`` holds more on this rank's ``role`` stage than the model said it would."""
     count = getattr(stage, "session_nbytes", None)
-    if count is None or not memory.counted(config):
-        return
     device = "cuda" if torch.cuda.is_available() and config.layout.backend != "gloo" else "cpu"
+    if count is None or not memory.priced(config, device):
+        return
     items = memory.session_items(config, rank, height, width, device)
     keys = {"denoise": ("kv_cache", "text_cache"), "decode": ("decode_cache",),
             "condition": ("encode_cache", "encode_snapshot")}[role]

@@ -91,9 +91,12 @@ def test_a_session_holding_more_than_the_model_said_logs_a_warning_on_its_rank(c
                                                                                 ) -> None:
     from ranks.memory import check_session
 
-    cfg = _config()
+    cfg = _config("--memory.budget_gb=1")  # a CPU job prices sessions only under a budget
+    assert memory.priced(cfg, "cpu") and not memory.priced(_config(), "cpu") and memory.priced(_config(), "cuda")
     items = memory.session_items(cfg, 1, 64, 96, "cpu")
     with caplog.at_level("DEBUG", logger="ranks.memory"):
+        check_session(_config(), 1, "decode", _Counted(items["decode_cache"] * 2), "s", 64, 96)  # no budget: no check
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
         check_session(cfg, 1, "decode", _Counted(items["decode_cache"]), "s", 64, 96)
         assert not [r for r in caplog.records if r.levelname == "WARNING"]
         check_session(cfg, 1, "decode", _Counted(int(items["decode_cache"] * 1.2)), "s", 64, 96)
