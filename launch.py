@@ -151,7 +151,8 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     room = memory.room_bytes(cfg, rank, device)  # after the weights and the warm-up: what sessions may take
     ctx = RankContext(layout=lay, timeouts=cfg.timeouts, rank=rank, roles=rank_roles, endpoint=shared[0],
                       zmq=context, groups=groups, backend=built, streams=streams, warm_up=warmed, room=room,
-                      check_memory=lambda *args: memory.check_later(cfg, rank, *args))
+                      check_memory=lambda *args: memory.check_later(cfg, rank, *args),
+                      snapshots_dir=cfg.snapshots.dir)
     coordinator = None
     if rank == lay.coordinator:  # before any worker thread: a fatal error on this rank reaches clients first
         from ranks.coordinator import Coordinator

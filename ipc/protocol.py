@@ -239,6 +239,9 @@ class Open(_Msg, tag="open"):
     # which the server's degrade ladder may lower (to hold real time for every session) but never below min_steps
     steps: Steps | None = None
     min_steps: Steps | None = None  # the lowest steps this session accepts from the ladder (None: capacity.min_steps)
+    # a snapshot id (``save``): the session starts from it, at its chunk, instead of from ``image`` (sent empty);
+    # its seed, prompt, frame size and camera are the snapshot's. Restoring one snapshot twice forks it
+    restore: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
     def __post_init__(self) -> None:
         why = None if self.intrinsics is None else intrinsics_problem(self.intrinsics)
@@ -292,6 +295,13 @@ class Close(_Msg, tag="close"):
     session: SessionId
 
 
+class Save(_Msg, tag="save"):
+    """Save the session at its next chunk boundary (owner only); answered by ``saved`` once every file is written."""
+
+    req: int
+    session: SessionId
+
+
 class Stats(_Msg, tag="stats"):
     req: int
 
@@ -320,6 +330,7 @@ class Opened(_Msg, tag="opened"):
     # denoising steps its first chunks run (the open's, or fewer when the ladder admitted it lower; each chunk's facts
     # say what it ran and when that changed); 0 from a server before quality presets
     steps: int = 0
+    first_chunk: int = 0  # the index of its first chunk and control: a restored session's snapshot chunk, else 0
 
 
 class Accepted(_Msg, tag="accepted"):
@@ -350,6 +361,19 @@ class Error(_Msg, tag="error", kw_only=True):
     retry_after_s: float | None = None  # set when trying again later can work (server full)
 
 
+class Saved(_Msg, tag="saved"):
+    """A finished ``save``: the snapshot's id (what ``open(restore=...)`` takes), its chunk and its cost."""
+
+    req: int
+    session: str
+    snapshot: str
+    chunk: int  # the boundary: a restored session's first chunk
+    bytes: int  # every rank's file together
+    pause_s: float  # how long the session's DiT waited for the capture (its only cost on the stream)
+    write_s: float  # the slowest rank's write and hash, off the stream
+    files: int = 0
+
+
 class StatsReply(_Msg, tag="stats_reply"):
     req: int
     stats: dict[str, Any]  # server counters and per-session metrics (JSON-able)
@@ -361,8 +385,8 @@ class HeartbeatAck(_Msg, tag="heartbeat_ack"):
     server: str = ""  # this server's id for its lifetime: a client sees a restarted server (its sessions are gone)
 
 
-ClientMessage = Union[Open, Control, ControlState, Close, Stats, Heartbeat]  # noqa: UP007
-ServerMessage = Union[Opened, Accepted, Chunk, Closed, Error, StatsReply, HeartbeatAck]  # noqa: UP007
+ClientMessage = Union[Open, Control, ControlState, Close, Stats, Heartbeat, Save]  # noqa: UP007
+ServerMessage = Union[Opened, Accepted, Chunk, Closed, Error, StatsReply, HeartbeatAck, Saved]  # noqa: UP007
 
 # ----------------------------------------------------------------------------------------------------------------
 # coordinator -> role workers: one task per operation. Each task states what it is (``phase``, and ``edge`` for
@@ -374,6 +398,7 @@ class Phase(str, Enum):
     CHUNK = "chunk"  # a stage works on one chunk
     RELEASE = "release"  # a stage frees a session's caches
     TRANSFER = "transfer"  # a tensor moves between ranks
+    SAVE = "save"  # a stage copies a session's state for a snapshot
 
 
 class _Task(_Msg):
@@ -390,6 +415,7 @@ class InitCondition(_Task, tag="init_condition"):
     image_width: int
     height: int  # the session's frame size; the stage resizes the image to it
     width: int
+    restore: str = ""  # a snapshot id: the stage loads this rank's file of it instead of starting from the image
 
 
 class InitDenoise(_Task, tag="init_denoise"):
@@ -399,12 +425,14 @@ class InitDenoise(_Task, tag="init_denoise"):
     height: int  # the session's frame size
     width: int
     intrinsics: tuple[float, float, float, float] | None = None  # the session's camera at 480x832; None: the stage's
+    restore: str = ""  # a snapshot id: KV ring, noise and camera state from this rank's file of it
 
 
 class InitDecode(_Task, tag="init_decode"):
     phase = Phase.INIT
     height: int  # the session's frame size
     width: int
+    restore: str = ""  # a snapshot id: the decoder cache from this rank's file of it
 
 
 class ConditionChunk(_Task, tag="condition_chunk"):
@@ -453,13 +481,23 @@ class ReceiveFrames(_Transfer, tag="receive_frames"):
     edge = Edge.FRAMES
 
 
+class SaveState(_Task, tag="save_state"):
+    """Copy the session's state of this stage (after every task sent before this one) and write it as this rank's
+    file of ``snapshot`` on a side thread; answered ``save_captured`` after the copy, ``save_written`` after the
+    file."""
+
+    phase = Phase.SAVE
+    snapshot: str
+    chunk: int  # the boundary: conditions already encoded for chunks >= it are part of the condition stage's state
+
+
 class Shutdown(_Msg, tag="shutdown"):
     """Every worker thread stops and answers ``ShutdownDone``."""
 
 
 WorkerTask = Union[  # noqa: UP007
     InitCondition, InitDenoise, InitDecode, ConditionChunk, DenoiseChunk, DecodeChunk, Release, BroadcastContext,
-    BroadcastCondition, ReceiveLatent, ReceiveFrames,
+    BroadcastCondition, ReceiveLatent, ReceiveFrames, SaveState,
 ]
 
 
@@ -532,6 +570,23 @@ class TaskFailed(_Done, tag="task_failed", kw_only=True):
     fatal: bool = False  # the rank cannot go on (tensor plane broken): the job ends
 
 
+class SaveCaptured(_Done, tag="save_captured"):
+    stage: Stage
+    snapshot: str
+
+
+class SaveWritten(_Done, tag="save_written"):
+    """From a rank's snapshot writer thread: its file is on disk (or why not)."""
+
+    stage: Stage
+    snapshot: str
+    name: str = ""
+    bytes: int = 0
+    sha256: str = ""
+    seconds: float = 0.0  # write and hash
+    error: str = ""
+
+
 class ShutdownDone(_Msg, tag="shutdown_done"):
     rank: int
     role: str
@@ -555,10 +610,11 @@ class Beat(_Msg, tag="beat"):
     held: int = 0  # bytes the sessions' caches hold on this rank now, as its stages count them
 
 
-WorkerMessage = Union[Hello, InitDone, ChunkDone, ReleaseDone, TransferDone, TaskFailed, ShutdownDone, Beat]  # noqa: UP007
+WorkerMessage = Union[Hello, InitDone, ChunkDone, ReleaseDone, TransferDone, TaskFailed, ShutdownDone, Beat,  # noqa: UP007
+                      SaveCaptured, SaveWritten]
 CoordinatorMessage = Union[  # noqa: UP007
     InitCondition, InitDenoise, InitDecode, ConditionChunk, DenoiseChunk, DecodeChunk, Release, BroadcastContext,
-    BroadcastCondition, ReceiveLatent, ReceiveFrames, Shutdown, Ping,
+    BroadcastCondition, ReceiveLatent, ReceiveFrames, Shutdown, Ping, SaveState,
 ]
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -92,6 +92,20 @@ class LiveControls:
         self._next_index = 0  # next chunk index to cut
         self._applied: OrderedDict[int, ChunkControl] = OrderedDict()  # bounded: APPLIED_HISTORY entries
 
+    @classmethod
+    def restored(cls, held: Iterable[str], revision: int, next_index: int,
+                 pause_when_idle: bool = False) -> LiveControls:  # fmt: skip
+        """The control state a snapshot kept (``runtime.snapshots.LiveState``): keys held at its revision, and the
+        next chunk to cut, the snapshot's chunk."""
+        controls = cls(pause_when_idle=pause_when_idle)
+        controls._held, controls._revision, controls._next_index = frozenset(held), revision, next_index
+        return controls
+
+    @property
+    def held(self) -> frozenset[str]:
+        """The keys held now."""
+        return self._held
+
     @property
     def next_index(self) -> int:
         """The next chunk index a snapshot will be cut for (= number of snapshots cut so far)."""

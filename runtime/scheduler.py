@@ -233,9 +233,13 @@ class _Session:
     release_failures: int = 0  # consecutive failures of release_todo[0]
     leaked: list[Stage] = field(default_factory=list)
     finished: bool = False  # SessionClosed was emitted (only poisoned tombstones keep this True)
+    start: int = 0  # its first chunk (a restored session continues its snapshot's numbering)
+    held: bool = False  # a save holds the denoise of chunk next_denoise until every rank captured its state
 
     def __post_init__(self) -> None:
-        self.controls = InOrder(memory=self.control_memory)
+        self.controls = InOrder(start=self.start, memory=self.control_memory)
+        self.emission = InOrder(start=self.start)
+        self.next_condition = self.next_denoise = self.start
 
     def in_range(self, index: int) -> bool:
         return self.num_chunks is None or index < self.num_chunks
@@ -282,6 +286,16 @@ class Scheduler:
     def next_condition_index(self, session: str) -> int:
         return self._get(session).next_condition
 
+    def next_denoise_index(self, session: str) -> int:
+        """The first chunk whose denoise has not been dispatched (a save's boundary)."""
+        return self._get(session).next_denoise
+
+    def quiet_before_denoise(self, session: str) -> bool:
+        """No denoise of the session runs and every latent it produced went to decode: a held session's stages all
+        have every task before its boundary chunk in their queues (the moment a save's tasks may follow them)."""
+        s = self._get(session)
+        return not s.latents and not self._running(s, Stage.DENOISE, TaskKind.RUN)
+
     def next_emit_index(self, session: str) -> int:
         return self._get(session).emission.expected
 
@@ -318,8 +332,9 @@ class Scheduler:
 
     # ---- events ----
 
-    def open(self, session: str, num_chunks: int | None, now: float) -> list[Action]:
-        """Create a session and start initialising its caches (condition, then decode, then denoise)."""
+    def open(self, session: str, num_chunks: int | None, now: float, start: int = 0) -> list[Action]:
+        """Create a session and start initialising its caches (condition, then decode, then denoise). ``start``: its
+        first chunk, control and emission index (a restored session's snapshot chunk; ``num_chunks`` counts from 0)."""
         if session in self._sessions:
             what = "poisoned (never reused)" if self._sessions[session].state is SessionState.POISONED else "open"
             raise SessionIdTaken(f"session {session!r} is {what}")
@@ -327,9 +342,12 @@ class Scheduler:
             not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1
         ):
             raise ValueError(f"num_chunks must be None (endless) or an int >= 1, got {num_chunks!r}")
+        if start < 0 or (num_chunks is not None and start >= num_chunks):
+            raise ValueError(f"a session of {num_chunks} chunks cannot start at chunk {start}")
         # Remember enough controls to recognise a retry of any that may still be in flight.
         memory = PREFETCH_DEPTH + self.capacities.control
-        self._sessions[session] = _Session(id=session, seq=self._seq, num_chunks=num_chunks, control_memory=memory)
+        self._sessions[session] = _Session(id=session, seq=self._seq, num_chunks=num_chunks, control_memory=memory,
+                                           start=start)
         self._seq += 1
         return self._finish_event(self._pump(now, []), now)
 
@@ -342,7 +360,7 @@ class Scheduler:
         s.init_todo.popleft()
         out: list[Action] = []
         if ready and self.mode is Mode.PREFETCH:  # prefetch before any control can be accepted
-            while s.next_condition < PREFETCH_DEPTH and s.in_range(s.next_condition):
+            while s.next_condition < s.start + PREFETCH_DEPTH and s.in_range(s.next_condition):
                 self._submit_condition(s, now)
         self._maybe_drained(s, out)
         self._pump(now, out)
@@ -405,6 +423,12 @@ class Scheduler:
                 self._begin_close(s, "complete", out)
         self._maybe_drained(s, out)
         return self._finish_event(self._pump(now, out), now)
+
+    def hold(self, session: str, held: bool, now: float) -> list[Action]:
+        """Hold (or let go) the denoise of the session's next chunk: a save captures its state meanwhile."""
+        s = self._get(session)
+        s.held = held
+        return self._finish_event(self._pump(now, []), now)
 
     def stage_failed(self, session: str, stage: Stage, index: int | None, error: str, now: float) -> list[Action]:
         """A role reports that its task for ``session`` failed (``index`` None: an init, or a notice about the
@@ -611,6 +635,8 @@ class Scheduler:
     def _denoise_blocker(self, s: _Session) -> str | None:
         """Why chunk ``next_denoise`` of a READY session cannot start on the DiT now (None: it can)."""
         d = s.next_denoise
+        if s.held:
+            return "save"
         if d not in s.accepted:
             return "control"
         if d not in s.encoded:
@@ -675,7 +701,7 @@ class Scheduler:
             and (cause := self._denoise_blocker(s)) is not None
         )
         causes = {cause for _, cause in blocked}
-        for cause in ("edge", "condition", "control"):
+        for cause in ("save", "edge", "condition", "control"):
             if cause in causes:
                 return cause, blocked
         return "no_session", blocked
