@@ -158,7 +158,7 @@ def denoise_worker(ctx: RankContext) -> None:
             if state is None:
                 stage.open(spec, context)
             else:
-                stage.load_state(spec, context, {k: v.to(ctx.groups.device) for k, v in state.items()})
+                stage.load_state(spec, context, state)  # on the host: each stage moves what it keeps
         if ctx.check_memory is not None:  # the KV ring and text cache are whole once open
             ctx.check_memory("denoise", stage, task.session, task.height, task.width)
 
@@ -230,7 +230,7 @@ def decode_worker(ctx: RankContext) -> None:
             if state is None:
                 stage.open(spec)
             else:
-                stage.load_state(spec, {k: v.to(ctx.groups.device) for k, v in state.items()})
+                stage.load_state(spec, state)
 
     def save(task: protocol.SaveState, spans: Spans) -> None:
         with spans.span("decode.save"):
