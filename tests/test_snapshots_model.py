@@ -60,3 +60,35 @@ def test_real_model_stages_forked_from_their_saved_state_continue_bit_for_bit(tm
     got = [chunk("f", i) for i in range(2, 5)]
     for i, (a, b) in enumerate(zip(expected, got, strict=True)):
         assert torch.equal(a, b), f"chunk {i + 2} of the fork differs"
+
+
+def test_seven_rank_real_model_restore_and_fork_match_the_uninterrupted_stream_bit_for_bit(tmp_path: Path) -> None:
+    """The encoder ran ahead of the boundary (conditions prefetched): a restored session takes those conditions
+    from the snapshot and its encoder continues from where the original's stood."""
+    import numpy as np
+
+    from ipc.client import Client
+    from scripts.local_server import LocalServer
+
+    keys = ["w", "wl", "d", "a", "j"]
+    with LocalServer("cpu-tiny-model", [f"--snapshots.dir={tmp_path}"]) as server, \
+            Client(server.endpoint) as client:  # fmt: skip
+        info = client.open(IMAGE, prompt="a red house", seed=5, num_chunks=len(keys))
+        frames = {}
+        for i in range(2):
+            client.control(info.id, i, keys=keys[i])
+            frames[i] = client.next_chunk(info.id, timeout_s=120).frames.copy()
+        snapshot = client.save(info.id)
+        for i in range(2, len(keys)):
+            client.control(info.id, i, keys=keys[i])
+            frames[i] = client.next_chunk(info.id, timeout_s=120).frames.copy()
+        client.wait_closed(info.id, timeout_s=120)
+        assert snapshot.chunk == 2
+        for _ in range(2):
+            restored = client.open(restore=snapshot.id)
+            assert restored.first_chunk == 2
+            for i in range(2, len(keys)):
+                client.control(restored.id, i, keys=keys[i])
+                chunk = client.next_chunk(restored.id, timeout_s=120)
+                assert chunk.index == i and np.array_equal(chunk.frames, frames[i]), f"chunk {i} differs"
+            client.wait_closed(restored.id, timeout_s=120)
