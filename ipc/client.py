@@ -183,11 +183,12 @@ class Snapshot:
     pause_s: float  # how long the session's DiT waited for the ranks to copy their state
     write_s: float  # the slowest rank's write and hash (the stream went on meanwhile)
     files: int
+    wait_s: float = 0.0  # from the request to the boundary (no cost: the chunks before it ran on)
 
 
 def snapshot_of(saved: protocol.Saved) -> Snapshot:
     return Snapshot(saved.snapshot, saved.session, saved.chunk, saved.bytes, saved.pause_s, saved.write_s,
-                    saved.files)
+                    saved.files, saved.wait_s)
 
 
 @dataclass(frozen=True)

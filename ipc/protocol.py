@@ -369,9 +369,10 @@ class Saved(_Msg, tag="saved"):
     snapshot: str
     chunk: int  # the boundary: a restored session's first chunk
     bytes: int  # every rank's file together
-    pause_s: float  # how long the session's DiT waited for the capture (its only cost on the stream)
+    pause_s: float  # how long the session's DiT waited for the ranks' copies (the save's only cost on the stream)
     write_s: float  # the slowest rank's write and hash, off the stream
     files: int = 0
+    wait_s: float = 0.0  # from the request to the boundary (the chunks before it finishing as they would anyway)
 
 
 class StatsReply(_Msg, tag="stats_reply"):

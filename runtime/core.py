@@ -658,9 +658,8 @@ class CoordinatorCore:
                     raise JobFailed(f"rank {ranks} did not finish the {what} of session {session.id} within "
                                     f"{self.timeouts.stage_s:.0f} s")
         for save in list(self.saves.values()):
-            if save.holds and now - save.asked > self.timeouts.stage_s:  # the stream must not wait for ever
-                self._save_failed(save, f"the ranks did not capture the state within {self.timeouts.stage_s:.0f} s",
-                                  now)
+            if now - save.asked > self.timeouts.stage_s:  # a save never holds a stream, nor its slot, for ever
+                self._save_failed(save, f"the ranks did not save the state within {self.timeouts.stage_s:.0f} s", now)
         for session in self.clients.silent(now):
             if self._live(session.id):
                 log.info("session %s: client silent for over %.1f s, closing", session.id, self.clients.timeout_s)
@@ -669,8 +668,9 @@ class CoordinatorCore:
     # ---------------------------------------------------------------------------------------------- snapshots
 
     def _save(self, session: Session, who: bytes, message: protocol.Save, now: float) -> None:
-        """Hold the denoise of the session's boundary chunk k (the first not dispatched); the save tasks follow once
-        every task of the chunks before k is in its stage's queue (``_advance_saves``)."""
+        """Hold the denoise of the session's boundary chunk k (the first not dispatched) until every task of the
+        chunks before k is in its stage's queue; then the save tasks go out and the hold ends (``_advance_saves``):
+        each worker runs its tasks in the order they were sent, so it copies the state between k-1 and k."""
         sid = session.id
         state = self.scheduler.session_state(sid)
         if state is not sch.SessionState.READY:
@@ -704,10 +704,11 @@ class CoordinatorCore:
             if save.session not in self.sessions or not self._live(save.session):
                 self._save_failed(save, "the session closed before its save started", now)
             elif self.scheduler.quiet_before_denoise(save.session):
-                save.start()
+                save.start(now)
                 task = protocol.SaveState(session=save.session, snapshot=save.id, chunk=save.chunk)
                 for rank, role in sorted(save.parts):
                     self._emit(ToWorker(identity(rank, role), task))
+                self._run(self.scheduler.hold(save.session, False, now), now)  # queued behind the save tasks
 
     def _save_progress(self, message: protocol.SaveCaptured | protocol.SaveWritten, now: float) -> None:
         save = self.saves.get(message.session)
@@ -715,8 +716,7 @@ class CoordinatorCore:
             return  # a late answer to a save that failed
         part = (message.rank, message.stage.value)
         if isinstance(message, protocol.SaveCaptured):
-            if save.on_captured(part, now):  # every rank copied its state: the DiT goes on
-                self._run(self.scheduler.hold(save.session, False, now), now)
+            save.on_captured(part, now, sum(span.end - span.start for span in message.spans))
         elif message.error:
             self._save_failed(save, message.error, now)
             return
@@ -733,7 +733,7 @@ class CoordinatorCore:
                             chunk=save.chunk, seed=facts["seed"], prompt=facts["prompt"],
                             num_chunks=facts["num_chunks"], intrinsics=facts["intrinsics"], steps=facts["steps"],
                             live=facts["live"], files=save.ordered_files(), bytes=save.bytes, pause_s=save.pause_s,
-                            write_s=save.write_s, created=wall_clock())
+                            write_s=save.write_s, created=wall_clock(), wait_s=save.wait_s)
         del self.saves[save.session]
         try:
             self.snapshots.write(manifest)  # a small JSON file: the save exists from here on
@@ -745,7 +745,7 @@ class CoordinatorCore:
                  save.chunk, save.bytes, save.pause_s, save.write_s)
         self._answer_save(save, protocol.Saved(req=save.req, session=save.session, snapshot=save.id, chunk=save.chunk,
                                                bytes=save.bytes, pause_s=save.pause_s, write_s=save.write_s,
-                                               files=len(save.files)))
+                                               files=len(save.files), wait_s=save.wait_s))
 
     def _save_failed(self, save: PendingSave, error: str, now: float) -> None:
         holding = save.holds

@@ -234,7 +234,7 @@ class _Session:
     leaked: list[Stage] = field(default_factory=list)
     finished: bool = False  # SessionClosed was emitted (only poisoned tombstones keep this True)
     start: int = 0  # its first chunk (a restored session continues its snapshot's numbering)
-    held: bool = False  # a save holds the denoise of chunk next_denoise until every rank captured its state
+    held: bool = False  # a save holds the denoise of chunk next_denoise until its save tasks are queued before it
 
     def __post_init__(self) -> None:
         self.controls = InOrder(start=self.start, memory=self.control_memory)

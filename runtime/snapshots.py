@@ -12,9 +12,12 @@ sizes must match the files on disk (a truncated file is refused here), and each 
 before it loads a byte of it (a corrupt or hand-made file fails the restore with the file named).
 
 The save of a session (``PendingSave``) goes ``waiting`` (rank 0 holds the denoise of the boundary chunk ``k``, the
-first chunk not yet dispatched to the DiT, until every stage worker captured) -> ``capturing`` (the save tasks are
-out) -> ``writing`` (every worker copied its state; the DiT goes on while the files are written) -> ``done`` (every
-file written and hashed: the manifest is written and the owner answered), or ``failed`` from any state.
+first chunk not yet dispatched to the DiT, until every task of the chunks before ``k`` is in its stage's queue) ->
+``capturing`` (the save tasks are out, one per stage worker, and the hold ends at once: each worker takes its tasks
+in the order rank 0 sent them, so its copy is the state after chunk ``k - 1``'s work and before chunk ``k``'s,
+whatever runs meanwhile; the copy is all the stream waits for) -> ``writing`` (every worker copied its state; the
+files are written off the stream) -> ``done`` (every file written and hashed: the manifest is written and the owner
+answered), or ``failed`` from any state.
 No I/O in the state machine; ``SnapshotStore`` does the little rank 0 writes and reads (the manifest).
 """
 
@@ -105,9 +108,10 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     live: LiveState | None
     files: tuple[FileEntry, ...]
     bytes: int  # every file together
-    pause_s: float  # from the save request to the DiT going on (the hold of chunk ``chunk``)
+    pause_s: float  # what the save cost the stream: the longest copy of any rank (run before chunk ``chunk``)
     write_s: float  # the slowest rank's copy-to-file and hash
     created: float  # wall-clock seconds
+    wait_s: float = 0.0  # from the save request to the boundary (no cost: the chunks before it ran on)
 
 
 def model_identity(kind: str, preset: str, checkpoint_dir: str, weights_seed: int) -> str:
@@ -220,22 +224,26 @@ class PendingSave:
     captured: set[Part] = field(default_factory=set)
     files: dict[Part, FileEntry] = field(default_factory=dict)
     write_s: float = 0.0
-    resumed: float | None = None  # when the hold ended
+    sent: float | None = None  # when the save tasks left (the boundary was reached; the hold ended)
+    captured_at: float | None = None  # when the last worker's copy was reported
+    capture_s: float = 0.0  # the longest copy of any worker: what a stage spent on the save instead of the stream
     error: str | None = None
     facts: dict[str, object] = field(default_factory=dict)  # what rank 0 keeps of the session, for the manifest
 
-    def start(self) -> None:
+    def start(self, now: float) -> None:
+        """The save tasks are out, behind every task of the chunks before the boundary: the hold ends."""
         self._expect(SaveState.WAITING)
-        self.state = SaveState.CAPTURING
+        self.state, self.sent = SaveState.CAPTURING, now
 
-    def on_captured(self, part: Part, now: float) -> bool:
-        """A worker copied its state; True when it was the last (release the hold)."""
+    def on_captured(self, part: Part, now: float, seconds: float = 0.0) -> bool:
+        """A worker copied its state in ``seconds``; True when it was the last."""
         self._expect(SaveState.CAPTURING)
         self._known(part)
         self.captured.add(part)
+        self.capture_s = max(self.capture_s, seconds)
         if self.captured != self.parts:
             return False
-        self.state, self.resumed = SaveState.WRITING, now
+        self.state, self.captured_at = SaveState.WRITING, now
         self._maybe_done()  # a file may have been reported before the last capture (different sockets)
         return True
 
@@ -264,11 +272,17 @@ class PendingSave:
     @property
     def holds(self) -> bool:
         """Whether the boundary chunk's denoise must still wait."""
-        return self.state in (SaveState.WAITING, SaveState.CAPTURING)
+        return self.state is SaveState.WAITING
 
     @property
     def pause_s(self) -> float:
-        return 0.0 if self.resumed is None else self.resumed - self.asked
+        """What the save cost the stream: the longest copy, which its stage ran before the boundary chunk's work."""
+        return self.capture_s
+
+    @property
+    def wait_s(self) -> float:
+        """From the request to the boundary: the chunks before it finishing their denoise as they would anyway."""
+        return 0.0 if self.sent is None else self.sent - self.asked
 
     @property
     def bytes(self) -> int:

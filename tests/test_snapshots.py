@@ -146,19 +146,21 @@ def test_a_save_releases_the_hold_at_the_last_capture_and_completes_at_the_last_
     assert save.holds and save.state is SaveState.WAITING
     with pytest.raises(SnapshotError, match="not capturing"):
         save.on_captured((0, "condition"), 1.1)
-    save.start()
+    save.start(1.2)
+    assert not save.holds  # the save tasks are queued before the boundary chunk's: the stream goes on
     entry = FileEntry(rank=2, role="denoise", name=file_name(2, "denoise"), bytes=10, sha256="a" * 64)
     assert not save.on_written(entry, 0.5)  # a file may come before the last capture (another socket)
     for part in sorted(PARTS)[:-1]:
-        assert not save.on_captured(part, 1.2)
-    assert save.on_captured(sorted(PARTS)[-1], 1.25) and not save.holds and save.pause_s == pytest.approx(0.25)
+        assert not save.on_captured(part, 1.2, 0.01)
+    assert save.on_captured(sorted(PARTS)[-1], 1.25, 0.03) and save.state is SaveState.WRITING
+    assert (save.wait_s, save.pause_s) == (pytest.approx(0.2), 0.03)
     for rank, role in sorted(PARTS - {(2, "denoise")}):
         done = save.on_written(FileEntry(rank=rank, role=role, name=file_name(rank, role), bytes=1, sha256=""), 0.1)
     assert done and save.state is SaveState.DONE and save.bytes == 16 and save.write_s == 0.5
     with pytest.raises(SnapshotError, match="not one of its stage workers"):
         PendingSave("x", "s", A, 1, 3, PARTS, 0.0, state=SaveState.CAPTURING).on_captured((9, "denoise"), 0)
     failed = PendingSave("x", "s", A, 1, 3, PARTS, 0.0)
-    assert failed.fail("boom") and not failed.fail("again") and not failed.holds
+    assert failed.holds and failed.fail("boom") and not failed.fail("again") and not failed.holds
 
 
 # ---- the scheduler
@@ -211,7 +213,7 @@ def written(job: Job, task: p.SaveState, rank: int, role: str, error: str = "") 
                          name=file_name(rank, role), bytes=100, sha256="b" * 64, seconds=0.01, error=error)
 
 
-def test_a_save_holds_the_boundary_chunk_until_every_rank_captured_and_answers_once_every_file_is_written(
+def test_a_save_queues_its_tasks_between_the_chunks_before_the_boundary_and_it_and_answers_once_every_file_is_on_disk(
         tmp_path: Path) -> None:  # fmt: skip
     job = Job()
     job.core.snapshots = SnapshotStore(tmp_path)
@@ -234,10 +236,12 @@ def test_a_save_holds_the_boundary_chunk_until_every_rank_captured_and_answers_o
     task = saves[0][1]
     # every task before the boundary went first: the decode of chunk 2 is already in the decode rank's queue
     assert [t.index for _, t in job.sent(p.DecodeChunk)][-1] == 2 and task.chunk == 3
-    job.answer(p.SaveState, ranks=range(0, 6))
-    assert not [t for _, t in job.tasks if isinstance(t, p.DenoiseChunk) and t.index == 3]
-    job.answer(p.SaveState)  # the last rank copied its state: the DiT goes on
-    assert [t for _, t in job.tasks if isinstance(t, p.DenoiseChunk) and t.index == 3]
+    # the hold ends once the save tasks are out: each worker copies its state before it sees chunk 3's task
+    for rank in range(2, 7):
+        mine = [t for who, t in job.sent((p.SaveState, p.DenoiseChunk)) if who == f"{rank}:denoise".encode()]
+        assert [(type(t).__name__, getattr(t, "index", None)) for t in mine][-2:] == [("SaveState", None),
+                                                                                     ("DenoiseChunk", 3)]
+    job.answer(p.SaveState)
     for rank, role in sorted(PARTS):
         out = job.step(WorkerSent(written(job, task, rank, role)))
     (saved,) = job.to(A, p.Saved, out)
