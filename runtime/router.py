@@ -203,7 +203,7 @@ class RouterCore:
                 session = self.sessions[message.session]  # earlier input waits for a full link: this goes after
                 session.state = fold(session.state, message)  # type: ignore[arg-type]
                 self._send_state(session)
-            case protocol.Control() | protocol.ControlState() | protocol.Close():
+            case protocol.Control() | protocol.ControlState() | protocol.Close() | protocol.Save():
                 session = self.clients.owned(who, message.session)
                 replica = self.replicas[session.replica]
                 kind = type(message).__struct_config__.tag
@@ -300,7 +300,7 @@ class RouterCore:
                     self._remove_session(session)
                     if not session.gone:
                         self._emit(ToClient(session.client, event.raw, sid))
-            case protocol.Accepted(session=sid) | protocol.Error(session=sid):
+            case protocol.Accepted(session=sid) | protocol.Error(session=sid) | protocol.Saved(session=sid):
                 self._to_session(replica, sid, event.raw)  # type: ignore[arg-type]
             case protocol.StatsReply():
                 self._stats_reply(replica, message, now)

@@ -331,3 +331,23 @@ def test_synthetic_stages_restored_from_their_state_produce_the_same_next_chunks
     k2.load_state(fork, states[2])
     got = [k2.decode("f", i, d2.denoise("f", i, c2.encode("f", i), control)) for i in (2, 3)]
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+# ---- through the router
+
+
+def test_the_router_passes_a_save_to_the_sessions_replica_and_its_saved_back_to_the_owner_only() -> None:
+    from tests.test_router_core import Fleet
+
+    fleet = Fleet()
+    fleet.up("a", "b")
+    sid, replica = fleet.open(A)
+    fleet.client(B, p.Save(req=3, session=sid))
+    assert [e.code for e in fleet.errors(B)] == ["unknown_session"]
+    fleet.client(A, p.Save(req=4, session=sid))
+    forwarded = [o for o in fleet.to_replica(replica) if isinstance(o.message, bytes)
+                 and isinstance(p.decode(o.message, "client"), p.Save)]
+    assert len(forwarded) == 1  # the owner's save, to the session's replica
+    saved = p.Saved(req=4, session=sid, snapshot=new_snapshot_id(), chunk=2, bytes=10, pause_s=0.0, write_s=0.0)
+    fleet.replica(replica, saved)
+    assert fleet.to(A, p.Saved) == [saved] and not fleet.to(B, p.Saved)
