@@ -93,12 +93,12 @@ class LiveControls:
         self._applied: OrderedDict[int, ChunkControl] = OrderedDict()  # bounded: APPLIED_HISTORY entries
 
     @classmethod
-    def restored(cls, held: Iterable[str], revision: int, next_index: int,
-                 pause_when_idle: bool = False) -> LiveControls:  # fmt: skip
-        """The control state a snapshot kept (``runtime.snapshots.LiveState``): keys held at its revision, and the
-        next chunk to cut, the snapshot's chunk."""
+    def restored(cls, held: Iterable[str], next_index: int, pause_when_idle: bool = False) -> LiveControls:
+        """A session restored from a snapshot (``runtime.snapshots.LiveState``): the keys held when it was saved stay
+        held, the next chunk to cut is the snapshot's; the revisions start again (a restore has a new client, whose
+        input stream counts from 1; the saved revision stays in the manifest)."""
         controls = cls(pause_when_idle=pause_when_idle)
-        controls._held, controls._revision, controls._next_index = frozenset(held), revision, next_index
+        controls._held, controls._next_index = frozenset(held), next_index
         return controls
 
     @property

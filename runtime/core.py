@@ -787,8 +787,8 @@ class CoordinatorCore:
         self._admit(sid, geometry, asked)
         self.admission.admit(sid, geometry.height, geometry.width)
         saved_live = manifest.live
-        live = None if saved_live is None else LiveControls.restored(
-            saved_live.held, saved_live.revision, manifest.chunk, saved_live.pause_when_idle)
+        live = None if saved_live is None else LiveControls.restored(saved_live.held, manifest.chunk,
+                                                                     saved_live.pause_when_idle)
         metrics = self.metrics.open_session(sid, now, self.stream.fps, self.metrics_config.warmup_chunks)
         num_chunks = manifest.num_chunks
         self.clients.add(Session(

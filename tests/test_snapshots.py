@@ -209,6 +209,10 @@ def save_job(tmp_path: Path) -> tuple[Job, str]:
 
 
 def written(job: Job, task: p.SaveState, rank: int, role: str, error: str = "") -> p.SaveWritten:
+    """What rank's writer thread reports, its file (100 bytes) put where it would write it."""
+    folder = job.core.snapshots.folder(task.snapshot)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / file_name(rank, role)).write_bytes(bytes(100))
     return p.SaveWritten(rank=rank, role=role, session=task.session, stage=p.Stage(role), snapshot=task.snapshot,
                          name=file_name(rank, role), bytes=100, sha256="b" * 64, seconds=0.01, error=error)
 
@@ -351,3 +355,24 @@ def test_the_router_passes_a_save_to_the_sessions_replica_and_its_saved_back_to_
     saved = p.Saved(req=4, session=sid, snapshot=new_snapshot_id(), chunk=2, bytes=10, pause_s=0.0, write_s=0.0)
     fleet.replica(replica, saved)
     assert fleet.to(A, p.Saved) == [saved] and not fleet.to(B, p.Saved)
+
+
+def test_a_live_session_restores_with_its_held_keys_at_its_chunk_and_a_fresh_revision_count(tmp_path: Path) -> None:
+    job = Job()
+    job.core.snapshots = SnapshotStore(tmp_path)
+    sid = job.open(num_chunks=8, live=True)
+    job.send(A, p.ControlState(req=next(job.req), session=sid, keys=["w", "j"], revision=7))
+    job.chunk(sid, 0)
+    job.send(A, p.Save(req=30, session=sid))
+    task = job.sent(p.SaveState)[0][1]
+    job.answer(p.SaveState)
+    for rank, role in sorted(PARTS):
+        job.step(WorkerSent(written(job, task, rank, role)))
+    saved = SnapshotStore(tmp_path).read(task.snapshot)
+    assert saved.live is not None and (saved.live.held, saved.live.revision) == (("j", "w"), 7)
+    job.send(A, p.Open(req=31, image=b"", restore=task.snapshot))
+    restored = job.core.sessions[list(job.core.sessions)[-1]]
+    assert restored.live is not None and restored.live.held == {"j", "w"}
+    assert (restored.live.next_index, restored.live.revision) == (saved.chunk, -1)
+    job.send(A, p.ControlState(req=next(job.req), session=restored.id, keys=["a"], revision=1))  # counts from 1
+    assert not [e for e in job.to(A, p.Error) if e.session == restored.id]
