@@ -37,6 +37,7 @@ FORMAT = 1  # the snapshot format; a manifest of another format is refused
 MANIFEST = "manifest.json"
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{22}")  # what secrets.token_urlsafe(16) gives, and nothing else
 MAX_MANIFEST_BYTES = 1 << 20
+ROLES = ("condition", "denoise", "decode")  # the stage workers that write a file (``ipc.protocol.Stage`` values)
 
 
 class SnapshotError(ValueError):
@@ -187,8 +188,8 @@ class SnapshotStore:
             raise SnapshotError(f"the manifest of snapshot {snapshot} is not valid: {error}") from None
         if manifest.id != snapshot:
             raise SnapshotError(f"the manifest in folder {snapshot} names snapshot {manifest.id}")
-        for entry in manifest.files:
-            if entry.name != file_name(entry.rank, entry.role):
+        for entry in manifest.files:  # names are checked before any is opened: none can lead out of the folder
+            if entry.role not in ROLES or entry.rank < 0 or entry.name != file_name(entry.rank, entry.role):
                 raise SnapshotError(f"snapshot {snapshot}: file name {entry.name!r} is not one of ours")
             file = folder / entry.name
             size = file.stat().st_size if file.is_file() else -1

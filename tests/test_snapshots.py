@@ -111,6 +111,13 @@ def test_the_store_reads_back_what_it_wrote_and_refuses_missing_truncated_or_han
     (tmp_path / other / MANIFEST).write_bytes(b'{"format": 1, "id": "' + other.encode() + b'", "pickle": 1}')
     with pytest.raises(SnapshotError, match="not valid"):
         store.read(other)
+    _, escaping = write_snapshot(tmp_path)
+    saved = store.read(escaping)
+    bad = msgspec.structs.replace(saved.files[0], role="x/../../../../etc/passwd",
+                                  name="rank0-x/../../../../etc/passwd.safetensors")
+    store.write(msgspec.structs.replace(saved, files=(bad, *saved.files[1:])))
+    with pytest.raises(SnapshotError, match="is not one of ours"):
+        store.read(escaping)
     _, moved = write_snapshot(tmp_path)
     (tmp_path / moved / MANIFEST).write_bytes((tmp_path / other / MANIFEST).read_bytes().replace(b"pickle", b"x"))
     elsewhere = new_snapshot_id()
