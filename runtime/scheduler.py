@@ -37,21 +37,23 @@ Per session (``s``), with ``d`` the next chunk whose denoise has not started:
   emitted after close); then the caches whose init was issued are released decode -> denoise -> condition, one after
   another, each through its role. A failed release poisons the session (its id can never be reopened) and is
   retried ``max_release_retries`` times before it is reported as leaked and the next release goes ahead.
+- Save and restore. ``hold(s, True)`` keeps chunk ``d`` off the DiT (blocker "save") until ``hold(s, False)``: a
+  save (``runtime.snapshots``) queues its tasks behind every task of the chunks before it. ``open(..., start=k)``
+  starts every cursor at ``k`` (a session restored from a snapshot of chunk ``k``); ``num_chunks`` counts from 0.
 - ``Mode.SERIAL`` (the old design, for the A/B benchmark): no prefetch; condition[i] is submitted together with
   control[i], and control[i + 1] is accepted only after chunk i was emitted.
 - Boundedness: per-chunk records exist only while the chunk is in flight (at most PREFETCH_DEPTH + edges); closed
   sessions are forgotten, only poisoned ids remain as tombstones.
 
 DiT idle causes (``DitIdle``): while the DiT runs nothing, the cause is re-evaluated after every event from the
-sessions that still have a chunk to denoise, each blocked by its first missing dependency (control[d] not accepted
--> "control"; condition[d] not encoded -> "condition"; latent edge full -> "edge"). Across sessions the most
-internal blocker wins: "edge" over "condition" over "control"; with no such session the cause is "no_session".
-Each segment also lists every waiting session with its own blocker (``blocked``), so a session's metrics count
-only the idle time it waited through, with its own cause. An idle interval is split at the events where its cause
-or a session's blocker changes; each segment is emitted as soon as it ends (at the
-change, or just before the action that makes the DiT busy again: any DiT task, cache init and release included).
-Zero-length segments are not emitted. Time starts with the first event: the DiT is idle from then until its first
-task.
+sessions that still have a chunk to denoise, each blocked by its first missing dependency (held by a save -> "save";
+control[d] not accepted -> "control"; condition[d] not encoded -> "condition"; latent edge full -> "edge"). Across
+sessions the most internal blocker wins: "save" over "edge" over "condition" over "control"; with no such session
+the cause is "no_session". Each segment also lists every waiting session with its own blocker (``blocked``), so a
+session's metrics count only the idle time it waited through, with its own cause. An idle interval is split at the
+events where its cause or a session's blocker changes; each segment is emitted as soon as it ends (at the change, or
+just before the action that makes the DiT busy again: any DiT task, cache init and release included). Zero-length
+segments are not emitted. Time starts with the first event: the DiT is idle from then until its first task.
 """
 
 from __future__ import annotations
