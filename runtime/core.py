@@ -773,6 +773,8 @@ class CoordinatorCore:
         served = (g.height, g.width) in self.sizes
         here = geometry_of(self.geometry.with_size(g.height, g.width)) if served else None
         why = refusal(manifest, self.identity, here)
+        if why is None and manifest.num_chunks is not None and manifest.num_chunks > self.max_chunks:
+            why = f"a session of {manifest.num_chunks} chunks (this server: at most {self.max_chunks})"
         if why is not None:
             raise ClientError("bad_snapshot", f"snapshot {manifest.id} cannot be restored here: {why}")
         if len(self.sessions) + len(self.opening) >= self.server.max_sessions:

@@ -310,12 +310,14 @@ def test_a_restore_of_a_bad_id_or_a_foreign_snapshot_is_refused_and_opens_nothin
     job.core.snapshots = store
     saved = store.read(snapshot)
     store.write(msgspec.structs.replace(saved, identity=msgspec.structs.replace(saved.identity, model="other")))
+    _, longer = write_snapshot(tmp_path)
+    store.write(msgspec.structs.replace(store.read(longer), num_chunks=10**9))
     before = len(job.core.sessions)
-    for bad in ("../x", snapshot):
+    for bad in ("../x", snapshot, longer):
         job.send(A, p.Open(req=5, image=b"", restore=bad))
     refusals = [e for e in job.to(A, p.Error) if e.req == 5]
-    assert [e.code for e in refusals] == ["bad_snapshot"] * 2 and "model 'other' (this server: '')" in \
-        refusals[1].message
+    assert [e.code for e in refusals] == ["bad_snapshot"] * 3 and "model 'other' (this server: '')" in \
+        refusals[1].message and "at most 100000" in refusals[2].message
     assert len(job.core.sessions) == before
 
 
