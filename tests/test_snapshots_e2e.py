@@ -17,6 +17,8 @@ from runtime.snapshots import MANIFEST, new_snapshot_id
 from scripts.local_server import ROOT, LocalServer
 from tests.shared import FAST
 
+pytestmark = pytest.mark.multiprocess
+
 IMAGE = (ROOT / "assets" / "start.png").read_bytes()
 CHUNKS = 7
 SAVE_AFTER = 3  # chunks 0..2 run before the save: the boundary is chunk 3

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -62,6 +63,7 @@ def test_real_model_stages_forked_from_their_saved_state_continue_bit_for_bit(tm
         assert torch.equal(a, b), f"chunk {i + 2} of the fork differs"
 
 
+@pytest.mark.multiprocess
 def test_seven_rank_real_model_restore_and_fork_match_the_uninterrupted_stream_bit_for_bit(tmp_path: Path) -> None:
     """The encoder ran ahead of the boundary (conditions prefetched): a restored session takes those conditions
     from the snapshot and its encoder continues from where the original's stood."""
