@@ -182,7 +182,8 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     ctx = RankContext(layout=lay, timeouts=cfg.timeouts, rank=rank, roles=rank_roles, endpoint=shared[0],
                       zmq=context, groups=groups, backend=built, streams=RoleStreams(device),
                       sizes=served_sizes(cfg.stream), start=start,
-                      check_memory=lambda *args: memory.check_later(cfg, rank, *args))
+                      check_memory=lambda *args: memory.check_later(cfg, rank, *args),
+                      snapshots_dir=cfg.snapshots.dir)
     coordinator = None
     if rank == lay.coordinator:  # before any worker thread: a fatal error on this rank reaches clients first
         from ranks.coordinator import Coordinator

@@ -43,10 +43,12 @@ from ipc.client import (
     SessionClosed,
     SessionInfo,
     SessionState,
+    Snapshot,
     chunk_control,
     closed_summary,
     outbox_room,
     session_info,
+    snapshot_of,
 )
 
 
@@ -102,15 +104,19 @@ class AsyncClient:
 
     # ------------------------------------------------------------------------------------------ requests
 
-    async def open(self, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None,
+    async def open(self, image: bytes = b"", prompt: str = "", seed: int = 0, num_chunks: int | None = None,
                    live: bool = False, pause_when_idle: bool = False,
                    intrinsics: tuple[float, float, float, float] | None = None, steps: int | None = None,
-                   min_steps: int | None = None) -> SessionInfo:  # fmt: skip
+                   min_steps: int | None = None, restore: str | None = None) -> SessionInfo:  # fmt: skip
         """Open a session; see ``Client.open`` (``intrinsics``: the camera at 480x832, checked before sending;
-        ``steps``/``min_steps``: denoising steps per chunk, 4, 2 or 1)."""
+        ``steps``/``min_steps``: denoising steps per chunk, 4, 2 or 1; ``restore``: a snapshot id)."""
         message = self._requests.open(image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics, steps,
-                                      min_steps)
+                                      min_steps, restore)
         return session_info(await self._request(message))
+
+    async def save(self, session: str) -> Snapshot:
+        """Save the session at its next chunk boundary; see ``Client.save``."""
+        return snapshot_of(await self._request(self._requests.save(session)))
 
     async def control(self, session: str, index: int, keys: Iterable[str] = (),
                       mouse: tuple[float, float] = (0.0, 0.0), poses: list[list[float]] | None = None,

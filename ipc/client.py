@@ -183,6 +183,26 @@ class SessionInfo:
     intrinsics: tuple[float, float, float, float] | None = None  # (fx, fy, cx, cy) at this frame size: the camera used
     steps: int = 0  # denoising steps its first chunks run (0: a server before quality presets)
     watch_token: str = ""  # the owner shares it: others ``watch`` the session with it ("" when watching)
+    first_chunk: int = 0  # its first chunk and control index (a restored session continues its snapshot's numbering)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A saved session (``Client.save``): what ``Client.open(restore=id)`` takes, and what the save cost."""
+
+    id: str
+    session: str
+    chunk: int  # the boundary: a restored session's first chunk and control index
+    bytes: int  # every rank's file together
+    pause_s: float  # how long the session's DiT waited for the ranks to copy their state
+    write_s: float  # the slowest rank's write and hash (the stream went on meanwhile)
+    files: int
+    wait_s: float = 0.0  # from the request to the boundary (no cost: the chunks before it ran on)
+
+
+def snapshot_of(saved: protocol.Saved) -> Snapshot:
+    return Snapshot(saved.snapshot, saved.session, saved.chunk, saved.bytes, saved.pause_s, saved.write_s,
+                    saved.files, saved.wait_s)
 
 
 @dataclass(frozen=True)
@@ -213,7 +233,7 @@ def session_info(opened: protocol.Opened | protocol.Watching) -> SessionInfo:
                            opened.frames_per_chunk, opened.num_chunks)
     return SessionInfo(opened.session, opened.height, opened.width, opened.fps, opened.frames_first_chunk,
                        opened.frames_per_chunk, opened.num_chunks, opened.intrinsics, opened.steps,
-                       opened.watch_token)
+                       opened.watch_token, opened.first_chunk)
 
 
 @dataclass
@@ -336,14 +356,15 @@ def prompt_message(req: int, session: str, prompt: str) -> protocol.SetPrompt:
 
 def open_message(req: int, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None,
                  live: bool = False, pause_when_idle: bool = False, intrinsics: Iterable[float] | None = None,
-                 steps: int | None = None, min_steps: int | None = None) -> protocol.Open:  # fmt: skip
+                 steps: int | None = None, min_steps: int | None = None,
+                 restore: str | None = None) -> protocol.Open:  # fmt: skip
     """An ``open`` request; ``BadRequest`` (code ``bad_request``) when its camera intrinsics or its steps (4, 2, 1)
-    are not valid, before anything is sent."""
+    are not valid, before anything is sent. ``restore``: a snapshot id (``image`` is then not used)."""
     try:
         camera = None if intrinsics is None else tuple(float(v) for v in intrinsics)
         return protocol.Open(req=req, image=image, prompt=prompt, seed=seed, num_chunks=num_chunks, live=live,
                              pause_when_idle=pause_when_idle, intrinsics=camera,  # type: ignore[arg-type]
-                             steps=steps, min_steps=min_steps)
+                             steps=steps, min_steps=min_steps, restore=restore)
     except (ValueError, TypeError) as error:
         raise BadRequest("bad_request", str(error)) from None
 
@@ -357,9 +378,12 @@ class Requests:
 
     def open(self, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None, live: bool = False,
              pause_when_idle: bool = False, intrinsics: Iterable[float] | None = None, steps: int | None = None,
-             min_steps: int | None = None) -> protocol.Open:  # fmt: skip
+             min_steps: int | None = None, restore: str | None = None) -> protocol.Open:  # fmt: skip
         return open_message(next(self._ids), image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics,
-                            steps, min_steps)
+                            steps, min_steps, restore)
+
+    def save(self, session: str) -> protocol.Save:
+        return protocol.Save(req=next(self._ids), session=session)
 
     def control(self, session: str, index: int, control: protocol.ChunkControl,
                 steps: int | None = None) -> protocol.Control:  # fmt: skip
@@ -613,18 +637,28 @@ class Client:
 
     # ------------------------------------------------------------------------------------------ requests
 
-    def open(self, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None, live: bool = False,
-             pause_when_idle: bool = False, intrinsics: tuple[float, float, float, float] | None = None,
-             steps: int | None = None, min_steps: int | None = None) -> SessionInfo:  # fmt: skip
+    def open(self, image: bytes = b"", prompt: str = "", seed: int = 0, num_chunks: int | None = None,
+             live: bool = False, pause_when_idle: bool = False,
+             intrinsics: tuple[float, float, float, float] | None = None, steps: int | None = None,
+             min_steps: int | None = None, restore: str | None = None) -> SessionInfo:  # fmt: skip
         """Open a session and wait until its caches are ready. Raises ``Busy`` (with ``retry_after_s``) when the
         server is at its session limit, ``BadRequest`` for a bad image or a length beyond the server's limit.
         ``intrinsics``: the camera ``(fx, fy, cx, cy)`` in pixels of a 480x832 frame, scaled to the session's frame
         size (None: the server's ``controls.intrinsics``); bad values raise ``BadRequest`` before anything is sent.
         ``SessionInfo.intrinsics`` says what applies, at the session's frame size. ``steps``: denoising steps per
-        chunk (4, 2, 1; None: 4), the best quality the server's degrade ladder may lower down to ``min_steps``."""
+        chunk (4, 2, 1; None: 4), the best quality the server's degrade ladder may lower down to ``min_steps``.
+        ``restore``: a snapshot id (``save``): the session continues the saved one from its chunk
+        (``SessionInfo.first_chunk``) with its seed, prompt, frame size and camera; opening one snapshot twice
+        forks it. A snapshot this server cannot restore raises ``ServerError`` code ``bad_snapshot``."""
         message = self._requests.open(image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics, steps,
-                                      min_steps)
+                                      min_steps, restore)
         return session_info(self._wait(self._ask(message), self.timeout_s))
+
+    def save(self, session: str, timeout_s: float | None = None) -> Snapshot:
+        """Save the session at its next chunk boundary (its owner only); returns once every rank's file is written.
+        The stream goes on meanwhile (it pauses only while the ranks copy their state: ``Snapshot.pause_s``)."""
+        saved = self._wait(self._ask(self._requests.save(session)), timeout_s or self.timeout_s)
+        return snapshot_of(saved)
 
     def control(self, session: str, index: int, keys: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0.0),
                 poses: list[list[float]] | None = None, wait: bool = True, steps: int | None = None) -> None:

@@ -246,6 +246,9 @@ class Open(_Msg, tag="open"):
     # which the server's degrade ladder may lower (to hold real time for every session) but never below min_steps
     steps: Steps | None = None
     min_steps: Steps | None = None  # the lowest steps this session accepts from the ladder (None: capacity.min_steps)
+    # a snapshot id (``save``): the session starts from it, at its chunk, instead of from ``image`` (sent empty);
+    # its seed, prompt, frame size and camera are the snapshot's. Restoring one snapshot twice forks it
+    restore: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
     def __post_init__(self) -> None:
         why = None if self.intrinsics is None else intrinsics_problem(self.intrinsics)
@@ -308,6 +311,13 @@ class SetPrompt(_Msg, tag="set_prompt"):
     prompt: Annotated[str, msgspec.Meta(max_length=100_000)]  # as ``open``'s (server.max_prompt_chars is tighter)
 
 
+class Save(_Msg, tag="save"):
+    """Save the session at its next chunk boundary (owner only); answered by ``saved`` once every file is written."""
+
+    req: int
+    session: SessionId
+
+
 class Stats(_Msg, tag="stats"):
     req: int
 
@@ -353,6 +363,7 @@ class Opened(_Msg, tag="opened"):
     steps: int = 0
     # the token others ``watch`` this session with (the owner shares it; "" from a server without spectators)
     watch_token: str = ""
+    first_chunk: int = 0  # the index of its first chunk and control: a restored session's snapshot chunk, else 0
 
 
 class Accepted(_Msg, tag="accepted"):
@@ -414,6 +425,20 @@ class Missed(_Msg, tag="missed"):
     total: int
 
 
+class Saved(_Msg, tag="saved"):
+    """A finished ``save``: the snapshot's id (what ``open(restore=...)`` takes), its chunk and its cost."""
+
+    req: int
+    session: str
+    snapshot: str
+    chunk: int  # the boundary: a restored session's first chunk
+    bytes: int  # every rank's file together
+    pause_s: float  # how long the session's DiT waited for the ranks' copies (the save's only cost on the stream)
+    write_s: float  # the slowest rank's write and hash, off the stream
+    files: int = 0
+    wait_s: float = 0.0  # from the request to the boundary (the chunks before it finishing as they would anyway)
+
+
 class StatsReply(_Msg, tag="stats_reply"):
     req: int
     stats: dict[str, Any]  # server counters and per-session metrics (JSON-able)
@@ -425,9 +450,10 @@ class HeartbeatAck(_Msg, tag="heartbeat_ack"):
     server: str = ""  # this server's id for its lifetime: a client sees a restarted server (its sessions are gone)
 
 
-ClientMessage = Union[Open, Control, ControlState, Close, Stats, Heartbeat, SetPrompt, Watch, Unwatch]  # noqa: UP007
+ClientMessage = Union[Open, Control, ControlState, Close, Stats, Heartbeat, SetPrompt, Watch, Unwatch,  # noqa: UP007
+                      Save]
 ServerMessage = Union[  # noqa: UP007
-    Opened, Accepted, Chunk, Closed, Error, StatsReply, HeartbeatAck, PromptScheduled, Watching, Missed,
+    Opened, Accepted, Chunk, Closed, Error, StatsReply, HeartbeatAck, PromptScheduled, Watching, Missed, Saved,
 ]
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -440,6 +466,7 @@ class Phase(str, Enum):
     CHUNK = "chunk"  # a stage works on one chunk
     RELEASE = "release"  # a stage frees a session's caches
     TRANSFER = "transfer"  # a tensor moves between ranks
+    SAVE = "save"  # a stage copies a session's state for a snapshot
 
 
 class _Task(_Msg):
@@ -456,6 +483,7 @@ class InitCondition(_Task, tag="init_condition"):
     image_width: int
     height: int  # the session's frame size; the stage resizes the image to it
     width: int
+    restore: str = ""  # a snapshot id: the stage loads this rank's file of it instead of starting from the image
 
 
 class InitDenoise(_Task, tag="init_denoise"):
@@ -465,12 +493,14 @@ class InitDenoise(_Task, tag="init_denoise"):
     height: int  # the session's frame size
     width: int
     intrinsics: tuple[float, float, float, float] | None = None  # the session's camera at 480x832; None: the stage's
+    restore: str = ""  # a snapshot id: KV ring, noise and camera state from this rank's file of it
 
 
 class InitDecode(_Task, tag="init_decode"):
     phase = Phase.INIT
     height: int  # the session's frame size
     width: int
+    restore: str = ""  # a snapshot id: the decoder cache from this rank's file of it
 
 
 class ConditionChunk(_Task, tag="condition_chunk"):
@@ -542,13 +572,23 @@ class ReceiveFrames(_Transfer, tag="receive_frames"):
     edge = Edge.FRAMES
 
 
+class SaveState(_Task, tag="save_state"):
+    """Copy the session's state of this stage (after every task sent before this one) and write it as this rank's
+    file of ``snapshot`` on a side thread; answered ``save_captured`` after the copy, ``save_written`` after the
+    file."""
+
+    phase = Phase.SAVE
+    snapshot: str
+    chunk: int  # the boundary: conditions already encoded for chunks >= it are part of the condition stage's state
+
+
 class Shutdown(_Msg, tag="shutdown"):
     """Every worker thread stops and answers ``ShutdownDone``."""
 
 
 WorkerTask = Union[  # noqa: UP007
     InitCondition, InitDenoise, InitDecode, ConditionChunk, DenoiseChunk, DecodeChunk, Release, BroadcastContext,
-    BroadcastCondition, ReceiveLatent, ReceiveFrames, EncodePrompt,
+    BroadcastCondition, ReceiveLatent, ReceiveFrames, EncodePrompt, SaveState,
 ]
 
 
@@ -623,6 +663,23 @@ class TaskFailed(_Done, tag="task_failed", kw_only=True):
     fatal: bool = False  # the rank cannot go on (tensor plane broken): the job ends
 
 
+class SaveCaptured(_Done, tag="save_captured"):
+    stage: Stage
+    snapshot: str
+
+
+class SaveWritten(_Done, tag="save_written"):
+    """From a rank's snapshot writer thread: its file is on disk (or why not)."""
+
+    stage: Stage
+    snapshot: str
+    name: str = ""
+    bytes: int = 0
+    sha256: str = ""
+    seconds: float = 0.0  # write and hash
+    error: str = ""
+
+
 class ShutdownDone(_Msg, tag="shutdown_done"):
     rank: int
     role: str
@@ -646,10 +703,11 @@ class Beat(_Msg, tag="beat"):
     held: int = 0  # bytes the sessions' caches hold on this rank now, as its stages count them
 
 
-WorkerMessage = Union[Hello, InitDone, ChunkDone, ReleaseDone, TransferDone, TaskFailed, ShutdownDone, Beat]  # noqa: UP007
+WorkerMessage = Union[Hello, InitDone, ChunkDone, ReleaseDone, TransferDone, TaskFailed, ShutdownDone, Beat,  # noqa: UP007
+                      SaveCaptured, SaveWritten]
 CoordinatorMessage = Union[  # noqa: UP007
     InitCondition, InitDenoise, InitDecode, ConditionChunk, DenoiseChunk, DecodeChunk, Release, BroadcastContext,
-    BroadcastCondition, ReceiveLatent, ReceiveFrames, Shutdown, Ping, EncodePrompt,
+    BroadcastCondition, ReceiveLatent, ReceiveFrames, Shutdown, Ping, EncodePrompt, SaveState,
 ]
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -272,6 +272,53 @@ class LingbotDenoiseStage:
         cam = self.model.camera_modulation(ctrl)
         return st, cam, condition.to(device=self.device, dtype=self.dtype)
 
+    def state_dict(self, session: str) -> dict[str, torch.Tensor]:
+        """This rank's part of the session after its last chunk: the valid slots of its KV ring (its heads), the
+        ring's bookkeeping and slot positions, the noise generator and the camera integration state. The text
+        cache is not kept: ``load_state`` recomputes it from the prompt context (the same keys, bit for bit)."""
+        st = self.sessions[session]
+        cache, camera = st.cache, st.camera
+        state = {
+            "next_index": torch.tensor([st.next_index], dtype=torch.int64),
+            "noise": st.noise.generator.get_state(),
+            "kv.ring": torch.tensor([cache.global_end, cache.filled, cache.oldest, cache.evicted], dtype=torch.int64),
+            "kv.positions": cache.positions,
+            "camera.last_video_pose": torch.from_numpy(camera.last_video_pose.copy()),
+        }
+        if camera.prev_latent_pose is not None:
+            state["camera.prev_latent_pose"] = camera.prev_latent_pose
+        for layer, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
+            state[f"kv.k.{layer}"], state[f"kv.v.{layer}"] = k[:, : cache.filled], v[:, : cache.filled]
+        return state
+
+    @torch.no_grad()
+    def load_state(self, spec: SessionSpec, context: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Open ``spec.session`` as ``open`` does, then put this rank's saved state in place; a state of another
+        shape (other heads per rank, window or frame size) is refused before anything is kept."""
+        self.open(spec, context)
+        try:
+            st = self.sessions[spec.session]
+            cache, camera = st.cache, st.camera
+            global_end, filled, oldest, evicted = (int(v) for v in state["kv.ring"].tolist())
+            for layer, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
+                for mine, saved in ((k, state[f"kv.k.{layer}"]), (v, state[f"kv.v.{layer}"])):
+                    if tuple(saved.shape) != (mine.shape[0], filled, mine.shape[2]):
+                        raise ValueError(f"KV layer {layer} of shape {tuple(saved.shape)} does not fit this rank's "
+                                         f"ring {tuple(mine.shape)} with {filled} valid slots")
+                    mine[:, :filled].copy_(saved)
+            if state["kv.positions"].shape != cache.positions.shape:
+                raise ValueError(f"a KV ring of {state['kv.positions'].shape[0]} slots, not {cache.slots}")
+            cache.positions.copy_(state["kv.positions"])
+            cache.global_end, cache.filled, cache.oldest, cache.evicted = global_end, filled, oldest, evicted
+            st.noise.generator.set_state(state["noise"].cpu())
+            st.next_index = int(state["next_index"][0])
+            camera.last_video_pose = state["camera.last_video_pose"].to(torch.float64).numpy().copy()
+            prev = state.get("camera.prev_latent_pose")
+            camera.prev_latent_pose = None if prev is None else prev.to(torch.float64).cpu().clone()
+        except Exception:
+            self.release(spec.session)
+            raise
+
     def session_nbytes(self, session: str) -> int:
         """Bytes the session's caches hold on this rank (its KV ring and text keys/values)."""
         st = self.sessions[session]

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from models.checkpoints import CheckpointNames, load_t5, load_vae, resolve_checkpoint_dir
 from models.random_init import random_module
 from models.stages import SessionSpec
+from models.state_tree import flatten, to_device, unflatten
 from models.t5 import T5Config, T5Encoder
 from models.tokenizer import ByteFallbackTokenizer, Tokenizer, tokenizer_from_dir
 from models.vae import VAEConfig, WanVAE
@@ -100,6 +101,7 @@ class LingbotConditionStage(_PerSessionStage):
         self.constant_tail = constant_tail
         self.prompts = PromptCache(prompt_cache_size)
         self._sessions: SessionTable[ConditionEncoder] = SessionTable("condition")
+        self._contexts: dict[str, torch.Tensor] = {}  # each session's prompt context (a snapshot keeps it)
 
     @property
     def device(self) -> torch.device:
@@ -129,6 +131,7 @@ class LingbotConditionStage(_PerSessionStage):
             image = F.interpolate(image[None], size=(height, width), mode="bicubic", align_corners=False)[0]
         self._sessions.open(spec.session, lambda: ConditionEncoder(self.vae, image, self.cs,
                                                                      constant_tail=self.constant_tail))  # fmt: skip
+        self._contexts[spec.session] = context
         return context
 
     def encode(self, session: str, index: int) -> torch.Tensor:
@@ -140,6 +143,22 @@ class LingbotConditionStage(_PerSessionStage):
         if index == 0:
             mask[:, 0] = 1.0  # only latent frame 0 of the stream carries the image
         return torch.cat([mask, latent], 0).to(self.dtype)  # [4 + z, cs, h, w]
+
+    def state_dict(self, session: str) -> dict[str, torch.Tensor]:
+        """The streaming encoder (its causal cache, fixed-point state, next chunk) and the prompt context."""
+        return {**flatten(self._sessions.get(session).state(), "encoder"), "context": self._contexts[session]}
+
+    def load_state(self, spec: SessionSpec, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        tree = to_device(unflatten(state, "encoder"), self.device)
+        context = state["context"].to(device=self.device, dtype=self.dtype)
+        self._sessions.open(spec.session, lambda: ConditionEncoder.restored(self.vae, self.cs, tree,
+                                                                              constant_tail=self.constant_tail))
+        self._contexts[spec.session] = context
+        return context
+
+    def release(self, session: str) -> None:
+        super().release(session)
+        self._contexts.pop(session, None)
 
 
 
@@ -164,6 +183,15 @@ class LingbotDecodeStage(_PerSessionStage):
 
     def decode(self, session: str, index: int, latent: torch.Tensor) -> torch.Tensor:
         return frames_to_uint8(self.decode_float(session, index, latent))
+
+    def state_dict(self, session: str) -> dict[str, torch.Tensor]:
+        """The decoder's causal cache after its last chunk and the next chunk's index."""
+        return flatten(self._sessions.get(session).state(), "decoder")
+
+    def load_state(self, spec: SessionSpec, state: dict[str, torch.Tensor]) -> None:
+        tree = to_device(unflatten(state, "decoder"), next(self.vae.parameters()).device)
+        self.open(spec)
+        self._sessions.get(spec.session).load(tree)
 
 
 

@@ -79,6 +79,13 @@ class ConditionStage(Protocol):
     def encode(self, session: str, index: int) -> torch.Tensor:
         """Condition tensor of chunk ``index`` (``condition_shape``); called with index 0, 1, 2, ... in order."""
 
+    def state_dict(self, session: str) -> dict[str, torch.Tensor]:
+        """A snapshot of the session (``runtime.snapshots``): every tensor its next ``encode`` and its prompt context
+        depend on, as it is after the last ``encode`` (the caller copies it before the stage runs on)."""
+
+    def load_state(self, spec: SessionSpec, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Open ``spec.session`` (no image) from ``state_dict``'s output; returns the prompt context."""
+
     def release(self, session: str) -> None:
         """Free the session's caches; idempotent."""
 
@@ -96,6 +103,13 @@ class DenoiseStage(Protocol):
         """Latent of chunk ``index`` (``latent_shape``); chunks arrive in order. ``steps``: the denoising steps the
         chunk runs (4, 2 or 1, ``models.schedule.QUALITY_STEPS``; None: the preset's all)."""
 
+    def state_dict(self, session: str) -> dict[str, torch.Tensor]:
+        """This rank's part of the session after its last ``denoise``: KV ring (positions, sink, write index), noise
+        generator, camera state; tensors only."""
+
+    def load_state(self, spec: SessionSpec, context: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Open ``spec.session`` from this rank's ``state_dict`` output; its next chunk is the saved one."""
+
     def release(self, session: str) -> None:
         """Free the session's caches; idempotent."""
 
@@ -106,6 +120,12 @@ class DecodeStage(Protocol):
 
     def decode(self, session: str, index: int, latent: torch.Tensor) -> torch.Tensor:
         """uint8 frames ``frames_shape(index)`` of the session's geometry; chunks arrive in order."""
+
+    def state_dict(self, session: str) -> dict[str, torch.Tensor]:
+        """The decoder cache as it is after the last ``decode``."""
+
+    def load_state(self, spec: SessionSpec, state: dict[str, torch.Tensor]) -> None:
+        """Open ``spec.session`` from ``state_dict``'s output."""
 
     def release(self, session: str) -> None:
         """Free the session's caches; idempotent."""

@@ -91,16 +91,32 @@ class SyntheticCondition:
         self.cost_s = cost_s
         self.first_use = FirstUse(cold_s)
         self._images: dict[str, torch.Tensor] = {}
+        self._contexts: dict[str, torch.Tensor] = {}
 
     def open(self, spec: SessionSpec) -> torch.Tensor:
         assert spec.image is not None and spec.image.dtype == torch.uint8 and spec.image.shape[-1] == 3
         height, width = (spec.height, spec.width) if spec.height else (self.geometry.height, self.geometry.width)
         image = resize_uint8(spec.image, height, width)
         self._images[spec.session] = image.permute(2, 0, 1).float().div(255.0).contiguous()  # [3, H, W]
-        return self.context(spec.prompt)
+        self._contexts[spec.session] = self.context(spec.prompt)
+        return self._contexts[spec.session]
 
     def context(self, prompt: str) -> torch.Tensor:
         return torch.full(self.geometry.context_shape, float(sum(prompt.encode()) % 997))
+
+    def state_dict(self, session: str) -> dict[str, torch.Tensor]:
+        """Everything the session's next conditions depend on (the resized start image) and its prompt context."""
+        return {"image": self._images[session], "context": self._contexts[session]}
+
+    def load_state(self, spec: SessionSpec, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Open ``spec.session`` from ``state_dict``'s output; returns the prompt context, as ``open`` does."""
+        image, context = state["image"].float().contiguous(), state["context"].float().contiguous()
+        height, width = (spec.height, spec.width) if spec.height else (self.geometry.height, self.geometry.width)
+        if tuple(image.shape) != (3, height, width) or tuple(context.shape) != tuple(self.geometry.context_shape):
+            raise ValueError(f"condition state of shapes {tuple(image.shape)}, {tuple(context.shape)} does not fit a "
+                             f"{width}x{height} session")
+        self._images[spec.session], self._contexts[spec.session] = image, context
+        return context
 
     def encode(self, session: str, index: int) -> torch.Tensor:
         started = time.monotonic()
@@ -110,6 +126,7 @@ class SyntheticCondition:
 
     def release(self, session: str) -> None:
         self._images.pop(session, None)
+        self._contexts.pop(session, None)
 
 
 def resize_uint8(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -183,6 +200,22 @@ class SyntheticDenoise:
         if session not in self._sessions:
             raise KeyError(f"unknown session {session!r}")
 
+    def state_dict(self, session: str) -> dict[str, torch.Tensor]:
+        """The camera pose, the noise generator's state and the next chunk: all its later chunks depend on."""
+        state = self._sessions[session]
+        return {"pose": torch.from_numpy(state.pose.copy()), "generator": state.generator.get_state(),
+                "chunks": torch.tensor([state.chunks], dtype=torch.int64)}
+
+    def load_state(self, spec: SessionSpec, context: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Open ``spec.session`` from ``state_dict``'s output (``context``: the prompt's, as for ``open``)."""
+        self.open(spec, context)
+        session = self._sessions[spec.session]
+        pose = state["pose"].to(torch.float64).numpy().copy()
+        if pose.shape != (4, 4):
+            raise ValueError(f"denoise state: a pose of shape {pose.shape}, not 4x4")
+        session.pose, session.chunks = pose, int(state["chunks"][0])
+        session.generator.set_state(state["generator"].to(torch.uint8).contiguous())
+
     def _advance(
         self, session: str, index: int, control: ChunkControl
     ) -> tuple[_DenoiseSession, np.ndarray, torch.Tensor]:
@@ -238,6 +271,18 @@ class SyntheticDecode:
 
     def open(self, spec: SessionSpec) -> None:
         self._open[spec.session] = self.geometry.with_size(spec.height, spec.width) if spec.height else self.geometry
+
+    def state_dict(self, session: str) -> dict[str, torch.Tensor]:
+        """Its decoder holds no state between chunks: only the frame size, checked on load."""
+        g = self._open[session]
+        return {"size": torch.tensor([g.height, g.width], dtype=torch.int64)}
+
+    def load_state(self, spec: SessionSpec, state: dict[str, torch.Tensor]) -> None:
+        self.open(spec)
+        g = self._open[spec.session]
+        if state["size"].tolist() != [g.height, g.width]:
+            self._open.pop(spec.session)
+            raise ValueError(f"decode state of a {state['size'].tolist()} session, not {[g.height, g.width]}")
 
     def decode(self, session: str, index: int, latent: torch.Tensor) -> torch.Tensor:
         geometry = self._open.get(session)

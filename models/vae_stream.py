@@ -132,6 +132,25 @@ class ConditionEncoder:
             return
         self._previous_state = _snapshot(self._cache)  # type: ignore[assignment]
 
+    def state(self) -> dict[str, object]:
+        """Everything the next chunks depend on (``models.state_tree`` holds it as tensors)."""
+        return {"index": self.index, "calls": self.encoder_calls, "image": self._image,
+                "frame_shape": torch.tensor(self._frame_shape, dtype=torch.int64), "cache": self._cache,
+                "previous": self._previous_state, "tail": self._tail}
+
+    @classmethod
+    def restored(cls, vae: WanVAE, chunk_latent_frames: int, state: dict[str, object], *, constant_tail: bool = True,
+                 max_latent_frames_per_call: int | None = None) -> ConditionEncoder:  # fmt: skip
+        """The encoder ``state()`` described, continuing at its next chunk."""
+        shape = state["frame_shape"]
+        assert isinstance(shape, torch.Tensor)
+        enc = cls(vae, torch.zeros(tuple(int(v) for v in shape.tolist())), chunk_latent_frames,
+                  constant_tail=constant_tail, max_latent_frames_per_call=max_latent_frames_per_call)
+        enc.index, enc.encoder_calls = int(state["index"]), int(state["calls"])  # type: ignore[call-overload]
+        enc._image, enc._cache = state["image"], state["cache"]  # type: ignore[assignment]
+        enc._previous_state, enc._tail = state["previous"], state["tail"]  # type: ignore[assignment]
+        return enc
+
     def nbytes(self) -> int:
         """Bytes held by this session (cache, snapshot, stored tail)."""
         total = sum(c.nbytes() for c in (self._cache, self._previous_state) if c is not None)
@@ -161,6 +180,15 @@ class FrameDecoder:
         pieces = [self.vae.decode(z[:, :, a:b], self.cache) for a, b in spans]
         self.index += 1
         return torch.cat(pieces, 2)[0]
+
+    def state(self) -> dict[str, object]:
+        return {"index": self.index, "cache": self.cache}
+
+    def load(self, state: dict[str, object]) -> None:
+        """Continue the stream ``state()`` described."""
+        cache = state["cache"]
+        assert isinstance(cache, TemporalCache), "the decoder state holds no cache"
+        self.index, self.cache = int(state["index"]), cache  # type: ignore[call-overload]
 
     def nbytes(self) -> int:
         return self.cache.nbytes()

@@ -31,6 +31,7 @@ from runtime.images import decode_image
 from runtime.memory_admission import Cost, gib
 from runtime.placement import placement_of
 from runtime.sizes import served_sizes
+from runtime.snapshots import SnapshotStore, model_identity
 from runtime.warm_start import WarmStart
 from runtime.watchers import Feeds
 
@@ -84,7 +85,10 @@ class Coordinator:
         self.core = CoordinatorCore(c.layout, c.server, c.stream, c.scheduler, c.timeouts, c.metrics,
                                     self.ctx.backend.geometry, time.monotonic(), sink=self.exporter,
                                     intrinsics=c.controls.intrinsics, rooms=self.rooms,
-                                    session_cost=session_cost, warm_start=self.warm_start, capacity=c.capacity)
+                                    session_cost=session_cost, warm_start=self.warm_start, capacity=c.capacity,
+                                    snapshots=SnapshotStore(c.snapshots.dir),
+                                    model=model_identity(c.model.kind, c.model.preset, c.model.checkpoint_dir,
+                                                         c.model.weights_seed))
         log.info("warm-up: %s", self.warm_start.describe())
         self.core.admission.unservable_sizes.update(self.warm_start.failures())  # a rank out of memory at a size
         for reason in self.core.admission.unservable(served_sizes(c.stream)):

@@ -18,13 +18,16 @@ import torch
 from ipc import protocol
 from ipc import tensor_plane as tp
 from ipc.protocol import Stage, TensorSpec
+from models import snapshot_io
 from models.stages import SessionInputError, SessionSpec
+from ranks import snapshot_saver
 from ranks.worker import Fatal, RankContext, Spans, serve, tensor_plane
 from runtime.placement import CONDITION_EDGE, FRAMES_RECEIVER, LATENT_RECEIVER
 
 CONTEXT_INDEX = protocol.context_index(0)  # mailbox index of a session's prompt context (later revisions: below)
 STEADY_CHUNK = 1  # a session's VAE caches are at their steady size once this chunk is done (ranks.memory)
 SPATIAL_STRIDE = 8  # frame pixels per condition pixel
+PREFETCH_KEPT = 2  # conditions kept per session for a save: the scheduler's prefetch depth (runtime.scheduler)
 
 
 def dtype_of(spec: TensorSpec) -> torch.dtype:
@@ -40,8 +43,22 @@ def zeros(spec: TensorSpec) -> torch.Tensor:
 def condition_worker(ctx: RankContext) -> None:
     stage = ctx.backend.condition
     assert stage is not None
+    # Per session, the latest conditions encoded (by reference, at most the prefetch depth): a save's boundary
+    # chunk may already have its condition encoded, and the encoder state moved past it. A restored session
+    # takes those from its snapshot (``replay``) before the stage encodes again.
+    recent: dict[str, dict[int, torch.Tensor]] = {}
+    replay: dict[str, dict[int, torch.Tensor]] = {}
+    saver = snapshot_saver.Saver(ctx, Stage.CONDITION)
 
     def init(task: protocol.InitCondition, spans: Spans) -> None:
+        if task.restore:
+            state, pending = snapshot_saver.split_pending(snapshot_saver.load(ctx, task.restore, Stage.CONDITION))
+            with spans.span("condition.init"):
+                context = stage.load_state(SessionSpec(task.session, task.seed, task.prompt, None, task.height,
+                                                       task.width), state)
+            replay[task.session] = pending
+            ctx.contexts.put((task.session, CONTEXT_INDEX), context)
+            return
         image = torch.from_numpy(np.frombuffer(task.image, dtype=np.uint8).copy()).view(
             task.image_height, task.image_width, 3)  # the start image at its own size; the stage resizes it
         with spans.span("condition.init"):
@@ -56,21 +73,39 @@ def condition_worker(ctx: RankContext) -> None:
 
     def encode(task: protocol.ConditionChunk, spans: Spans) -> None:
         with spans.span("condition"):
-            condition = stage.encode(task.session, task.index)
+            saved = replay.get(task.session, {}).pop(task.index, None)
+            condition = stage.encode(task.session, task.index) if saved is None else saved.to(ctx.groups.device)
+        kept = recent.setdefault(task.session, {})
+        kept[task.index] = condition
+        for old in [i for i in kept if i <= task.index - PREFETCH_KEPT]:
+            del kept[old]
         ctx.conditions.put((task.session, task.index), condition)
         if task.index == STEADY_CHUNK and ctx.check_memory is not None:  # the encoder cache and its snapshot
             h, w = condition.shape[-2:]
             ctx.check_memory("condition", stage, task.session, h * SPATIAL_STRIDE, w * SPATIAL_STRIDE)
 
+    def save(task: protocol.SaveState, spans: Spans) -> None:
+        with spans.span("condition.save"):
+            state = dict(stage.state_dict(task.session))
+            for index, condition in recent.get(task.session, {}).items():
+                if index >= task.chunk:  # encoded for the boundary chunk or later, not yet denoised
+                    state[f"{snapshot_saver.PENDING_PREFIX}{index}"] = condition
+            for index, condition in replay.get(task.session, {}).items():  # a restored session saved again at once
+                state[f"{snapshot_saver.PENDING_PREFIX}{index}"] = condition
+            copy = snapshot_io.capture(state)
+        saver.submit(task, copy)
+
     def release(task: protocol.Release, spans: Spans) -> None:
         with spans.span("condition.release"):
             stage.release(task.session)
+        recent.pop(task.session, None)
+        replay.pop(task.session, None)
         ctx.conditions.drop_session(task.session)
         ctx.contexts.drop_session(task.session)
 
     serve(ctx, Stage.CONDITION.value, Stage.CONDITION,
           {protocol.InitCondition: init, protocol.ConditionChunk: encode, protocol.Release: release,
-           protocol.EncodePrompt: reprompt})
+           protocol.EncodePrompt: reprompt, protocol.SaveState: save})
 
 
 def condition_edge(ctx: RankContext) -> None:
@@ -117,12 +152,20 @@ def denoise_worker(ctx: RankContext) -> None:
     assert stage is not None
     prompts: dict[str, int] = {}  # session -> the prompt revision its text cache holds
 
+    saver = snapshot_saver.Saver(ctx, Stage.DENOISE)
+
     def init(task: protocol.InitDenoise, spans: Spans) -> None:
         context = _dit_input(ctx, task.session, CONTEXT_INDEX)
+        spec = SessionSpec(task.session, task.seed, task.prompt, height=task.height, width=task.width,
+                           intrinsics=task.intrinsics)
+        # A bad file is found before the stage is touched, on every rank alike (each checks its own hash); a
+        # load_state is local to the rank: the group enters no collective in an init.
+        state = snapshot_saver.load(ctx, task.restore, Stage.DENOISE) if task.restore else None
         with spans.span("denoise.init"):
-            stage.open(SessionSpec(task.session, task.seed, task.prompt, height=task.height, width=task.width,
-                                   intrinsics=task.intrinsics),
-                       context)
+            if state is None:
+                stage.open(spec, context)
+            else:
+                stage.load_state(spec, context, state)  # on the host: each stage moves what it keeps
         if ctx.check_memory is not None:  # the KV ring and text cache are whole once open
             ctx.check_memory("denoise", stage, task.session, task.height, task.width)
 
@@ -165,6 +208,11 @@ def denoise_worker(ctx: RankContext) -> None:
             with spans.span("transfer:latent"), tensor_plane(f"send latent {task.session}/{task.index}"):
                 tp.send(latent, lay.decode, ctx.groups, ctx.groups.latent)
 
+    def save(task: protocol.SaveState, spans: Spans) -> None:
+        with spans.span("denoise.save"):
+            copy = snapshot_io.capture(stage.state_dict(task.session))
+        saver.submit(task, copy)
+
     def release(task: protocol.Release, spans: Spans) -> None:
         with spans.span("denoise.release"):
             stage.release(task.session)
@@ -173,7 +221,8 @@ def denoise_worker(ctx: RankContext) -> None:
 
     # Every DiT rank answers: its spans reach the timeline, its init and release are joined by the coordinator.
     serve(ctx, Stage.DENOISE.value, Stage.DENOISE,
-          {protocol.InitDenoise: init, protocol.DenoiseChunk: denoise, protocol.Release: release})
+          {protocol.InitDenoise: init, protocol.DenoiseChunk: denoise, protocol.Release: release,
+           protocol.SaveState: save})
 
 
 def latent_receiver(ctx: RankContext) -> None:
@@ -193,9 +242,21 @@ def decode_worker(ctx: RankContext) -> None:
     lay = ctx.layout
     assert stage is not None
 
+    saver = snapshot_saver.Saver(ctx, Stage.DECODE)
+
     def init(task: protocol.InitDecode, spans: Spans) -> None:
+        spec = SessionSpec(task.session, 0, "", height=task.height, width=task.width)
+        state = snapshot_saver.load(ctx, task.restore, Stage.DECODE) if task.restore else None
         with spans.span("decode.init"):
-            stage.open(SessionSpec(task.session, 0, "", height=task.height, width=task.width))
+            if state is None:
+                stage.open(spec)
+            else:
+                stage.load_state(spec, state)
+
+    def save(task: protocol.SaveState, spans: Spans) -> None:
+        with spans.span("decode.save"):
+            copy = snapshot_io.capture(stage.state_dict(task.session))
+        saver.submit(task, copy)
 
     def decode(task: protocol.DecodeChunk, spans: Spans) -> None:
         with tensor_plane(f"latent {task.session}/{task.index} never arrived"):
@@ -223,7 +284,8 @@ def decode_worker(ctx: RankContext) -> None:
         ctx.latents.drop_session(task.session)
 
     serve(ctx, Stage.DECODE.value, Stage.DECODE,
-          {protocol.InitDecode: init, protocol.DecodeChunk: decode, protocol.Release: release})
+          {protocol.InitDecode: init, protocol.DecodeChunk: decode, protocol.Release: release,
+           protocol.SaveState: save})
 
 
 def frames_receiver(ctx: RankContext) -> None:

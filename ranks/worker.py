@@ -70,6 +70,7 @@ class RankContext:
     dit_inputs: Mailbox = field(default_factory=Mailbox)  # contexts and conditions received, on DiT ranks
     latents: Mailbox = field(default_factory=Mailbox)  # (session, index) -> latent, on the decode rank
     frames: Mailbox = field(default_factory=Mailbox)  # (session, index) -> frames, on the coordinator rank
+    snapshots_dir: str = "out/snapshots"  # [snapshots] dir: where this rank writes and reads its snapshot files
 
     def __post_init__(self) -> None:
         if self.streams is None:
@@ -135,6 +136,8 @@ def completion(task: protocol.WorkerTask, stage: Stage | None, rank: int, role: 
         return protocol.InitDone(stage=stage, **common)
     if task.phase is Phase.RELEASE:
         return protocol.ReleaseDone(stage=stage, **common)
+    if task.phase is Phase.SAVE:  # the state is copied; its file follows from the rank's writer thread
+        return protocol.SaveCaptured(stage=stage, snapshot=task.snapshot, **common)  # type: ignore[union-attr]
     return protocol.ChunkDone(stage=stage, index=task.index, **common)  # type: ignore[union-attr]
 
 

@@ -206,6 +206,12 @@ class ReplicaConfig(_Section):
     token: str = ""  # the router's register_token, when it requires one
 
 
+class SnapshotsConfig(_Section):
+    """Saved sessions (``save`` / ``open(restore=...)``, ``runtime.snapshots``): one folder per snapshot."""
+
+    dir: str = "out/snapshots"  # local disk, or a filesystem every replica that may restore a snapshot shares
+
+
 class Config(_Section):
     layout: LayoutConfig = msgspec.field(default_factory=LayoutConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
@@ -219,6 +225,7 @@ class Config(_Section):
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
     replica: ReplicaConfig = msgspec.field(default_factory=ReplicaConfig)
+    snapshots: SnapshotsConfig = msgspec.field(default_factory=SnapshotsConfig)
 
 
 _SECTIONS: dict[str, type[_Section]] = {f: type(getattr(Config(), f)) for f in Config.__struct_fields__}

@@ -92,6 +92,20 @@ class LiveControls:
         self._next_index = 0  # next chunk index to cut
         self._applied: OrderedDict[int, ChunkControl] = OrderedDict()  # bounded: APPLIED_HISTORY entries
 
+    @classmethod
+    def restored(cls, held: Iterable[str], next_index: int, pause_when_idle: bool = False) -> LiveControls:
+        """A session restored from a snapshot (``runtime.snapshots.LiveState``): the keys held when it was saved stay
+        held, the next chunk to cut is the snapshot's; the revisions start again (a restore has a new client, whose
+        input stream counts from 1; the saved revision stays in the manifest)."""
+        controls = cls(pause_when_idle=pause_when_idle)
+        controls._held, controls._next_index = frozenset(held), next_index
+        return controls
+
+    @property
+    def held(self) -> frozenset[str]:
+        """The keys held now."""
+        return self._held
+
     @property
     def next_index(self) -> int:
         """The next chunk index a snapshot will be cut for (= number of snapshots cut so far)."""

@@ -49,6 +49,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from ipc import protocol
 from ipc.protocol import QUALITY_STEPS, ChunkFacts, Edge, Phase, Stage, clip
 from models.controls import OFFICIAL_INTRINSICS
@@ -100,6 +102,22 @@ from runtime.placement import HEARTBEAT, NewPrompt, Placement, StageAction, iden
 from runtime.prompts import PromptBackpressure
 from runtime.session import Join, JoinKey, Session, Step
 from runtime.sizes import served_sizes, snap
+from runtime.snapshots import (
+    FORMAT,
+    FileEntry,
+    Identity,
+    LiveState,
+    Manifest,
+    PendingSave,
+    SaveState,
+    SnapshotError,
+    SnapshotStore,
+    check_id,
+    geometry_of,
+    new_snapshot_id,
+    refusal,
+    wall_clock,
+)
 from runtime.warm_start import WarmStart
 from runtime.watchers import Watchers
 
@@ -140,7 +158,8 @@ class CoordinatorCore:
                  server_id: str | None = None,
                  intrinsics: tuple[float, float, float, float] = OFFICIAL_INTRINSICS,
                  rooms: dict[int, int] | None = None, session_cost: Cost | None = None,
-                 warm_start: WarmStart | None = None, capacity: CapacityConfig | None = None) -> None:  # fmt: skip
+                 warm_start: WarmStart | None = None, capacity: CapacityConfig | None = None,
+                 snapshots: SnapshotStore | None = None, model: str = "") -> None:  # fmt: skip
         self.layout, self.server, self.stream, self.timeouts, self.metrics_config = (layout, server, stream,
                                                                                       timeouts, metrics)
         self.geometry = geometry  # the backend's, at stream.height x stream.width
@@ -172,6 +191,11 @@ class CoordinatorCore:
         self.next_ping = now
         self.stopped = False
         self._out: list[Output] = []
+        # saved sessions (``runtime.snapshots``): the folder, what a snapshot must match here, the saves in flight
+        self.snapshots = snapshots or SnapshotStore("out/snapshots")
+        self.identity = Identity(model=model, layout=layout.name, world_size=layout.world_size,
+                                 condition=layout.condition, decode=layout.decode, dit=tuple(layout.dit))
+        self.saves: dict[str, PendingSave] = {}  # by session: one save at a time each
 
     @property
     def sessions(self) -> Mapping[str, Session]:
@@ -188,6 +212,7 @@ class CoordinatorCore:
             try:
                 self._handle(event, now)
                 self._cut_live(now)
+                self._advance_saves(now)
             except JobFailed as error:
                 log.error("job failed: %s", error)
                 self._out += self.clients.notices("rank_failed", str(error))
@@ -210,6 +235,12 @@ class CoordinatorCore:
                 self._image_decoded(event, now)
             case WorkerSent(message=protocol.Beat() as beat):
                 self._beat(beat, now)
+            case WorkerSent(message=protocol.SaveCaptured() | protocol.SaveWritten() as saved):
+                self._guarded(saved.session, lambda: self._save_progress(saved, now), now)
+            case WorkerSent(message=protocol.TaskFailed(phase=Phase.SAVE) as failed):
+                save = self.saves.get(failed.session)
+                if save is not None:
+                    self._save_failed(save, f"rank {failed.rank} {failed.role}: {failed.error}", now)
             case WorkerSent(message=done):
                 self._guarded(done.session, lambda: self._completion(done, now), now)  # type: ignore[arg-type]
             case ClientUnreachable():
@@ -260,8 +291,12 @@ class CoordinatorCore:
         if not isinstance(message, protocol.Watch | protocol.Unwatch | protocol.Heartbeat):
             self.watchers.refuse(who, getattr(message, "session", None), type(message).__struct_config__.tag)
         match message:
+            case protocol.Open(restore=str()):
+                self._restore(who, message, now)
             case protocol.Open():
                 self._open(who, message)
+            case protocol.Save():
+                self._save(self.clients.owned(who, message.session), who, message, now)
             case protocol.Control():
                 self._control(self.clients.owned(who, message.session), message, now)
             case protocol.ControlState():
@@ -564,7 +599,8 @@ class CoordinatorCore:
             frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
             num_chunks=session.num_chunks,
             intrinsics=intrinsics_at(session.intrinsics or self.intrinsics, g.height, g.width),
-            steps=self._steps_of(session.id), watch_token=self.watchers.grant(session.id)))
+            steps=self._steps_of(session.id), watch_token=self.watchers.grant(session.id),
+            first_chunk=session.first_chunk))
 
     def _idle(self, action: sch.DitIdle) -> None:
         self.metrics.on_idle(action.start, action.end, action.cause)
@@ -592,6 +628,9 @@ class CoordinatorCore:
                              self.watchers.of(session.id)))
 
     def _closed(self, action: sch.SessionClosed, now: float) -> None:
+        save = self.saves.get(action.session)
+        if save is not None:
+            self._save_failed(save, f"the session closed ({action.reason}) before its save finished", now)
         session = self.clients.remove(action.session)  # present: _run skips actions of sessions dropped
         assert session is not None
         self.admission.release(session.id)
@@ -709,10 +748,149 @@ class CoordinatorCore:
             self._emit(EndWatch(who, sid, protocol.Closed(session=sid, reason="disconnect",
                                                           error="the watcher was silent past the client timeout"),
                                 keep=False))
+        for save in list(self.saves.values()):
+            if now - save.asked > self.timeouts.stage_s:  # a save never holds a stream, nor its slot, for ever
+                self._save_failed(save, f"the ranks did not save the state within {self.timeouts.stage_s:.0f} s", now)
         for session in self.clients.silent(now):
             if self._live(session.id):
                 log.info("session %s: client silent for over %.1f s, closing", session.id, self.clients.timeout_s)
                 self._guarded(session.id, lambda sid=session.id: self._close(sid, "disconnect", now), now)
+
+    # ---------------------------------------------------------------------------------------------- snapshots
+
+    def _save(self, session: Session, who: bytes, message: protocol.Save, now: float) -> None:
+        """Hold the denoise of the session's boundary chunk k (the first not dispatched) until every task of the
+        chunks before k is in its stage's queue; then the save tasks go out and the hold ends (``_advance_saves``):
+        each worker runs its tasks in the order they were sent, so it copies the state between k-1 and k."""
+        sid = session.id
+        state = self.scheduler.session_state(sid)
+        if state is not sch.SessionState.READY:
+            raise ClientError("not_ready" if state is sch.SessionState.INITIALIZING else "closing",
+                              f"session {sid} is {state.value}: only a running session can be saved")
+        if sid in self.saves:
+            raise ClientError("busy", f"a save of session {sid} is in progress; its saved reply follows",
+                              retry_after_s=BUSY_RETRY_S)
+        chunk = self.scheduler.next_denoise_index(sid)
+        if session.num_chunks is not None and chunk >= session.num_chunks:
+            raise ClientError("bad_request", f"session {sid} has started its last chunk: nothing left to save")
+        where = self.where
+        parts = frozenset({(where.condition, Stage.CONDITION.value), (where.decode, Stage.DECODE.value),
+                           *((rank, Stage.DENOISE.value) for rank in where.denoise)})
+        save = PendingSave(new_snapshot_id(), sid, who, message.req, chunk, parts, now)
+        live = session.live
+        save.facts = {  # what rank 0 keeps of the session, as it is at the boundary
+            "seed": session.seed, "prompt": session.prompt, "num_chunks": session.num_chunks,
+            "intrinsics": session.intrinsics, "steps": session.last_steps or self._steps_of(sid),
+            "geometry": geometry_of(session.geometry),
+            "live": None if live is None else LiveState(held=tuple(sorted(live.held)), revision=live.revision,
+                                                        pause_when_idle=live.pause_when_idle)}
+        self.saves[sid] = save
+        log.info("session %s: saving snapshot %s at chunk %d", sid, save.id, chunk)
+        self._run(self.scheduler.hold(sid, True, now), now)
+
+    def _advance_saves(self, now: float) -> None:
+        for save in list(self.saves.values()):
+            if save.state is not SaveState.WAITING:
+                continue
+            if save.session not in self.sessions or not self._live(save.session):
+                self._save_failed(save, "the session closed before its save started", now)
+            elif self.scheduler.quiet_before_denoise(save.session):
+                save.start(now)
+                task = protocol.SaveState(session=save.session, snapshot=save.id, chunk=save.chunk)
+                for rank, role in sorted(save.parts):
+                    self._emit(ToWorker(identity(rank, role), task))
+                self._run(self.scheduler.hold(save.session, False, now), now)  # queued behind the save tasks
+
+    def _save_progress(self, message: protocol.SaveCaptured | protocol.SaveWritten, now: float) -> None:
+        save = self.saves.get(message.session)
+        if save is None or save.id != message.snapshot:
+            return  # a late answer to a save that failed
+        part = (message.rank, message.stage.value)
+        if isinstance(message, protocol.SaveCaptured):
+            save.on_captured(part, now, sum(span.end - span.start for span in message.spans))
+        elif message.error:
+            self._save_failed(save, message.error, now)
+            return
+        else:
+            entry = FileEntry(rank=message.rank, role=message.stage.value, name=message.name, bytes=message.bytes,
+                              sha256=message.sha256)
+            save.on_written(entry, message.seconds)
+        if save.state is SaveState.DONE:
+            self._finish_save(save)
+
+    def _finish_save(self, save: PendingSave) -> None:
+        facts = save.facts
+        manifest = Manifest(format=FORMAT, id=save.id, identity=self.identity, geometry=facts["geometry"],
+                            chunk=save.chunk, seed=facts["seed"], prompt=facts["prompt"],
+                            num_chunks=facts["num_chunks"], intrinsics=facts["intrinsics"], steps=facts["steps"],
+                            live=facts["live"], files=save.ordered_files(), bytes=save.bytes, pause_s=save.pause_s,
+                            write_s=save.write_s, created=wall_clock(), wait_s=save.wait_s)
+        del self.saves[save.session]
+        try:
+            self.snapshots.write(manifest)  # a small JSON file: the save exists from here on
+        except OSError as error:
+            self._answer_save(save, protocol.Error(req=save.req, session=save.session, code="save_failed",
+                                                   message=clip(f"the manifest could not be written: {error}")))
+            return
+        log.info("session %s: snapshot %s at chunk %d, %d bytes, pause %.3f s, write %.3f s", save.session, save.id,
+                 save.chunk, save.bytes, save.pause_s, save.write_s)
+        self._answer_save(save, protocol.Saved(req=save.req, session=save.session, snapshot=save.id, chunk=save.chunk,
+                                               bytes=save.bytes, pause_s=save.pause_s, write_s=save.write_s,
+                                               files=len(save.files), wait_s=save.wait_s))
+
+    def _save_failed(self, save: PendingSave, error: str, now: float) -> None:
+        holding = save.holds
+        if not save.fail(error):
+            return
+        self.saves.pop(save.session, None)
+        log.warning("session %s: save %s failed: %s", save.session, save.id, error)
+        if holding and save.session in self.sessions and self._live(save.session):
+            self._run(self.scheduler.hold(save.session, False, now), now)
+        self._answer_save(save, protocol.Error(req=save.req, session=save.session, code="save_failed",
+                                               message=clip(f"save of session {save.session} failed: {error}")))
+
+    def _answer_save(self, save: PendingSave, message: Any) -> None:
+        session = self.sessions.get(save.session)
+        self._emit(ToClient(session.client if session is not None else save.owner, message, save.session))
+
+    def _restore(self, who: bytes, message: protocol.Open, now: float) -> None:
+        """Open a session from a snapshot: checked here against this server (model, layout, DiT degree, frame
+        size, the files present and their sizes); each rank checks its file's hash when its stage loads it."""
+        try:
+            manifest = self.snapshots.read(check_id(message.restore or ""))
+        except SnapshotError as error:
+            raise ClientError("bad_snapshot", str(error)) from None
+        g = manifest.geometry
+        served = (g.height, g.width) in self.sizes
+        here = geometry_of(self.geometry.with_size(g.height, g.width)) if served else None
+        why = refusal(manifest, self.identity, here)
+        if why is None and manifest.num_chunks is not None and manifest.num_chunks > self.max_chunks:
+            why = f"a session of {manifest.num_chunks} chunks (this server: at most {self.max_chunks})"
+        if why is not None:
+            raise ClientError("bad_snapshot", f"snapshot {manifest.id} cannot be restored here: {why}")
+        if len(self.sessions) + len(self.opening) >= self.server.max_sessions:
+            raise ClientError("busy", f"the server is at its limit of {self.server.max_sessions} sessions",
+                              retry_after_s=BUSY_RETRY_S)
+        geometry = self.geometry.with_size(g.height, g.width)
+        refused = self.admission.refusal(geometry.height, geometry.width)
+        if refused is not None:
+            raise ClientError("busy", f"{refused}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
+        asked = msgspec.structs.replace(message, steps=message.steps or manifest.steps, num_chunks=manifest.num_chunks)
+        sid = self.new_id()
+        self._admit(sid, geometry, asked)
+        self.admission.admit(sid, geometry.height, geometry.width)
+        saved_live = manifest.live
+        live = None if saved_live is None else LiveControls.restored(saved_live.held, manifest.chunk,
+                                                                     saved_live.pause_when_idle)
+        metrics = self.metrics.open_session(sid, now, self.stream.fps, self.metrics_config.warmup_chunks)
+        num_chunks = manifest.num_chunks
+        self.clients.add(Session(
+            id=sid, client=who, owner=who, open_req=message.req, seed=manifest.seed, prompt=manifest.prompt,
+            geometry=geometry, live=live, metrics=metrics, num_chunks=num_chunks, image=None,
+            intrinsics=manifest.intrinsics, restore=manifest.id, first_chunk=manifest.chunk), now)
+        log.info("session %s: restoring snapshot %s at chunk %d", sid, manifest.id, manifest.chunk)
+        self._guarded(sid, lambda: self._run(self.scheduler.open(sid, num_chunks or self.max_chunks, now,
+                                                                 start=manifest.chunk), now), now)
 
     # ---------------------------------------------------------------------------------------------- failures
 

@@ -52,6 +52,7 @@ class IdleCause(str, Enum):
     CONTROL = "control"  # waiting for the client's control
     EDGE = "edge"  # no room downstream (latent/output edge full)
     NO_SESSION = "no_session"  # nothing open to serve
+    SAVE = "save"  # a save held the next chunk while every rank copied the session's state
 
 
 class StreamStat:

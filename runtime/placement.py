@@ -138,6 +138,7 @@ class SessionFacts:
     image_width: int = 0
     intrinsics: tuple[float, float, float, float] | None = None  # the session's camera at 480x832 (the DiT's init)
     prompt_revision: int = 0  # the prompt revision a denoise dispatched now uses (``runtime.prompts``)
+    restore: str = ""  # the snapshot every stage's init loads its state from ("" : a fresh session)
 
 
 @dataclass(frozen=True)
@@ -164,16 +165,17 @@ def plan(action: StageAction, session: SessionFacts, where: Placement,
         case InitCache(stage=Stage.CONDITION):
             init_condition = protocol.InitCondition(
                 session=sid, seed=session.seed, prompt=session.prompt, image=session.image,
-                image_height=session.image_height, image_width=session.image_width, height=g.height, width=g.width)
+                image_height=session.image_height, image_width=session.image_width, height=g.height, width=g.width,
+                restore=session.restore)
             return Plan(((condition, init_condition),), frozenset({(Phase.INIT, where.condition)}))
         case InitCache(stage=Stage.DECODE):
-            init_decode = protocol.InitDecode(session=sid, height=g.height, width=g.width)
+            init_decode = protocol.InitDecode(session=sid, height=g.height, width=g.width, restore=session.restore)
             return Plan(((decode, init_decode),), frozenset({(Phase.INIT, where.decode)}))
         case InitCache(stage=Stage.DENOISE):
             context = protocol.BroadcastContext(session=sid, index=-1,
                                                 tensor=TensorSpec(shape=g.context_shape, dtype=_dtype(g)))
             init = protocol.InitDenoise(session=sid, seed=session.seed, prompt=session.prompt, height=g.height,
-                                        width=g.width, intrinsics=session.intrinsics)
+                                        width=g.width, intrinsics=session.intrinsics, restore=session.restore)
             return Plan((*((edge, context) for edge in where.condition_edges), *((w, init) for w in dit)),
                         frozenset((Phase.INIT, r) for r in where.denoise))
         case RunCondition(index=index):

@@ -216,7 +216,8 @@ class RouterCore:
                 session = self.sessions[message.session]  # earlier input waits for a full link: this goes after
                 session.state = fold(session.state, message)  # type: ignore[arg-type]
                 self._send_state(session)
-            case protocol.Control() | protocol.ControlState() | protocol.Close() | protocol.SetPrompt():
+            case (protocol.Control() | protocol.ControlState() | protocol.Close() | protocol.SetPrompt()
+                  | protocol.Save()):
                 session = self.clients.owned(who, message.session)
                 replica = self.replicas[session.replica]
                 kind = type(message).__struct_config__.tag
@@ -339,7 +340,8 @@ class RouterCore:
                     if not session.gone:
                         self._emit(ToClient(session.client, event.raw, sid))
                     self._end_watchers(sid, message.reason, message.error, keep=True)
-            case protocol.Accepted(session=sid) | protocol.Error(session=sid) | protocol.PromptScheduled(session=sid):
+            case (protocol.Accepted(session=sid) | protocol.Error(session=sid) | protocol.PromptScheduled(session=sid)
+                  | protocol.Saved(session=sid)):
                 self._to_session(replica, sid, event.raw)  # type: ignore[arg-type]
             case protocol.StatsReply():
                 self._stats_reply(replica, message, now)

@@ -37,21 +37,23 @@ Per session (``s``), with ``d`` the next chunk whose denoise has not started:
   emitted after close); then the caches whose init was issued are released decode -> denoise -> condition, one after
   another, each through its role. A failed release poisons the session (its id can never be reopened) and is
   retried ``max_release_retries`` times before it is reported as leaked and the next release goes ahead.
+- Save and restore. ``hold(s, True)`` keeps chunk ``d`` off the DiT (blocker "save") until ``hold(s, False)``: a
+  save (``runtime.snapshots``) queues its tasks behind every task of the chunks before it. ``open(..., start=k)``
+  starts every cursor at ``k`` (a session restored from a snapshot of chunk ``k``); ``num_chunks`` counts from 0.
 - ``Mode.SERIAL`` (the old design, for the A/B benchmark): no prefetch; condition[i] is submitted together with
   control[i], and control[i + 1] is accepted only after chunk i was emitted.
 - Boundedness: per-chunk records exist only while the chunk is in flight (at most PREFETCH_DEPTH + edges); closed
   sessions are forgotten, only poisoned ids remain as tombstones.
 
 DiT idle causes (``DitIdle``): while the DiT runs nothing, the cause is re-evaluated after every event from the
-sessions that still have a chunk to denoise, each blocked by its first missing dependency (control[d] not accepted
--> "control"; condition[d] not encoded -> "condition"; latent edge full -> "edge"). Across sessions the most
-internal blocker wins: "edge" over "condition" over "control"; with no such session the cause is "no_session".
-Each segment also lists every waiting session with its own blocker (``blocked``), so a session's metrics count
-only the idle time it waited through, with its own cause. An idle interval is split at the events where its cause
-or a session's blocker changes; each segment is emitted as soon as it ends (at the
-change, or just before the action that makes the DiT busy again: any DiT task, cache init and release included).
-Zero-length segments are not emitted. Time starts with the first event: the DiT is idle from then until its first
-task.
+sessions that still have a chunk to denoise, each blocked by its first missing dependency (held by a save -> "save";
+control[d] not accepted -> "control"; condition[d] not encoded -> "condition"; latent edge full -> "edge"). Across
+sessions the most internal blocker wins: "save" over "edge" over "condition" over "control"; with no such session
+the cause is "no_session". Each segment also lists every waiting session with its own blocker (``blocked``), so a
+session's metrics count only the idle time it waited through, with its own cause. An idle interval is split at the
+events where its cause or a session's blocker changes; each segment is emitted as soon as it ends (at the change, or
+just before the action that makes the DiT busy again: any DiT task, cache init and release included). Zero-length
+segments are not emitted. Time starts with the first event: the DiT is idle from then until its first task.
 """
 
 from __future__ import annotations
@@ -233,9 +235,13 @@ class _Session:
     release_failures: int = 0  # consecutive failures of release_todo[0]
     leaked: list[Stage] = field(default_factory=list)
     finished: bool = False  # SessionClosed was emitted (only poisoned tombstones keep this True)
+    start: int = 0  # its first chunk (a restored session continues its snapshot's numbering)
+    held: bool = False  # a save holds the denoise of chunk next_denoise until its save tasks are queued before it
 
     def __post_init__(self) -> None:
-        self.controls = InOrder(memory=self.control_memory)
+        self.controls = InOrder(start=self.start, memory=self.control_memory)
+        self.emission = InOrder(start=self.start)
+        self.next_condition = self.next_denoise = self.start
 
     def in_range(self, index: int) -> bool:
         return self.num_chunks is None or index < self.num_chunks
@@ -282,12 +288,18 @@ class Scheduler:
     def next_condition_index(self, session: str) -> int:
         return self._get(session).next_condition
 
+    def next_denoise_index(self, session: str) -> int:
+        """The first chunk whose denoise has not been dispatched (a save's boundary; a new prompt applies from it)."""
+        return self._get(session).next_denoise
+
+    def quiet_before_denoise(self, session: str) -> bool:
+        """No denoise of the session runs and every latent it produced went to decode: a held session's stages all
+        have every task before its boundary chunk in their queues (the moment a save's tasks may follow them)."""
+        s = self._get(session)
+        return not s.latents and not self._running(s, Stage.DENOISE, TaskKind.RUN)
+
     def next_emit_index(self, session: str) -> int:
         return self._get(session).emission.expected
-
-    def next_denoise_index(self, session: str) -> int:
-        """The first chunk whose denoise has not been dispatched (a new prompt's context applies from it)."""
-        return self._get(session).next_denoise
 
     def edges(self, session: str) -> EdgeOccupancy:
         s = self._get(session)
@@ -322,8 +334,9 @@ class Scheduler:
 
     # ---- events ----
 
-    def open(self, session: str, num_chunks: int | None, now: float) -> list[Action]:
-        """Create a session and start initialising its caches (condition, then decode, then denoise)."""
+    def open(self, session: str, num_chunks: int | None, now: float, start: int = 0) -> list[Action]:
+        """Create a session and start initialising its caches (condition, then decode, then denoise). ``start``: its
+        first chunk, control and emission index (a restored session's snapshot chunk; ``num_chunks`` counts from 0)."""
         if session in self._sessions:
             what = "poisoned (never reused)" if self._sessions[session].state is SessionState.POISONED else "open"
             raise SessionIdTaken(f"session {session!r} is {what}")
@@ -331,9 +344,12 @@ class Scheduler:
             not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1
         ):
             raise ValueError(f"num_chunks must be None (endless) or an int >= 1, got {num_chunks!r}")
+        if start < 0 or (num_chunks is not None and start >= num_chunks):
+            raise ValueError(f"a session of {num_chunks} chunks cannot start at chunk {start}")
         # Remember enough controls to recognise a retry of any that may still be in flight.
         memory = PREFETCH_DEPTH + self.capacities.control
-        self._sessions[session] = _Session(id=session, seq=self._seq, num_chunks=num_chunks, control_memory=memory)
+        self._sessions[session] = _Session(id=session, seq=self._seq, num_chunks=num_chunks, control_memory=memory,
+                                           start=start)
         self._seq += 1
         return self._finish_event(self._pump(now, []), now)
 
@@ -346,7 +362,7 @@ class Scheduler:
         s.init_todo.popleft()
         out: list[Action] = []
         if ready and self.mode is Mode.PREFETCH:  # prefetch before any control can be accepted
-            while s.next_condition < PREFETCH_DEPTH and s.in_range(s.next_condition):
+            while s.next_condition < s.start + PREFETCH_DEPTH and s.in_range(s.next_condition):
                 self._submit_condition(s, now)
         self._maybe_drained(s, out)
         self._pump(now, out)
@@ -409,6 +425,12 @@ class Scheduler:
                 self._begin_close(s, "complete", out)
         self._maybe_drained(s, out)
         return self._finish_event(self._pump(now, out), now)
+
+    def hold(self, session: str, held: bool, now: float) -> list[Action]:
+        """Hold (or let go) the denoise of the session's next chunk: a save captures its state meanwhile."""
+        s = self._get(session)
+        s.held = held
+        return self._finish_event(self._pump(now, []), now)
 
     def stage_failed(self, session: str, stage: Stage, index: int | None, error: str, now: float) -> list[Action]:
         """A role reports that its task for ``session`` failed (``index`` None: an init, or a notice about the
@@ -615,6 +637,8 @@ class Scheduler:
     def _denoise_blocker(self, s: _Session) -> str | None:
         """Why chunk ``next_denoise`` of a READY session cannot start on the DiT now (None: it can)."""
         d = s.next_denoise
+        if s.held:
+            return "save"
         if d not in s.accepted:
             return "control"
         if d not in s.encoded:
@@ -679,7 +703,7 @@ class Scheduler:
             and (cause := self._denoise_blocker(s)) is not None
         )
         causes = {cause for _, cause in blocked}
-        for cause in ("edge", "condition", "control"):
+        for cause in ("save", "edge", "condition", "control"):
             if cause in causes:
                 return cause, blocked
         return "no_session", blocked

@@ -144,7 +144,7 @@ class SessionFailed:
 class DitIdle:
     start: float
     end: float
-    cause: str  # "condition", "control", "edge" or "no_session": the most internal blocker over all sessions
+    cause: str  # "condition", "control", "edge", "save" or "no_session": the most internal blocker over all sessions
     blocked: tuple[tuple[str, str], ...] = ()  # (session, its own cause) for every session with a chunk waiting
 
 

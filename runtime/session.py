@@ -59,12 +59,14 @@ class Session:
     chunk_steps: dict[int, tuple[int, str | None]] = field(default_factory=dict)  # dispatched, not emitted: steps, why
     last_steps: int = 0  # steps of the latest dispatched chunk (0: none yet)
     prompts: PromptRevisions = field(default_factory=PromptRevisions)  # which text each chunk attends to
+    restore: str = ""  # the snapshot it was opened from ("": a fresh session); its caches load it at init
+    first_chunk: int = 0  # its first chunk (a restored session's snapshot chunk)
 
     def facts(self) -> SessionFacts:
         image = self.image
         return SessionFacts(self.id, self.seed, self.prompt, self.geometry,
                             image.pixels if image else b"", image.height if image else 0, image.width if image else 0,
-                            self.intrinsics, self.prompts.announced)
+                            self.intrinsics, self.prompts.announced, self.restore)
 
     def add_spans(self, index: int, rank: int, role: str, spans: tuple[WorkerSpan, ...], clock: ClockSync,
                   queued: float) -> None:

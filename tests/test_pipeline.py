@@ -185,7 +185,7 @@ def test_a_session_summary_is_complete_and_its_trace_puts_every_span_inside_its_
     assert summary["compute"]["fps_weighted"] > 0 and summary["real_time_factor"] > 0
     assert summary["time_to_first_frame_s"]["from_open"] >= summary["time_to_first_frame_s"]["from_first_control"]
     assert sorted(summary["peak_memory_bytes"]) == ["0", "1", "2", "3", "4", "5", "6"]
-    assert set(summary["dit_idle"]["by_cause"]) == {"condition", "control", "edge", "no_session"}
+    assert set(summary["dit_idle"]["by_cause"]) == {"condition", "control", "edge", "no_session", "save"}
     path = tmp_path / "trace.json"
     write_chrome_trace(played, path)
     events = json.loads(path.read_text())["traceEvents"]

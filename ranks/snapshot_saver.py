@@ -1,0 +1,77 @@
+"""A stage worker's side of a snapshot: the copy on the worker's thread, the file on a writer thread.
+
+The worker thread runs ``SaveState`` in its task order (so the state is the one after every task sent before it),
+copies the state to host memory and answers ``save_captured`` (rank 0 then lets the DiT go on). The copy goes to
+this rank-role's ``Saver`` thread, which writes and hashes the file and answers ``save_written`` on its own ZeroMQ
+link (a socket belongs to one thread), while the stage runs the session's next chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import torch
+
+from ipc import protocol
+from ipc.protocol import Stage
+from ipc.transport import WorkerLink
+from models import snapshot_io
+from ranks.worker import RankContext
+from runtime.snapshots import SnapshotError, SnapshotStore
+
+log = logging.getLogger(__name__)
+
+PENDING_PREFIX = "pending."  # condition-stage file: conditions encoded ahead of the boundary, by chunk index
+
+
+class Saver:
+    """One writer thread per stage worker of a rank, started at its first save."""
+
+    def __init__(self, ctx: RankContext, stage: Stage) -> None:
+        self.ctx, self.stage = ctx, stage
+        self.store = SnapshotStore(ctx.snapshots_dir)
+        self._queue: queue.Queue[tuple[protocol.SaveState, dict[str, torch.Tensor]]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, task: protocol.SaveState, state: dict[str, torch.Tensor]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"saver-{self.stage.value}", daemon=True)
+            self._thread.start()
+        self._queue.put((task, state))
+
+    def _run(self) -> None:
+        ctx = self.ctx
+        link = WorkerLink(ctx.zmq, ctx.endpoint, ctx.rank, f"{self.stage.value}-saver")
+        try:
+            while not ctx.stop.is_set():
+                try:
+                    task, state = self._queue.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                common = {"rank": ctx.rank, "role": self.stage.value, "session": task.session, "stage": self.stage,
+                          "snapshot": task.snapshot}
+                try:
+                    entry, seconds = snapshot_io.write(self.store.folder(task.snapshot), ctx.rank, self.stage.value,
+                                                       state)
+                except (OSError, SnapshotError, RuntimeError, ValueError) as error:
+                    log.warning("rank %d: snapshot %s not written: %s", ctx.rank, task.snapshot, error)
+                    link.send(protocol.SaveWritten(error=f"rank {ctx.rank} {self.stage.value}: {error}", **common))
+                    continue
+                link.send(protocol.SaveWritten(name=entry.name, bytes=entry.bytes, sha256=entry.sha256,
+                                               seconds=seconds, **common))
+        finally:
+            link.close()
+
+
+def load(ctx: RankContext, snapshot: str, stage: Stage) -> dict[str, torch.Tensor]:
+    """This rank's state of ``stage`` in ``snapshot`` (hash checked); a bad file raises ``SnapshotError``."""
+    return snapshot_io.load(SnapshotStore(ctx.snapshots_dir), snapshot, ctx.rank, stage.value)
+
+
+def split_pending(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor]]:
+    """(the stage's own state, the conditions encoded ahead of the boundary by index) of a condition file."""
+    own = {k: v for k, v in state.items() if not k.startswith(PENDING_PREFIX)}
+    pending = {int(k[len(PENDING_PREFIX):]): v for k, v in state.items() if k.startswith(PENDING_PREFIX)}
+    return own, pending

@@ -1,0 +1,305 @@
+"""Saved sessions on rank 0: snapshot ids, the manifest, its validation, and the state machine of one save.
+
+A snapshot is a folder ``[snapshots] dir/<id>/`` holding one safetensors file per stage worker (``rank<r>-<role>``:
+tensors only, written by that rank, ``models.snapshot_io``) and ``manifest.json`` (this module's ``Manifest``,
+msgspec JSON: never pickle), written by rank 0 last, once every file is on disk: a folder without a manifest is
+a save that did not finish and is never restored.
+
+The id is ``secrets.token_urlsafe(16)`` (unguessable: knowing an id is the right to restore it) and nothing else is
+accepted as one, so an id can never name a path outside the folder. What a restore must match is the
+``Identity`` (model, layout, DiT sequence-parallel degree) and a frame size this server serves; the manifest's
+sizes must match the files on disk (a truncated file is refused here), and each rank checks its file's sha256
+before it loads a byte of it (a corrupt or hand-made file fails the restore with the file named).
+
+The save of a session (``PendingSave``) goes ``waiting`` (rank 0 holds the denoise of the boundary chunk ``k``, the
+first chunk not yet dispatched to the DiT, until every task of the chunks before ``k`` is in its stage's queue) ->
+``capturing`` (the save tasks are out, one per stage worker, and the hold ends at once: each worker takes its tasks
+in the order rank 0 sent them, so its copy is the state after chunk ``k - 1``'s work and before chunk ``k``'s,
+whatever runs meanwhile; the copy is all the stream waits for) -> ``writing`` (every worker copied its state; the
+files are written off the stream) -> ``done`` (every file written and hashed: the manifest is written and the owner
+answered), or ``failed`` from any state.
+No I/O in the state machine; ``SnapshotStore`` does the little rank 0 writes and reads (the manifest).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import msgspec
+
+FORMAT = 1  # the snapshot format; a manifest of another format is refused
+MANIFEST = "manifest.json"
+ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{22}")  # what secrets.token_urlsafe(16) gives, and nothing else
+MAX_MANIFEST_BYTES = 1 << 20
+ROLES = ("condition", "denoise", "decode")  # the stage workers that write a file (``ipc.protocol.Stage`` values)
+
+
+class SnapshotError(ValueError):
+    """A snapshot cannot be saved or restored; the message says what differs or what is wrong."""
+
+
+def new_snapshot_id() -> str:
+    return secrets.token_urlsafe(16)
+
+
+def check_id(text: str) -> str:
+    """``text`` if it has the shape of a snapshot id, else ``SnapshotError`` (no path ever comes from a client)."""
+    if not isinstance(text, str) or not ID_PATTERN.fullmatch(text):
+        raise SnapshotError(f"{str(text)[:40]!r} is not a snapshot id (22 characters of A-Z a-z 0-9 _ -)")
+    return text
+
+
+def file_name(rank: int, role: str) -> str:
+    return f"rank{rank}-{role}.safetensors"
+
+
+class Identity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a server must share with the one that saved a snapshot to restore it."""
+
+    model: str  # model.kind, preset and checkpoint (``model_identity``)
+    layout: str  # layout.name
+    world_size: int
+    condition: int  # the rank of each stage: a file belongs to the rank that wrote it
+    decode: int
+    dit: tuple[int, ...]  # the DiT group; its size is the sequence-parallel degree the KV ring is split by
+
+
+class Geometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    height: int
+    width: int
+    chunk_latent_frames: int
+    context_shape: tuple[int, ...]
+    condition_shape: tuple[int, ...]
+    latent_shape: tuple[int, ...]
+
+
+class LiveState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A live session's control state at the boundary (``runtime.control_service``)."""
+
+    held: tuple[str, ...]
+    revision: int
+    pause_when_idle: bool
+
+
+class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    rank: int
+    role: str  # the stage whose state it holds
+    name: str
+    bytes: int
+    sha256: str
+
+
+class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    format: int
+    id: str
+    identity: Identity
+    geometry: Geometry
+    chunk: int  # the boundary: the restored session's first chunk and next control index
+    seed: int
+    prompt: str
+    num_chunks: int | None  # the session's length (absolute chunk numbers); None: endless
+    intrinsics: tuple[float, float, float, float] | None
+    steps: int  # the denoising steps of the saved session's latest chunk (its quality)
+    live: LiveState | None
+    files: tuple[FileEntry, ...]
+    bytes: int  # every file together
+    pause_s: float  # what the save cost the stream: the longest copy of any rank (run before chunk ``chunk``)
+    write_s: float  # the slowest rank's copy-to-file and hash
+    created: float  # wall-clock seconds
+    wait_s: float = 0.0  # from the save request to the boundary (no cost: the chunks before it ran on)
+
+
+def model_identity(kind: str, preset: str, checkpoint_dir: str, weights_seed: int) -> str:
+    return f"{kind}|{preset}|{checkpoint_dir or f'random:{weights_seed}'}"
+
+
+def geometry_of(g: object) -> Geometry:
+    """The manifest's geometry of a ``models.geometry.StreamGeometry`` (read by attribute: no torch here)."""
+    return Geometry(height=g.height, width=g.width, chunk_latent_frames=g.chunk_latent_frames,  # type: ignore[attr-defined]
+                    context_shape=tuple(g.context_shape), condition_shape=tuple(g.condition_shape),  # type: ignore[attr-defined]
+                    latent_shape=tuple(g.latent_shape))  # type: ignore[attr-defined]
+
+
+def refusal(manifest: Manifest, identity: Identity, geometry: Geometry | None) -> str | None:
+    """Why this server cannot restore ``manifest`` (naming each difference), or None. ``geometry``: this server's
+    geometry at the snapshot's frame size (None: it does not serve that size)."""
+    if manifest.format != FORMAT:
+        return f"snapshot format {manifest.format}, this server reads format {FORMAT}"
+    saved, here = manifest.identity, identity
+    differs = []
+    if saved.model != here.model:
+        differs.append(f"model {saved.model!r} (this server: {here.model!r})")
+    if len(saved.dit) != len(here.dit):
+        differs.append(f"DiT sequence-parallel degree {len(saved.dit)} (this server: {len(here.dit)})")
+    for name in ("layout", "world_size", "condition", "decode", "dit"):
+        if getattr(saved, name) != getattr(here, name) and not (name == "dit" and len(saved.dit) != len(here.dit)):
+            differs.append(f"layout {name} {getattr(saved, name)!r} (this server: {getattr(here, name)!r})")
+    m = manifest.geometry
+    if geometry is None:
+        differs.append(f"frame size {m.width}x{m.height}, which this server does not serve")
+    elif geometry != m:
+        fields = [f for f in Geometry.__struct_fields__ if getattr(m, f) != getattr(geometry, f)]
+        differs.append("geometry " + ", ".join(f"{f} {getattr(m, f)} (this server: {getattr(geometry, f)})"
+                                               for f in fields))
+    expected = {(r, "condition") for r in (here.condition,)} | {(r, "denoise") for r in here.dit} | \
+        {(here.decode, "decode")}
+    if not differs and {(f.rank, f.role) for f in manifest.files} != expected:
+        differs.append("its files do not cover this layout's stage workers")
+    return "; ".join(differs) if differs else None
+
+
+class SnapshotStore:
+    """The folder of snapshots as rank 0 sees it: it writes and reads manifests, never the tensors."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def folder(self, snapshot: str) -> Path:
+        return self.root / check_id(snapshot)
+
+    def write(self, manifest: Manifest) -> Path:
+        """The manifest, atomically (a reader sees none or all of it): the save is complete from here on."""
+        folder = self.folder(manifest.id)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{MANIFEST}.tmp"
+        tmp.write_bytes(msgspec.json.encode(manifest))
+        os.replace(tmp, folder / MANIFEST)
+        return folder / MANIFEST
+
+    def read(self, snapshot: str) -> Manifest:
+        """The manifest of ``snapshot``, checked against the files present (a missing or truncated file is
+        refused here; their hashes are checked by the ranks that load them)."""
+        folder = self.folder(snapshot)
+        path = folder / MANIFEST
+        if not path.is_file():
+            raise SnapshotError(f"no snapshot {snapshot} in {self.root} (or its save did not finish)")
+        data = path.read_bytes()
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise SnapshotError(f"the manifest of snapshot {snapshot} is {len(data)} bytes: not one of ours")
+        try:
+            manifest = msgspec.json.decode(data, type=Manifest)
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            raise SnapshotError(f"the manifest of snapshot {snapshot} is not valid: {error}") from None
+        if manifest.id != snapshot:
+            raise SnapshotError(f"the manifest in folder {snapshot} names snapshot {manifest.id}")
+        for entry in manifest.files:  # names are checked before any is opened: none can lead out of the folder
+            if entry.role not in ROLES or entry.rank < 0 or entry.name != file_name(entry.rank, entry.role):
+                raise SnapshotError(f"snapshot {snapshot}: file name {entry.name!r} is not one of ours")
+            file = folder / entry.name
+            size = file.stat().st_size if file.is_file() else -1
+            if size != entry.bytes:
+                what = "is missing" if size < 0 else f"has {size} bytes, the manifest says {entry.bytes}"
+                raise SnapshotError(f"snapshot {snapshot}: {entry.name} {what} (truncated or replaced)")
+        return manifest
+
+
+class SaveState(str, Enum):
+    WAITING = "waiting"  # the boundary chunk's denoise is held; the save tasks wait for chunk k-1's decode dispatch
+    CAPTURING = "capturing"  # the save tasks are out
+    WRITING = "writing"  # every worker captured (the hold is over); files being written
+    DONE = "done"
+    FAILED = "failed"
+
+
+Part = tuple[int, str]  # (rank, role) of a stage worker
+
+
+@dataclass
+class PendingSave:
+    """One save of one session (see the module docstring). Events return whether they completed a phase."""
+
+    id: str
+    session: str
+    owner: bytes
+    req: int
+    chunk: int  # the boundary k
+    parts: frozenset[Part]  # every stage worker that writes a file
+    asked: float  # rank-0 time of the request
+    state: SaveState = SaveState.WAITING
+    captured: set[Part] = field(default_factory=set)
+    files: dict[Part, FileEntry] = field(default_factory=dict)
+    write_s: float = 0.0
+    sent: float | None = None  # when the save tasks left (the boundary was reached; the hold ended)
+    captured_at: float | None = None  # when the last worker's copy was reported
+    capture_s: float = 0.0  # the longest copy of any worker: what a stage spent on the save instead of the stream
+    error: str | None = None
+    facts: dict[str, object] = field(default_factory=dict)  # what rank 0 keeps of the session, for the manifest
+
+    def start(self, now: float) -> None:
+        """The save tasks are out, behind every task of the chunks before the boundary: the hold ends."""
+        self._expect(SaveState.WAITING)
+        self.state, self.sent = SaveState.CAPTURING, now
+
+    def on_captured(self, part: Part, now: float, seconds: float = 0.0) -> bool:
+        """A worker copied its state in ``seconds``; True when it was the last."""
+        self._expect(SaveState.CAPTURING)
+        self._known(part)
+        self.captured.add(part)
+        self.capture_s = max(self.capture_s, seconds)
+        if self.captured != self.parts:
+            return False
+        self.state, self.captured_at = SaveState.WRITING, now
+        self._maybe_done()  # a file may have been reported before the last capture (different sockets)
+        return True
+
+    def on_written(self, entry: FileEntry, write_s: float) -> bool:
+        """A worker's file is on disk; True when the save is complete (write the manifest)."""
+        if self.state not in (SaveState.CAPTURING, SaveState.WRITING):
+            raise SnapshotError(f"save {self.id} is {self.state.value}: no file is expected")
+        part = (entry.rank, entry.role)
+        self._known(part)
+        self.files[part] = entry
+        self.write_s = max(self.write_s, write_s)
+        return self._maybe_done()
+
+    def _maybe_done(self) -> bool:
+        if self.state is SaveState.WRITING and set(self.files) == set(self.parts):
+            self.state = SaveState.DONE
+        return self.state is SaveState.DONE
+
+    def fail(self, error: str) -> bool:
+        """True the first time (answer the owner once); the hold is released by the caller."""
+        if self.state in (SaveState.DONE, SaveState.FAILED):
+            return False
+        self.state, self.error = SaveState.FAILED, error
+        return True
+
+    @property
+    def holds(self) -> bool:
+        """Whether the boundary chunk's denoise must still wait."""
+        return self.state is SaveState.WAITING
+
+    @property
+    def pause_s(self) -> float:
+        """What the save cost the stream: the longest copy, which its stage ran before the boundary chunk's work."""
+        return self.capture_s
+
+    @property
+    def wait_s(self) -> float:
+        """From the request to the boundary: the chunks before it finishing their denoise as they would anyway."""
+        return 0.0 if self.sent is None else self.sent - self.asked
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.bytes for f in self.files.values())
+
+    def ordered_files(self) -> tuple[FileEntry, ...]:
+        return tuple(self.files[p] for p in sorted(self.files))
+
+    def _expect(self, state: SaveState) -> None:
+        if self.state is not state:
+            raise SnapshotError(f"save {self.id} is {self.state.value}, not {state.value}")
+
+    def _known(self, part: Part) -> None:
+        if part not in self.parts:
+            raise SnapshotError(f"save {self.id}: rank {part[0]} {part[1]} is not one of its stage workers")
+
+
+def wall_clock() -> float:
+    return time.time()

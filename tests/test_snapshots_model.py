@@ -1,0 +1,96 @@
+"""The real model's stages (umT5 + VAE encode, the DiT with its KV ring, VAE decode; cpu-tiny-model's tiny random
+weights) in one process: a session forked from each stage's saved state, through a safetensors file, produces the
+same next chunks as the original, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models import snapshot_io
+from models.controls import ChunkControl
+from models.stages import SessionSpec
+from runtime import config as config_mod
+from runtime.images import decode_image
+from scripts.local_server import ROOT
+
+IMAGE = (ROOT / "assets" / "start.png").read_bytes()
+
+
+def through_a_file(state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    save_file(snapshot_io.capture(state), str(path))
+    return load_file(str(path))
+
+
+def test_real_model_stages_forked_from_their_saved_state_continue_bit_for_bit(tmp_path: Path) -> None:
+    from models import lingbot
+
+    torch.set_num_threads(1)
+    cfg = config_mod.load("cpu-tiny-model")
+    device = torch.device("cpu")
+    condition = lingbot.build_condition(cfg.model, cfg.stream, device)
+    denoise = lingbot.build_denoise(cfg.model, cfg.stream, cfg.controls, device, None)
+    decode = lingbot.build_decode(cfg.model, cfg.stream, device)
+    raw = decode_image(IMAGE, cfg.server.max_image_pixels)
+    image = torch.frombuffer(bytearray(raw.pixels), dtype=torch.uint8).view(raw.height, raw.width, 3)
+    spec = SessionSpec("a", 11, "a red house", image, cfg.stream.height, cfg.stream.width)
+    context = condition.open(spec)
+    denoise.open(SessionSpec("a", 11, "a red house", None, cfg.stream.height, cfg.stream.width), context)
+    decode.open(SessionSpec("a", 0, "", None, cfg.stream.height, cfg.stream.width))
+    controls = [ChunkControl(keys=frozenset(k)) for k in ("w", "wl", "d", "a", "j")]
+
+    def chunk(session: str, i: int) -> torch.Tensor:
+        return decode.decode(session, i, denoise.denoise(session, i, condition.encode(session, i), controls[i]))
+
+    for i in range(2):
+        chunk("a", i)
+    states = [through_a_file(stage.state_dict("a"), tmp_path / f"{n}.safetensors")
+              for n, stage in enumerate((condition, denoise, decode))]
+    assert any(name.startswith("encoder.cache") for name in states[0])
+    assert states[1]["kv.ring"].tolist()[0] == 2 * cfg.stream.chunk_latent_frames * 24  # tokens written: 2 chunks
+    expected = [chunk("a", i) for i in range(2, 5)]
+
+    fork = SessionSpec("f", 0, "ignored: the state has the context", None, cfg.stream.height, cfg.stream.width)
+    restored_context = condition.load_state(fork, states[0])
+    assert torch.equal(restored_context, context)
+    denoise.load_state(fork, restored_context, states[1])
+    decode.load_state(fork, states[2])
+    got = [chunk("f", i) for i in range(2, 5)]
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(a, b), f"chunk {i + 2} of the fork differs"
+
+
+@pytest.mark.multiprocess
+def test_seven_rank_real_model_restore_and_fork_match_the_uninterrupted_stream_bit_for_bit(tmp_path: Path) -> None:
+    """The encoder ran ahead of the boundary (conditions prefetched): a restored session takes those conditions
+    from the snapshot and its encoder continues from where the original's stood."""
+    import numpy as np
+
+    from ipc.client import Client
+    from scripts.local_server import LocalServer
+
+    keys = ["w", "wl", "d", "a", "j"]
+    with LocalServer("cpu-tiny-model", [f"--snapshots.dir={tmp_path}"]) as server, \
+            Client(server.endpoint) as client:  # fmt: skip
+        info = client.open(IMAGE, prompt="a red house", seed=5, num_chunks=len(keys))
+        frames = {}
+        for i in range(2):
+            client.control(info.id, i, keys=keys[i])
+            frames[i] = client.next_chunk(info.id, timeout_s=120).frames.copy()
+        snapshot = client.save(info.id)
+        for i in range(2, len(keys)):
+            client.control(info.id, i, keys=keys[i])
+            frames[i] = client.next_chunk(info.id, timeout_s=120).frames.copy()
+        client.wait_closed(info.id, timeout_s=120)
+        assert snapshot.chunk == 2
+        for _ in range(2):
+            restored = client.open(restore=snapshot.id)
+            assert restored.first_chunk == 2
+            for i in range(2, len(keys)):
+                client.control(restored.id, i, keys=keys[i])
+                chunk = client.next_chunk(restored.id, timeout_s=120)
+                assert chunk.index == i and np.array_equal(chunk.frames, frames[i]), f"chunk {i} differs"
+            client.wait_closed(restored.id, timeout_s=120)
