@@ -329,7 +329,7 @@ class RouterCore:
             self._refuse(pending.client, error, pending.message.req)
         elif session is not None and session.migrating:
             self._end_migrating(session, "failed", f"its replica {session.replica} went down and its restore "
-                                f"failed ({error.code}: {error.message}); its session is lost: open a new one")
+                                f"failed ({error.code}: {error}); its session is lost: open a new one")
 
     def _drop_open(self, pending: PendingOpen) -> None:
         self.opens.pop(pending.req, None)
@@ -483,7 +483,7 @@ class RouterCore:
         try:
             self._open(session.client, message, now, {down.name}, migrating=session.id)
         except ClientError as error:
-            log.warning("session %s cannot move off replica %s: %s", session.id, down.name, error.message)
+            log.warning("session %s cannot move off replica %s: %s", session.id, down.name, error)
             return False
         self.aliases.pop((down.name, session.rid), None)
         down.sessions.discard(session.id)
