@@ -449,7 +449,9 @@ class RouterCore:
         session.chunks += 1
         if not every or session.chunks < every or session.autosave is not None or session.closing:
             return
-        session.chunks, session.autosave = 0, self.new_req()
+        # a negative request id: the replica echoes it, and no answer to the client's own requests (the SDK counts
+        # from 1) is taken for the router's
+        session.chunks, session.autosave = 0, -self.new_req()
         replica = self.replicas[session.replica]
         self._emit(ToReplica(replica.name, replica.generation, protocol.Save(req=session.autosave, session=session.rid),
                              SessionOrigin(session.client, session.autosave, session.id, "autosave")))

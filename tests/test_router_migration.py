@@ -221,3 +221,15 @@ def test_a_chunk_is_renamed_in_its_head_only() -> None:
     out = renamed(data, "0000000000aa", "0000000000bb")
     assert p.decode(out, "server") == chunk("0000000000bb", 5)
     assert len(out) == len(data) and out[-12:] == data[-12:]
+
+
+def test_the_clients_answers_are_never_taken_for_the_routers_save_whatever_its_request_ids() -> None:
+    f = fleet(every=2)
+    sid, name = f.open(A)
+    chunks(f, name, sid, range(2))
+    (save,) = saves(f, name)
+    f.client(A, p.Control(req=abs(save.req), session=sid, index=2))
+    f.replica(name, p.Error(req=abs(save.req), session=sid, code="control_backpressure", message="full"))
+    assert [e.code for e in f.errors(A)] == ["control_backpressure"]  # the client's, forwarded
+    f.replica(name, saved(save.req, sid, SNAP1, 2))
+    assert not f.to(A, p.Saved) and f.core.sessions[sid].snapshot == SNAP1
