@@ -71,6 +71,7 @@ from runtime.router_types import (
     ClientUnreadable,
     Connect,
     Disconnect,
+    DropSnapshot,
     EndWatch,
     Event,
     OpenOrigin,
@@ -120,6 +121,7 @@ class RoutedSession:
     snapshot_chunk: int = 0  # that snapshot's boundary chunk
     resume: int = 0  # the lowest control index it takes: after a migration, its snapshot's chunk
     migrating: bool = False  # its replica went down and its restore on another one is not answered yet
+    own_snapshot: str | None = None  # the latest snapshot the router asked for (deleted when superseded or it ends)
 
     @property
     def rid(self) -> str:
@@ -375,6 +377,7 @@ class RouterCore:
         self.sessions_total += 1
 
     def _remove_session(self, session: RoutedSession) -> None:
+        self._drop_own(session)
         self.clients.remove(session.id)
         self.aliases.pop((session.replica, session.rid), None)
         replica = self.replicas.get(session.replica)
@@ -459,6 +462,10 @@ class RouterCore:
     def _autosaved(self, replica: Replica, message: protocol.Saved | protocol.Error) -> bool:
         """Whether ``message`` answers the router's own save (then it is the router's alone: recorded or logged)."""
         session = self.sessions.get(message.session or "")
+        if message.req is not None and message.req < 0 and (session is None or session.replica != replica.name):
+            if isinstance(message, protocol.Saved) and self.config.snapshots_dir:  # its session ended meanwhile
+                self._emit(DropSnapshot(message.snapshot))
+            return True  # the router's own (negative request ids), of a session that ended here
         if session is None or session.replica != replica.name or message.req is None \
                 or message.req != session.autosave:
             return False
@@ -466,10 +473,18 @@ class RouterCore:
         if isinstance(message, protocol.Saved):
             self.autosaves += 1
             self._snapshotted(replica, message)
+            self._drop_own(session)
+            session.own_snapshot = message.snapshot
         else:  # e.g. the client's own save runs (busy): the next comes K chunks later
             log.info("session %s: the save on replica %s failed: %s: %s", session.id, replica.name, message.code,
                      message.message[:200])
         return True
+
+    def _drop_own(self, session: RoutedSession) -> None:
+        """The router's latest snapshot of ``session`` is not needed any more (a newer one, or the session ended)."""
+        if session.own_snapshot is not None and self.config.snapshots_dir:
+            self._emit(DropSnapshot(session.own_snapshot))
+        session.own_snapshot = None
 
     def _snapshotted(self, replica: Replica, saved: protocol.Saved) -> None:
         session = self.sessions.get(saved.session)

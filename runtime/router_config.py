@@ -55,6 +55,9 @@ class RouterSection(_Section):
     # each session is saved on its replica every this many chunks; when the replica goes down the session is restored
     # from its latest snapshot on another one (replicas must share snapshots.dir). 0: never (sessions end with it)
     snapshot_every: int = 0
+    # the replicas' snapshots.dir as the router's host sees it: when set, a snapshot the router asked for is deleted
+    # once a newer one of its session is written or the session ends (a client's own never are). Empty: kept
+    snapshots_dir: str = ""
 
 
 class ReplicaEntry(_Section):

@@ -10,7 +10,7 @@ import msgspec
 
 from ipc import protocol as p
 from runtime.migration import renamed
-from runtime.router_types import ChunkHead, ReplicaRefused, ReplicaSent, SessionOrigin, ToReplica
+from runtime.router_types import ChunkHead, DropSnapshot, ReplicaRefused, ReplicaSent, SessionOrigin, ToReplica
 from tests.test_router_core import A, Fleet, chunk, opened, stats_of
 
 SNAP1, SNAP2 = "s" * 22, "t" * 22
@@ -233,3 +233,36 @@ def test_the_clients_answers_are_never_taken_for_the_routers_save_whatever_its_r
     assert [e.code for e in f.errors(A)] == ["control_backpressure"]  # the client's, forwarded
     f.replica(name, saved(save.req, sid, SNAP1, 2))
     assert not f.to(A, p.Saved) and f.core.sessions[sid].snapshot == SNAP1
+
+
+def test_with_snapshots_dir_the_routers_superseded_snapshots_and_those_of_ended_sessions_are_deleted() -> None:
+    f = Fleet(None, snapshot_every=2, snapshots_dir="/shared/snapshots")
+    f.up("a", "b")
+    sid, name = f.open(A)
+    snapshotted(f, name, sid, snapshot=SNAP1)
+    assert not [o for o in f.log if isinstance(o, DropSnapshot)]
+    chunks(f, name, sid, range(2, 4))
+    f.replica(name, saved(saves(f, name)[-1].req, sid, SNAP2, 4))
+    f.client(A, p.Save(req=5, session=sid))  # the client's own: never deleted
+    f.replica(name, saved(5, sid, "c" * 22, 5))
+    f.replica(name, p.Closed(session=sid, reason="complete"))
+    assert [o.snapshot for o in f.log if isinstance(o, DropSnapshot)] == [SNAP1, SNAP2]
+
+
+def test_without_snapshots_dir_nothing_is_deleted() -> None:
+    f = fleet(every=2)
+    sid, name = f.open(A)
+    snapshotted(f, name, sid)
+    f.replica(name, p.Closed(session=sid, reason="complete"))
+    assert not [o for o in f.log if isinstance(o, DropSnapshot)]
+
+
+def test_a_routers_save_answered_after_its_session_ended_is_deleted_and_reaches_nobody() -> None:
+    f = Fleet(None, snapshot_every=2, snapshots_dir="/shared/snapshots")
+    f.up("a", "b")
+    sid, name = f.open(A)
+    chunks(f, name, sid, range(2))
+    (save,) = saves(f, name)
+    f.replica(name, p.Closed(session=sid, reason="complete"))
+    f.replica(name, saved(save.req, sid, SNAP1, 2))
+    assert not f.to(A, p.Saved) and [o.snapshot for o in f.log if isinstance(o, DropSnapshot)] == [SNAP1]

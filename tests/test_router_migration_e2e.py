@@ -1,7 +1,8 @@
 """A session survives its replica, all real: two 2-rank ``cpu-mini`` jobs (synthetic backend, gloo) sharing one
 snapshot folder behind a router with ``snapshot_every``; a rank of the replica holding the session is killed with
 SIGKILL mid-stream. The client is told ``migrated`` and gets the chunks again from the snapshot's chunk, bit for
-bit the frames it got before for the same indices (and the uninterrupted session's after them)."""
+bit the frames it got before for the same indices (and the uninterrupted session's after them); the router deletes
+the snapshots it asked for once their sessions ended (``router.snapshots_dir``)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalRoute
                for name, port in ports.items()}
     router = LocalRouter([(name, f"tcp://127.0.0.1:{port}", 2) for name, port in ports.items()],
                          ["--router.heartbeat_s=0.25", "--router.replica_dead_s=3", "--router.stats_interval_s=0.5",
-                          f"--router.snapshot_every={EVERY}"])
+                          f"--router.snapshot_every={EVERY}", f"--router.snapshots_dir={folder}"])
+    router.snapshots = folder  # type: ignore[attr-defined]
     with router:
         starts = [threading.Thread(target=s.start) for s in servers.values()]
         for t in starts:
@@ -97,5 +99,8 @@ def test_a_session_whose_replica_is_killed_resumes_on_the_other_from_its_snapsho
             assert np.array_equal(after[i], expected[i]), f"chunk {i} differs from the uninterrupted session's"
         client.wait_closed(info.id, timeout_s=60)
         assert client.stats()["router"]["migrations"] == 1
+    folder: Path = router.snapshots  # type: ignore[attr-defined]
+    wait_for("the router's snapshots deleted once their sessions ended",
+             lambda: not list(folder.glob("*/manifest.json")), 10)
     print(f"\nmigration: SIGKILL -> migrated notice {told_s:.2f} s, -> first frame on the survivor "
           f"{first_frame_s:.2f} s (resumed at chunk {resume}, {BEFORE - resume} chunks produced again)")
