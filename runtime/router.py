@@ -13,9 +13,19 @@ Rules that live here and nowhere else:
   id; its answer goes back with the client's. ``control``, ``control_state`` and ``close`` go to the session's
   replica exactly as they came, and so do the replies naming the session (``chunk``, ``accepted``, ``closed``,
   its errors): a chunk's frames are never decoded, copied or re-encoded.
-- **Session ids are the replicas' own** (random, 12 hex digits), so nothing on the chunk path is rewritten. The
+- **Session ids are the replicas' own** (random, 12 hex digits), so nothing on the chunk path is rewritten (but for a
+  migrated session, below). The
   router holds each id once: an ``opened`` whose id another replica's session already has is closed on its replica
   and the client told to open again. An ``opened`` nobody waits for any more is closed on its replica at once.
+- **Sessions outlive their replica** (``router.snapshot_every = K``). Every K chunks forwarded, the router asks a
+  session's replica to ``save`` it (it owns the session there), one save at a time, under a negative request id so
+  no answer to a client's request is taken for it; its ``saved`` is the router's own. A client's own ``saved`` is
+  forwarded and counts as a snapshot too. When the replica goes down, each of its sessions with a snapshot is
+  opened on another replica from the latest (``open(restore=...)``, placed as any open) instead of ending; the
+  client keeps its session id (``aliases`` maps the new replica's id to it: small messages are re-encoded, a chunk's
+  head rewritten, ``runtime.migration``) and gets ``migrated`` (the resume chunk, the new replica). Controls below
+  the resume chunk are refused here; input during the restore waits (live) or gets a backpressure answer. With
+  ``router.snapshots_dir`` the router's own snapshots are deleted once superseded or their session ended.
 - **Membership** (``runtime.replicas``): replicas from the config file and replicas that register (``register``,
   re-sent as a heartbeat, naming the server id of the job as its ``incarnation``). Every replica is pinged every
   ``router.heartbeat_s`` on its connection; anything it sends proves it alive, and each heartbeat ack names the

@@ -4,11 +4,15 @@ router's own ``saved`` replies kept, a session restored on a survivor under the 
 
 from __future__ import annotations
 
+import queue
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
+import zmq
 
 from ipc import protocol as p
+from ipc.client import Client, ClientCore, ServerError, SessionMigrated
 from runtime.migration import renamed
 from runtime.router_types import ChunkHead, DropSnapshot, ReplicaRefused, ReplicaSent, SessionOrigin, ToReplica
 from tests.test_router_core import A, Fleet, chunk, opened, stats_of
@@ -266,3 +270,32 @@ def test_a_routers_save_answered_after_its_session_ended_is_deleted_and_reaches_
     f.replica(name, p.Closed(session=sid, reason="complete"))
     f.replica(name, saved(save.req, sid, SNAP1, 2))
     assert not f.to(A, p.Saved) and [o.snapshot for o in f.log if isinstance(o, DropSnapshot)] == [SNAP1]
+
+
+def test_the_sdk_raises_session_migrated_once_and_marks_the_first_chunk_after_it() -> None:
+    errors: list[ServerError] = []
+    core: ClientCore[queue.Queue[Any], Future[Any]] = ClientCore(queue.Queue, errors.append)
+    sid = "0000000000aa"
+    core.route(p.encode(chunk(sid, 5)))
+    core.route(p.encode(p.Migrated(session=sid, chunk=4, replica="b")))
+    core.route(p.encode(chunk(sid, 4)))
+    events = core.session(sid).events
+    first, notice, again = events.get_nowait(), events.get_nowait(), events.get_nowait()
+    assert first.index == 5 and first.migrated is None
+    assert isinstance(notice, SessionMigrated) and (notice.chunk, notice.replica, notice.session) == (4, "b", sid)
+    assert again.index == 4 and again.migrated == p.Migrated(session=sid, chunk=4, replica="b")
+    assert not errors  # a notice, not an error
+
+
+def test_the_sdks_chunk_iterator_goes_on_after_a_migration() -> None:
+    with zmq.Context() as context, context.socket(zmq.ROUTER) as server:  # a server on loopback, played here
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        with Client(f"tcp://127.0.0.1:{port}", identity=b"player", timeout_s=5) as client:
+            assert server.poll(5000) and server.recv_multipart()[0] == b"player"  # its first heartbeat
+            sid = "0000000000aa"
+            for message in (chunk(sid, 3), p.Migrated(session=sid, chunk=2, replica="b"), chunk(sid, 2),
+                            chunk(sid, 3), p.Closed(session=sid, reason="complete")):
+                server.send_multipart([b"player", p.encode(message)])
+            moves: list[int] = []
+            got = list(client.chunks(sid, on_migrated=lambda m: moves.append(m.chunk)))
+            assert [c.index for c in got] == [3, 2, 3] and moves == [2] and got[1].migrated is not None
