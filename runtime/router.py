@@ -815,7 +815,8 @@ class RouterCore:
     def _shutdown(self, now: float) -> None:
         message = "the router is shutting down"
         for session in list(self.sessions.values()):
-            self._close_on_replica(session, now)  # its replica releases its caches now, not after a client timeout
+            if not session.migrating:  # (a restore on its way is closed by its replica's client timeout)
+                self._close_on_replica(session, now)  # its replica releases its caches now, not after a client timeout
         self._out += self.clients.notices("shutdown", message, lambda session: protocol.Closed(
             session=session.id, reason="shutdown", error=message))
         for sid in list(self.watchers.tokens):

@@ -14,7 +14,15 @@ import zmq
 from ipc import protocol as p
 from ipc.client import Client, ClientCore, ServerError, SessionMigrated
 from runtime.migration import renamed
-from runtime.router_types import ChunkHead, DropSnapshot, ReplicaRefused, ReplicaSent, SessionOrigin, ToReplica
+from runtime.router_types import (
+    ChunkHead,
+    DropSnapshot,
+    ReplicaRefused,
+    ReplicaSent,
+    SessionOrigin,
+    ShutdownRequested,
+    ToReplica,
+)
 from tests.test_router_core import A, Fleet, chunk, opened, stats_of
 
 SNAP1, SNAP2 = "s" * 22, "t" * 22
@@ -299,3 +307,13 @@ def test_the_sdks_chunk_iterator_goes_on_after_a_migration() -> None:
             moves: list[int] = []
             got = list(client.chunks(sid, on_migrated=lambda m: moves.append(m.chunk)))
             assert [c.index for c in got] == [3, 2, 3] and moves == [2] and got[1].migrated is not None
+
+
+def test_a_session_being_restored_when_the_router_stops_is_told_shutdown() -> None:
+    f = fleet(every=2)
+    sid, name = f.open(A)
+    snapshotted(f, name, sid)
+    f.replica(name, p.Error(code="rank_failed", message="rank 3 died"))
+    f.clear()
+    f.step(ShutdownRequested())
+    assert [(c.session, c.reason) for c in f.to(A, p.Closed)] == [(sid, "shutdown")]
