@@ -4,6 +4,7 @@ router's own ``saved`` replies kept, a session restored on a survivor under the 
 
 from __future__ import annotations
 
+import asyncio
 import queue
 from concurrent.futures import Future
 from typing import Any
@@ -12,6 +13,7 @@ import msgspec
 import zmq
 
 from ipc import protocol as p
+from ipc.aio_client import AsyncClient
 from ipc.client import Client, ClientCore, ServerError, SessionMigrated
 from runtime.migration import renamed
 from runtime.router_types import (
@@ -317,3 +319,23 @@ def test_a_session_being_restored_when_the_router_stops_is_told_shutdown() -> No
     f.clear()
     f.step(ShutdownRequested())
     assert [(c.session, c.reason) for c in f.to(A, p.Closed)] == [(sid, "shutdown")]
+
+
+def test_the_async_sdks_chunk_iterator_goes_on_after_a_migration() -> None:
+    async def play(port: int, server: zmq.Socket) -> tuple[list[int], list[int]]:
+        async with AsyncClient(f"tcp://127.0.0.1:{port}", identity=b"player", timeout_s=5) as client:
+            await asyncio.to_thread(lambda: server.poll(5000) and server.recv_multipart())  # its first heartbeat
+            sid = "0000000000aa"
+            for message in (chunk(sid, 3), p.Migrated(session=sid, chunk=2, replica="b"), chunk(sid, 2),
+                            p.Closed(session=sid, reason="complete")):
+                server.send_multipart([b"player", p.encode(message)])
+            moves: list[int] = []
+
+            async def moved(m: SessionMigrated) -> None:
+                moves.append(m.chunk)
+
+            return [c.index async for c in client.chunks(sid, on_migrated=moved)], moves
+
+    with zmq.Context() as context, context.socket(zmq.ROUTER) as server:
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        assert asyncio.run(play(port, server)) == ([3, 2], [2])
