@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ from ipc.client import (
     ServerGone,
     SessionClosed,
     SessionInfo,
+    SessionMigrated,
     SessionState,
     Snapshot,
     chunk_control,
@@ -206,7 +207,8 @@ class AsyncClient:
     # ------------------------------------------------------------------------------------------ receiving
 
     async def next_chunk(self, session: str, timeout_s: float | None = None) -> ChunkResult:
-        """The session's next chunk. Raises ``SessionClosed`` at its end, ``ServerError`` on its errors."""
+        """The session's next chunk. Raises ``SessionClosed`` at its end, ``ServerError`` on its errors,
+        ``SessionMigrated`` (once per move; the session goes on) when a router restored it on another replica."""
         state = self._session(session)
         if state.closed is not None and state.events.empty():
             raise SessionClosed(state.closed)
@@ -221,11 +223,17 @@ class AsyncClient:
             raise SessionClosed(event)
         raise event
 
-    async def chunks(self, session: str, timeout_s: float | None = None) -> AsyncIterator[ChunkResult]:
-        """Chunks until the session closes (errors of the session raise)."""
+    async def chunks(self, session: str, timeout_s: float | None = None,
+                     on_migrated: Callable[[SessionMigrated], Awaitable[None]] | None = None
+                     ) -> AsyncIterator[ChunkResult]:
+        """Chunks until the session closes (errors of the session raise); a migration is awaited in
+        ``on_migrated`` and the chunks go on from its resume chunk (as ``Client.chunks``)."""
         while True:
             try:
                 yield await self.next_chunk(session, timeout_s)
+            except SessionMigrated as moved:
+                if on_migrated is not None:
+                    await on_migrated(moved)
             except SessionClosed:
                 return
 

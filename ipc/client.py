@@ -22,6 +22,11 @@ and ``chunk.input_to_photon_s`` the client-clock latency of every revision it sh
     session = client.open(image, live=True)
     keys = client.live(session.id)
     keys.press("w"); keys.tap("i"); keys.move(2.0, 0.0); keys.release("w")
+
+Through a router with ``snapshot_every``, a session outlives its replica: ``next_chunk`` raises ``SessionMigrated``
+(its ``chunk`` is where it resumes: the session's chunks come again from that index, and its indexed controls go
+on from there; the first chunk after it carries ``chunk.migrated``); ``chunks`` goes on by itself and calls its
+``on_migrated`` (e.g. to send the controls again from ``chunk``).
 """
 
 from __future__ import annotations
@@ -147,6 +152,23 @@ class WatchOnly(ServerError):
     codes = ("watch_only",)
 
 
+class SessionMigrated(ServerError):
+    """Not an end: the session's replica went down and the router restored it on ``replica`` from its latest
+    snapshot. Its chunks come again from ``chunk`` on (the same frames, given the same controls); its indexed
+    controls go on from ``chunk`` (one below it is refused); live input goes on as it was."""
+
+    codes = ("migrated",)
+    chunk: int = 0  # the chunk it resumes from: the next chunk and control index
+    replica: str = ""  # the router's name of the replica it runs on now
+
+    @staticmethod
+    def of_notice(notice: protocol.Migrated) -> SessionMigrated:
+        error = SessionMigrated("migrated", f"session {notice.session} resumed from chunk {notice.chunk} on replica "
+                                f"{notice.replica} (its replica went down)", notice.session)
+        error.chunk, error.replica = notice.chunk, notice.replica
+        return error
+
+
 _ERROR_TYPES: dict[str, type[ServerError]] = {
     code: cls for cls in (Busy, UnknownSession, RejectedControl, ControlBackpressure, BadRequest, StaleRevision,
                           SessionFailed, ServerGone, OutboxFull, PromptBackpressure, WatchOnly) for code in
@@ -215,6 +237,7 @@ class ChunkResult:
     received: float  # client monotonic clock at arrival
     input_to_photon_s: dict[int, float] = field(default_factory=dict)  # live: revision first shown here -> latency
     missed: int = 0  # watching: chunks of the session dropped for this client right before this one (it read slowly)
+    migrated: protocol.Migrated | None = None  # the first chunk after its session moved replica: where it resumed
 
     @property
     def revision(self) -> int:
@@ -454,6 +477,7 @@ class SessionState(Generic[Q]):
     closed: protocol.Closed | None = None
     photon: InputToPhoton = field(default_factory=InputToPhoton)  # touched by the receiving side only
     missed: int = 0  # watching: chunks dropped for this client since the last one it got (``protocol.Missed``)
+    migrated: protocol.Migrated | None = None  # a migrated notice not yet followed by a chunk
 
 
 class ClientCore(Generic[Q, F]):
@@ -564,8 +588,14 @@ class ClientCore(Generic[Q, F]):
             photon = state.photon.shown(facts.control.revision, received)
             frames = np.frombuffer(message.frames, dtype=np.uint8).reshape(message.shape)
             missed, state.missed = state.missed, 0
+            migrated, state.migrated = state.migrated, None
             state.events.put_nowait(ChunkResult(message.session, facts.index, frames, facts.control, facts,
-                                                received, photon, missed))
+                                                received, photon, missed, migrated))
+            return
+        if isinstance(message, protocol.Migrated):  # the session goes on: its stream says where from
+            state = self.session(message.session)
+            state.migrated = message
+            state.events.put_nowait(SessionMigrated.of_notice(message))
             return
         if isinstance(message, protocol.Missed):
             self.session(message.session).missed += message.chunks
@@ -752,7 +782,8 @@ class Client:
     # ------------------------------------------------------------------------------------------ receiving
 
     def next_chunk(self, session: str, timeout_s: float | None = None) -> ChunkResult:
-        """The session's next chunk. Raises ``SessionClosed`` at its end, ``ServerError`` on its errors."""
+        """The session's next chunk. Raises ``SessionClosed`` at its end, ``ServerError`` on its errors,
+        ``SessionMigrated`` (once per move; the session goes on) when a router restored it on another replica."""
         state = self._session(session)
         if state.closed is not None and state.events.empty():
             raise SessionClosed(state.closed)
@@ -767,11 +798,17 @@ class Client:
             raise SessionClosed(event)
         raise event
 
-    def chunks(self, session: str, timeout_s: float | None = None) -> Iterator[ChunkResult]:
-        """Chunks until the session closes (errors of the session raise)."""
+    def chunks(self, session: str, timeout_s: float | None = None,
+               on_migrated: Callable[[SessionMigrated], None] | None = None) -> Iterator[ChunkResult]:
+        """Chunks until the session closes (errors of the session raise). A migration is no error: the chunks go
+        on from its resume chunk (indices come again) after ``on_migrated`` ran (an indexed session sends its
+        controls again from ``SessionMigrated.chunk`` there)."""
         while True:
             try:
                 yield self.next_chunk(session, timeout_s)
+            except SessionMigrated as moved:
+                if on_migrated is not None:
+                    on_migrated(moved)
             except SessionClosed:
                 return
 

@@ -450,10 +450,21 @@ class HeartbeatAck(_Msg, tag="heartbeat_ack"):
     server: str = ""  # this server's id for its lifetime: a client sees a restarted server (its sessions are gone)
 
 
+class Migrated(_Msg, tag="migrated"):
+    """From a router with ``snapshot_every``: the session's replica went down and the session goes on on
+    ``replica`` from its latest snapshot. It keeps its id; its chunks and controls continue from ``chunk`` (the
+    snapshot's boundary): chunks from ``chunk`` on come again, and a control below ``chunk`` is refused."""
+
+    session: str
+    chunk: int  # the chunk it resumes from: the next chunk and control index
+    replica: str  # the router's name of the replica it now runs on
+
+
 ClientMessage = Union[Open, Control, ControlState, Close, Stats, Heartbeat, SetPrompt, Watch, Unwatch,  # noqa: UP007
                       Save]
 ServerMessage = Union[  # noqa: UP007
     Opened, Accepted, Chunk, Closed, Error, StatsReply, HeartbeatAck, PromptScheduled, Watching, Missed, Saved,
+    Migrated,
 ]
 
 # ----------------------------------------------------------------------------------------------------------------

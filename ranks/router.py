@@ -16,12 +16,14 @@ import argparse
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -32,6 +34,7 @@ from runtime.config import ConfigError
 from runtime.metrics import StreamStat
 from runtime.router import RouterCore
 from runtime.router_config import RouterConfig, load, replica_queue
+from runtime.snapshots import MANIFEST, SnapshotError, check_id
 from runtime.watchers import Feeds
 
 log = logging.getLogger("worldstream.router")
@@ -205,11 +208,22 @@ class RouterShell:
                     self.feeds.put(who, output.session, output.payload)
             elif isinstance(output, rt.EndWatch):
                 self.feeds.end(output.identity, output.session, output.closed, output.keep, time.monotonic())
+            elif isinstance(output, rt.DropSnapshot):
+                self._drop_snapshot(output.snapshot)
             elif isinstance(output, rt.Stop):
                 self._flush_feeds()
                 return output.code
         self._flush_feeds()  # every turn (a tick at least): a watcher whose queue was full may have read since
         return None
+
+    def _drop_snapshot(self, snapshot: str) -> None:
+        """Delete a snapshot the router asked for and needs no more (its manifest first: never restored half gone)."""
+        try:
+            folder = Path(self.section.snapshots_dir) / check_id(snapshot)
+            (folder / MANIFEST).unlink(missing_ok=True)
+            shutil.rmtree(folder, ignore_errors=True)
+        except (OSError, SnapshotError) as error:  # a folder it cannot delete costs disk, never the router
+            log.warning("could not delete snapshot %s: %s", snapshot, error)
 
     def _flush_feeds(self) -> None:
         gone = self.feeds.flush(self._to_watcher, time.monotonic())

@@ -13,9 +13,19 @@ Rules that live here and nowhere else:
   id; its answer goes back with the client's. ``control``, ``control_state`` and ``close`` go to the session's
   replica exactly as they came, and so do the replies naming the session (``chunk``, ``accepted``, ``closed``,
   its errors): a chunk's frames are never decoded, copied or re-encoded.
-- **Session ids are the replicas' own** (random, 12 hex digits), so nothing on the chunk path is rewritten. The
+- **Session ids are the replicas' own** (random, 12 hex digits), so nothing on the chunk path is rewritten (but for a
+  migrated session, below). The
   router holds each id once: an ``opened`` whose id another replica's session already has is closed on its replica
   and the client told to open again. An ``opened`` nobody waits for any more is closed on its replica at once.
+- **Sessions outlive their replica** (``router.snapshot_every = K``). Every K chunks forwarded, the router asks a
+  session's replica to ``save`` it (it owns the session there), one save at a time, under a negative request id so
+  no answer to a client's request is taken for it; its ``saved`` is the router's own. A client's own ``saved`` is
+  forwarded and counts as a snapshot too. When the replica goes down, each of its sessions with a snapshot is
+  opened on another replica from the latest (``open(restore=...)``, placed as any open) instead of ending; the
+  client keeps its session id (``aliases`` maps the new replica's id to it: small messages are re-encoded, a chunk's
+  head rewritten, ``runtime.migration``) and gets ``migrated`` (the resume chunk, the new replica). Controls below
+  the resume chunk are refused here; input during the restore waits (live) or gets a backpressure answer. With
+  ``router.snapshots_dir`` the router's own snapshots are deleted once superseded or their session ended.
 - **Membership** (``runtime.replicas``): replicas from the config file and replicas that register (``register``,
   re-sent as a heartbeat, naming the server id of the job as its ``incarnation``). Every replica is pinged every
   ``router.heartbeat_s`` on its connection; anything it sends proves it alive, and each heartbeat ack names the
@@ -61,6 +71,7 @@ import msgspec
 from ipc import protocol
 from runtime.clients import Clients
 from runtime.core_types import EXIT_OK, ClientError
+from runtime.migration import renamed
 from runtime.replicas import MAX_SESSIONS_PER_REPLICA, Replica, State, UnusableStats, choose, read_stats, summary
 from runtime.router_config import ReplicaEntry, RouterSection, check_endpoint, check_name, chunk_limit
 from runtime.router_types import (
@@ -70,6 +81,7 @@ from runtime.router_types import (
     ClientUnreadable,
     Connect,
     Disconnect,
+    DropSnapshot,
     EndWatch,
     Event,
     OpenOrigin,
@@ -112,6 +124,19 @@ class RoutedSession:
     close_due: float = 0.0  # when the close is sent (again) unless the replica said ``closed``
     state: protocol.ControlState | None = None  # live input that met a full link: folded, sent when it drains
     opened: protocol.Opened | None = None  # its replica's answer: the geometry a watcher is told
+    upstream: str = ""  # its id on its replica when that is not ``id`` (it migrated: restored under a new id)
+    chunks: int = 0  # chunks forwarded since the router last asked its replica to save it (``snapshot_every``)
+    autosave: int | None = None  # the router's own save in flight (its request id): its answer is the router's
+    snapshot: str | None = None  # the latest snapshot of it (the router's or its client's): where it resumes from
+    snapshot_chunk: int = 0  # that snapshot's boundary chunk
+    resume: int = 0  # the lowest control index it takes: after a migration, its snapshot's chunk
+    migrating: bool = False  # its replica went down and its restore on another one is not answered yet
+    own_snapshot: str | None = None  # the latest snapshot the router asked for (deleted when superseded or it ends)
+
+    @property
+    def rid(self) -> str:
+        """Its id on its replica."""
+        return self.upstream or self.id
 
 
 @dataclass
@@ -122,6 +147,7 @@ class PendingOpen:
     replica: str
     sent: float
     tried: set[str] = field(default_factory=set)  # replicas asked already (busy or unreachable)
+    migrating: str | None = None  # the restore of this (client-facing) session after its replica went down
 
 
 class RouterCore:
@@ -144,6 +170,9 @@ class RouterCore:
         self.hold_s: dict[str, Any] = {}  # the shell's measure of a chunk's stay in the router (``ShellTimes``)
         self.watch_dropped = 0  # chunks the shell dropped for slow watchers (``ShellTimes``)
         self.rejects: dict[str, int] = {}
+        self.aliases: dict[tuple[str, str], str] = {}  # (replica, id there) -> the id a migrated one's client knows
+        self.autosaves = 0  # the router's own saves answered (``snapshot_every``)
+        self.migrations = 0  # sessions restored on another replica after theirs went down
         self.stopped = False
         self._out: list[Output] = []
         for entry in listed:
@@ -212,6 +241,16 @@ class RouterCore:
         match message:
             case protocol.Open():
                 self._open(who, message, now)
+            case protocol.Control() | protocol.ControlState() | protocol.SetPrompt() | protocol.Save() \
+                    if self.clients.owned(who, message.session).migrating:
+                self._while_migrating(self.sessions[message.session], message)
+            case protocol.Close() if self.clients.owned(who, message.session).migrating:
+                self._end_migrating(self.sessions[message.session], "client", None)
+            case protocol.Control() if message.index < self.clients.owned(who, message.session).resume:
+                session = self.sessions[message.session]
+                raise ClientError("rejected_control", f"session {session.id} resumed from its snapshot at chunk "
+                                  f"{session.resume} on replica {session.replica} (its replica went down): its "
+                                  f"controls go on from index {session.resume}, not {message.index}")
             case protocol.ControlState() if self.clients.owned(who, message.session).state is not None:
                 session = self.sessions[message.session]  # earlier input waits for a full link: this goes after
                 session.state = fold(session.state, message)  # type: ignore[arg-type]
@@ -222,7 +261,8 @@ class RouterCore:
                 replica = self.replicas[session.replica]
                 kind = type(message).__struct_config__.tag
                 state = message if isinstance(message, protocol.ControlState) else None
-                self._emit(ToReplica(replica.name, replica.generation, raw,
+                upstream = raw if not session.upstream else msgspec.structs.replace(message, session=session.upstream)
+                self._emit(ToReplica(replica.name, replica.generation, upstream,
                                      SessionOrigin(who, message.req, session.id, str(kind), state)))
             case protocol.Stats():
                 self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(who, now))))
@@ -243,20 +283,45 @@ class RouterCore:
                 self._emit(EndWatch(who, message.session, protocol.Closed(session=message.session, reason="unwatched"),
                                     keep=False))
 
+    def _while_migrating(self, session: RoutedSession, message: protocol.ClientMessage) -> None:
+        """A session message while its restore is on its way: live input waits (folded), the rest is refused with
+        what a server answers when it cannot take it now."""
+        if isinstance(message, protocol.ControlState):
+            session.state = message if session.state is None else fold(session.state, message)
+            return
+        code = {"control": "control_backpressure", "set_prompt": "prompt_backpressure"}.get(
+            str(type(message).__struct_config__.tag), "busy")
+        raise ClientError(code, f"session {session.id} is being restored from its snapshot at chunk "
+                          f"{session.snapshot_chunk} (its replica {session.replica} went down): send it again",
+                          retry_after_s=self.config.heartbeat_s)
+
+    def _end_migrating(self, session: RoutedSession, reason: str, error: str | None) -> None:
+        """A session whose restore is on its way ends here (its client closed it, or no replica could restore it);
+        a restore answered later is closed on its replica (nobody waits for it)."""
+        self._remove_session(session)
+        self._end_watchers(session.id, reason, error, keep=False)
+        if not session.gone:
+            if error is not None:
+                self._emit(ToClient(session.client, protocol.Error(session=session.id, code="rank_failed",
+                                                                   message=error), session.id))
+            self._emit(ToClient(session.client, protocol.Closed(session=session.id, reason=reason, error=error,
+                                                                summary={"replica": session.replica}), session.id))
+
     def _end_watchers(self, sid: str, reason: str, error: str | None, keep: bool) -> None:
         """The session ended here: each of its watchers gets a ``closed`` of its own (the owner's summary is not
         theirs)."""
         for who in self.watchers.end(sid):
             self._emit(EndWatch(who, sid, protocol.Closed(session=sid, reason=reason, error=error), keep))
 
-    def _open(self, who: bytes, message: protocol.Open, now: float, tried: Iterable[str] = ()) -> None:
+    def _open(self, who: bytes, message: protocol.Open, now: float, tried: Iterable[str] = (),
+              migrating: str | None = None) -> None:
         tried = set(tried)
         replica = choose(self.replicas.values(), now, exclude=tried)
         if replica is None:
             raise ClientError("busy", f"every replica is at its session limit or down "
                               f"({summary(self.replicas.values())})", retry_after_s=self.config.busy_retry_s)
         req = self.new_req()
-        self.opens[req] = PendingOpen(req, who, message, replica.name, now, tried | {replica.name})
+        self.opens[req] = PendingOpen(req, who, message, replica.name, now, tried | {replica.name}, migrating)
         replica.opening += 1
         self._emit(ToReplica(replica.name, replica.generation, msgspec.structs.replace(message, req=req),
                              OpenOrigin(req)))
@@ -265,9 +330,18 @@ class RouterCore:
         """Place an open elsewhere (its replica was busy, unreachable or went down), or tell its client why not."""
         self._drop_open(pending)
         try:
-            self._open(pending.client, pending.message, now, pending.tried)
+            self._open(pending.client, pending.message, now, pending.tried, pending.migrating)
         except ClientError as error:
+            self._open_refused(pending, error)
+
+    def _open_refused(self, pending: PendingOpen, error: ClientError) -> None:
+        """An open that cannot be placed or was refused: its client is told (a session being restored ends)."""
+        session = self.sessions.get(pending.migrating or "")
+        if pending.migrating is None:
             self._refuse(pending.client, error, pending.message.req)
+        elif session is not None and session.migrating:
+            self._end_migrating(session, "failed", f"its replica {session.replica} went down and its restore "
+                                f"failed ({error.code}: {error}); its session is lost: open a new one")
 
     def _drop_open(self, pending: PendingOpen) -> None:
         self.opens.pop(pending.req, None)
@@ -288,17 +362,23 @@ class RouterCore:
             self._close_on_replica(session, now)
 
     def _close_on_replica(self, session: RoutedSession, now: float) -> None:
+        if session.migrating:  # no replica holds it yet: it ends here (the restore is closed when it answers)
+            self._end_migrating(session, "disconnect", None)
+            return
         session.closing, session.close_due = True, now + self.config.replica_dead_s
         replica = self.replicas[session.replica]
         self._emit(ToReplica(replica.name, replica.generation,
-                             protocol.Close(req=self.new_req(), session=session.id)))
+                             protocol.Close(req=self.new_req(), session=session.rid)))
 
     def _send_state(self, session: RoutedSession) -> None:
         """Send a session's folded live input (it met a full link); a refusal folds it again (``_refused``)."""
+        if session.migrating:
+            return  # sent once its restore is answered
         state, session.state = session.state, None
         if state is not None:
             replica = self.replicas[session.replica]
-            self._emit(ToReplica(replica.name, replica.generation, state,
+            upstream = msgspec.structs.replace(state, session=session.rid)
+            self._emit(ToReplica(replica.name, replica.generation, upstream,
                                  SessionOrigin(session.client, state.req, session.id, "control_state")))
 
     def _add_session(self, session: RoutedSession, now: float) -> None:
@@ -307,7 +387,9 @@ class RouterCore:
         self.sessions_total += 1
 
     def _remove_session(self, session: RoutedSession) -> None:
+        self._drop_own(session)
         self.clients.remove(session.id)
+        self.aliases.pop((session.replica, session.rid), None)
         replica = self.replicas.get(session.replica)
         if replica is not None:
             replica.sessions.discard(session.id)
@@ -320,44 +402,152 @@ class RouterCore:
             return  # from a connection closed since: its job is gone for the router
         replica.last_heard = now  # alive; it is up only once a heartbeat ack said which process it is
         message = event.message
+        raw = event.raw
+        sid = getattr(message, "session", None)
+        if sid is not None and (alias := self.aliases.get((replica.name, sid))) is not None:
+            # a migrated session: its client knows it by its first id
+            if isinstance(message, ChunkHead):
+                raw, message = renamed(raw, sid, alias), ChunkHead(alias)
+            else:
+                message = msgspec.structs.replace(message, session=alias)
+                raw = message
         match message:
             case ChunkHead(session=sid):
-                if self._to_session(replica, sid, event.raw):
+                if self._to_session(replica, sid, raw):
                     self.chunks_forwarded += 1
                     watchers = self.watchers.of(sid)
                     if watchers:  # the same frame, never copied: each watcher's feed in the shell
-                        self._emit(ToWatchers(sid, watchers, event.raw))
+                        self._emit(ToWatchers(sid, watchers, raw))
+                    self._maybe_autosave(self.sessions[sid])
             case protocol.Opened():
                 self._opened(replica, message, now)
             case protocol.Error(code=code) if code in ENDING_CODES:
                 self._down(replica, f"is ending: {message.message}", now, code)
             case protocol.Error(session=None):
                 self._open_failed(replica, message, now)
+            case protocol.Saved(session=sid) | protocol.Error(session=sid) if self._autosaved(replica, message):
+                pass  # the router's own save: answered to the router alone
             case protocol.Closed(session=sid):
                 session = self.sessions.get(sid)
-                if session is not None and session.replica == replica.name:
+                if session is not None and session.replica == replica.name and not session.migrating:
                     self._remove_session(session)
                     if not session.gone:
-                        self._emit(ToClient(session.client, event.raw, sid))
+                        self._emit(ToClient(session.client, raw, sid))
                     self._end_watchers(sid, message.reason, message.error, keep=True)
             case (protocol.Accepted(session=sid) | protocol.Error(session=sid) | protocol.PromptScheduled(session=sid)
                   | protocol.Saved(session=sid)):
-                self._to_session(replica, sid, event.raw)  # type: ignore[arg-type]
+                if isinstance(message, protocol.Saved):
+                    self._snapshotted(replica, message)  # a client's own save is a place to resume from too
+                self._to_session(replica, sid, raw)  # type: ignore[arg-type]
             case protocol.StatsReply():
                 self._stats_reply(replica, message, now)
             case protocol.HeartbeatAck(server=server):
                 self._identify(replica, server, now)
 
-    def _to_session(self, replica: Replica, sid: str, raw: Payload) -> bool:
+    def _to_session(self, replica: Replica, sid: str, raw: Payload | protocol.ServerMessage) -> bool:
         session = self.sessions.get(sid)
-        if session is None or session.replica != replica.name:
+        if session is None or session.replica != replica.name or session.migrating:
             return False  # a late message of a session that ended here
         if not session.gone:
             self._emit(ToClient(session.client, raw, sid))
         return True
 
+    # ---------------------------------------------------------------------------------------------- migration
+
+    def _maybe_autosave(self, session: RoutedSession) -> None:
+        """Every ``snapshot_every`` chunks forwarded, the router asks the session's replica to save it (as its
+        owner there: the router is the replica's client). One at a time: a save slower than K chunks delays the
+        next."""
+        every = self.config.snapshot_every
+        session.chunks += 1
+        if not every or session.chunks < every or session.autosave is not None or session.closing:
+            return
+        # a negative request id: the replica echoes it, and no answer to the client's own requests (the SDK counts
+        # from 1) is taken for the router's
+        session.chunks, session.autosave = 0, -self.new_req()
+        replica = self.replicas[session.replica]
+        self._emit(ToReplica(replica.name, replica.generation, protocol.Save(req=session.autosave, session=session.rid),
+                             SessionOrigin(session.client, session.autosave, session.id, "autosave")))
+
+    def _autosaved(self, replica: Replica, message: protocol.Saved | protocol.Error) -> bool:
+        """Whether ``message`` answers the router's own save (then it is the router's alone: recorded or logged)."""
+        session = self.sessions.get(message.session or "")
+        if message.req is not None and message.req < 0 and (session is None or session.replica != replica.name):
+            if isinstance(message, protocol.Saved) and self.config.snapshots_dir:  # its session ended meanwhile
+                self._emit(DropSnapshot(message.snapshot))
+            return True  # the router's own (negative request ids), of a session that ended here
+        if session is None or session.replica != replica.name or message.req is None \
+                or message.req != session.autosave:
+            return False
+        session.autosave = None
+        if isinstance(message, protocol.Saved):
+            self.autosaves += 1
+            self._snapshotted(replica, message)
+            self._drop_own(session)
+            session.own_snapshot = message.snapshot
+        else:  # e.g. the client's own save runs (busy): the next comes K chunks later
+            log.info("session %s: the save on replica %s failed: %s: %s", session.id, replica.name, message.code,
+                     message.message[:200])
+        return True
+
+    def _drop_own(self, session: RoutedSession) -> None:
+        """The router's latest snapshot of ``session`` is not needed any more (a newer one, or the session ended)."""
+        if session.own_snapshot is not None and self.config.snapshots_dir:
+            self._emit(DropSnapshot(session.own_snapshot))
+        session.own_snapshot = None
+
+    def _snapshotted(self, replica: Replica, saved: protocol.Saved) -> None:
+        session = self.sessions.get(saved.session)
+        if session is not None and session.replica == replica.name and saved.chunk >= session.snapshot_chunk:
+            session.snapshot, session.snapshot_chunk = saved.snapshot, saved.chunk
+
+    def _migrate(self, session: RoutedSession, down: Replica, text: str, now: float) -> bool:
+        """Restore ``session`` (its replica ``down`` is going down) from its latest snapshot on another replica
+        chosen as for an open; False when it has none or no replica has room (it ends as before)."""
+        if session.snapshot is None or session.closing or self.stopped:
+            return False
+        message = protocol.Open(req=0, image=b"", restore=session.snapshot)
+        try:
+            self._open(session.client, message, now, {down.name}, migrating=session.id)
+        except ClientError as error:
+            log.warning("session %s cannot move off replica %s: %s", session.id, down.name, error)
+            return False
+        self.aliases.pop((down.name, session.rid), None)
+        down.sessions.discard(session.id)
+        session.migrating, session.autosave, session.closing = True, None, False
+        log.warning("session %s: replica %s %s; restoring it from its snapshot at chunk %d", session.id, down.name,
+                    text, session.snapshot_chunk)
+        return True
+
+    def _migrated(self, replica: Replica, pending: PendingOpen, message: protocol.Opened, now: float) -> None:
+        """The restore of a session whose replica went down is open on ``replica``: its client is told."""
+        session = self.sessions.get(pending.migrating or "")
+        taken = (message.session != pending.migrating and message.session in self.sessions) or \
+            (replica.name, message.session) in self.aliases
+        if session is None or not session.migrating or taken:
+            self._emit(ToReplica(replica.name, replica.generation,
+                                 protocol.Close(req=self.new_req(), session=message.session)))
+            if session is not None and session.migrating:  # its new id is in use here (random 48 bits: rare)
+                self._end_migrating(session, "failed", f"session {session.id} could not be restored: the id "
+                                    f"{message.session} is in use; open a new one")
+            return
+        session.replica, session.migrating, session.resume, session.chunks = replica.name, False, message.first_chunk, 0
+        session.upstream = "" if message.session == session.id else message.session
+        if session.upstream:
+            self.aliases[(replica.name, session.upstream)] = session.id
+        replica.sessions.add(session.id)
+        self.migrations += 1
+        if not session.gone:
+            self._emit(ToClient(session.client, protocol.Migrated(session=session.id, chunk=message.first_chunk,
+                                                                  replica=replica.name), session.id))
+        self._send_state(session)  # live input that came meanwhile
+
     def _opened(self, replica: Replica, message: protocol.Opened, now: float) -> None:
         pending = self.opens.get(message.req)
+        if pending is not None and pending.replica == replica.name and pending.migrating is not None:
+            self._drop_open(pending)
+            self._migrated(replica, pending, message, now)
+            return
         if pending is None or pending.replica != replica.name:
             log.info("replica %s opened %s for an open nobody waits for: closing it", replica.name, message.session)
             self._emit(ToReplica(replica.name, replica.generation,
@@ -395,7 +585,7 @@ class RouterCore:
             self._retry_open(pending, now)
             return
         self._drop_open(pending)
-        self._refuse(pending.client, ClientError(error.code, error.message, error.retry_after_s), pending.message.req)
+        self._open_refused(pending, ClientError(error.code, error.message, error.retry_after_s))
 
     def _refused(self, event: ReplicaRefused, now: float) -> None:
         origin = event.origin
@@ -407,7 +597,9 @@ class RouterCore:
         session = self.sessions.get(origin.session)
         if session is None or session.replica != event.replica:
             return  # it ended meanwhile: its client was told
-        if origin.kind == "close":  # a server never refuses a close: the router sends it again on the next turn
+        if origin.kind == "autosave":  # the router's own save: tried again at the next chunk
+            session.autosave, session.chunks = None, self.config.snapshot_every - 1
+        elif origin.kind == "close":  # a server never refuses a close: the router sends it again on the next turn
             session.closing, session.close_due = True, now
         elif origin.kind == "control_state":  # nor valid live input: it is folded and sent when the link drains
             if origin.state is not None:
@@ -430,7 +622,7 @@ class RouterCore:
             replica.down_reason, replica.held_until = why, now + self.config.replica_dead_s
             return
         if not replica.fold_stats(stats, shown, now):
-            self._end_sessions(replica, "restarted (its uptime went back)", "rank_failed")
+            self._end_sessions(replica, "restarted (its uptime went back)", "rank_failed", now)
             for pending in [p for p in self.opens.values() if p.replica == replica.name]:
                 self._retry_open(pending, now)
         if replica.state is State.DOWN and replica.known and not replica.is_router and now >= replica.held_until:
@@ -476,7 +668,7 @@ class RouterCore:
     def _down(self, replica: Replica, reason: str, now: float, code: str = "rank_failed") -> None:
         if replica.state is State.DOWN:
             return
-        lost = self._end_sessions(replica, reason, code)
+        lost = self._end_sessions(replica, reason, code, now)
         replica.move(State.DOWN, now)
         replica.down_reason = reason
         for pending in [p for p in self.opens.values() if p.replica == replica.name]:
@@ -485,10 +677,12 @@ class RouterCore:
         log.warning("replica %s is down: %s (%d sessions lost)", replica.name, reason, lost)
         self._emit(ReplicaDown(replica.name, reason, lost))
 
-    def _end_sessions(self, replica: Replica, reason: str, code: str) -> int:
-        """Each session on the replica ends: its client gets ``code`` naming the replica, then ``closed``."""
+    def _end_sessions(self, replica: Replica, reason: str, code: str, now: float) -> int:
+        """Each session on the replica with a snapshot moves to another (``_migrate``); each other one ends: its
+        client gets ``code`` naming the replica, then ``closed``."""
         text = f"replica {replica.name} ({replica.endpoint}) {reason}; its sessions are lost: open a new one"
-        lost = [self.sessions[sid] for sid in sorted(replica.sessions)]
+        ending = [self.sessions[sid] for sid in sorted(replica.sessions)]
+        lost = [s for s in ending if not self._migrate(s, replica, reason, now)]
         for session in lost:
             self._remove_session(session)
             self._end_watchers(session.id, "shutdown" if code == "shutdown" else "failed", text, keep=False)
@@ -595,9 +789,8 @@ class RouterCore:
         for pending in list(self.opens.values()):
             if now - pending.sent > config.open_timeout_s:
                 self._drop_open(pending)
-                self._refuse(pending.client, ClientError("failed", f"replica {pending.replica} did not open the "
-                                                         f"session within {config.open_timeout_s:.0f} s"),
-                             pending.message.req)
+                self._open_refused(pending, ClientError("failed", f"replica {pending.replica} did not open the "
+                                                        f"session within {config.open_timeout_s:.0f} s"))
         for who, sid in self.watchers.silent(now):
             log.info("session %s: a watcher silent for over %.1f s is dropped", sid, config.client_timeout_s)
             self._emit(EndWatch(who, sid, protocol.Closed(session=sid, reason="disconnect",
@@ -622,7 +815,8 @@ class RouterCore:
     def _shutdown(self, now: float) -> None:
         message = "the router is shutting down"
         for session in list(self.sessions.values()):
-            self._close_on_replica(session, now)  # its replica releases its caches now, not after a client timeout
+            if not session.migrating:  # (a restore on its way is closed by its replica's client timeout)
+                self._close_on_replica(session, now)  # its replica releases its caches now, not after a client timeout
         self._out += self.clients.notices("shutdown", message, lambda session: protocol.Closed(
             session=session.id, reason="shutdown", error=message))
         for sid in list(self.watchers.tokens):
@@ -654,7 +848,7 @@ class RouterCore:
         for session in sorted(self.clients.of(who), key=lambda s: s.id):
             sid = session.id
             stats = self.replicas[session.replica].stats
-            mine[sid] = {**(stats.per_session.get(sid, {}) if stats else {}), "replica": session.replica}
+            mine[sid] = {**(stats.per_session.get(session.rid, {}) if stats else {}), "replica": session.replica}
         chunks, frames = sum(s.chunks_emitted for s in read), sum(s.frames_emitted for s in read)
         open_sessions = sum(len(r.sessions) + r.external for r in up)
         return {
@@ -675,7 +869,8 @@ class RouterCore:
             },
             "router": {"chunks_forwarded": self.chunks_forwarded, "client_messages": self.client_messages,
                        "watchers": self.watchers.count(), "watch_dropped": self.watch_dropped,
-                       "opening": len(self.opens), "sessions_total": self.sessions_total, "chunk_hold_s": self.hold_s},
+                       "opening": len(self.opens), "sessions_total": self.sessions_total, "chunk_hold_s": self.hold_s,
+                       "autosaves": self.autosaves, "migrations": self.migrations},
             "replicas": {name: r.describe(now) for name, r in sorted(self.replicas.items())},
             "per_session": mine,
         }

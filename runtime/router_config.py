@@ -52,6 +52,12 @@ class RouterSection(_Section):
     # the connection to one replica queues at most this much each way (the ZeroMQ high-water marks follow from it)
     replica_queue_mb: int = 512
     max_chunk_mb: int = 64  # the largest chunk forwarded (a 480x832 one is 14 MiB); a session with larger is refused
+    # each session is saved on its replica every this many chunks; when the replica goes down the session is restored
+    # from its latest snapshot on another one (replicas must share snapshots.dir). 0: never (sessions end with it)
+    snapshot_every: int = 0
+    # the replicas' snapshots.dir as the router's host sees it: when set, a snapshot the router asked for is deleted
+    # once a newer one of its session is written or the session ends (a client's own never are). Empty: kept
+    snapshots_dir: str = ""
 
 
 class ReplicaEntry(_Section):
@@ -111,6 +117,8 @@ def validate(config: RouterConfig, where: str) -> RouterConfig:
     for key in ("client_timeout_s", "stats_interval_s", "open_timeout_s", "forget_after_s"):
         if getattr(r, key) <= 0:
             raise ConfigError(f"{where}: router.{key} must be > 0")
+    if r.snapshot_every < 0:
+        raise ConfigError(f"{where}: router.snapshot_every must be >= 0 (chunks between saves; 0: off)")
     if r.busy_retry_s < 0:
         raise ConfigError(f"{where}: router.busy_retry_s must be >= 0")
     if r.max_watchers < 0 or r.watch_queue < 1:

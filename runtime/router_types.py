@@ -29,8 +29,8 @@ from runtime.client_types import (  # the client side, shared with the coordinat
     ToWatchers,
 )
 
-__all__ = ["ChunkHead", "ClientSent", "ClientUnreachable", "ClientUnreadable", "Connect", "Disconnect", "EndWatch",
-           "Event",
+__all__ = ["ChunkHead", "ClientSent", "ClientUnreachable", "ClientUnreadable", "Connect", "Disconnect", "DropSnapshot",
+           "EndWatch", "Event",
            "OpenOrigin", "Origin", "Output", "Payload", "RegisterSent", "RegisterUnreadable", "ReplicaDown",
            "ReplicaRefused", "ReplicaSent", "ReplicaUp", "SessionOrigin", "ShellTimes", "ShutdownRequested", "Stop",
            "Tick", "ToClient", "ToRegistrant", "ToReplica", "ToWatchers"]
@@ -159,5 +159,13 @@ class ReplicaDown:
     sessions_lost: int
 
 
+@dataclass(frozen=True)
+class DropSnapshot:
+    """Delete the snapshot ``snapshot`` the router asked for from ``router.snapshots_dir`` (superseded or its
+    session ended)."""
+
+    snapshot: str
+
+
 Output = (ToClient | ToReplica | ToRegistrant | Connect | Disconnect | ReplicaUp | ReplicaDown | ToWatchers | EndWatch
-          | Stop)
+          | Stop | DropSnapshot)
