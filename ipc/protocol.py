@@ -22,8 +22,9 @@ from typing import Annotated, Any, ClassVar, Union
 import msgspec
 
 # 2: controls and chunk facts are typed values (``ChunkControl``, ``ChunkFacts``); 3: fields appended with defaults
-# (``open``'s intrinsics, steps and min_steps; a control's steps; ``set_prompt``; the facts' steps and prompt
-# revision) and clients read server messages tolerantly (unknown fields are skipped, ``ipc.tolerant``)
+# (``open``'s intrinsics, steps, min_steps and restore; a control's steps; the facts' steps and prompt revision),
+# new messages (``set_prompt``, ``watch``/``unwatch``, ``save``, ``migrated``), and clients read server messages
+# tolerantly (unknown fields and message types are skipped, ``ipc.tolerant``)
 PROTOCOL_VERSION = 3
 # the versions whose messages this one reads: a version-2 message is a version-3 message that uses no new field
 SUPPORTED_VERSIONS = frozenset({2, PROTOCOL_VERSION})
