@@ -494,6 +494,7 @@ class InitDenoise(_Task, tag="init_denoise"):
     width: int
     intrinsics: tuple[float, float, float, float] | None = None  # the session's camera at 480x832; None: the stage's
     restore: str = ""  # a snapshot id: KV ring, noise and camera state from this rank's file of it
+    prompt_revision: int = 0  # the revision of its context (a restored session's snapshot's; later ones switch)
 
 
 class InitDecode(_Task, tag="init_decode"):
@@ -580,6 +581,7 @@ class SaveState(_Task, tag="save_state"):
     phase = Phase.SAVE
     snapshot: str
     chunk: int  # the boundary: conditions already encoded for chunks >= it are part of the condition stage's state
+    prompt_revision: int = 0  # the prompt the boundary chunk uses: the condition stage saves its context
 
 
 class Shutdown(_Msg, tag="shutdown"):
