@@ -782,15 +782,12 @@ class CoordinatorCore:
         parts = frozenset({(where.condition, Stage.CONDITION.value), (where.decode, Stage.DECODE.value),
                            *((rank, Stage.DENOISE.value) for rank in where.denoise)})
         save = PendingSave(new_snapshot_id(), sid, who, message.req, chunk, parts, now)
-        live = session.live
         seat = self.capacity.seats.get(sid)
         save.facts = {  # what rank 0 keeps of the session, as it is at the boundary (its prompt: at ``start``)
             "seed": session.seed, "num_chunks": session.num_chunks,
             "intrinsics": session.intrinsics, "steps": session.last_steps or self._steps_of(sid),
             "want": seat.want if seat is not None else 0, "floor": seat.floor if seat is not None else 0,
-            "geometry": geometry_of(session.geometry),
-            "live": None if live is None else LiveState(held=tuple(sorted(live.held)), revision=live.revision,
-                                                        pause_when_idle=live.pause_when_idle)}
+            "geometry": geometry_of(session.geometry)}
         self.saves[sid] = save
         log.info("session %s: saving snapshot %s at chunk %d", sid, save.id, chunk)
         self._run(self.scheduler.hold(sid, True, now), now)
@@ -804,13 +801,25 @@ class CoordinatorCore:
             elif self.scheduler.quiet_before_denoise(save.session):
                 save.start(now)
                 # the boundary chunk keeps the text in force now: the one the condition rank's file holds
-                revision, text = self.sessions[save.session].prompts.pin(save.chunk)
-                save.facts.update(prompt=text, prompt_revision=revision)
+                session = self.sessions[save.session]
+                revision, text = session.prompts.pin(save.chunk)
+                save.facts.update(prompt=text, prompt_revision=revision, live=self._live_state(session, save.chunk))
                 task = protocol.SaveState(session=save.session, snapshot=save.id, chunk=save.chunk,
                                           prompt_revision=revision)
                 for rank, role in sorted(save.parts):
                     self._emit(ToWorker(identity(rank, role), task))
                 self._run(self.scheduler.hold(save.session, False, now), now)  # queued behind the save tasks
+
+    @staticmethod
+    def _live_state(session: Session, chunk: int) -> LiveState | None:
+        """A live session's input at the boundary ``chunk``: its held keys and the snapshots it already cut for
+        chunks from ``chunk`` on (accepted, not yet dispatched: the boundary chunk's denoise is held)."""
+        live = session.live
+        if live is None:
+            return None
+        cut = tuple(session.controls[i] for i in range(chunk, live.next_index) if i in session.controls)
+        return LiveState(held=tuple(sorted(live.held)), revision=live.revision, pause_when_idle=live.pause_when_idle,
+                         cut=cut)
 
     def _save_progress(self, message: protocol.SaveCaptured | protocol.SaveWritten, now: float) -> None:
         save = self.saves.get(message.session)
@@ -896,7 +905,7 @@ class CoordinatorCore:
         self.admission.admit(sid, geometry.height, geometry.width)
         saved_live = manifest.live
         live = None if saved_live is None else LiveControls.restored(saved_live.held, manifest.chunk,
-                                                                     saved_live.pause_when_idle)
+                                                                     saved_live.pause_when_idle, saved_live.cut)
         metrics = self.metrics.open_session(sid, now, self.stream.fps, self.metrics_config.warmup_chunks)
         num_chunks = manifest.num_chunks
         self.clients.add(Session(

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import msgspec
 
+from ipc.protocol import ChunkControl
+
 FORMAT = 1  # the snapshot format; a manifest of another format is refused
 MANIFEST = "manifest.json"
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{22}")  # what secrets.token_urlsafe(16) gives, and nothing else
@@ -85,6 +87,9 @@ class LiveState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     held: tuple[str, ...]
     revision: int
     pause_when_idle: bool
+    # the snapshots already cut for chunks from the boundary on (prefetched): the restored session applies them as
+    # they were (taps and motion included), then cuts from its own client's input
+    cut: tuple[ChunkControl, ...] = ()
 
 
 class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -95,3 +95,28 @@ def test_a_restore_keeps_the_saved_sessions_steps_setting_and_floor(tmp_path: Pa
     restored = list(job.core.sessions)[-1]
     again = job.core.capacity.seats[restored]
     assert (again.want, again.floor, again.steps) == (4, 2, 4)
+
+
+def test_a_live_sessions_snapshots_cut_before_its_save_are_applied_as_they_were_after_its_restore(
+        tmp_path: Path) -> None:  # fmt: skip
+    job = Job()
+    job.core.snapshots = SnapshotStore(tmp_path)
+    sid = job.open(num_chunks=8, live=True)
+    job.send(A, p.ControlState(req=next(job.req), session=sid, keys=["w"], revision=1))
+    job.answer(p.ConditionChunk, sid, 0)
+    job.send(A, p.ControlState(req=next(job.req), session=sid, keys=["w"], taps=["i"], mouse=(3.0, -1.0), revision=2))
+    job.answer(p.DenoiseChunk, sid, 0)  # chunk 1's snapshot is cut now, before the DiT needs it
+    cut = job.core.sessions[sid].controls[1]
+    assert cut.mouse == (3.0, -1.0) and cut.keys == {"w", "i"}
+    job.send(A, p.Save(req=40, session=sid))
+    saved = finish_save(job, tmp_path)
+    assert saved.chunk == 1 and saved.live is not None and saved.live.cut == (cut,)
+    job = Job()
+    job.core.snapshots = SnapshotStore(tmp_path)
+    job.send(A, p.Open(req=41, image=b"", restore=saved.id))
+    restored = list(job.core.sessions)[-1]
+    job.settle(p.InitCondition, p.InitDecode, p.BroadcastContext, p.InitDenoise)
+    job.answer(p.ConditionChunk, restored, 1)
+    job.step()
+    ((_, denoise),) = [(w, t) for w, t in job.sent(p.DenoiseChunk) if t.session == restored][:1]
+    assert (denoise.index, denoise.control) == (1, cut)  # its taps and motion, not just the held keys
