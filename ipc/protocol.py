@@ -249,6 +249,9 @@ class Open(_Msg, tag="open"):
     # a snapshot id (``save``): the session starts from it, at its chunk, instead of from ``image`` (sent empty);
     # its seed, prompt, frame size and camera are the snapshot's. Restoring one snapshot twice forks it
     restore: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    # with ``restore``: the session takes indexed controls even if the saved one was live (an exact replay sends
+    # the recorded per-chunk controls)
+    indexed: bool = False
 
     def __post_init__(self) -> None:
         why = None if self.intrinsics is None else intrinsics_problem(self.intrinsics)
