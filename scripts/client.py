@@ -8,20 +8,28 @@ held during each chunk), optionally with ``"intrinsics": [fx, fy, cx, cy]``: the
 frame (default: the server's ``controls.intrinsics``); a timeline and a recording may carry it too.
 A trace may change the prompt mid-stream: ``"prompts": [{"chunk": k, "prompt": str}, ...]`` (k increasing) sends
 ``set_prompt`` after chunk k-1 arrived and before control k, so chunk k is exactly the first to use it (checked
-against the server's answer). ``--reactive`` sends control[i] only after chunk i-1 arrived (a person reacting to
-what they see) instead of as soon as the server admits it (a recorded trace).
+against the server's answer). A chunk may carry ``"steps"`` (asked from that chunk on), the trace ``"steps"`` (the
+open's), ``"saves": [k, ...]`` (a save after chunk k-1 arrived and before control k: its boundary is exactly k) and
+``"restore": <snapshot id>`` (the session restores it, with indexed controls, instead of opening from the image;
+its chunks start at the snapshot's). ``--reactive`` sends control[i] only after chunk i-1 arrived (a person
+reacting to what they see) instead of as soon as the server admits it (a recorded trace).
 
 Live mode: ``--live`` plays an input timeline (``--timeline t.json``, or a built-in one) as a live session: at
 each event's time (seconds after the session is ready) the whole input state is sent as a ``control_state``
 and the server cuts per-chunk snapshots from it. A timeline is JSON: ``{"prompt", "seed", "num_chunks",
 "pause_when_idle", "events": [{"t": 0.2, "keys": "w", "taps": "i", "mouse": [dx, dy]}, ...]}`` (``keys``: held
 now; ``taps`` and ``mouse``: since the previous event); an event ``{"t": 1.0, "prompt": "..."}`` changes the prompt
-instead (``set_prompt``). ``--record out/live_trace.json`` writes the recording:
-the states and prompt changes as sent (revision, send time; a prompt change with the ``prompt_revision`` and
-``chunk`` the server answered), the snapshot and prompt revision the server applied to every chunk, the frame hashes and
-the input-to-photon latencies. ``--replay out/live_trace.json`` sends the recorded states again with their
-original timing; ``--replay ... --exact`` instead replays the applied snapshots as indexed controls, which
-reproduces the recorded frames bit for bit (checked by hash; exit 1 on a mismatch).
+instead (``set_prompt``), ``{"t": 1.0, "save": true}`` saves the session, and ``"steps": N`` in an event asks for
+N denoising steps from the next chunk cut (alone, it keeps the held keys). A timeline with ``"restore": <id>``
+restores that snapshot instead of opening. ``--record out/live_trace.json`` writes the recording:
+the states, prompt changes, steps changes and saves as sent (revision, send time; a prompt change with the
+``prompt_revision`` and ``chunk`` the server answered, a save with its ``snapshot`` and ``chunk``), the snapshot
+restored and its ``first_chunk``, the control, prompt revision and steps the server applied to every chunk, the
+frame hashes and the input-to-photon latencies. ``--replay out/live_trace.json`` sends the recorded states again
+with their original timing; ``--replay ... --exact`` instead replays the applied snapshots as indexed controls
+(restoring the same snapshot, changing the prompt and asking the recorded steps at the chunks that first used
+them, saving at the same boundaries), which reproduces the recorded frames bit for bit and each chunk's prompt
+revision and steps (checked; exit 1 on a mismatch, 2 when the snapshot it restores is gone).
 
 Why the exact replay uses the applied snapshots: frames depend only on seed, image, prompt and the control
 applied to each chunk, but *where* the server cuts a live state into chunks depends on when each state arrived
