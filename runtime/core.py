@@ -904,8 +904,9 @@ class CoordinatorCore:
         self._admit(sid, geometry, asked)
         self.admission.admit(sid, geometry.height, geometry.width)
         saved_live = manifest.live
-        live = None if saved_live is None or message.indexed else LiveControls.restored(saved_live.held, manifest.chunk,
-                                                                     saved_live.pause_when_idle, saved_live.cut)
+        live = None  # an indexed restore of a live session takes the client's per-chunk controls (an exact replay)
+        if saved_live is not None and not message.indexed:
+            live = LiveControls.restored(saved_live.held, manifest.chunk, saved_live.pause_when_idle, saved_live.cut)
         metrics = self.metrics.open_session(sid, now, self.stream.fps, self.metrics_config.warmup_chunks)
         num_chunks = manifest.num_chunks
         self.clients.add(Session(
