@@ -24,7 +24,7 @@ IMAGE_PATH = ROOT / "assets" / "start.png"
 # the ladder off: on a shared CPU it would lower steps at random, and the replay must ask for exactly the recorded ones
 FLAGS = [*FAST, "--capacity.ladder=off"]
 TIMELINE: dict[str, Any] = {
-    "prompt": "a quiet harbour", "seed": 4, "num_chunks": 16, "events": [
+    "prompt": "a quiet harbour", "seed": 4, "num_chunks": 40, "events": [
         {"t": 0.02, "keys": "w"}, {"t": 0.1, "steps": 2}, {"t": 0.15, "keys": "d", "mouse": [3.0, 0.0]},
         {"t": 0.2, "save": True}, {"t": 0.25, "prompt": "a harbour in the rain"}, {"t": 0.3, "keys": "", "taps": "j"},
         {"t": 0.35, "steps": 1},
@@ -80,7 +80,7 @@ def test_a_recorded_session_that_changes_steps_prompt_and_saves_replays_frame_fo
 def test_a_recording_of_a_restored_session_whose_snapshot_is_gone_fails_naming_it(
         server: LocalServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     with Client(server.endpoint) as client:
-        info = client.open(IMAGE_PATH.read_bytes(), seed=1, num_chunks=6, live=True)
+        info = client.open(IMAGE_PATH.read_bytes(), seed=1, num_chunks=40, live=True)
         client.live(info.id).press("w")
         client.next_chunk(info.id, timeout_s=60)
         snapshot = client.save(info.id)
