@@ -108,11 +108,13 @@ class AsyncClient:
     async def open(self, image: bytes = b"", prompt: str = "", seed: int = 0, num_chunks: int | None = None,
                    live: bool = False, pause_when_idle: bool = False,
                    intrinsics: tuple[float, float, float, float] | None = None, steps: int | None = None,
-                   min_steps: int | None = None, restore: str | None = None) -> SessionInfo:  # fmt: skip
+                   min_steps: int | None = None, restore: str | None = None,
+                   indexed: bool = False) -> SessionInfo:  # fmt: skip
         """Open a session; see ``Client.open`` (``intrinsics``: the camera at 480x832, checked before sending;
-        ``steps``/``min_steps``: denoising steps per chunk, 4, 2 or 1; ``restore``: a snapshot id)."""
+        ``steps``/``min_steps``: denoising steps per chunk, 4, 2 or 1; ``restore``: a snapshot id; ``indexed``:
+        restore a live session with indexed controls)."""
         message = self._requests.open(image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics, steps,
-                                      min_steps, restore)
+                                      min_steps, restore, indexed)
         return session_info(await self._request(message))
 
     async def save(self, session: str) -> Snapshot:

@@ -305,7 +305,7 @@ class InputToPhoton:
 
 class StateSink(Protocol):
     def control_state(self, session: str, keys: Iterable[str], revision: int, mouse: tuple[float, float] = (0, 0),
-                      taps: Iterable[str] = ()) -> None: ...
+                      taps: Iterable[str] = (), steps: int | None = None) -> None: ...
 
 
 class LiveInput:
@@ -341,14 +341,17 @@ class LiveInput:
         """Release everything (e.g. the window lost focus)."""
         return self.set(frozenset())
 
-    def set(self, keys: Iterable[str], taps: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0.0)) -> int | None:
-        """Send the whole state: ``keys`` held now, ``taps`` and ``mouse`` motion since the previous message."""
+    def set(self, keys: Iterable[str], taps: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0.0),
+            steps: int | None = None) -> int | None:  # fmt: skip
+        """Send the whole state: ``keys`` held now, ``taps`` and ``mouse`` motion since the previous message;
+        ``steps``: the session's best quality from the next chunk cut (a state with steps is always sent)."""
         held, tapped = _norm(keys), sorted(_norm(taps))
         mouse = (float(mouse[0]), float(mouse[1]))
-        if held == self.held and not tapped and mouse == (0.0, 0.0):
+        if held == self.held and not tapped and mouse == (0.0, 0.0) and steps is None:
             return None
         revision = self.revision + 1
-        self.sink.control_state(self.session, sorted(held), revision, mouse=mouse, taps=tapped)
+        extra = {} if steps is None else {"steps": steps}  # a sink without quality presets is sent no steps
+        self.sink.control_state(self.session, sorted(held), revision, mouse=mouse, taps=tapped, **extra)
         self.held, self.revision = held, revision  # only once sent: a refused send (``OutboxFull``) changes nothing
         return revision
 
@@ -380,14 +383,15 @@ def prompt_message(req: int, session: str, prompt: str) -> protocol.SetPrompt:
 def open_message(req: int, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None,
                  live: bool = False, pause_when_idle: bool = False, intrinsics: Iterable[float] | None = None,
                  steps: int | None = None, min_steps: int | None = None,
-                 restore: str | None = None) -> protocol.Open:  # fmt: skip
+                 restore: str | None = None, indexed: bool = False) -> protocol.Open:  # fmt: skip
     """An ``open`` request; ``BadRequest`` (code ``bad_request``) when its camera intrinsics or its steps (4, 2, 1)
-    are not valid, before anything is sent. ``restore``: a snapshot id (``image`` is then not used)."""
+    are not valid, before anything is sent. ``restore``: a snapshot id (``image`` is then not used); ``indexed``:
+    restore a live session as one that takes indexed controls."""
     try:
         camera = None if intrinsics is None else tuple(float(v) for v in intrinsics)
         return protocol.Open(req=req, image=image, prompt=prompt, seed=seed, num_chunks=num_chunks, live=live,
                              pause_when_idle=pause_when_idle, intrinsics=camera,  # type: ignore[arg-type]
-                             steps=steps, min_steps=min_steps, restore=restore)
+                             steps=steps, min_steps=min_steps, restore=restore, indexed=indexed)
     except (ValueError, TypeError) as error:
         raise BadRequest("bad_request", str(error)) from None
 
@@ -401,9 +405,9 @@ class Requests:
 
     def open(self, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None, live: bool = False,
              pause_when_idle: bool = False, intrinsics: Iterable[float] | None = None, steps: int | None = None,
-             min_steps: int | None = None, restore: str | None = None) -> protocol.Open:  # fmt: skip
+             min_steps: int | None = None, restore: str | None = None, indexed: bool = False) -> protocol.Open:
         return open_message(next(self._ids), image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics,
-                            steps, min_steps, restore)
+                            steps, min_steps, restore, indexed)
 
     def save(self, session: str) -> protocol.Save:
         return protocol.Save(req=next(self._ids), session=session)
@@ -670,7 +674,7 @@ class Client:
     def open(self, image: bytes = b"", prompt: str = "", seed: int = 0, num_chunks: int | None = None,
              live: bool = False, pause_when_idle: bool = False,
              intrinsics: tuple[float, float, float, float] | None = None, steps: int | None = None,
-             min_steps: int | None = None, restore: str | None = None) -> SessionInfo:  # fmt: skip
+             min_steps: int | None = None, restore: str | None = None, indexed: bool = False) -> SessionInfo:
         """Open a session and wait until its caches are ready. Raises ``Busy`` (with ``retry_after_s``) when the
         server is at its session limit, ``BadRequest`` for a bad image or a length beyond the server's limit.
         ``intrinsics``: the camera ``(fx, fy, cx, cy)`` in pixels of a 480x832 frame, scaled to the session's frame
@@ -679,9 +683,10 @@ class Client:
         chunk (4, 2, 1; None: 4), the best quality the server's degrade ladder may lower down to ``min_steps``.
         ``restore``: a snapshot id (``save``): the session continues the saved one from its chunk
         (``SessionInfo.first_chunk``) with its seed, prompt, frame size and camera; opening one snapshot twice
-        forks it. A snapshot this server cannot restore raises ``ServerError`` code ``bad_snapshot``."""
+        forks it. A snapshot this server cannot restore raises ``ServerError`` code ``bad_snapshot``. ``indexed``:
+        a saved live session restored takes indexed controls (``control``) instead (an exact replay)."""
         message = self._requests.open(image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics, steps,
-                                      min_steps, restore)
+                                      min_steps, restore, indexed)
         return session_info(self._wait(self._ask(message), self.timeout_s))
 
     def save(self, session: str, timeout_s: float | None = None) -> Snapshot:

@@ -250,6 +250,9 @@ class Open(_Msg, tag="open"):
     # a snapshot id (``save``): the session starts from it, at its chunk, instead of from ``image`` (sent empty);
     # its seed, prompt, frame size and camera are the snapshot's. Restoring one snapshot twice forks it
     restore: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    # with ``restore``: the session takes indexed controls even if the saved one was live (an exact replay sends
+    # the recorded per-chunk controls)
+    indexed: bool = False
 
     def __post_init__(self) -> None:
         why = None if self.intrinsics is None else intrinsics_problem(self.intrinsics)
@@ -506,6 +509,7 @@ class InitDenoise(_Task, tag="init_denoise"):
     width: int
     intrinsics: tuple[float, float, float, float] | None = None  # the session's camera at 480x832; None: the stage's
     restore: str = ""  # a snapshot id: KV ring, noise and camera state from this rank's file of it
+    prompt_revision: int = 0  # the revision of its context (a restored session's snapshot's; later ones switch)
 
 
 class InitDecode(_Task, tag="init_decode"):
@@ -592,6 +596,7 @@ class SaveState(_Task, tag="save_state"):
     phase = Phase.SAVE
     snapshot: str
     chunk: int  # the boundary: conditions already encoded for chunks >= it are part of the condition stage's state
+    prompt_revision: int = 0  # the prompt the boundary chunk uses: the condition stage saves its context
 
 
 class Shutdown(_Msg, tag="shutdown"):

@@ -23,6 +23,7 @@ from models.stages import SessionInputError, SessionSpec
 from ranks import snapshot_saver
 from ranks.worker import Fatal, RankContext, Spans, serve, tensor_plane
 from runtime.placement import CONDITION_EDGE, FRAMES_RECEIVER, LATENT_RECEIVER
+from runtime.prompts import MAX_PENDING
 
 CONTEXT_INDEX = protocol.context_index(0)  # mailbox index of a session's prompt context (later revisions: below)
 STEADY_CHUNK = 1  # a session's VAE caches are at their steady size once this chunk is done (ranks.memory)
@@ -49,6 +50,9 @@ def condition_worker(ctx: RankContext) -> None:
     recent: dict[str, dict[int, torch.Tensor]] = {}
     replay: dict[str, dict[int, torch.Tensor]] = {}
     saver = snapshot_saver.Saver(ctx, Stage.CONDITION)
+    # Per session, the contexts of its latest ``set_prompt`` revisions (by reference): a save names the revision its
+    # boundary chunk uses, which may be any of those not yet superseded (at most MAX_PENDING wait behind it).
+    prompts: dict[str, dict[int, torch.Tensor]] = {}
 
     def init(task: protocol.InitCondition, spans: Spans) -> None:
         if task.restore:
@@ -70,6 +74,10 @@ def condition_worker(ctx: RankContext) -> None:
         with spans.span("condition.prompt"):
             context = stage.context(task.prompt)
         ctx.contexts.put((task.session, task.index), context)
+        kept = prompts.setdefault(task.session, {})
+        kept[protocol.revision_of(task.index)] = context
+        for old in sorted(kept)[:-(MAX_PENDING + 1)]:
+            del kept[old]
 
     def encode(task: protocol.ConditionChunk, spans: Spans) -> None:
         with spans.span("condition"):
@@ -87,6 +95,11 @@ def condition_worker(ctx: RankContext) -> None:
     def save(task: protocol.SaveState, spans: Spans) -> None:
         with spans.span("condition.save"):
             state = dict(stage.state_dict(task.session))
+            kept = prompts.get(task.session, {})
+            if task.prompt_revision in kept:  # else the boundary uses the stage's own: the open's or restored one
+                state["context"] = kept[task.prompt_revision]
+                for old in [r for r in kept if r < task.prompt_revision]:  # revisions only grow
+                    del kept[old]
             for index, condition in recent.get(task.session, {}).items():
                 if index >= task.chunk:  # encoded for the boundary chunk or later, not yet denoised
                     state[f"{snapshot_saver.PENDING_PREFIX}{index}"] = condition
@@ -100,6 +113,7 @@ def condition_worker(ctx: RankContext) -> None:
             stage.release(task.session)
         recent.pop(task.session, None)
         replay.pop(task.session, None)
+        prompts.pop(task.session, None)
         ctx.conditions.drop_session(task.session)
         ctx.contexts.drop_session(task.session)
 
@@ -166,6 +180,7 @@ def denoise_worker(ctx: RankContext) -> None:
                 stage.open(spec, context)
             else:
                 stage.load_state(spec, context, state)  # on the host: each stage moves what it keeps
+        prompts[task.session] = task.prompt_revision  # a restored session's: the snapshot's revision
         if ctx.check_memory is not None:  # the KV ring and text cache are whole once open
             ctx.check_memory("denoise", stage, task.session, task.height, task.width)
 

@@ -91,14 +91,19 @@ class LiveControls:
         self._revision = NO_REVISION  # latest revision folded in
         self._next_index = 0  # next chunk index to cut
         self._applied: OrderedDict[int, ChunkControl] = OrderedDict()  # bounded: APPLIED_HISTORY entries
+        self._recut: dict[int, ChunkControl] = {}  # a restored session's snapshots cut before its save
 
     @classmethod
-    def restored(cls, held: Iterable[str], next_index: int, pause_when_idle: bool = False) -> LiveControls:
+    def restored(cls, held: Iterable[str], next_index: int, pause_when_idle: bool = False,
+                 cut: Iterable[ChunkControl] = ()) -> LiveControls:  # fmt: skip
         """A session restored from a snapshot (``runtime.snapshots.LiveState``): the keys held when it was saved stay
         held, the next chunk to cut is the snapshot's; the revisions start again (a restore has a new client, whose
-        input stream counts from 1; the saved revision stays in the manifest)."""
+        input stream counts from 1; the saved revision stays in the manifest). ``cut``: the snapshots the saved
+        session had already cut for its chunks from ``next_index`` on (taps and motion included); they are cut
+        again, as they were, before any from this session's own input."""
         controls = cls(pause_when_idle=pause_when_idle)
         controls._held, controls._next_index = frozenset(held), next_index
+        controls._recut = {next_index + i: snapshot for i, snapshot in enumerate(cut)}
         return controls
 
     @property
@@ -144,6 +149,8 @@ class LiveControls:
     def may_cut(self, index: int, current_chunk_index: int) -> bool:
         """Whether ``cut(index, current_chunk_index)`` would return a snapshot now (a pure query)."""
         self._check_order(index, current_chunk_index)
+        if index in self._recut:
+            return True
         if index > current_chunk_index + 1:
             return False
         return not (self.pause_when_idle and self.idle)
@@ -156,6 +163,11 @@ class LiveControls:
         """
         if not self.may_cut(index, current_chunk_index):
             return None
+        recut = self._recut.pop(index, None)
+        if recut is not None:
+            self._next_index += 1
+            self._applied[index] = recut
+            return recut
         # A chunk turns at most MAX_MOUSE_DEGREES: motion beyond is clamped, never an error on the model's path.
         mouse = tuple(max(-MAX_MOUSE_DEGREES, min(MAX_MOUSE_DEGREES, m)) for m in self._mouse)
         snapshot = ChunkControl(keys=self._held | self._taps, mouse=mouse, revision=self._revision)  # type: ignore[arg-type]

@@ -99,7 +99,7 @@ from runtime.core_types import (
 from runtime.memory_admission import Cost, MemoryAdmission
 from runtime.metrics import ServerMetrics
 from runtime.placement import HEARTBEAT, NewPrompt, Placement, StageAction, identity, placement_of, plan
-from runtime.prompts import PromptBackpressure
+from runtime.prompts import PromptBackpressure, PromptRevisions
 from runtime.session import Join, JoinKey, Session, Step
 from runtime.sizes import served_sizes, snap
 from runtime.snapshots import (
@@ -475,7 +475,7 @@ class CoordinatorCore:
         if len(message.prompt) > limit:
             raise ClientError("bad_request", f"prompt of {len(message.prompt)} characters exceeds the limit of {limit}")
         try:
-            revision = session.prompts.accept(message.req)
+            revision = session.prompts.accept(message.req, message.prompt)
         except PromptBackpressure as error:
             raise ClientError("prompt_backpressure", str(error),
                               retry_after_s=backpressure_retry_s(session.metrics.last_period)) from None
@@ -486,9 +486,11 @@ class CoordinatorCore:
         use it, so the first of them is the chunk the reply names."""
         req = session.prompts.encoded(revision)
         if req is not None:
-            self._to_client(session, protocol.PromptScheduled(
-                req=req, session=session.id, revision=revision,
-                chunk=self.scheduler.next_denoise_index(session.id)))
+            self._prompt_scheduled(session, revision, req)
+
+    def _prompt_scheduled(self, session: Session, revision: int, req: int) -> None:
+        self._to_client(session, protocol.PromptScheduled(req=req, session=session.id, revision=revision,
+                                                          chunk=self.scheduler.next_denoise_index(session.id)))
 
     def _cut_live(self, now: float) -> None:
         """The non-blocking path of live sessions: a snapshot is cut when the scheduler wants the control."""
@@ -555,6 +557,9 @@ class CoordinatorCore:
             control, steps = session.controls.get(action.index), self._chunk_steps(session, action.index)
             session.prompts.dispatched(action.index)  # the chunk takes the prompt announced last (plan names it)
         tasks = plan(action, session.facts(), self.where, control, steps)
+        if isinstance(action, sch.RunDenoise):  # a save's boundary chunk is out: prompts encoded meanwhile follow it
+            for revision, req in session.prompts.unpin(action.index):
+                self._prompt_scheduled(session, revision, req)
         if isinstance(action, sch.InitCache) and action.stage is Stage.CONDITION:
             session.image = None  # the condition stage has it now
         if isinstance(action, sch.Release):
@@ -777,13 +782,12 @@ class CoordinatorCore:
         parts = frozenset({(where.condition, Stage.CONDITION.value), (where.decode, Stage.DECODE.value),
                            *((rank, Stage.DENOISE.value) for rank in where.denoise)})
         save = PendingSave(new_snapshot_id(), sid, who, message.req, chunk, parts, now)
-        live = session.live
-        save.facts = {  # what rank 0 keeps of the session, as it is at the boundary
-            "seed": session.seed, "prompt": session.prompt, "num_chunks": session.num_chunks,
+        seat = self.capacity.seats.get(sid)
+        save.facts = {  # what rank 0 keeps of the session, as it is at the boundary (its prompt: at ``start``)
+            "seed": session.seed, "num_chunks": session.num_chunks,
             "intrinsics": session.intrinsics, "steps": session.last_steps or self._steps_of(sid),
-            "geometry": geometry_of(session.geometry),
-            "live": None if live is None else LiveState(held=tuple(sorted(live.held)), revision=live.revision,
-                                                        pause_when_idle=live.pause_when_idle)}
+            "want": seat.want if seat is not None else 0, "floor": seat.floor if seat is not None else 0,
+            "geometry": geometry_of(session.geometry)}
         self.saves[sid] = save
         log.info("session %s: saving snapshot %s at chunk %d", sid, save.id, chunk)
         self._run(self.scheduler.hold(sid, True, now), now)
@@ -796,10 +800,26 @@ class CoordinatorCore:
                 self._save_failed(save, "the session closed before its save started", now)
             elif self.scheduler.quiet_before_denoise(save.session):
                 save.start(now)
-                task = protocol.SaveState(session=save.session, snapshot=save.id, chunk=save.chunk)
+                # the boundary chunk keeps the text in force now: the one the condition rank's file holds
+                session = self.sessions[save.session]
+                revision, text = session.prompts.pin(save.chunk)
+                save.facts.update(prompt=text, prompt_revision=revision, live=self._live_state(session, save.chunk))
+                task = protocol.SaveState(session=save.session, snapshot=save.id, chunk=save.chunk,
+                                          prompt_revision=revision)
                 for rank, role in sorted(save.parts):
                     self._emit(ToWorker(identity(rank, role), task))
                 self._run(self.scheduler.hold(save.session, False, now), now)  # queued behind the save tasks
+
+    @staticmethod
+    def _live_state(session: Session, chunk: int) -> LiveState | None:
+        """A live session's input at the boundary ``chunk``: its held keys and the snapshots it already cut for
+        chunks from ``chunk`` on (accepted, not yet dispatched: the boundary chunk's denoise is held)."""
+        live = session.live
+        if live is None:
+            return None
+        cut = tuple(session.controls[i] for i in range(chunk, live.next_index) if i in session.controls)
+        return LiveState(held=tuple(sorted(live.held)), revision=live.revision, pause_when_idle=live.pause_when_idle,
+                         cut=cut)
 
     def _save_progress(self, message: protocol.SaveCaptured | protocol.SaveWritten, now: float) -> None:
         save = self.saves.get(message.session)
@@ -822,6 +842,7 @@ class CoordinatorCore:
         facts = save.facts
         manifest = Manifest(format=FORMAT, id=save.id, identity=self.identity, geometry=facts["geometry"],
                             chunk=save.chunk, seed=facts["seed"], prompt=facts["prompt"],
+                            prompt_revision=facts["prompt_revision"], want=facts["want"], floor=facts["floor"],
                             num_chunks=facts["num_chunks"], intrinsics=facts["intrinsics"], steps=facts["steps"],
                             live=facts["live"], files=save.ordered_files(), bytes=save.bytes, pause_s=save.pause_s,
                             write_s=save.write_s, created=wall_clock(), wait_s=save.wait_s)
@@ -875,19 +896,25 @@ class CoordinatorCore:
         refused = self.admission.refusal(geometry.height, geometry.width)
         if refused is not None:
             raise ClientError("busy", f"{refused}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
-        asked = msgspec.structs.replace(message, steps=message.steps or manifest.steps, num_chunks=manifest.num_chunks)
+        # its steps setting and floor are the saved session's (the open's may change them, as a control would)
+        asked = msgspec.structs.replace(message, steps=message.steps or manifest.want or manifest.steps,
+                                        min_steps=message.min_steps or manifest.floor or None,
+                                        num_chunks=manifest.num_chunks)
         sid = self.new_id()
         self._admit(sid, geometry, asked)
         self.admission.admit(sid, geometry.height, geometry.width)
         saved_live = manifest.live
-        live = None if saved_live is None else LiveControls.restored(saved_live.held, manifest.chunk,
-                                                                     saved_live.pause_when_idle)
+        live = None  # an indexed restore of a live session takes the client's per-chunk controls (an exact replay)
+        if saved_live is not None and not message.indexed:
+            live = LiveControls.restored(saved_live.held, manifest.chunk, saved_live.pause_when_idle, saved_live.cut)
         metrics = self.metrics.open_session(sid, now, self.stream.fps, self.metrics_config.warmup_chunks)
         num_chunks = manifest.num_chunks
         self.clients.add(Session(
             id=sid, client=who, owner=who, open_req=message.req, seed=manifest.seed, prompt=manifest.prompt,
             geometry=geometry, live=live, metrics=metrics, num_chunks=num_chunks, image=None,
-            intrinsics=manifest.intrinsics, restore=manifest.id, first_chunk=manifest.chunk), now)
+            intrinsics=manifest.intrinsics, restore=manifest.id, first_chunk=manifest.chunk,
+            last_steps=manifest.steps,  # its first chunk's steps_changed compares with the saved session's last
+            prompts=PromptRevisions.starting(manifest.prompt_revision, manifest.prompt)), now)
         log.info("session %s: restoring snapshot %s at chunk %d", sid, manifest.id, manifest.chunk)
         self._guarded(sid, lambda: self._run(self.scheduler.open(sid, num_chunks or self.max_chunks, now,
                                                                  start=manifest.chunk), now), now)

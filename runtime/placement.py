@@ -175,7 +175,8 @@ def plan(action: StageAction, session: SessionFacts, where: Placement,
             context = protocol.BroadcastContext(session=sid, index=-1,
                                                 tensor=TensorSpec(shape=g.context_shape, dtype=_dtype(g)))
             init = protocol.InitDenoise(session=sid, seed=session.seed, prompt=session.prompt, height=g.height,
-                                        width=g.width, intrinsics=session.intrinsics, restore=session.restore)
+                                        width=g.width, intrinsics=session.intrinsics, restore=session.restore,
+                                        prompt_revision=session.prompt_revision)
             return Plan((*((edge, context) for edge in where.condition_edges), *((w, init) for w in dit)),
                         frozenset((Phase.INIT, r) for r in where.denoise))
         case RunCondition(index=index):

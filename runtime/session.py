@@ -62,6 +62,9 @@ class Session:
     restore: str = ""  # the snapshot it was opened from ("": a fresh session); its caches load it at init
     first_chunk: int = 0  # its first chunk (a restored session's snapshot chunk)
 
+    def __post_init__(self) -> None:
+        self.prompts.texts.setdefault(self.prompts.announced, self.prompt)  # the text of its first revision
+
     def facts(self) -> SessionFacts:
         image = self.image
         return SessionFacts(self.id, self.seed, self.prompt, self.geometry,

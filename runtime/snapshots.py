@@ -33,6 +33,8 @@ from pathlib import Path
 
 import msgspec
 
+from ipc.protocol import ChunkControl
+
 FORMAT = 1  # the snapshot format; a manifest of another format is refused
 MANIFEST = "manifest.json"
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{22}")  # what secrets.token_urlsafe(16) gives, and nothing else
@@ -85,6 +87,9 @@ class LiveState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     held: tuple[str, ...]
     revision: int
     pause_when_idle: bool
+    # the snapshots already cut for chunks from the boundary on (prefetched): the restored session applies them as
+    # they were (taps and motion included), then cuts from its own client's input
+    cut: tuple[ChunkControl, ...] = ()
 
 
 class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -102,7 +107,7 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     geometry: Geometry
     chunk: int  # the boundary: the restored session's first chunk and next control index
     seed: int
-    prompt: str
+    prompt: str  # the text in force at the boundary (a ``set_prompt``'s, if any came before it)
     num_chunks: int | None  # the session's length (absolute chunk numbers); None: endless
     intrinsics: tuple[float, float, float, float] | None
     steps: int  # the denoising steps of the saved session's latest chunk (its quality)
@@ -113,6 +118,11 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     write_s: float  # the slowest rank's copy-to-file and hash
     created: float  # wall-clock seconds
     wait_s: float = 0.0  # from the save request to the boundary (no cost: the chunks before it ran on)
+    # the prompt chunk ``chunk`` uses (``prompt`` is its text; the condition file holds its context) and its revision,
+    # which the restored session's revisions continue from
+    prompt_revision: int = 0
+    want: int = 0  # the saved session's steps setting (its best quality; 0: ``steps``)
+    floor: int = 0  # the lowest steps the ladder may give it (0: the restoring server's ``capacity.min_steps``)
 
 
 def model_identity(kind: str, preset: str, checkpoint_dir: str, weights_seed: int) -> str:

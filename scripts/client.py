@@ -8,20 +8,28 @@ held during each chunk), optionally with ``"intrinsics": [fx, fy, cx, cy]``: the
 frame (default: the server's ``controls.intrinsics``); a timeline and a recording may carry it too.
 A trace may change the prompt mid-stream: ``"prompts": [{"chunk": k, "prompt": str}, ...]`` (k increasing) sends
 ``set_prompt`` after chunk k-1 arrived and before control k, so chunk k is exactly the first to use it (checked
-against the server's answer). ``--reactive`` sends control[i] only after chunk i-1 arrived (a person reacting to
-what they see) instead of as soon as the server admits it (a recorded trace).
+against the server's answer). A chunk may carry ``"steps"`` (asked from that chunk on), the trace ``"steps"`` (the
+open's), ``"saves": [k, ...]`` (a save after chunk k-1 arrived and before control k: its boundary is exactly k) and
+``"restore": <snapshot id>`` (the session restores it, with indexed controls, instead of opening from the image;
+its chunks start at the snapshot's). ``--reactive`` sends control[i] only after chunk i-1 arrived (a person
+reacting to what they see) instead of as soon as the server admits it (a recorded trace).
 
 Live mode: ``--live`` plays an input timeline (``--timeline t.json``, or a built-in one) as a live session: at
 each event's time (seconds after the session is ready) the whole input state is sent as a ``control_state``
 and the server cuts per-chunk snapshots from it. A timeline is JSON: ``{"prompt", "seed", "num_chunks",
 "pause_when_idle", "events": [{"t": 0.2, "keys": "w", "taps": "i", "mouse": [dx, dy]}, ...]}`` (``keys``: held
 now; ``taps`` and ``mouse``: since the previous event); an event ``{"t": 1.0, "prompt": "..."}`` changes the prompt
-instead (``set_prompt``). ``--record out/live_trace.json`` writes the recording:
-the states and prompt changes as sent (revision, send time; a prompt change with the ``prompt_revision`` and
-``chunk`` the server answered), the snapshot and prompt revision the server applied to every chunk, the frame hashes and
-the input-to-photon latencies. ``--replay out/live_trace.json`` sends the recorded states again with their
-original timing; ``--replay ... --exact`` instead replays the applied snapshots as indexed controls, which
-reproduces the recorded frames bit for bit (checked by hash; exit 1 on a mismatch).
+instead (``set_prompt``), ``{"t": 1.0, "save": true}`` saves the session, and ``"steps": N`` in an event asks for
+N denoising steps from the next chunk cut (alone, it keeps the held keys). A timeline with ``"restore": <id>``
+restores that snapshot instead of opening. ``--record out/live_trace.json`` writes the recording:
+the states, prompt changes, steps changes and saves as sent (revision, send time; a prompt change with the
+``prompt_revision`` and ``chunk`` the server answered, a save with its ``snapshot`` and ``chunk``), the snapshot
+restored and its ``first_chunk``, the control, prompt revision and steps the server applied to every chunk, the
+frame hashes and the input-to-photon latencies. ``--replay out/live_trace.json`` sends the recorded states again
+with their original timing; ``--replay ... --exact`` instead replays the applied snapshots as indexed controls
+(restoring the same snapshot, changing the prompt and asking the recorded steps at the chunks that first used
+them, saving at the same boundaries), which reproduces the recorded frames bit for bit and each chunk's prompt
+revision and steps (checked; exit 1 on a mismatch, 2 when the snapshot it restores is gone).
 
 Why the exact replay uses the applied snapshots: frames depend only on seed, image, prompt and the control
 applied to each chunk, but *where* the server cuts a live state into chunks depends on when each state arrived
@@ -45,7 +53,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ipc.client import ChunkResult, Client, LiveInput, SessionClosed, closed_summary
+from ipc.client import ChunkResult, Client, LiveInput, ServerError, SessionClosed, SessionInfo, closed_summary
 from ipc.protocol import to_builtins
 
 LIVE_TRACE_FORMAT = "worldstream-live-trace/1"
@@ -70,6 +78,12 @@ class Played:
     summary: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
     prompts: list[dict[str, Any]] = field(default_factory=list)  # set_prompt answers: chunk, prompt_revision, prompt
+    saves: list[dict[str, Any]] = field(default_factory=list)  # saved answers: chunk, snapshot, bytes, pause_s
+    first_chunk: int = 0  # its first chunk (a restored session's snapshot chunk)
+
+
+class ReplayError(RuntimeError):
+    """A recording cannot be replayed here (e.g. the snapshot it restored is gone); the message says why."""
 
 
 def load_trace(path: Path) -> dict[str, Any]:
@@ -85,27 +99,49 @@ def intrinsics_of(trace: dict[str, Any]) -> tuple[float, float, float, float] | 
     return None if values is None else tuple(float(v) for v in values)  # type: ignore[return-value]
 
 
+def open_restored(client: Client, snapshot: str, indexed: bool = False) -> SessionInfo:
+    """``open(restore=snapshot)`` (``indexed``: with indexed controls, even if it was saved live); a snapshot this
+    server cannot restore (deleted, or saved elsewhere) is a ``ReplayError`` naming it."""
+    try:
+        return client.open(restore=snapshot, indexed=indexed)
+    except ServerError as error:
+        raise ReplayError(f"the recording restores snapshot {snapshot}, which this server cannot restore "
+                          f"({error})") from None
+
+
 def play(client: Client, image: bytes, trace: dict[str, Any], reactive: bool = False,
          num_chunks: int | None = None) -> Played:
-    """Open a session, send every control of the trace, collect every chunk, close. Raises on server errors."""
+    """Open a session (or restore the trace's ``restore`` snapshot), send every control of the trace, collect
+    every chunk, close. Raises on server errors."""
     steps = trace["chunks"][: num_chunks or len(trace["chunks"])]
     started = time.monotonic()
-    info = client.open(image, prompt=trace.get("prompt", ""), seed=int(trace.get("seed", 0)), num_chunks=len(steps),
-                       intrinsics=intrinsics_of(trace))
-    played = Played(session=info.id, fps=info.fps, opened_s=time.monotonic() - started)
+    if trace.get("restore"):
+        info = open_restored(client, str(trace["restore"]), indexed=True)
+    else:
+        info = client.open(image, prompt=trace.get("prompt", ""), seed=int(trace.get("seed", 0)),
+                           num_chunks=len(steps), intrinsics=intrinsics_of(trace), steps=trace.get("steps"))
+    first = info.first_chunk
+    played = Played(session=info.id, fps=info.fps, opened_s=time.monotonic() - started, first_chunk=first)
     errors: list[BaseException] = []
 
     changes = {int(change["chunk"]): str(change["prompt"]) for change in trace.get("prompts", ())}
+    saves = {int(chunk) for chunk in trace.get("saves", ())}
 
     def send_all() -> None:
         try:
-            for index, step in enumerate(steps):
-                if (reactive and index > 0) or index in changes:
-                    while len(played.chunks) < index and not errors:
+            for offset, step in enumerate(steps):
+                index = first + offset
+                if (reactive and offset > 0) or index in changes or index in saves:
+                    while len(played.chunks) < offset and not errors:
                         time.sleep(0.0005)
-                if index in changes:  # chunk index-1 arrived and control[index] is not sent: index is the switch
+                # chunk index-1 arrived and control[index] is not sent: index is the switch and the save's boundary
+                # (the prompt first: a prompt encoded while a save holds its boundary starts after it)
+                if index in changes:
                     played.prompts.append(change_prompt(client, info.id, changes[index], expect_chunk=index))
-                client.control(info.id, index, keys=step.get("keys", ""), mouse=tuple(step.get("mouse", (0, 0))))
+                if index in saves:
+                    played.saves.append(save_at(client, info.id, expect_chunk=index))
+                client.control(info.id, index, keys=step.get("keys", ""), mouse=tuple(step.get("mouse", (0, 0))),
+                               steps=step.get("steps"))
         except BaseException as error:  # surfaced in the caller's thread
             errors.append(error)
 
@@ -113,12 +149,13 @@ def play(client: Client, image: bytes, trace: dict[str, Any], reactive: bool = F
     sender.start()
     for chunk in client.chunks(info.id):
         played.chunks.append(chunk)
-        if errors:
+        if errors or len(played.chunks) == len(steps):
             break
     sender.join(timeout=5)
     if errors:
         raise errors[0]
-    played.summary = client.wait_closed(info.id)
+    ends = info.num_chunks is not None and first + len(steps) >= info.num_chunks  # else: close after the trace
+    played.summary = client.wait_closed(info.id) if ends else client.close(info.id)
     played.wall_s = time.monotonic() - started
     return played
 
@@ -129,6 +166,14 @@ def change_prompt(client: Client, session: str, prompt: str, expect_chunk: int |
     if expect_chunk is not None and reply.chunk != expect_chunk:
         raise RuntimeError(f"the new prompt took effect at chunk {reply.chunk}, not {expect_chunk}")
     return {"chunk": reply.chunk, "prompt_revision": reply.revision, "prompt": prompt}
+
+
+def save_at(client: Client, session: str, expect_chunk: int | None = None) -> dict[str, Any]:
+    """``save``; the answer as a record. ``expect_chunk``: the boundary the save must have."""
+    snapshot = client.save(session)
+    if expect_chunk is not None and snapshot.chunk != expect_chunk:
+        raise ReplayError(f"the save's boundary is chunk {snapshot.chunk}, not {expect_chunk}")
+    return {"chunk": snapshot.chunk, "snapshot": snapshot.id, "bytes": snapshot.bytes, "pause_s": snapshot.pause_s}
 
 
 @dataclass
@@ -164,11 +209,15 @@ def play_live(client: Client, image: bytes, timeline: dict[str, Any], tail_s: fl
     check_timeline(timeline)
     started = time.monotonic()
     num_chunks = timeline.get("num_chunks")
-    info = client.open(image, prompt=timeline.get("prompt", ""), seed=int(timeline.get("seed", 0)),
-                       num_chunks=num_chunks, live=True, pause_when_idle=bool(timeline.get("pause_when_idle")),
-                       intrinsics=intrinsics_of(timeline))
+    if timeline.get("restore"):  # a saved live session: its prompt, seed, length and held keys come with it
+        info = open_restored(client, str(timeline["restore"]))
+        num_chunks = info.num_chunks
+    else:
+        info = client.open(image, prompt=timeline.get("prompt", ""), seed=int(timeline.get("seed", 0)),
+                           num_chunks=num_chunks, live=True, pause_when_idle=bool(timeline.get("pause_when_idle")),
+                           intrinsics=intrinsics_of(timeline), steps=timeline.get("steps"))
     ready = time.monotonic()
-    played = LivePlayed(session=info.id, fps=info.fps, opened_s=ready - started)
+    played = LivePlayed(session=info.id, fps=info.fps, opened_s=ready - started, first_chunk=info.first_chunk)
     live = LiveInput(client, info.id)
     done, finished = threading.Event(), threading.Event()
 
@@ -182,11 +231,19 @@ def play_live(client: Client, image: bytes, timeline: dict[str, Any], tail_s: fl
                     played.prompts.append(change)
                     played.sent.append({"t": time.monotonic() - ready, **change})
                     continue
-                state = {"keys": "".join(event.get("keys", "")), "taps": "".join(event.get("taps", "")),
+                if event.get("save"):  # blocks this sender until every rank's file is written
+                    saved = save_at(client, info.id)
+                    played.saves.append(saved)
+                    played.sent.append({"t": time.monotonic() - ready, "save": True, **saved})
+                    continue
+                held = sorted(live.held) if "steps" in event else ""  # a steps change alone keeps the keys held
+                state = {"keys": "".join(event.get("keys", held)), "taps": "".join(event.get("taps", "")),
                          "mouse": [float(v) for v in event.get("mouse", (0.0, 0.0))]}
-                revision = live.set(state["keys"], state["taps"], (state["mouse"][0], state["mouse"][1]))
+                steps = event.get("steps")
+                revision = live.set(state["keys"], state["taps"], (state["mouse"][0], state["mouse"][1]), steps=steps)
                 if revision is not None:
-                    played.sent.append({"t": time.monotonic() - ready, "revision": revision, **state})
+                    extra = {} if steps is None else {"steps": int(steps)}
+                    played.sent.append({"t": time.monotonic() - ready, "revision": revision, **state, **extra})
         finally:
             finished.set()
 
@@ -237,8 +294,9 @@ def photon_stats(chunks: list[ChunkResult]) -> dict[str, float | int | None]:
 
 
 def recording(timeline: dict[str, Any], played: LivePlayed) -> dict[str, Any]:
-    """The live recording: the states as sent with their times, the snapshot applied to every chunk, the frame
-    hashes, and the input-to-photon latency of every revision."""
+    """The live recording: the states, prompt changes, steps changes and saves as sent with their times (and the
+    server's answers), the snapshot restored (if any), what every chunk applied (control, prompt revision, steps),
+    the frame hashes, and the input-to-photon latency of every revision."""
     return {
         "format": LIVE_TRACE_FORMAT,
         "prompt": timeline.get("prompt", ""),
@@ -246,21 +304,31 @@ def recording(timeline: dict[str, Any], played: LivePlayed) -> dict[str, Any]:
         "num_chunks": timeline.get("num_chunks"),
         "pause_when_idle": bool(timeline.get("pause_when_idle")),
         "intrinsics": timeline.get("intrinsics"),
+        "steps": timeline.get("steps"),
+        "restore": timeline.get("restore"),
+        "first_chunk": played.first_chunk,
         "events": played.sent,
-        "applied": [{"index": c.index, "control": to_builtins(c.control), "prompt_revision": c.prompt_revision}
-                    for c in played.chunks],
+        "saves": played.saves,
+        "applied": [{"index": c.index, "control": to_builtins(c.control), "prompt_revision": c.prompt_revision,
+                     "steps": c.facts.steps, "steps_changed": c.facts.steps_changed} for c in played.chunks],
         "hashes": frame_hashes(played.chunks),
         "input_to_photon_s": {str(r): v for c in played.chunks for r, v in sorted(c.input_to_photon_s.items())},
     }
 
 
 def applied_trace(recorded: dict[str, Any]) -> dict[str, Any]:
-    """A recording's applied snapshots as an indexed trace (``play`` input): the deterministic replay."""
+    """A recording's applied snapshots as an indexed trace (``play`` input): the deterministic replay. It restores
+    the recording's snapshot if it restored one, changes the prompt at the chunks that first used a new revision,
+    asks for each chunk's recorded steps where they changed, and saves at the recorded boundaries."""
     applied = sorted(recorded["applied"], key=lambda a: a["index"])
-    if [a["index"] for a in applied] != list(range(len(applied))) or not applied:
-        raise ValueError("the recording's applied snapshots must cover chunks 0..n-1")
+    first = int(recorded.get("first_chunk") or 0)
+    if [a["index"] for a in applied] != list(range(first, first + len(applied))) or not applied:
+        raise ValueError(f"the recording's applied snapshots must cover chunks {first}..n-1")
     texts = {e["prompt_revision"]: e["prompt"] for e in recorded.get("events", ()) if "prompt" in e}
-    prompts, shown = [], 0
+    # a restored session starts at its snapshot's revision (its changes are the recording's own, all newer)
+    start = int(applied[0].get("prompt_revision", 0))
+    prompts, shown = [], 0 if start in texts or not recorded.get("restore") else start
+    chunks, last_steps = [], 0
     for a in applied:  # each chunk that first used a newer prompt revision: a change at that chunk
         revision = int(a.get("prompt_revision", 0))
         if revision != shown:
@@ -268,17 +336,39 @@ def applied_trace(recorded: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"chunk {a['index']} used prompt revision {revision}, which the recording lacks")
             prompts.append({"chunk": a["index"], "prompt": texts[revision]})
             shown = revision
-    trace = {"prompt": recorded.get("prompt", ""), "seed": recorded.get("seed", 0),
-             "intrinsics": recorded.get("intrinsics"), "chunks": [
-        {"keys": "".join(a["control"].get("keys", ())), "mouse": a["control"].get("mouse", (0.0, 0.0))}
-        for a in applied]}
-    return {**trace, "prompts": prompts} if prompts else trace
+        chunk = {"keys": "".join(a["control"].get("keys", ())), "mouse": a["control"].get("mouse", (0.0, 0.0))}
+        steps = int(a.get("steps") or 0)
+        if steps and steps != last_steps:  # the same steps from the same chunk, whoever chose them then
+            chunk["steps"] = last_steps = steps
+        chunks.append(chunk)
+    trace: dict[str, Any] = {"prompt": recorded.get("prompt", ""), "seed": recorded.get("seed", 0),
+                             "intrinsics": recorded.get("intrinsics"), "chunks": chunks}
+    if recorded.get("restore"):
+        trace["restore"] = recorded["restore"]
+    elif chunks[0].get("steps"):
+        trace["steps"] = chunks[0]["steps"]  # admitted at them
+    if prompts:
+        trace["prompts"] = prompts
+    saves = [int(s["chunk"]) for s in recorded.get("saves", ())]
+    return {**trace, "saves": saves} if saves else trace
+
+
+def applied_facts(chunks: list[ChunkResult]) -> list[tuple[int, int, int]]:
+    """What a replay must reproduce besides the frames: each chunk's index, prompt revision and steps."""
+    return [(c.index, c.prompt_revision, c.facts.steps) for c in chunks]
 
 
 def replay_exact(client: Client, image: bytes, recorded: dict[str, Any]) -> tuple[Played, bool]:
-    """Replay the applied snapshots as indexed controls; the result and whether every frame hash matches."""
+    """Replay the applied snapshots as indexed controls; the result and whether every frame hash and every
+    chunk's facts (index, prompt revision, steps) match the recording's (its saves landed at the same chunks, or
+    ``ReplayError`` was raised)."""
     played = play(client, image, applied_trace(recorded))
-    return played, frame_hashes(played.chunks) == recorded.get("hashes")
+    facts = [(int(a["index"]), int(a.get("prompt_revision", 0)), int(a.get("steps") or 0))
+             for a in sorted(recorded["applied"], key=lambda a: a["index"])]
+    got = applied_facts(played.chunks)
+    if not any(steps for _, _, steps in facts):  # a recording from before quality presets
+        got = [(index, revision, 0) for index, revision, _ in got]
+    return played, frame_hashes(played.chunks) == recorded.get("hashes") and got == facts
 
 
 def write_video(chunks: list[ChunkResult], path: Path, fps: float) -> int:
@@ -336,6 +426,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.record and not args.live:
         parser.error("--record needs --live")
     image = args.image.read_bytes()
+    try:
+        played, matched = run(args, image)
+    except ReplayError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return report_all(args, played, matched)
+
+
+def run(args: argparse.Namespace, image: bytes) -> tuple[Played, bool | None]:
+    """The session the arguments ask for: played, and whether it matched its recording (None: no recording)."""
     matched: bool | None = None
     with Client(args.endpoint) as client:
         if args.trace:
@@ -353,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 played = play_live(client, image, recorded)
                 matched = frame_hashes(played.chunks) == recorded.get("hashes")
+    return played, matched
+
+
+def report_all(args: argparse.Namespace, played: Played, matched: bool | None) -> int:
     summary = played.summary
     facts = report(played, summary)
     if isinstance(played, LivePlayed):
@@ -364,8 +468,9 @@ def main(argv: list[str] | None = None) -> int:
         write_video(played.chunks, args.out, played.fps)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"report": facts, "summary": summary, "prompts": played.prompts, "chunks": [
-            to_builtins(c.facts) for c in played.chunks]}, indent=1))
+        chunks = [to_builtins(c.facts) for c in played.chunks]
+        args.json.write_text(json.dumps({"report": facts, "summary": summary, "prompts": played.prompts,
+                                         "saves": played.saves, "chunks": chunks}, indent=1))
     if args.chrome_trace:
         write_chrome_trace(played, args.chrome_trace)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in facts.items()))

@@ -383,6 +383,21 @@ def test_applied_trace_turns_recorded_snapshots_into_indexed_controls_in_chunk_o
         applied_trace({"applied": [{"index": 1, "control": {}}]})
 
 
+def test_applied_trace_of_a_restored_session_restores_it_and_repeats_its_prompt_steps_and_saves() -> None:
+    control = {"keys": ["w"], "mouse": [0.0, 0.0], "revision": 1}
+    recorded = {"restore": "s" * 22, "first_chunk": 3, "saves": [{"chunk": 4, "snapshot": "x" * 22}],
+                "events": [{"t": 0.1, "prompt": "snow", "prompt_revision": 2, "chunk": 5}], "applied": [
+                    {"index": 3, "control": control, "prompt_revision": 1, "steps": 4},
+                    {"index": 4, "control": control, "prompt_revision": 1, "steps": 2},
+                    {"index": 5, "control": control, "prompt_revision": 2, "steps": 2}]}
+    trace = applied_trace(recorded)
+    # revision 1 is the snapshot's (no change of this recording): only revision 2 is a change, at chunk 5
+    assert trace["restore"] == "s" * 22 and trace["prompts"] == [{"chunk": 5, "prompt": "snow"}]
+    assert [c.get("steps") for c in trace["chunks"]] == [4, 2, None] and trace["saves"] == [4]
+    with pytest.raises(ValueError, match=r"3\.\.n-1"):
+        applied_trace({**recorded, "applied": recorded["applied"][1:]})
+
+
 def test_timelines_need_ordered_event_times() -> None:
     check_timeline({"num_chunks": 4, "events": [{"t": 0.0, "keys": "w"}, {"t": 0.5}]})
     with pytest.raises(ValueError, match="event 1"):

@@ -94,3 +94,49 @@ def test_seven_rank_real_model_restore_and_fork_match_the_uninterrupted_stream_b
                 chunk = client.next_chunk(restored.id, timeout_s=120)
                 assert chunk.index == i and np.array_equal(chunk.frames, frames[i]), f"chunk {i} differs"
             client.wait_closed(restored.id, timeout_s=120)
+
+
+@pytest.mark.multiprocess
+def test_seven_rank_real_model_saved_after_a_prompt_change_restores_with_that_prompt_bit_for_bit(
+        tmp_path: Path) -> None:  # fmt: skip
+    """The prompt changed at chunk 1 and the steps at chunk 2, then a save at chunk 3: the restored session runs the
+    new text (its revision continuing the snapshot's) and the asked steps, frame for frame as the original."""
+    import numpy as np
+
+    from ipc.client import Client
+    from scripts.local_server import LocalServer
+
+    keys = ["w", "wl", "d", "a", "j"]
+    with LocalServer("cpu-tiny-model", [f"--snapshots.dir={tmp_path}"]) as server, \
+            Client(server.endpoint) as client:  # fmt: skip
+        info = client.open(IMAGE, prompt="a red house", seed=5, num_chunks=len(keys))
+        chunks = {}
+        for i in range(3):
+            if i == 1:  # chunk 0 arrived and control 1 is not sent: chunk 1 is the first with the new text
+                assert client.set_prompt(info.id, "a snowy forest at night").chunk == 1
+            client.control(info.id, i, keys=keys[i], steps=2 if i == 2 else None)
+            chunks[i] = client.next_chunk(info.id, timeout_s=120)
+        snapshot = client.save(info.id)
+        for i in range(3, len(keys)):
+            client.control(info.id, i, keys=keys[i])
+            chunks[i] = client.next_chunk(info.id, timeout_s=120)
+        client.wait_closed(info.id, timeout_s=120)
+        assert snapshot.chunk == 3
+        restored = client.open(restore=snapshot.id)
+        got = {}
+        for i in range(3, len(keys)):
+            client.control(restored.id, i, keys=keys[i])
+            got[i] = client.next_chunk(restored.id, timeout_s=120)
+        client.wait_closed(restored.id, timeout_s=120)
+        fork = client.open(restore=snapshot.id)  # a fork changes the prompt at once: revision 2 from chunk 3
+        reply = client.set_prompt(fork.id, "rain")
+        client.control(fork.id, 3, keys=keys[3])
+        forked = client.next_chunk(fork.id, timeout_s=120)
+        client.close(fork.id)
+    assert [chunks[i].prompt_revision for i in range(len(keys))] == [0, 1, 1, 1, 1]
+    assert [chunks[i].facts.steps for i in range(len(keys))] == [4, 4, 2, 2, 2]
+    for i in range(3, len(keys)):
+        assert np.array_equal(got[i].frames, chunks[i].frames), f"chunk {i} differs"
+        assert (got[i].prompt_revision, got[i].facts.steps) == (1, 2)
+    assert (reply.revision, reply.chunk, forked.prompt_revision) == (2, 3, 2)  # revisions continue the snapshot's
+    assert not np.array_equal(forked.frames, chunks[3].frames)
