@@ -537,9 +537,12 @@ class RouterCore:
             self.aliases[(replica.name, session.upstream)] = session.id
         replica.sessions.add(session.id)
         self.migrations += 1
+        notice = protocol.Migrated(session=session.id, chunk=message.first_chunk, replica=replica.name)
         if not session.gone:
-            self._emit(ToClient(session.client, protocol.Migrated(session=session.id, chunk=message.first_chunk,
-                                                                  replica=replica.name), session.id))
+            self._emit(ToClient(session.client, notice, session.id))
+        watchers = self.watchers.of(session.id)
+        if watchers:  # their chunks come again from the resume chunk too
+            self._emit(ToWatchers(session.id, watchers, notice))
         self._send_state(session)  # live input that came meanwhile
 
     def _opened(self, replica: Replica, message: protocol.Opened, now: float) -> None:

@@ -24,6 +24,7 @@ from runtime.router_types import (
     SessionOrigin,
     ShutdownRequested,
     ToReplica,
+    ToWatchers,
 )
 from tests.test_router_core import A, Fleet, chunk, opened, stats_of
 
@@ -144,6 +145,18 @@ def test_a_session_with_a_snapshot_moves_to_a_survivor_under_its_id_and_its_clie
     f.step(ReplicaSent(sent.replica, f.generation[sent.replica], ChunkHead(MOVED), p.encode(chunk(MOVED, 2))))
     (got,) = f.to(A, p.Chunk)
     assert got.session == sid and got.facts.index == 2 and got.frames == chunk(sid, 2).frames
+
+
+def test_a_migrated_sessions_watchers_are_told_where_its_chunks_come_again_from() -> None:
+    f = fleet(every=2)
+    sid, name = f.open(A)
+    watcher = b"watcher"
+    f.client(watcher, p.Watch(req=1, session=sid, token=f.core.watchers.tokens[sid]))
+    snapshotted(f, name, sid)
+    f.clear()
+    survivor = migrated(f, sid, name)
+    (told,) = [o for o in f.log if isinstance(o, ToWatchers) and isinstance(o.payload, p.Migrated)]
+    assert told.watchers == (watcher,) and (told.payload.chunk, told.payload.replica) == (2, survivor)
 
 
 def test_a_migrated_sessions_messages_are_renamed_both_ways() -> None:

@@ -337,3 +337,13 @@ def test_a_failing_task_ends_the_tab_with_its_failure_and_stops_the_reader() -> 
         assert isinstance(failure, struct.error) and stopped.is_set()
 
     asyncio.run(scenario())
+
+
+def test_a_playout_rewound_after_a_migration_takes_the_chunks_again_and_counts_what_it_dropped() -> None:
+    playout = Playout(16.0)
+    playout.push(3, 12, 0.0)
+    with pytest.raises(ValueError, match="chunks arrive in order"):
+        playout.push(2, 12, 0.1)
+    playout.rewind()  # the session resumed from its snapshot at chunk 2 on another replica
+    playout.push(2, 12, 0.1)
+    assert playout.chunk == 2 and playout.dropped.superseded == 12  # chunk 3's frames were never sent

@@ -31,7 +31,15 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from ipc.aio_client import AsyncClient
-from ipc.client import OutboxFull, ServerError, SessionClosed, SessionInfo, UnknownSession, closed_summary
+from ipc.client import (
+    OutboxFull,
+    ServerError,
+    SessionClosed,
+    SessionInfo,
+    SessionMigrated,
+    UnknownSession,
+    closed_summary,
+)
 from web import page_protocol as pp
 from web.chunks import ChunkView, Timeline, chrome_trace, read_chunk
 from web.playout import Playout, encode_frame
@@ -331,11 +339,18 @@ class Bridge:
             except SessionClosed as closed:
                 self._finish(info, closed_summary(closed.closed))
                 return
+            except SessionMigrated as moved:  # its replica died: the router resumed it from its snapshot elsewhere
+                assert self.playout is not None
+                self.playout.rewind()
+                self.send({"type": "migrated", "session": info.id, "chunk": moved.chunk, "replica": moved.replica})
+                continue
             except ServerError:
                 continue  # the session's failure or the server's end: the error pump reports it, `closed` follows
             view = read_chunk(chunk)
             self.timeline.append(view.timeline())
             assert self.playout is not None
+            if self.playout.chunk is not None and view.index <= self.playout.chunk:
+                self.playout.rewind()  # chunks again after a migration whose notice a watcher's full feed dropped
             self.playout.push(view.index, int(view.frames.shape[0]), loop.time())
             self.playing = view
             self.send({"type": "chunk", "session": info.id, "index": view.index, "frames": int(view.frames.shape[0]),

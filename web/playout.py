@@ -49,6 +49,13 @@ class Playout:
         self._next = 0  # the next frame of the chunk not sent or dropped yet
         self._last: float | None = None  # the playout time of the last frame taken
 
+    def rewind(self) -> None:
+        """The session resumed from an earlier chunk (a router moved it to another replica from its snapshot): the
+        chunk indices come again from there. The current chunk's unsent frames are dropped; pacing goes on."""
+        if self.chunk is not None:
+            self.dropped.superseded += self.frames - self._next
+        self.chunk, self.frames, self._next = None, 0, 0
+
     def push(self, chunk: int, frames: int, now: float) -> None:
         if self.chunk is not None and chunk <= self.chunk:
             raise ValueError(f"chunk {chunk} after chunk {self.chunk}: chunks arrive in order")

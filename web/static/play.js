@@ -78,6 +78,7 @@ function onText(message) {
     case "trace": saveTrace(message); break;
     case "prompt": onPrompt(message); break;
     case "error": onError(message); break;
+    case "migrated": showBanner(`the session moved to replica ${message.replica}: it resumes from chunk ${message.chunk}`); break;
   }
   updateButtons();
   renderHud();
