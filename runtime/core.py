@@ -408,11 +408,7 @@ class CoordinatorCore:
         if result.image is None:
             raise ClientError("bad_image", result.error)
         geometry = self.geometry.with_size(*self._frame_size(result.image.height, result.image.width))
-        refusal = self.admission.refusal(geometry.height, geometry.width)
-        if refusal is not None:
-            if (geometry.height, geometry.width) in self.admission.unservable_sizes:  # no close frees this size
-                raise ClientError("busy", f"{refusal}; a start image of another aspect ratio streams at another size")
-            raise ClientError("busy", f"{refusal}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
+        self._check_memory(geometry)
         sid = self.new_id()
         self._admit(sid, geometry, message)  # may refuse busy: before the memory is held, which it cannot refuse
         self.admission.admit(sid, geometry.height, geometry.width)
@@ -425,6 +421,15 @@ class CoordinatorCore:
             image=result.image, intrinsics=message.intrinsics or self.intrinsics), now)
         self._guarded(sid, lambda: self._run(self.scheduler.open(sid, message.num_chunks or self.max_chunks, now),
                                              now), now)
+
+    def _check_memory(self, geometry: StreamGeometry) -> None:
+        """``busy`` when some rank has no room for one more session of this size (memory-aware admission)."""
+        refusal = self.admission.refusal(geometry.height, geometry.width)
+        if refusal is None:
+            return
+        if (geometry.height, geometry.width) in self.admission.unservable_sizes:  # no close frees this size
+            raise ClientError("busy", f"{refusal}; a start image of another aspect ratio streams at another size")
+        raise ClientError("busy", f"{refusal}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
 
     def _admit(self, sid: str, geometry: StreamGeometry, message: protocol.Open) -> None:
         """Real-time admission (``runtime.capacity``): a seat for ``sid`` with its steps, or ``busy``."""
@@ -893,15 +898,14 @@ class CoordinatorCore:
             raise ClientError("busy", f"the server is at its limit of {self.server.max_sessions} sessions",
                               retry_after_s=BUSY_RETRY_S)
         geometry = self.geometry.with_size(g.height, g.width)
-        refused = self.admission.refusal(geometry.height, geometry.width)
-        if refused is not None:
-            raise ClientError("busy", f"{refused}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
+        self._check_memory(geometry)
         # its steps setting and floor are the saved session's (the open's may change them, as a control would)
         asked = msgspec.structs.replace(message, steps=message.steps or manifest.want or manifest.steps,
                                         min_steps=message.min_steps or manifest.floor or None,
                                         num_chunks=manifest.num_chunks)
         sid = self.new_id()
-        self._admit(sid, geometry, asked)
+        left = None if manifest.num_chunks is None else manifest.num_chunks - manifest.chunk  # what it has yet to run
+        self._admit(sid, geometry, msgspec.structs.replace(asked, num_chunks=left))
         self.admission.admit(sid, geometry.height, geometry.width)
         saved_live = manifest.live
         live = None  # an indexed restore of a live session takes the client's per-chunk controls (an exact replay)
@@ -952,6 +956,9 @@ class CoordinatorCore:
             self.clients.remove(session.id)
             self.admission.release(session.id)
             self.capacity.remove(session.id)
+            self.saves.pop(session.id, None)
+            with contextlib.suppress(Exception):  # its metrics are bounded by sessions: never keep a dropped one's
+                self.metrics.close_session(session.id, now)
             self._end_watchers(session.id, "failed", text, keep=False)
             self._emit(DropTensors(session.id))
 

@@ -607,8 +607,8 @@ class RouterCore:
         elif origin.kind == "control_state":  # nor valid live input: it is folded and sent when the link drains
             if origin.state is not None:
                 session.state = origin.state if session.state is None else fold(origin.state, session.state)
-        else:  # what a server answers a control (or a new prompt) it cannot take now
-            code = "prompt_backpressure" if origin.kind == "set_prompt" else "control_backpressure"
+        else:  # what a server answers a control, a new prompt or a save it cannot take now
+            code = {"set_prompt": "prompt_backpressure", "save": "busy"}.get(origin.kind, "control_backpressure")
             self._refuse(origin.identity, ClientError(code, f"the connection to replica "
                                                       f"{event.replica} is full; send it again",
                                                       retry_after_s=SESSION_RETRY_S), origin.req, origin.session)

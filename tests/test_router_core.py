@@ -305,6 +305,9 @@ def test_a_session_message_meeting_a_full_replica_connection_is_refused_with_a_r
     fleet.step(ReplicaRefused(name, fleet.generation[name], SessionOrigin(A, 8, sid, "control")))
     (error,) = fleet.errors(A)
     assert (error.req, error.session, error.code) == (8, sid, "control_backpressure") and error.retry_after_s > 0
+    fleet.step(ReplicaRefused(name, fleet.generation[name], SessionOrigin(A, 9, sid, "save")))
+    (error,) = fleet.errors(A)[1:]  # a save is no control: what a server answers a save it cannot take now
+    assert (error.req, error.code) == (9, "busy") and error.retry_after_s > 0
 
 
 def test_a_late_opened_is_closed_on_its_replica_and_leaves_nothing_behind(fleet: Fleet) -> None:
