@@ -169,10 +169,24 @@ class SessionMigrated(ServerError):
         return error
 
 
+class SaveFailed(ServerError):
+    """A ``save`` did not complete (a rank could not copy or write its state, or the session ended meanwhile): no
+    snapshot; the session streams on."""
+
+    codes = ("save_failed",)
+
+
+class BadSnapshot(BadRequest):
+    """An ``open(restore=...)`` this server cannot do: the message names what differs (model, layout, DiT degree,
+    frame size, format) or what is wrong with the files."""
+
+    codes = ("bad_snapshot",)
+
+
 _ERROR_TYPES: dict[str, type[ServerError]] = {
     code: cls for cls in (Busy, UnknownSession, RejectedControl, ControlBackpressure, BadRequest, StaleRevision,
-                          SessionFailed, ServerGone, OutboxFull, PromptBackpressure, WatchOnly) for code in
-                          cls.codes
+                          SessionFailed, ServerGone, OutboxFull, PromptBackpressure, WatchOnly, SaveFailed,
+                          BadSnapshot) for code in cls.codes
 }
 
 

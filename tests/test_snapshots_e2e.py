@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ipc.client import Client, ServerError, Snapshot
+from ipc.client import BadSnapshot, Client, ServerError, Snapshot
 from runtime.snapshots import MANIFEST, new_snapshot_id
 from scripts.local_server import ROOT, LocalServer
 from tests.shared import FAST
@@ -120,7 +120,7 @@ def test_snapshots_of_another_model_layout_degree_or_geometry_are_refused_naming
             "snapshot format 9": forged(server, snapshot.id, change={"format": 9}),
         }
         for what, forged_id in cases.items():
-            with pytest.raises(ServerError, match=what) as refused:
+            with pytest.raises(BadSnapshot, match=what) as refused:  # the SDK's class for the code
                 client.open(restore=forged_id)
             assert refused.value.code == "bad_snapshot"
 
