@@ -93,6 +93,7 @@ def condition_worker(ctx: RankContext) -> None:
             ctx.check_memory("condition", stage, task.session, h * SPATIAL_STRIDE, w * SPATIAL_STRIDE)
 
     def save(task: protocol.SaveState, spans: Spans) -> None:
+        saver.ensure_room()
         with spans.span("condition.save"):
             state = dict(stage.state_dict(task.session))
             kept = prompts.get(task.session, {})
@@ -224,6 +225,7 @@ def denoise_worker(ctx: RankContext) -> None:
                 tp.send(latent, lay.decode, ctx.groups, ctx.groups.latent)
 
     def save(task: protocol.SaveState, spans: Spans) -> None:
+        saver.ensure_room()
         with spans.span("denoise.save"):
             copy = snapshot_io.capture(stage.state_dict(task.session))
         saver.submit(task, copy)
@@ -269,6 +271,7 @@ def decode_worker(ctx: RankContext) -> None:
                 stage.load_state(spec, state)
 
     def save(task: protocol.SaveState, spans: Spans) -> None:
+        saver.ensure_room()
         with spans.span("decode.save"):
             copy = snapshot_io.capture(stage.state_dict(task.session))
         saver.submit(task, copy)

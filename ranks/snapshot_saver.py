@@ -24,6 +24,9 @@ from runtime.snapshots import SnapshotError, SnapshotStore
 log = logging.getLogger(__name__)
 
 PENDING_PREFIX = "pending."  # condition-stage file: conditions encoded ahead of the boundary, by chunk index
+# host copies waiting for the writer besides the one it writes: each is a rank's whole session state (4.3 GiB per
+# DiT rank at 480x832), so saves that come faster than the disk takes them fail instead of filling host memory
+MAX_WAITING_WRITES = 1
 
 
 class Saver:
@@ -34,6 +37,14 @@ class Saver:
         self.store = SnapshotStore(ctx.snapshots_dir)
         self._queue: queue.Queue[tuple[protocol.SaveState, dict[str, torch.Tensor]]] = queue.Queue()
         self._thread: threading.Thread | None = None
+
+    def ensure_room(self) -> None:
+        """Refuse a save before its copy is made when the writer is this far behind (the save fails: ``save_failed``
+        with this reason; the session streams on)."""
+        waiting = self._queue.qsize()  # one producer (the stage's thread): no race with another submit
+        if waiting >= MAX_WAITING_WRITES:
+            raise SnapshotError(f"rank {self.ctx.rank} {self.stage.value}: {waiting} snapshot copies still wait for "
+                                "the disk; save again once they are written")
 
     def submit(self, task: protocol.SaveState, state: dict[str, torch.Tensor]) -> None:
         if self._thread is None:

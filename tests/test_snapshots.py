@@ -385,3 +385,19 @@ def test_a_live_session_restores_with_its_held_keys_at_its_chunk_and_a_fresh_rev
     assert (restored.live.next_index, restored.live.revision) == (saved.chunk, -1)
     job.send(A, p.ControlState(req=next(job.req), session=restored.id, keys=["a"], revision=1))  # counts from 1
     assert not [e for e in job.to(A, p.Error) if e.session == restored.id]
+
+
+def test_a_saver_whose_writer_is_behind_refuses_the_next_copy_before_it_is_made() -> None:
+    import queue
+    from types import SimpleNamespace
+
+    from ipc.protocol import Stage
+    from ranks.snapshot_saver import MAX_WAITING_WRITES, Saver
+
+    saver = Saver.__new__(Saver)  # no writer thread: only the bound is under test
+    saver.ctx, saver.stage, saver._queue = SimpleNamespace(rank=3), Stage.DENOISE, queue.Queue()
+    for _ in range(MAX_WAITING_WRITES):
+        saver.ensure_room()
+        saver._queue.put(("a copy", {}))
+    with pytest.raises(SnapshotError, match="rank 3 denoise: 1 snapshot copies still wait for the disk"):
+        saver.ensure_room()
