@@ -290,7 +290,9 @@ class CapacityModel:
             "ladder": self.config.ladder,
             "margin": self.config.margin,
             "predicted_period_s": period,
-            "headroom": self.headroom(),
+            # what a router places by: only where sessions are admitted by real time (under count admission the
+            # measured headroom is no rule this server keeps, and on a shared CPU it is other processes' noise)
+            "headroom": self.headroom() if self.config.admission == "realtime" else None,
             "stage_s": {f"{stage}/{steps}/{h}x{w}": t
                         for (stage, steps, (h, w)), t in sorted(self.times.seconds.items())},
             "sessions": sessions,

@@ -118,6 +118,7 @@ def test_count_admission_admits_beyond_real_time_at_the_lowest_steps() -> None:
     for sid in "bcdefg":
         assert m.admit(sid, SIZE, MEDIA, 4, 1).ok
     assert m.headroom() < 0  # type: ignore[operator]
+    assert m.to_dict()["headroom"] is None  # a router must not place by a rule this server does not keep
 
 
 def test_a_session_asking_for_other_steps_gets_them_as_far_as_real_time_allows() -> None:
