@@ -34,10 +34,13 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
 
 def test_a_tab_saves_and_another_tab_forks_from_the_snapshots_chunk(gateway: LocalGateway) -> None:
     async def scenario() -> dict[str, Any]:
-        async with connect(gateway.port) as player, connect(gateway.port) as forker:
+        async with connect(gateway.port) as player, connect(gateway.port) as forker, \
+                connect(gateway.port) as viewer:
             answers: dict[str, Any] = {"unsaved": await player.save()}  # no session yet: nothing to save
             opened = await player.open(prompt="a harbour", seed=5, num_chunks=CHUNKS)
             assert opened["type"] == "opened" and opened["first_chunk"] == 0 and opened["restored"] is None, opened
+            await viewer.watch(opened["session"], opened["watch_token"])
+            answers["viewer"] = await viewer.save()  # only the player saves its session
             await player.state(1, keys="w")
             await player.next("chunk")
             saved = await player.save()
@@ -53,7 +56,7 @@ def test_a_tab_saves_and_another_tab_forks_from_the_snapshots_chunk(gateway: Loc
             return answers
 
     answers = asyncio.run(scenario())
-    assert answers["unsaved"]["code"] == "no_session"
+    assert answers["unsaved"]["code"] == "no_session" and answers["viewer"]["code"] == "watch_only"
     assert answers["unknown"]["type"] == "error" and answers["unknown"]["code"] == "bad_snapshot", answers["unknown"]
     saved, forked = answers["saved"], answers["forked"]
     assert len(saved["snapshot"]) == 22 and saved["bytes"] > 0 and saved["files"] > 0 and saved["pause_s"] >= 0

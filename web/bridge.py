@@ -295,12 +295,8 @@ class Bridge:
         if info is None or client is None:
             self.error("no_session", "no session is open in this tab: nothing to save")
             return
-        if self.watching:  # the server refuses it too (only the owner saves); said here in the page's words
-            self.error("watch_only", "this tab watches another tab's session: only its player saves it",
-                       session=info.id)
-            return
         try:
-            snapshot = await client.save(info.id)
+            snapshot = await client.save(info.id)  # a watching tab's is refused by the server (watch_only)
         except (ServerError, TimeoutError) as error:
             self.error(getattr(error, "code", "server_unreachable"), getattr(error, "message", str(error)),
                        getattr(error, "retry_after_s", None), session=info.id)

@@ -72,6 +72,11 @@ class Tab:
         await self.ws.send_str(json.dumps({"type": "prompt", "prompt": prompt}))
         return await self.next("prompt", "error")
 
+    async def watch(self, session: str, token: str) -> dict[str, Any]:
+        """Watch another tab's session read-only: the ``watching`` or ``error`` reply."""
+        await self.ws.send_str(json.dumps({"type": "watch", "session": session, "token": token}))
+        return await self.next("watching", "error")
+
     async def save(self, timeout_s: float = 30.0) -> dict[str, Any]:
         """Save the tab's session: the ``saved`` reply (snapshot id, chunk, costs) or the ``error``."""
         await self.ws.send_str(json.dumps({"type": "save"}))
