@@ -141,6 +141,7 @@ def test_a_valid_state_parses_to_its_fields() -> None:
     ('{"type": "state", "keys": "w", "revision": 1}', "bad_message", "keys"),
     ('{"type": "state", "keys": [], "revision": 1, "extra": 1}', "bad_message", "extra"),
     ('{"type": "close", "session": "x"}', "bad_message", "session"),
+    ('{"type": "save", "session": "x"}', "bad_message", "session"),  # a tab saves its own session, no other
 ])
 def test_invalid_page_messages_raise_a_page_error_naming_the_problem(message: str, code: str, text: str) -> None:
     with pytest.raises(pp.PageError, match=text.replace("[", r"\[").replace("]", r"\]")) as error:
@@ -162,6 +163,19 @@ def test_the_open_message_carries_the_request_and_the_image() -> None:
     assert image == b"\x89PNG..."
 
 
+def test_a_save_message_parses() -> None:
+    assert isinstance(pp.parse_text('{"type": "save"}'), pp.SaveRequest)
+
+
+SNAPSHOT_ID = "AbCdEfGhIjKlMnOpQr_-09"  # the shape of secrets.token_urlsafe(16)
+
+
+def test_a_fork_opens_from_a_snapshot_id_with_no_image() -> None:
+    request, image = pp.parse_open(pp.open_message({"restore": SNAPSHOT_ID, "seed": 3}, b""), pp.Limits())
+    assert (request.restore, request.seed, image) == (SNAPSHOT_ID, 3, b"")
+    assert pp.parse_open(pp.open_message({}, b"img"), pp.Limits())[0].restore is None  # a plain open restores nothing
+
+
 @pytest.mark.parametrize(("data", "code", "text"), [
     (b"\x01\x02", "bad_message", "length of its JSON header"),
     (struct.pack("<I", 100) + b"{}", "bad_message", "claims 100 bytes"),
@@ -174,6 +188,13 @@ def test_the_open_message_carries_the_request_and_the_image() -> None:
     (pp.open_message({"num_chunks": 2**64}, b"img"), "bad_request", "open.num_chunks must be in 1.."),
     (pp.open_message({"prompt": 5}, b"img"), "bad_message", "prompt"),
     (struct.pack("<I", 2) + b"[]" + b"img", "bad_message", "invalid open header"),
+    (pp.open_message({"restore": SNAPSHOT_ID}, b"img"), "bad_request", "open.restore starts from a snapshot: send no"),
+    (pp.open_message({"restore": "../../etc/passwd"}, b""), "bad_request", "open.restore must be a snapshot id"),
+    (pp.open_message({"restore": SNAPSHOT_ID + "x"}, b""), "bad_request", "open.restore must be a snapshot id"),
+    (pp.open_message({"restore": ""}, b""), "bad_request", "open.restore must be a snapshot id"),
+    (pp.open_message({"restore": "x" * 5000}, b""), "bad_request", r"open.restore .* \(clipped\)"),
+    (pp.open_message({"restore": 7}, b""), "bad_message", "restore"),
+    (pp.open_message({"restore": SNAPSHOT_ID, "seed": -1}, b""), "bad_request", "open.seed"),
 ])
 def test_invalid_open_messages_raise_a_page_error(data: bytes, code: str, text: str) -> None:
     with pytest.raises(pp.PageError, match=text) as error:

@@ -1,8 +1,8 @@
 """One browser tab: its WebSocket, its ``AsyncClient``, at most one session at a time, and the tasks serving it,
 all in one ``TabTasks`` (so none can outlive the tab, none can fail unseen, and none survives a lost cancel):
 
-- the **reader**: validates each page message and acts on it (open, live state, close, stats, trace); a bad
-  message gets an ``error`` and changes nothing;
+- the **reader**: validates each page message and acts on it (open or fork, live state, prompt, save, close, stats,
+  trace); a bad message gets an ``error`` and changes nothing;
 - the **chunk pump** of the open session: takes every chunk from the client, sends its facts to the page at once
   (text, never dropped) and hands its frames to the playout (only the newest chunk's are kept);
 - the **sender**: the only task that writes to the WebSocket: pending text messages first, then the frame the
@@ -181,6 +181,8 @@ class Bridge:
                 await self._close_session()
         elif isinstance(request, pp.PromptRequest):
             self._tasks.spawn(self._on_prompt(request))  # answered once encoded: input keeps flowing meanwhile
+        elif isinstance(request, pp.SaveRequest):
+            self._tasks.spawn(self._on_save())  # answered once written: the stream goes on meanwhile
         elif isinstance(request, pp.StatsRequest):
             await self._on_stats()
         elif isinstance(request, pp.WatchRequest):
@@ -211,7 +213,7 @@ class Bridge:
         try:
             client = await self._client()
             info = await client.open(image, prompt=request.prompt, seed=request.seed, num_chunks=request.num_chunks,
-                                     live=True, pause_when_idle=request.pause_when_idle)
+                                     live=True, pause_when_idle=request.pause_when_idle, restore=request.restore)
         except ServerError as error:
             self.slots.release()
             self.error(error.code, error.message, error.retry_after_s)
@@ -235,7 +237,8 @@ class Bridge:
         self.send({"type": "opened", "session": info.id, "height": info.height, "width": info.width, "fps": info.fps,
                    "frames_first_chunk": info.frames_first_chunk, "frames_per_chunk": info.frames_per_chunk,
                    "num_chunks": info.num_chunks, "format": self.settings.frame_format,
-                   "watch_token": info.watch_token})  # the page's share link carries it
+                   "watch_token": info.watch_token,  # the page's share link carries it
+                   "first_chunk": info.first_chunk, "restored": request.restore})
 
     async def _on_watch(self, request: pp.WatchRequest) -> None:
         """Watch another tab's session read-only (a share link): a slot of the gateway's limit, like a session."""
@@ -294,6 +297,21 @@ class Bridge:
                        getattr(error, "retry_after_s", None), session=info.id)
             return
         self.send({"type": "prompt", "session": info.id, "revision": reply.revision, "chunk": reply.chunk})
+
+    async def _on_save(self) -> None:
+        info, client = self.session, self.client
+        if info is None or client is None:
+            self.error("no_session", "no session is open in this tab: nothing to save")
+            return
+        try:
+            snapshot = await client.save(info.id)  # a watching tab's is refused by the server (watch_only)
+        except (ServerError, TimeoutError) as error:
+            self.error(getattr(error, "code", "server_unreachable"), getattr(error, "message", str(error)),
+                       getattr(error, "retry_after_s", None), session=info.id)
+            return
+        self.send({"type": "saved", "session": info.id, "snapshot": snapshot.id, "chunk": snapshot.chunk,
+                   "bytes": snapshot.bytes, "files": snapshot.files, "pause_s": snapshot.pause_s,
+                   "write_s": snapshot.write_s, "wait_s": snapshot.wait_s})
 
     async def _on_stats(self) -> None:
         if self.client is None:

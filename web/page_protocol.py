@@ -2,17 +2,23 @@
 
 Page -> gateway:
 - one **binary** message opens a session: ``u32 n`` (little-endian), ``n`` bytes of JSON ``{"type": "open",
-  "prompt", "seed", "num_chunks", "live", "pause_when_idle"}``, then the start image (PNG or JPEG bytes). The sizes
+  "prompt", "seed", "num_chunks", "live", "pause_when_idle", "restore"}``, then the start image (PNG or JPEG bytes).
+  With ``restore`` (a snapshot id from a ``saved``: a fork) the session starts from the snapshot and the message
+  ends after the header (no image: the snapshot holds the state; one sent anyway is refused). The sizes
   are checked before anything is decoded: the whole message against ``Limits.max_upload_bytes`` (aiohttp's own
   ``max_msg_size`` refuses larger frames before they are read), the JSON header against ``MAX_HEADER_BYTES``.
 - **text** messages are JSON maps with a ``type``: ``state`` (the live input: ``keys`` held now, ``mouse`` motion
   [yaw, pitch] degrees since the previous state, ``taps`` pressed and released since, ``revision`` strictly
-  increasing), ``prompt`` (a new prompt mid-session: ``prompt``), ``close``, ``stats``, ``trace`` (the session's
+  increasing), ``prompt`` (a new prompt mid-session: ``prompt``), ``save`` (save the tab's session at its next
+  chunk boundary: answered ``saved``), ``close``, ``stats``, ``trace`` (the session's
   Chrome trace), ``watch`` (``session``, ``token``: watch another tab's session read-only, from a share link;
   ``close`` ends the watch). Each is at most ``MAX_TEXT_BYTES``.
 
 Gateway -> page:
-- **text** JSON maps: ``hello`` (limits, frame format), ``opened`` (with the ``watch_token`` a share link carries),
+- **text** JSON maps: ``hello`` (limits, frame format), ``opened`` (with the ``watch_token`` a share link carries,
+  ``first_chunk``: a restored session's first chunk index, its snapshot's chunk, else 0, and ``restored``: the
+  snapshot id or null), ``saved`` (``snapshot``: the id a fork opens with, ``chunk``: the boundary, ``bytes``,
+  ``files``, ``pause_s``, ``write_s``, ``wait_s``: what the save cost),
   ``watching`` (as ``opened``, for a watch), ``chunk`` (per chunk: the applied control, the prompt revision it used,
   control-to-output latency, drop counters, ``missed``: chunks the server dropped for a slow watcher; always sent,
   never dropped), ``prompt`` (a new prompt's ``revision`` and the first ``chunk`` that uses it), ``closed`` (reason
@@ -37,6 +43,7 @@ import msgspec
 
 from ipc.protocol import clip
 from models.controls import KEYS, MAX_MOUSE_DEGREES
+from runtime.snapshots import ID_PATTERN
 
 PAGE_PROTOCOL_VERSION = 1
 MAX_TEXT_BYTES = 9000  # a state is ~100 bytes; a prompt message holds the server's 2000 characters (UTF-8: 8000 bytes)
@@ -90,6 +97,7 @@ class OpenRequest(_PageMsg, tag="open"):
     num_chunks: int | None = None  # None: until the page stops it (bounded by the server's max_chunks)
     live: bool = True  # the page drives live sessions only; indexed controls are for scripts (scripts/client.py)
     pause_when_idle: bool = False
+    restore: str | None = None  # a snapshot id (``saved``): the session starts from it, no image is sent
 
 
 class StateRequest(_PageMsg, tag="state"):
@@ -107,6 +115,10 @@ class CloseRequest(_PageMsg, tag="close"):
     pass
 
 
+class SaveRequest(_PageMsg, tag="save"):
+    pass
+
+
 class StatsRequest(_PageMsg, tag="stats"):
     pass
 
@@ -121,12 +133,13 @@ class WatchRequest(_PageMsg, tag="watch"):
 
 
 TextRequest = Union[StateRequest, CloseRequest, StatsRequest, TraceRequest, PromptRequest,  # noqa: UP007
-                    WatchRequest]
+                    WatchRequest, SaveRequest]
 _text = msgspec.json.Decoder(TextRequest)
 _open = msgspec.json.Decoder(OpenRequest)
 
 
-def parse_text(data: str) -> StateRequest | CloseRequest | StatsRequest | TraceRequest | PromptRequest | WatchRequest:
+def parse_text(data: str) -> (StateRequest | CloseRequest | StatsRequest | TraceRequest | PromptRequest | WatchRequest
+                             | SaveRequest):
     """A text message from the page, validated (raises ``PageError``)."""
     raw = data.encode()
     if len(raw) > MAX_TEXT_BYTES:
@@ -181,7 +194,15 @@ def parse_open(data: bytes, limits: Limits) -> tuple[OpenRequest, bytes]:
     except msgspec.DecodeError:
         raise PageError("bad_message", "the open header must be a JSON map") from None
     image = data[4 + length:]
-    if not image:
+    if request.restore is not None:
+        # checked here, not only by the server: the id is a file name there, and a page's bad link gets its answer
+        # before a slot is taken
+        if not ID_PATTERN.fullmatch(request.restore):
+            raise PageError("bad_request", f"open.restore must be a snapshot id (22 characters of A-Z a-z 0-9 _ -), "
+                                           f"got {clip(repr(request.restore), 40)}")
+        if image:
+            raise PageError("bad_request", "open.restore starts from a snapshot: send no start image with it")
+    elif not image:
         raise PageError("bad_image", "no start image: pick or drop a PNG or JPEG")
     if not request.live:
         raise PageError("bad_request", "the play page drives live sessions only; for indexed controls use "

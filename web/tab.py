@@ -72,6 +72,21 @@ class Tab:
         await self.ws.send_str(json.dumps({"type": "prompt", "prompt": prompt}))
         return await self.next("prompt", "error")
 
+    async def watch(self, session: str, token: str) -> dict[str, Any]:
+        """Watch another tab's session read-only: the ``watching`` or ``error`` reply."""
+        await self.ws.send_str(json.dumps({"type": "watch", "session": session, "token": token}))
+        return await self.next("watching", "error")
+
+    async def save(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Save the tab's session: the ``saved`` reply (snapshot id, chunk, costs) or the ``error``."""
+        await self.ws.send_str(json.dumps({"type": "save"}))
+        return await self.next("saved", "error", timeout_s=timeout_s)
+
+    async def fork(self, snapshot: str, **request: Any) -> dict[str, Any]:
+        """Open a session from a snapshot (no image): the ``opened`` or ``error`` reply."""
+        await self.ws.send_bytes(pp.open_message({**request, "restore": snapshot}, b""))
+        return await self.next("opened", "error")
+
     async def close_session(self, timeout_s: float = 20.0) -> dict[str, Any]:
         """Stop the session: its ``closed`` (or the ``error`` saying there is none, e.g. it ended meanwhile)."""
         await self.ws.send_str(json.dumps({"type": "close"}))

@@ -24,6 +24,7 @@ window.worldstream = state; // (and `window.worldstream.input`, below)
 const params = new URLSearchParams(location.search);
 const token = params.get("token");
 const shared = params.get("watch") ? { session: params.get("watch"), token: params.get("key") || "" } : null;
+let forkOf = params.get("fork"); // a fork link: this tab opens a session restored from it (once: then as any page)
 let ws = null;
 
 function connect() {
@@ -69,6 +70,7 @@ function onText(message) {
     case "hello":
       state.hello = message;
       if (shared && !state.session) send({ type: "watch", ...shared }); // a share link: watch, read-only
+      else if (forkOf && !state.session) fork(forkOf);
       break;
     case "opened": onOpened(message); break;
     case "watching": onOpened({ ...message, watching: true }); break;
@@ -77,6 +79,7 @@ function onText(message) {
     case "stats": state.stats = message; break;
     case "trace": saveTrace(message); break;
     case "prompt": onPrompt(message); break;
+    case "saved": onSaved(message); break;
     case "error": onError(message); break;
     case "migrated": showBanner(`the session moved to replica ${message.replica}: it resumes from chunk ${message.chunk}`); break;
   }
@@ -89,8 +92,10 @@ function onOpened(message) {
     session: message.session, opened: message, closed: null, busyTries: 0, chunks: [], chunkByIndex: new Map(),
     painted: 0, paintLog: [], orderErrors: 0, droppedPage: 0, i2p: [], c2o: [], gatewayI2p: [], paintTimes: [],
     chunkTimes: [], bytes: 0, bytesLog: [], lastApplied: -1, stats: null, prompts: [], watching: !!message.watching,
-    missed: 0,
+    missed: 0, saves: [],
   });
+  forkOf = null; // the fork link's session is open: Start opens new ones from an image
+  $("fork").hidden = true; // until this session is saved
   input.reset();
   input.mouseSent = [0, 0];
   const canvas = $("video");
@@ -130,6 +135,32 @@ function onPrompt(message) {
   showBanner(`New prompt (revision ${message.revision}) from chunk ${message.chunk}.`, true);
 }
 
+function onSaved(message) {
+  state.saves.push(message); // the newest is what the fork link opens
+  if (state.saves.length > 100) state.saves.shift();
+  const link = new URLSearchParams({ fork: message.snapshot });
+  if (token) link.set("token", token);
+  $("fork").href = `${location.origin}${location.pathname}?${link}`;
+  $("fork").hidden = false; // a snapshot outlives its session: the link stays once the session ends
+  showBanner(`Saved at chunk ${message.chunk} (${(message.bytes / 2 ** 20).toFixed(1)} MiB, the stream paused ` +
+    `${Math.round(message.pause_s * 1000)} ms). Fork opens a new tab from there.`, true);
+}
+
+function save() {
+  if (state.session && !state.watching) send({ type: "save" });
+}
+
+function fork(snapshot) {
+  // A session restored from a snapshot: the open header alone, no image (the snapshot holds the whole state).
+  const header = new TextEncoder().encode(JSON.stringify({
+    type: "open", restore: snapshot, live: true, pause_when_idle: $("pause").checked }));
+  const message = new Uint8Array(4 + header.length);
+  new DataView(message.buffer).setUint32(0, header.length, true);
+  message.set(header, 4);
+  ws.send(message);
+  showBanner("Forking: the server restores the saved session on every stage…", true);
+}
+
 function setPrompt() {
   if (state.session) send({ type: "prompt", prompt: $("prompt").value });
 }
@@ -163,6 +194,7 @@ const ERRORS = {
 function onError(error) {
   state.errors.push(error);
   if (state.errors.length > 100) state.errors.shift();
+  if (error.code !== "busy") forkOf = null; // a refused fork (e.g. the snapshot is gone) is not retried
   if (error.code === "busy" && error.retry_after_s != null && state.busyTries < 10) {
     state.busyTries++;
     return retryLater(error, error.retry_after_s);
@@ -371,6 +403,7 @@ async function useSample() {
 }
 
 function start() {
+  if (forkOf && state.connected && !state.session) return fork(forkOf); // a busy server's retry of a fork
   if (!image || !state.connected || state.session) return;
   const seed = Number($("seed").value || 0);
   const chunks = $("chunks").value ? Number($("chunks").value) : null;
@@ -441,6 +474,11 @@ function renderHud() {
   $("h-applied").textContent = last ? `keys ${last.keys.join("").toUpperCase() || "none"} · mouse ` +
     `${last.mouse.map((v) => v.toFixed(1)).join("°, ")}°` : "–";
   const pending = (state.prompts || []).filter((p) => !last || p.chunk > last.index).length;
+  const saved = (state.saves || [])[(state.saves || []).length - 1];
+  $("h-snapshot").textContent = saved ? `${saved.snapshot} · chunk ${saved.chunk} · ` +
+    `${(saved.bytes / 2 ** 20).toFixed(1)} MiB · paused ${Math.round(saved.pause_s * 1000)} ms, written in ` +
+    `${Math.round(saved.write_s * 1000)} ms` : (opened && opened.restored ? `forked from ${opened.restored} at chunk ` +
+    `${opened.first_chunk}` : "–");
   $("h-prompt").textContent = last ? `revision ${last.prompt_revision || 0}` +
     (pending ? ` · ${pending} change${pending > 1 ? "s" : ""} coming` : "") : "–";
   const painted = rate(state.paintTimes, 2000);
@@ -523,6 +561,7 @@ function updateButtons() {
   $("start").disabled = !(state.connected && image && !state.session);
   $("stop").disabled = !state.session;
   $("set-prompt").disabled = !state.session;
+  $("save").disabled = !state.session || state.watching;
   $("trace").disabled = !state.chunks.length;
 }
 
@@ -540,6 +579,7 @@ drop.addEventListener("drop", (event) => {
 $("start").addEventListener("click", () => { state.busyTries = 0; start(); });
 $("stop").addEventListener("click", stop);
 $("set-prompt").addEventListener("click", setPrompt);
+$("save").addEventListener("click", save);
 $("trace").addEventListener("click", () => send({ type: "trace" }));
 $("banner-close").addEventListener("click", () => { clearInterval(retryTimer); retryTimer = null; hideBanner(); });
 $("banner-retry").addEventListener("click", () => { clearInterval(retryTimer); retryTimer = null; start(); });
