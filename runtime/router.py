@@ -109,6 +109,11 @@ log = logging.getLogger(__name__)
 
 MAX_REASONS = 32  # distinct reject codes counted; more count as "other"
 SESSION_RETRY_S = 0.01  # hint when a control met a full replica connection (a server's control_backpressure)
+MAX_ASKED = 256  # unanswered requests remembered per session (a replica answers each at once; more is a flood)
+ANSWERED = ("control", "set_prompt", "save")  # the forwarded kinds a replica answers by request id
+# what a server answers a request it cannot take now, by kind: the client sends it again (after a migration: to the
+# new replica)
+NOT_NOW = {"set_prompt": "prompt_backpressure", "save": "busy"}
 ENDING_CODES = frozenset({"rank_failed", "shutdown"})  # a replica says its whole job is ending
 
 
@@ -132,6 +137,9 @@ class RoutedSession:
     resume: int = 0  # the lowest control index it takes: after a migration, its snapshot's chunk
     migrating: bool = False  # its replica went down and its restore on another one is not answered yet
     own_snapshot: str | None = None  # the latest snapshot the router asked for (deleted when superseded or it ends)
+    # requests forwarded and not answered yet (request id -> kind): a replica that goes down answers none of them,
+    # so a migration answers them itself (bounded: the oldest are forgotten past MAX_ASKED)
+    asked: dict[int, str] = field(default_factory=dict)
 
     @property
     def rid(self) -> str:
@@ -262,6 +270,10 @@ class RouterCore:
                 kind = type(message).__struct_config__.tag
                 state = message if isinstance(message, protocol.ControlState) else None
                 upstream = raw if not session.upstream else msgspec.structs.replace(message, session=session.upstream)
+                if kind in ANSWERED:
+                    session.asked[message.req] = str(kind)
+                    if len(session.asked) > MAX_ASKED:
+                        del session.asked[next(iter(session.asked))]
                 self._emit(ToReplica(replica.name, replica.generation, upstream,
                                      SessionOrigin(who, message.req, session.id, str(kind), state)))
             case protocol.Stats():
@@ -438,6 +450,8 @@ class RouterCore:
                   | protocol.Saved(session=sid)):
                 if isinstance(message, protocol.Saved):
                     self._snapshotted(replica, message)  # a client's own save is a place to resume from too
+                if sid in self.sessions and message.req is not None:
+                    self.sessions[sid].asked.pop(message.req, None)
                 self._to_session(replica, sid, raw)  # type: ignore[arg-type]
             case protocol.StatsReply():
                 self._stats_reply(replica, message, now)
@@ -515,6 +529,12 @@ class RouterCore:
         self.aliases.pop((down.name, session.rid), None)
         down.sessions.discard(session.id)
         session.migrating, session.autosave, session.closing = True, None, False
+        for req, kind in session.asked.items():  # the dead replica answers none of them: they are sent again
+            self._refuse(session.client, ClientError(NOT_NOW.get(kind, "control_backpressure"),
+                                                     f"session {session.id} is moving off replica {down.name} "
+                                                     f"(it {text}); send it again", retry_after_s=SESSION_RETRY_S),
+                         req, session.id)
+        session.asked.clear()
         log.warning("session %s: replica %s %s; restoring it from its snapshot at chunk %d", session.id, down.name,
                     text, session.snapshot_chunk)
         return True
@@ -608,7 +628,9 @@ class RouterCore:
             if origin.state is not None:
                 session.state = origin.state if session.state is None else fold(origin.state, session.state)
         else:  # what a server answers a control, a new prompt or a save it cannot take now
-            code = {"set_prompt": "prompt_backpressure", "save": "busy"}.get(origin.kind, "control_backpressure")
+            if origin.req is not None:
+                session.asked.pop(origin.req, None)
+            code = NOT_NOW.get(origin.kind, "control_backpressure")
             self._refuse(origin.identity, ClientError(code, f"the connection to replica "
                                                       f"{event.replica} is full; send it again",
                                                       retry_after_s=SESSION_RETRY_S), origin.req, origin.session)

@@ -159,6 +159,22 @@ def test_a_migrated_sessions_watchers_are_told_where_its_chunks_come_again_from(
     assert told.watchers == (watcher,) and (told.payload.chunk, told.payload.replica) == (2, survivor)
 
 
+def test_requests_the_dead_replica_never_answered_are_answered_when_the_session_moves() -> None:
+    f = fleet(every=2)
+    sid, name = f.open(A)
+    snapshotted(f, name, sid)
+    f.client(A, p.Control(req=20, session=sid, index=2))
+    f.replica(name, p.Accepted(req=20, session=sid, index=2))  # answered: nothing to say for it later
+    f.client(A, p.Save(req=21, session=sid))
+    f.client(A, p.SetPrompt(req=22, session=sid, prompt="a canyon"))
+    f.client(A, p.Control(req=23, session=sid, index=3))
+    f.clear()
+    f.replica(name, p.Error(code="rank_failed", message="rank 3 died"))
+    answered = {e.req: e.code for e in f.errors(A)}
+    assert answered == {21: "busy", 22: "prompt_backpressure", 23: "control_backpressure"}, answered
+    assert all(e.retry_after_s and e.session == sid for e in f.errors(A))
+
+
 def test_a_migrated_sessions_messages_are_renamed_both_ways() -> None:
     f = fleet(every=2)
     sid, name = f.open(A)
