@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -239,11 +240,21 @@ class Coordinator:
                 self.decoding[output.ticket] = self.image_decoder.submit(decode_image, output.data, output.max_pixels)
             elif isinstance(output, ct.DropTensors):
                 self.ctx.frames.drop_session(output.session)
+            elif isinstance(output, ct.DropSnapshotFiles):
+                self._drop_snapshot_files(output.snapshot)
             elif isinstance(output, ct.Stop):
                 self._flush_feeds()  # what the watchers can still take (their closed) before the end
                 return output.code
         self._flush_feeds()  # every turn: a watcher whose queue was full may have read since
         return None
+
+    def _drop_snapshot_files(self, snapshot: str) -> None:
+        """Delete a failed save's folder (it has no manifest); one it cannot delete costs disk, never the server."""
+        assert self.core is not None
+        try:
+            shutil.rmtree(self.core.snapshots.folder(snapshot), ignore_errors=True)
+        except (OSError, ValueError) as error:
+            log.warning("could not delete the files of failed snapshot %s: %s", snapshot, error)
 
     def _flush_feeds(self) -> None:
         """Send each watcher what its feed holds, as far as its queue takes it now (never waiting)."""

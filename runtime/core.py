@@ -77,6 +77,7 @@ from runtime.core_types import (
     ClientUnreachable,
     ClientUnreadable,
     DecodeImage,
+    DropSnapshotFiles,
     DropTensors,
     EmitChunk,
     EndWatch,
@@ -196,6 +197,8 @@ class CoordinatorCore:
         self.identity = Identity(model=model, layout=layout.name, world_size=layout.world_size,
                                  condition=layout.condition, decode=layout.decode, dit=tuple(layout.dit))
         self.saves: dict[str, PendingSave] = {}  # by session: one save at a time each
+        # recent failed saves, whose files a rank may still report (its writer was behind): deleted when they do
+        self.failed_saves: deque[str] = deque(maxlen=64)
 
     @property
     def sessions(self) -> Mapping[str, Session]:
@@ -828,8 +831,10 @@ class CoordinatorCore:
 
     def _save_progress(self, message: protocol.SaveCaptured | protocol.SaveWritten, now: float) -> None:
         save = self.saves.get(message.session)
-        if save is None or save.id != message.snapshot:
-            return  # a late answer to a save that failed
+        if save is None or save.id != message.snapshot:  # a late answer to a save that failed
+            if isinstance(message, protocol.SaveWritten) and message.snapshot in self.failed_saves:
+                self._emit(DropSnapshotFiles(message.snapshot))  # its file came after the failure: gone too
+            return
         part = (message.rank, message.stage.value)
         if isinstance(message, protocol.SaveCaptured):
             save.on_captured(part, now, sum(span.end - span.start for span in message.spans))
@@ -869,6 +874,8 @@ class CoordinatorCore:
         if not save.fail(error):
             return
         self.saves.pop(save.session, None)
+        self.failed_saves.append(save.id)
+        self._emit(DropSnapshotFiles(save.id))  # what its ranks wrote already: never restorable, never kept
         log.warning("session %s: save %s failed: %s", save.session, save.id, error)
         if holding and save.session in self.sessions and self._live(save.session):
             self._run(self.scheduler.hold(save.session, False, now), now)

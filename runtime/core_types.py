@@ -121,7 +121,15 @@ class DropTensors:
     session: str
 
 
-Output = ToClient | ToWorker | DecodeImage | EmitChunk | EndWatch | DropTensors | Stop
+@dataclass(frozen=True)
+class DropSnapshotFiles:
+    """A save failed: delete what its ranks wrote (it has no manifest, so nothing can restore it). Asked again for
+    every file a rank reports after the failure (its writer finished later)."""
+
+    snapshot: str
+
+
+Output = ToClient | ToWorker | DecodeImage | EmitChunk | EndWatch | DropTensors | DropSnapshotFiles | Stop
 
 
 class MetricsSink(Protocol):

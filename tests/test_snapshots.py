@@ -15,7 +15,7 @@ from models import snapshot_io
 from models.stages import SessionSpec
 from models.synthetic import SyntheticCondition, SyntheticDecode, SyntheticDenoise, synthetic_geometry
 from runtime import scheduler as sch
-from runtime.core_types import WorkerSent
+from runtime.core_types import DropSnapshotFiles, WorkerSent
 from runtime.snapshots import (
     FORMAT,
     MANIFEST,
@@ -275,6 +275,11 @@ def test_a_save_that_fails_on_a_rank_lets_the_stream_go_on_and_answers_save_fail
     assert error.code == "save_failed" and "rank 3" in error.message and "out of host memory" in error.message
     job.answer(p.SaveState)  # late answers to a failed save change nothing
     assert not job.to(A, p.Saved)
+    (task,) = [t for _, t in job.sent(p.SaveState)][:1]
+    drops = [o.snapshot for o in job.log if isinstance(o, DropSnapshotFiles)]
+    assert drops == [task.snapshot]  # what its ranks wrote already is deleted with the failure
+    late = job.step(WorkerSent(written(job, task, 2, "denoise")))  # a writer that was behind reports its file
+    assert [o.snapshot for o in late if isinstance(o, DropSnapshotFiles)] == [task.snapshot]  # deleted too
 
 
 def test_only_the_owner_saves_and_a_second_save_waits_for_the_first(tmp_path: Path) -> None:
