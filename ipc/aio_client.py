@@ -158,20 +158,7 @@ class AsyncClient:
 
     async def close(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
         """Ask the server to close the session; its summary once closed (``UnknownSession`` if it is not held)."""
-        message = self._requests.close(session)
-        refused = self._ask(message)
-        waiting = asyncio.ensure_future(self.wait_closed(session, timeout_s))
-        try:
-            done, _ = await asyncio.wait({waiting, refused}, return_when=asyncio.FIRST_COMPLETED)
-            error = refused.exception() if refused in done else None
-            if error is not None and getattr(error, "code", None) != "closing":  # closing: the closed follows
-                raise error
-            return await waiting
-        finally:
-            waiting.cancel()
-            self._core.forget(message.req)
-            if not refused.done():
-                refused.cancel()
+        return await self._until_closed(self._requests.close(session), session, timeout_s, "closing")
 
     async def stats(self) -> dict[str, Any]:
         return (await self._request(self._requests.stats())).stats
@@ -185,14 +172,19 @@ class AsyncClient:
 
     async def unwatch(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
         """Stop watching; see ``Client.unwatch``."""
-        message = self._requests.unwatch(session)
         self._session(session).closed = None  # the closed that ends this watch, not an earlier one
+        return await self._until_closed(self._requests.unwatch(session), session, timeout_s)
+
+    async def _until_closed(self, message: protocol.Close | protocol.Unwatch, session: str, timeout_s: float | None,
+                            fine: str | None = None) -> dict[str, Any]:  # fmt: skip
+        """Send ``message`` and return the session's summary once its ``closed`` comes; an error answering the
+        request raises, except code ``fine`` (``closing``: the session was closing already, its closed follows)."""
         refused = self._ask(message)
         waiting = asyncio.ensure_future(self.wait_closed(session, timeout_s))
         try:
             done, _ = await asyncio.wait({waiting, refused}, return_when=asyncio.FIRST_COMPLETED)
             error = refused.exception() if refused in done else None
-            if error is not None:
+            if error is not None and (fine is None or getattr(error, "code", None) != fine):
                 raise error
             return await waiting
         finally:

@@ -196,17 +196,23 @@ class Bridge:
         except pp.PageError as error:
             self.error(error.code, error.message)
             return
-        if self.session is not None or (self._opening is not None and not self._opening.done()):
-            self.error("bad_request", "a session is already open in this tab: stop it first")
-            return
-        if not self.slots.acquire():
-            self.error("busy", f"this gateway serves at most {self.slots.limit} sessions at once and all are in use",
-                       retry_after_s=2.0)
+        if not self._take_slot():
             return
         # The open runs on even if the tab goes away meanwhile (a cancel mid-request would lose the session the
         # server is opening): the teardown waits for it and closes what it opened.
         self._opening = asyncio.ensure_future(self._open(request, image))
         await asyncio.shield(self._opening)
+
+    def _take_slot(self) -> bool:
+        """A slot of the gateway's limit for a new session or watch of this tab, or False (the page was told why)."""
+        if self.session is not None or (self._opening is not None and not self._opening.done()):
+            self.error("bad_request", "a session is already open in this tab: stop it first")
+            return False
+        if not self.slots.acquire():
+            self.error("busy", f"this gateway serves at most {self.slots.limit} sessions at once and all are in use",
+                       retry_after_s=2.0)
+            return False
+        return True
 
     async def _open(self, request: pp.OpenRequest, image: bytes) -> None:
         """Open the session on the server (its slot is held): record it, or return the slot with the error."""
@@ -242,12 +248,7 @@ class Bridge:
 
     async def _on_watch(self, request: pp.WatchRequest) -> None:
         """Watch another tab's session read-only (a share link): a slot of the gateway's limit, like a session."""
-        if self.session is not None or (self._opening is not None and not self._opening.done()):
-            self.error("bad_request", "a session is already open in this tab: stop it first")
-            return
-        if not self.slots.acquire():
-            self.error("busy", f"this gateway serves at most {self.slots.limit} sessions at once and all are in use",
-                       retry_after_s=2.0)
+        if not self._take_slot():
             return
         try:
             client = await self._client()
