@@ -21,3 +21,22 @@ SHARED_FLAGS = [*FAST, "--model.kind=tests.faulty_backend:build", f"--metrics.pr
                 f"--server.client_timeout_s={CLIENT_TIMEOUT_S}", f"--server.max_sessions={MAX_SESSIONS}",
                 f"--server.max_chunks={MAX_CHUNKS}", f"--server.max_image_pixels={MAX_IMAGE_PIXELS}",
                 "--server.send_hwm=4"]  # fmt: skip
+
+
+def tiny_model_stages(image_png: bytes) -> tuple:
+    """The cpu-tiny-model config, its three real stages in this process, and ``image_png`` as the uint8
+    ``[H, W, 3]`` tensor a condition stage opens with: the one-process reference the 7-rank tests compare against."""
+    import torch
+
+    from models import lingbot
+    from runtime import config as config_mod
+    from runtime.images import decode_image
+
+    cfg = config_mod.load("cpu-tiny-model")
+    device = torch.device("cpu")
+    stages = (lingbot.build_condition(cfg.model, cfg.stream, device),
+              lingbot.build_denoise(cfg.model, cfg.stream, cfg.controls, device, None),
+              lingbot.build_decode(cfg.model, cfg.stream, device))  # fmt: skip
+    raw = decode_image(image_png, cfg.server.max_image_pixels)
+    image = torch.frombuffer(bytearray(raw.pixels), dtype=torch.uint8).view(raw.height, raw.width, 3)
+    return (cfg, *stages, image)

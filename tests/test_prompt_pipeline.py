@@ -11,11 +11,9 @@ import torch
 from ipc.client import Client
 from models.controls import ChunkControl
 from models.stages import SessionSpec
-from runtime import config as config_mod
-from runtime.images import decode_image
 from scripts import client as tool
 from scripts.local_server import ROOT, LocalServer
-from tests.shared import FAST
+from tests.shared import FAST, tiny_model_stages
 
 pytestmark = pytest.mark.multiprocess
 
@@ -59,15 +57,7 @@ def supersede(client: Client) -> tuple[list[int], list[int]]:
 
 def switched_reference(seed: int) -> list[np.ndarray]:
     """The same session in one process, its DiT context replaced by the new prompt's at chunk ``SWITCH``."""
-    from models import lingbot
-
-    cfg = config_mod.load("cpu-tiny-model")
-    device = torch.device("cpu")
-    condition = lingbot.build_condition(cfg.model, cfg.stream, device)
-    denoise = lingbot.build_denoise(cfg.model, cfg.stream, cfg.controls, device, None)
-    decode = lingbot.build_decode(cfg.model, cfg.stream, device)
-    raw = decode_image(IMAGE, cfg.server.max_image_pixels)
-    image = torch.frombuffer(bytearray(raw.pixels), dtype=torch.uint8).view(raw.height, raw.width, 3)
+    cfg, condition, denoise, decode, image = tiny_model_stages(IMAGE)
     spec = SessionSpec("ref", seed, PROMPTS[0], image, cfg.stream.height, cfg.stream.width)
     denoise.open(SessionSpec("ref", seed, PROMPTS[0], None, cfg.stream.height, cfg.stream.width),
                  condition.open(spec))

@@ -13,9 +13,8 @@ from safetensors.torch import load_file, save_file
 from models import snapshot_io
 from models.controls import ChunkControl
 from models.stages import SessionSpec
-from runtime import config as config_mod
-from runtime.images import decode_image
 from scripts.local_server import ROOT
+from tests.shared import tiny_model_stages
 
 IMAGE = (ROOT / "assets" / "start.png").read_bytes()
 
@@ -26,16 +25,8 @@ def through_a_file(state: dict[str, torch.Tensor], path: Path) -> dict[str, torc
 
 
 def test_real_model_stages_forked_from_their_saved_state_continue_bit_for_bit(tmp_path: Path) -> None:
-    from models import lingbot
-
     torch.set_num_threads(1)
-    cfg = config_mod.load("cpu-tiny-model")
-    device = torch.device("cpu")
-    condition = lingbot.build_condition(cfg.model, cfg.stream, device)
-    denoise = lingbot.build_denoise(cfg.model, cfg.stream, cfg.controls, device, None)
-    decode = lingbot.build_decode(cfg.model, cfg.stream, device)
-    raw = decode_image(IMAGE, cfg.server.max_image_pixels)
-    image = torch.frombuffer(bytearray(raw.pixels), dtype=torch.uint8).view(raw.height, raw.width, 3)
+    cfg, condition, denoise, decode, image = tiny_model_stages(IMAGE)
     spec = SessionSpec("a", 11, "a red house", image, cfg.stream.height, cfg.stream.width)
     context = condition.open(spec)
     denoise.open(SessionSpec("a", 11, "a red house", None, cfg.stream.height, cfg.stream.width), context)
