@@ -123,7 +123,8 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     from ranks import backend as backend_mod
     from ranks import memory, roles
     from ranks.warmup import StartGate, stages_of
-    from ranks.worker import RankContext, heartbeat, run_thread
+    from ranks.worker import RankContext, run_thread
+    from runtime.placement import placement_of
     from runtime.sizes import served_sizes
 
     cfg = config_mod.load(args.config, overrides)
@@ -199,20 +200,9 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     # The stage threads warm their stages up (``ranks.warmup``); the RNG state is restored once all did, before any
     # session. No thread says hello before the rank's room is measured (``StartGate``).
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        if "condition" in rank_roles:
-            threads.append(run_thread(ctx, "condition", lambda: roles.condition_worker(ctx)))
-        if rank == lay.condition or rank in lay.dit:
-            threads.append(run_thread(ctx, "condition_edge", lambda: roles.condition_edge(ctx)))
-        if "denoise" in rank_roles:
-            threads.append(run_thread(ctx, "denoise", lambda: roles.denoise_worker(ctx)))
-        if "decode" in rank_roles:
-            threads.append(run_thread(ctx, "decode", lambda: roles.decode_worker(ctx)))
-            if rank != lay.dit_leader:
-                threads.append(run_thread(ctx, "latent_receiver", lambda: roles.latent_receiver(ctx)))
-        if coordinator is not None and lay.decode != rank:
-            threads.append(run_thread(ctx, "frames", lambda: roles.frames_receiver(ctx)))
-        if coordinator is None:
-            threads.append(run_thread(ctx, "heartbeat", lambda: heartbeat(ctx)))
+        for role in placement_of(lay).threads_on(rank):  # the stage table's threads of this rank
+            work = roles.THREADS[role]
+            threads.append(run_thread(ctx, role, lambda work=work: work(ctx)))
         warmed = start.wait_warm(ctx.stop)
     failed = [f"{w.stage} {w.height}x{w.width}" for w in warmed or () if w.failed]
     log.info("rank %d: warm in %.2f s (%d stage runs%s)", rank, time.monotonic() - began, len(warmed or ()),

@@ -1,7 +1,9 @@
 """The tensor plane: torch.distributed process groups, one per logical edge, and the moves along them.
 
 All groups are created once at start-up by every rank, in one fixed order, each with an explicit timeout
-(``new_group``'s default is 30 minutes, not the world's). Each group is used from one thread per rank only:
+(``new_group``'s default is 30 minutes, not the world's). Their members follow from the stage table
+(``runtime.placement.group_members``): a stage's own group, then the out edge of each stage. Each group is used
+from one thread per rank only:
 
 - ``dit``: the DiT ranks (Ulysses all-to-all), used by the denoise worker thread;
 - ``condition``: the condition rank plus the DiT ranks; the condition rank broadcasts the session's prompt
@@ -51,8 +53,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ipc.protocol import Stage
 from ipc.streams import Handoff, hand_off, take_over
 from runtime.config import LayoutConfig
+from runtime.placement import GROUP_NAMES, STAGES, group_members
 
 
 @dataclass(frozen=True)
@@ -67,13 +71,10 @@ class Groups:
     latent: Any | None
     frames: Any | None
 
-
-def _members(layout: LayoutConfig) -> list[tuple[str, list[int]]]:
-    """The edges in their fixed creation order, with their ranks; single-rank edges are local hand-offs."""
-    condition = sorted({layout.condition, *layout.dit})
-    latent = sorted({layout.dit_leader, layout.decode})
-    frames = sorted({layout.decode, layout.coordinator})
-    return [("dit", sorted(layout.dit)), ("condition", condition), ("latent", latent), ("frames", frames)]
+    def of_stage(self, stage: Stage) -> Any | None:
+        """The stage's own group (the DiT's Ulysses group), None for a stage without one."""
+        name = STAGES[stage].group
+        return None if name is None else getattr(self, name)
 
 
 def build_groups(layout: LayoutConfig, backend: str, timeout_s: float, device: torch.device) -> Groups:
@@ -82,8 +83,8 @@ def build_groups(layout: LayoutConfig, backend: str, timeout_s: float, device: t
     timeout = timedelta(seconds=timeout_s)
     control = dist.new_group(list(range(layout.world_size)), timeout=timeout, backend="gloo")
     made: dict[str, Any] = {}
-    for name, ranks in _members(layout):
-        if len(ranks) == 1 and name != "dit":
+    for name, ranks, own in group_members(layout):  # the stage table's: runtime.placement.STAGES
+        if len(ranks) == 1 and not own:
             made[name] = None  # local hand-off; every rank skips it alike, so the order stays the same
             continue
         group = dist.new_group(ranks, timeout=timeout, backend=backend)
@@ -99,7 +100,7 @@ def handshake(groups: Groups) -> list[str]:
     while another thread of the rank waits in a collective for a peer, can deadlock a co-located rank). The names
     of the groups, in order."""
     made = []
-    for name in ("control", "dit", "condition", "latent", "frames"):
+    for name in ("control", *GROUP_NAMES):
         group = getattr(groups, name)
         if group is None:
             continue

@@ -12,6 +12,9 @@ have frames of different sizes. Which thread owns which process group (one threa
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Final
+
 import numpy as np
 import torch
 
@@ -21,8 +24,8 @@ from ipc.protocol import Stage, TensorSpec
 from models import snapshot_io
 from models.stages import SessionInputError, SessionSpec
 from ranks import snapshot_saver
-from ranks.worker import Fatal, RankContext, Spans, serve, tensor_plane
-from runtime.placement import CONDITION_EDGE, FRAMES_RECEIVER, LATENT_RECEIVER
+from ranks.worker import Fatal, RankContext, Spans, heartbeat, serve, tensor_plane
+from runtime.placement import CONDITION_EDGE, FRAMES_RECEIVER, HEARTBEAT, LATENT_RECEIVER
 from runtime.prompts import MAX_PENDING
 
 CONTEXT_INDEX = protocol.context_index(0)  # mailbox index of a session's prompt context (later revisions: below)
@@ -316,3 +319,15 @@ def frames_receiver(ctx: RankContext) -> None:
         ctx.frames.put((task.session, task.index), frames)
 
     serve(ctx, FRAMES_RECEIVER, None, {protocol.ReceiveFrames: receive})
+
+
+# The body of each worker thread, by role (``runtime.placement.Placement.threads_on`` says which a rank runs).
+THREADS: Final[Mapping[str, Callable[[RankContext], None]]] = {
+    Stage.CONDITION.value: condition_worker,
+    CONDITION_EDGE: condition_edge,
+    Stage.DENOISE.value: denoise_worker,
+    LATENT_RECEIVER: latent_receiver,
+    Stage.DECODE.value: decode_worker,
+    FRAMES_RECEIVER: frames_receiver,
+    HEARTBEAT: heartbeat,
+}

@@ -154,8 +154,7 @@ def serve(ctx: RankContext, role: str, stage: Stage | None, handlers: dict[type,
         warmed: tuple[WarmUp, ...] = ()
         if ctx.start is not None:
             if stage is not None:  # here, in the thread that serves the stage: cuDNN's autotune cache is per thread
-                group = ctx.groups.dit if stage is Stage.DENOISE else None
-                warmed = warm_stage(ctx.backend, stage, ctx.sizes, ctx.groups.device, group)
+                warmed = warm_stage(ctx.backend, stage, ctx.sizes, ctx.groups.device, ctx.groups.of_stage(stage))
                 ctx.start.warmed(stage, warmed)
             if not ctx.start.wait_ready(ctx.stop):  # the rank's room, measured once every stage thread warmed
                 return

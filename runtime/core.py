@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ipc import protocol
-from ipc.protocol import QUALITY_STEPS, ChunkFacts, Edge, Phase, Stage, clip
+from ipc.protocol import QUALITY_STEPS, ChunkFacts, Phase, Stage, clip
 from models.controls import OFFICIAL_INTRINSICS
 from models.geometry import frame_size, intrinsics_at
 from runtime import scheduler as sch
@@ -99,9 +99,21 @@ from runtime.core_types import (
 )
 from runtime.memory_admission import Cost, MemoryAdmission
 from runtime.metrics import ServerMetrics
-from runtime.placement import HEARTBEAT, NewPrompt, Placement, StageAction, identity, placement_of, plan
+from runtime.placement import (
+    HEARTBEAT,
+    STAGES,
+    NewPrompt,
+    Placement,
+    StageAction,
+    identity,
+    join_of,
+    key_of,
+    placement_of,
+    plan,
+    step_of,
+)
 from runtime.prompts import PromptBackpressure, PromptRevisions
-from runtime.session import Join, JoinKey, Session, Step
+from runtime.session import Join, Session
 from runtime.sizes import served_sizes, snap
 from runtime.snapshots import (
     FORMAT,
@@ -561,19 +573,20 @@ class CoordinatorCore:
         """Send the per-rank tasks of a stage action (the table: ``runtime.placement.plan``) and start its join."""
         session = self.sessions[action.session]
         control, steps = None, None
-        if isinstance(action, sch.RunDenoise):
+        controlled = isinstance(action, sch.RunChunk) and STAGES[action.stage].controlled
+        if controlled:  # the chunk that takes the client's control, its steps and the prompt
             control, steps = session.controls.get(action.index), self._chunk_steps(session, action.index)
             session.prompts.dispatched(action.index)  # the chunk takes the prompt announced last (plan names it)
         tasks = plan(action, session.facts(), self.where, control, steps)
-        if isinstance(action, sch.RunDenoise):  # a save's boundary chunk is out: prompts encoded meanwhile follow it
+        if controlled:  # a save's boundary chunk is out: prompts encoded meanwhile follow it
             for revision, req in session.prompts.unpin(action.index):
                 self._prompt_scheduled(session, revision, req)
-        if isinstance(action, sch.InitCache) and action.stage is Stage.CONDITION:
-            session.image = None  # the condition stage has it now
+        if isinstance(action, sch.InitCache) and STAGES[action.stage].image:
+            session.image = None  # the stage that takes it has it now
         if isinstance(action, sch.Release):
             session.released.pop(action.stage.value, None)  # a retry counts confirmations afresh
         self._send(session, tasks.sends, now)
-        session.joins[_key_of(action)] = Join(set(tasks.waits), now, tasks.then)
+        session.joins[key_of(action)] = Join(set(tasks.waits), now, tasks.then)
 
     def _chunk_steps(self, session: Session, index: int) -> int:
         """The denoising steps chunk ``index`` runs (at its dispatch: a chunk boundary), a control's request applied
@@ -598,7 +611,7 @@ class CoordinatorCore:
     def _send(self, session: Session, tasks: Iterable[tuple[bytes, protocol.WorkerTask]], now: float) -> None:
         for to, task in tasks:
             self._emit(ToWorker(to, task))
-            step = _step_of(task)
+            step = step_of(task)
             if step is not None:  # when a chunk's work was handed over: the queue wait of its spans
                 session.queued[(step, task.index)] = now  # type: ignore[union-attr]
 
@@ -691,7 +704,7 @@ class CoordinatorCore:
             log.warning("ignored %s from rank %d for %s: %s", type(done).__name__, done.rank, done.session, error)
 
     def _joined(self, session: Session, done: protocol.Completion, now: float) -> None:
-        key, part = _join_of(done)
+        key, part = join_of(done)
         join = None if key is None else session.joins.get(key)
         if key is None or join is None or part not in join.waiting:
             return  # an answer that carries spans only (a broadcast, a DiT rank other than the leader)
@@ -711,9 +724,7 @@ class CoordinatorCore:
         elif phase is Phase.RELEASE:
             self._run(self.scheduler.release_done(sid, stage, True, now), now)
         else:
-            done_of = {Stage.CONDITION: self.scheduler.condition_done, Stage.DENOISE: self.scheduler.denoise_done,
-                       Stage.DECODE: self.scheduler.decode_done}
-            self._run(done_of[stage](sid, index, now), now)
+            self._run(self.scheduler.chunk_done(sid, stage, index, now), now)
 
     def _failed(self, session: Session, failed: protocol.TaskFailed, now: float) -> None:
         """A stage task failed for this session only (fatal failures end the job before they get here)."""
@@ -787,8 +798,7 @@ class CoordinatorCore:
         if session.num_chunks is not None and chunk >= session.num_chunks:
             raise ClientError("bad_request", f"session {sid} has started its last chunk: nothing left to save")
         where = self.where
-        parts = frozenset({(where.condition, Stage.CONDITION.value), (where.decode, Stage.DECODE.value),
-                           *((rank, Stage.DENOISE.value) for rank in where.denoise)})
+        parts = frozenset((rank, STAGES[stage].role) for stage in Stage for rank in where.ranks_of(stage))
         save = PendingSave(new_snapshot_id(), sid, who, message.req, chunk, parts, now)
         seat = self.capacity.seats.get(sid)
         save.facts = {  # what rank 0 keeps of the session, as it is at the boundary (its prompt: at ``start``)
@@ -1000,44 +1010,6 @@ class CoordinatorCore:
             "sizes": [list(size) for size in self.sizes],
             "capacity": self.capacity.to_dict(visible),  # real-time factors, headroom, the ladder's steps
         }
-
-
-def _key_of(action: StageAction) -> JoinKey:
-    if isinstance(action, sch.InitCache):
-        return (action.stage, Phase.INIT, -1)
-    if isinstance(action, sch.Release):
-        return (action.stage, Phase.RELEASE, -1)
-    if isinstance(action, NewPrompt):  # a chunk of the condition stage under the context's negative index
-        return (Stage.CONDITION, Phase.CHUNK, action.index)
-    stage = {sch.RunCondition: Stage.CONDITION, sch.RunDenoise: Stage.DENOISE, sch.RunDecode: Stage.DECODE}
-    return (stage[type(action)], Phase.CHUNK, action.index)
-
-
-def _join_of(done: protocol.Completion) -> tuple[JoinKey | None, tuple[Phase, int]]:
-    """The join a completion belongs to (None: none waits for it) and the part of it that it is."""
-    match done:
-        case protocol.InitDone(stage=stage):
-            return (stage, Phase.INIT, -1), (Phase.INIT, done.rank)
-        case protocol.ReleaseDone(stage=stage):
-            return (stage, Phase.RELEASE, -1), (Phase.RELEASE, done.rank)
-        case protocol.ChunkDone(stage=stage, index=index):
-            return (stage, Phase.CHUNK, index), (Phase.CHUNK, done.rank)
-        case protocol.TransferDone(edge=Edge.FRAMES, index=index):  # the frames arrived: part of their decode
-            return (Stage.DECODE, Phase.CHUNK, index), (Phase.TRANSFER, done.rank)
-    return None, (Phase.TRANSFER, done.rank)
-
-
-_CHUNK_STEPS: dict[type, Step] = {protocol.ConditionChunk: Stage.CONDITION, protocol.DenoiseChunk: Stage.DENOISE,
-                                   protocol.DecodeChunk: Stage.DECODE}
-
-
-def _step_of(task: protocol.WorkerTask) -> Step | None:
-    """What a task of one chunk works on (a stage or an edge), for the queue time of its spans; None for the
-    session-wide tasks (inits, releases, the prompt context), whose spans stay off the chunk timeline."""
-    if isinstance(task, protocol.BroadcastContext):
-        return None
-    edge = getattr(type(task), "edge", None)
-    return edge if edge is not None else _CHUNK_STEPS.get(type(task))
 
 
 def backpressure_retry_s(period: float | None) -> float:

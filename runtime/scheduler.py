@@ -59,7 +59,7 @@ segments are not emitted. Time starts with the first event: the DiT is idle from
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final
@@ -80,9 +80,7 @@ from runtime.scheduler_types import (
     Mode,
     Release,
     RoleTask,
-    RunCondition,
-    RunDecode,
-    RunDenoise,
+    RunChunk,
     SchedulerError,
     SessionClosed,
     SessionFailed,
@@ -110,9 +108,7 @@ __all__ = [
     "Mode",
     "Release",
     "RoleTask",
-    "RunCondition",
-    "RunDecode",
-    "RunDenoise",
+    "RunChunk",
     "Scheduler",
     "SchedulerError",
     "SessionClosed",
@@ -186,27 +182,22 @@ class _Chunk:
 
     condition_submitted: float
     control_accepted: float | None = None
-    condition_start: float | None = None
-    condition_ready: float | None = None
-    denoise_start: float | None = None
-    denoise_end: float | None = None
-    decode_start: float | None = None
-    decode_end: float | None = None
+    start: dict[Stage, float] = field(default_factory=dict)  # when each stage started its task of the chunk
+    end: dict[Stage, float] = field(default_factory=dict)  # when each stage finished it
 
     def times(self, emitted: float) -> ChunkTimes:
         # All set by now: emission follows condition, denoise and decode of this chunk.
-        assert self.condition_ready is not None and self.denoise_start is not None and self.denoise_end is not None
-        assert self.decode_start is not None and self.decode_end is not None
+        start, end = self.start, self.end
         return ChunkTimes(
             control_accepted=self.control_accepted,
             condition_submitted=self.condition_submitted,
-            condition_ready=self.condition_ready,
-            denoise_start=self.denoise_start,
-            denoise_end=self.denoise_end,
-            decode_start=self.decode_start,
-            decode_end=self.decode_end,
+            condition_ready=end[Stage.CONDITION],
+            denoise_start=start[Stage.DENOISE],
+            denoise_end=end[Stage.DENOISE],
+            decode_start=start[Stage.DECODE],
+            decode_end=end[Stage.DECODE],
             emitted=emitted,
-            condition_start=self.condition_start,
+            condition_start=start.get(Stage.CONDITION),
         )
 
 
@@ -388,41 +379,17 @@ class Scheduler:
         s.chunks[index].control_accepted = now  # the latency anchor
         return self._finish_event(self._pump(now, []), now)
 
-    def condition_done(self, session: str, index: int, now: float) -> list[Action]:
-        s = self._run_done(session, Stage.CONDITION, index)
+    def chunk_done(self, session: str, stage: Stage, index: int, now: float) -> list[Action]:
+        """``stage`` finished chunk ``index`` (the ``RunChunk`` it was given): its result enters the next edge
+        (the stage's ``done`` rule), unless the session is closing (the result is discarded)."""
+        s = self._get(session)
+        self._expect_task(s, stage, TaskKind.RUN, index)
+        self._move(s, SessionEvent.TASK_DONE)
+        self._roles[stage] = None
         out: list[Action] = []
         if s.state is SessionState.READY:
-            s.encoded.add(index)
-            s.chunks[index].condition_ready = now
-        self._maybe_drained(s, out)
-        return self._finish_event(self._pump(now, out), now)
-
-    def denoise_done(self, session: str, index: int, now: float) -> list[Action]:
-        s = self._run_done(session, Stage.DENOISE, index)
-        out: list[Action] = []
-        if s.state is SessionState.READY:
-            s.latents.append(index)
-            s.chunks[index].denoise_end = now
-            if self.mode is Mode.PREFETCH:  # refill after denoise: the next encode overlaps this decode
-                while s.next_condition <= index + PREFETCH_DEPTH and self._condition_room(s):
-                    self._submit_condition(s, now)
-        self._maybe_drained(s, out)
-        return self._finish_event(self._pump(now, out), now)
-
-    def decode_done(self, session: str, index: int, now: float) -> list[Action]:
-        s = self._run_done(session, Stage.DECODE, index)
-        out: list[Action] = []
-        if s.state is SessionState.READY:
-            s.chunks[index].decode_end = now
-            s.outputs.add(index)
-            while s.emission.expected in s.outputs:
-                i = s.emission.expected
-                verdict = s.emission.accept(i)
-                assert verdict is Verdict.ACCEPTED  # exactly once, in order
-                s.outputs.discard(i)
-                out.append(Emit(session, i, s.chunks.pop(i).times(now)))
-            if s.num_chunks is not None and s.emission.expected == s.num_chunks:
-                self._begin_close(s, "complete", out)
+            s.chunks[index].end[stage] = now
+            _RULES[stage].done(self, s, index, now, out)
         self._maybe_drained(s, out)
         return self._finish_event(self._pump(now, out), now)
 
@@ -499,14 +466,6 @@ class Scheduler:
         if new is None or (s.finished and event is not SessionEvent.CLOSE):
             raise IllegalEvent(f"session {s.id!r}: event {event.value} is illegal in state {s.state.value}")
         s.state = new
-
-    def _run_done(self, session: str, stage: Stage, index: int) -> _Session:
-        """The common part of a RUN task's completion: check it is the running one, free the role."""
-        s = self._get(session)
-        self._expect_task(s, stage, TaskKind.RUN, index)
-        self._move(s, SessionEvent.TASK_DONE)
-        self._roles[stage] = None
-        return s
 
     def _expect_task(self, s: _Session, stage: Stage, kind: TaskKind, index: int | None) -> None:
         task = self._roles[stage]
@@ -598,7 +557,7 @@ class Scheduler:
         progress = True
         while progress:
             progress = False
-            for stage in (Stage.DECODE, Stage.DENOISE, Stage.CONDITION):
+            for stage in reversed(Stage):
                 if self._roles[stage] is None and self._dispatch(stage, now, out):
                     progress = True
         return out
@@ -626,13 +585,8 @@ class Scheduler:
             return None
         if s.state is not SessionState.READY:
             return None
-        if stage is Stage.CONDITION and s.encode_queue:
-            return RoleTask(s.id, TaskKind.RUN, s.encode_queue[0])
-        if stage is Stage.DENOISE and self._denoise_blocker(s) is None:
-            return RoleTask(s.id, TaskKind.RUN, s.next_denoise)
-        if stage is Stage.DECODE and s.latents and len(s.outputs) < self.capacities.output:
-            return RoleTask(s.id, TaskKind.RUN, s.latents[0])
-        return None
+        index = _RULES[stage].ready(self, s)
+        return None if index is None else RoleTask(s.id, TaskKind.RUN, index)
 
     def _denoise_blocker(self, s: _Session) -> str | None:
         """Why chunk ``next_denoise`` of a READY session cannot start on the DiT now (None: it can)."""
@@ -656,22 +610,59 @@ class Scheduler:
             out.append(InitCache(s.id, stage))
         elif task.kind is TaskKind.RELEASE:
             out.append(Release(s.id, stage))
-        elif stage is Stage.CONDITION:
-            i = s.encode_queue.popleft()
-            s.chunks[i].condition_start = now
-            out.append(RunCondition(s.id, i))
-        elif stage is Stage.DENOISE:
-            i = s.next_denoise
-            s.encoded.remove(i)
-            s.accepted.remove(i)
-            s.next_denoise += 1
-            chunk = s.chunks[i]
-            chunk.denoise_start = now
-            out.append(RunDenoise(s.id, i))
         else:
-            i = s.latents.popleft()
-            s.chunks[i].decode_start = now
-            out.append(RunDecode(s.id, i))
+            assert task.index is not None
+            _RULES[stage].take(self, s, task.index)
+            s.chunks[task.index].start[stage] = now
+            out.append(RunChunk(s.id, stage, task.index))
+
+    # ---- internals: the stage rules (which chunk a stage takes next, and where its result goes) ----
+
+    def _next_encode(self, s: _Session) -> int | None:
+        return s.encode_queue[0] if s.encode_queue else None
+
+    def _take_encode(self, s: _Session, index: int) -> None:
+        taken = s.encode_queue.popleft()
+        assert taken == index
+
+    def _encoded(self, s: _Session, index: int, now: float, out: list[Action]) -> None:
+        s.encoded.add(index)
+
+    def _next_join(self, s: _Session) -> int | None:
+        """The join: condition[d] encoded, control[d] accepted, room on the latent edge (``_denoise_blocker``)."""
+        return s.next_denoise if self._denoise_blocker(s) is None else None
+
+    def _take_join(self, s: _Session, index: int) -> None:
+        assert index == s.next_denoise
+        s.encoded.remove(index)
+        s.accepted.remove(index)
+        s.next_denoise += 1
+
+    def _denoised(self, s: _Session, index: int, now: float, out: list[Action]) -> None:
+        s.latents.append(index)
+        if self.mode is Mode.PREFETCH:  # refill after denoise: the next encode overlaps this decode
+            while s.next_condition <= index + PREFETCH_DEPTH and self._condition_room(s):
+                self._submit_condition(s, now)
+
+    def _next_latent(self, s: _Session) -> int | None:
+        """The oldest latent, while the output edge has room."""
+        return s.latents[0] if s.latents and len(s.outputs) < self.capacities.output else None
+
+    def _take_latent(self, s: _Session, index: int) -> None:
+        taken = s.latents.popleft()
+        assert taken == index
+
+    def _decoded(self, s: _Session, index: int, now: float, out: list[Action]) -> None:
+        """Emission: every decoded chunk next in index order leaves, exactly once; the last one closes."""
+        s.outputs.add(index)
+        while s.emission.expected in s.outputs:
+            i = s.emission.expected
+            verdict = s.emission.accept(i)
+            assert verdict is Verdict.ACCEPTED  # exactly once, in order
+            s.outputs.discard(i)
+            out.append(Emit(s.id, i, s.chunks.pop(i).times(now)))
+        if s.num_chunks is not None and s.emission.expected == s.num_chunks:
+            self._begin_close(s, "complete", out)
 
     # ---- internals: DiT idle ----
 
@@ -707,3 +698,19 @@ class Scheduler:
             if cause in causes:
                 return cause, blocked
         return "no_session", blocked
+
+
+@dataclass(frozen=True)
+class _Rules:
+    """The rules of one stage's chunks in a READY session (the rest of the scheduler treats every stage alike)."""
+
+    ready: Callable[[Scheduler, _Session], int | None]  # the chunk it may start now (None: none)
+    take: Callable[[Scheduler, _Session, int], None]  # that chunk leaves the stage's input edge as it starts
+    done: Callable[[Scheduler, _Session, int, float, list[Action]], None]  # its result enters the next edge
+
+
+_RULES: Final[Mapping[Stage, _Rules]] = {
+    Stage.CONDITION: _Rules(Scheduler._next_encode, Scheduler._take_encode, Scheduler._encoded),
+    Stage.DENOISE: _Rules(Scheduler._next_join, Scheduler._take_join, Scheduler._denoised),
+    Stage.DECODE: _Rules(Scheduler._next_latent, Scheduler._take_latent, Scheduler._decoded),
+}

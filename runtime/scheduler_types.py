@@ -23,8 +23,9 @@ class Mode(str, Enum):
     SERIAL = "serial"  # the old design: condition and control together, one chunk at a time
 
 
-INIT_ORDER: Final = (Stage.CONDITION, Stage.DECODE, Stage.DENOISE)
-RELEASE_ORDER: Final = (Stage.DECODE, Stage.DENOISE, Stage.CONDITION)
+# ``Stage`` lists the stages in pipeline order (each chunk goes condition -> denoise -> decode).
+INIT_ORDER: Final = (Stage.CONDITION, Stage.DECODE, Stage.DENOISE)  # the DiT's init takes the condition's context
+RELEASE_ORDER: Final = tuple(reversed(Stage))  # downstream first: decode -> denoise -> condition
 
 
 @dataclass(frozen=True)
@@ -90,20 +91,11 @@ class InitCache:
 
 
 @dataclass(frozen=True)
-class RunCondition:
+class RunChunk:
+    """Run chunk ``index`` of the session on ``stage`` (its tasks: ``runtime.placement``'s stage table)."""
+
     session: str
-    index: int
-
-
-@dataclass(frozen=True)
-class RunDenoise:
-    session: str
-    index: int
-
-
-@dataclass(frozen=True)
-class RunDecode:
-    session: str
+    stage: Stage
     index: int
 
 
@@ -150,9 +142,7 @@ class DitIdle:
 
 Action = (
     InitCache
-    | RunCondition
-    | RunDenoise
-    | RunDecode
+    | RunChunk
     | Emit
     | SessionReady
     | Release

@@ -10,19 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ipc.protocol import ChunkControl, Edge, Phase, Span, Stage, WorkerSpan
+from ipc.protocol import ChunkControl, Edge, Span, Stage, WorkerSpan
 from runtime.clock import ClockSync
 from runtime.control_service import LiveControls
 from runtime.images import DecodedImage
 from runtime.metrics import SessionMetrics
-from runtime.placement import Part, SessionFacts
+from runtime.placement import JoinKey, Part, SessionFacts
 from runtime.prompts import PromptRevisions
 
 if TYPE_CHECKING:
     from models.geometry import StreamGeometry
 
 Step = Stage | Edge  # what a task of the session works on: a stage, or a transfer
-JoinKey = tuple[Stage, Phase, int]  # a stage's init, chunk (its index) or release (index -1)
 
 
 @dataclass

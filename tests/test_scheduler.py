@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 
 from runtime.scheduler import (
@@ -18,9 +16,7 @@ from runtime.scheduler import (
     InitCache,
     Mode,
     Release,
-    RunCondition,
-    RunDecode,
-    RunDenoise,
+    RunChunk,
     Scheduler,
     SessionClosed,
     SessionEvent,
@@ -31,8 +27,6 @@ from runtime.scheduler import (
     Stage,
     UnknownSession,
 )
-
-_STAGE_OF = {RunCondition: Stage.CONDITION, RunDenoise: Stage.DENOISE, RunDecode: Stage.DECODE}
 
 
 class Roles:
@@ -47,7 +41,7 @@ class Roles:
     def feed(self, actions: list[Action]) -> list[Action]:
         for a in actions:
             self.log.append(a)
-            stage = a.stage if isinstance(a, (InitCache, Release)) else _STAGE_OF.get(type(a))
+            stage = a.stage if isinstance(a, (InitCache, Release, RunChunk)) else None
             if stage is not None:
                 assert stage not in self.running, f"{stage} got {a} while running {self.running[stage]}"
                 self.running[stage] = a
@@ -78,12 +72,7 @@ class Roles:
             return self.feed(s.stage_failed(a.session, stage, index, "boom", now))
         if isinstance(a, InitCache):
             return self.feed(s.init_done(a.session, a.stage, now))
-        done: dict[Stage, Callable[[str, int, float], list[Action]]] = {
-            Stage.CONDITION: s.condition_done,
-            Stage.DENOISE: s.denoise_done,
-            Stage.DECODE: s.decode_done,
-        }
-        return self.feed(done[stage](a.session, a.index, now))
+        return self.feed(s.chunk_done(a.session, stage, a.index, now))
 
     def ready(self, session: str, num_chunks: int | None = 4) -> list[Action]:
         """Open ``session`` and run its three cache inits; returns every action since the open."""
@@ -110,6 +99,9 @@ class Roles:
 
     def of(self, kind: type, session: str | None = None) -> list[Action]:
         return [a for a in self.log if isinstance(a, kind) and (session is None or a.session == session)]
+
+    def of_stage(self, stage: Stage) -> list[RunChunk]:
+        return [a for a in self.log if isinstance(a, RunChunk) and a.stage is stage]
 
 
 def snapshot(sched: Scheduler, session: str) -> tuple[object, ...]:
@@ -140,13 +132,14 @@ def test_two_conditions_are_submitted_after_creation_before_any_control() -> Non
     roles = Roles(Scheduler())
     out = roles.ready("A", 4)
     sched = roles.sched
-    assert out[-2:] == [RunCondition("A", 0), SessionReady("A")]
+    assert out[-2:] == [RunChunk("A", Stage.CONDITION, 0), SessionReady("A")]
     assert sched.session_state("A") is SessionState.READY
     assert sched.next_condition_index("A") == PREFETCH_DEPTH == 2
     assert sched.next_control_index("A") == 0
     assert sched.edges("A").condition == 2
     roles.finish(Stage.CONDITION)
-    assert roles.running[Stage.CONDITION] == RunCondition("A", 1)  # condition[1] runs with no control in sight
+    # condition[1] runs with no control in sight
+    assert roles.running[Stage.CONDITION] == RunChunk("A", Stage.CONDITION, 1)
 
 
 def test_single_chunk_session_prefetches_one_condition_and_closes_itself_when_emitted() -> None:
@@ -247,7 +240,7 @@ def test_control_with_a_missing_condition_submits_both_as_one_ingress() -> None:
     assert roles.sched.next_condition_index("A") == 3
     assert roles.sched.next_control_index("A") == 3
     roles.finish(Stage.CONDITION)  # condition[1] done; condition[2] runs next, submitted with its control
-    assert roles.running[Stage.CONDITION] == RunCondition("A", 2)
+    assert roles.running[Stage.CONDITION] == RunChunk("A", Stage.CONDITION, 2)
 
 
 def test_full_condition_window_rejects_a_control_whose_condition_cannot_be_submitted() -> None:
@@ -271,13 +264,13 @@ def test_denoise_starts_only_when_condition_and_control_of_the_chunk_are_both_pr
     roles.control("A", 0)  # control first: condition[0] still encoding
     assert Stage.DENOISE not in roles.running
     roles.finish(Stage.CONDITION)
-    assert roles.running[Stage.DENOISE] == RunDenoise("A", 0)
+    assert roles.running[Stage.DENOISE] == RunChunk("A", Stage.DENOISE, 0)
     roles.finish(Stage.CONDITION)  # condition[1] first: control[1] not there yet
     roles.finish(Stage.DENOISE)
     roles.finish(Stage.DECODE)
     assert Stage.DENOISE not in roles.running
     roles.control("A", 1)
-    assert roles.running[Stage.DENOISE] == RunDenoise("A", 1)
+    assert roles.running[Stage.DENOISE] == RunChunk("A", Stage.DENOISE, 1)
 
 
 def test_refill_after_denoise_submits_the_condition_two_ahead() -> None:
@@ -289,7 +282,8 @@ def test_refill_after_denoise_submits_the_condition_two_ahead() -> None:
     assert roles.sched.next_condition_index("A") == 2
     assert Stage.CONDITION not in roles.running
     out = roles.finish(Stage.DENOISE)
-    assert RunCondition("A", 2) in out and RunDecode("A", 0) in out  # the next encode overlaps this decode
+    # the next encode overlaps this decode
+    assert RunChunk("A", Stage.CONDITION, 2) in out and RunChunk("A", Stage.DECODE, 0) in out
     assert roles.sched.next_condition_index("A") == 3
 
 
@@ -299,7 +293,7 @@ def test_refill_stops_at_the_last_chunk() -> None:
     roles.control("A", 0)
     roles.control("A", 1)
     roles.run_until_idle()
-    assert [a.index for a in roles.of(RunCondition)] == [0, 1]
+    assert [a.index for a in roles.of_stage(Stage.CONDITION)] == [0, 1]
     assert [a.index for a in roles.of(Emit)] == [0, 1]
 
 
@@ -331,15 +325,16 @@ def test_full_latent_edge_holds_the_dit_back_with_idle_cause_edge() -> None:
     roles.finish(Stage.CONDITION)
     roles.finish(Stage.CONDITION)  # conditions 1 and 2 ready
     roles.finish(Stage.DENOISE)  # latent 0 goes straight to decode; denoise 1 starts
-    assert roles.running[Stage.DENOISE] == RunDenoise("A", 1)
+    assert roles.running[Stage.DENOISE] == RunChunk("A", Stage.DENOISE, 1)
     roles.finish(Stage.DENOISE)  # latent 1 waits for the decode role: the latent edge is full
     assert roles.sched.edges("A").latent == 1
     assert Stage.DENOISE not in roles.running  # chunk 2 has both inputs but no room downstream
     out = roles.finish(Stage.DECODE, dt=3.0)
-    assert [type(a) for a in out] == [Emit, RunDecode, DitIdle, RunDenoise]
+    assert [type(a) for a in out] == [Emit, RunChunk, DitIdle, RunChunk]
+    assert [a.stage for a in out if isinstance(a, RunChunk)] == [Stage.DECODE, Stage.DENOISE]
     idle = roles.of(DitIdle)[-1]
     assert (idle.cause, idle.end - idle.start) == ("edge", 3.0)
-    assert roles.running[Stage.DENOISE] == RunDenoise("A", 2)
+    assert roles.running[Stage.DENOISE] == RunChunk("A", Stage.DENOISE, 2)
 
 
 # ---- metrics ----
@@ -407,7 +402,7 @@ def test_sessions_share_the_dit_round_robin_and_the_second_first_frame_does_not_
     emits = [(e.session, e.index) for e in roles.of(Emit)]
     assert emits.index(("B", 0)) < emits.index(("A", 49))
     assert emits.index(("B", 0)) < emits.index(("A", 12))  # within a few chunks of A, not after its stream
-    both = [d.session for d in roles.of(RunDenoise)]
+    both = [d.session for d in roles.of_stage(Stage.DENOISE)]
     first_b = both.index("B")
     assert both[first_b : first_b + 20] == ["B", "A"] * 10  # strict alternation while both have work
     assert [e.index for e in roles.of(Emit, "B")] == list(range(50))
@@ -420,7 +415,7 @@ def test_stage_failure_fails_only_that_session_and_releases_its_caches_in_revers
     roles.control("A", 0)
     roles.control("B", 0)
     roles.finish(Stage.CONDITION)  # A0
-    assert roles.running[Stage.DENOISE] == RunDenoise("A", 0)
+    assert roles.running[Stage.DENOISE] == RunChunk("A", Stage.DENOISE, 0)
     out = roles.finish(Stage.DENOISE, ok=False)
     assert SessionFailed("A", "denoise failed on chunk 0: boom") in out
     assert roles.sched.session_state("A") is SessionState.RELEASING
@@ -460,7 +455,7 @@ def test_close_drains_the_running_task_drops_queued_work_then_releases() -> None
     assert roles.finish(Stage.CONDITION) == []  # condition[1] discarded; denoise 0 still running
     out = roles.finish(Stage.DENOISE)  # drained: no decode of latent 0, no refill
     assert out[0] == Release("A", Stage.DECODE)
-    assert not any(isinstance(a, (RunDecode, RunCondition, Emit)) for a in out)
+    assert not any(isinstance(a, Emit) or (isinstance(a, RunChunk) and a.stage is not Stage.DENOISE) for a in out)
     roles.run_until_idle()
     assert [a.stage for a in roles.of(Release)] == [Stage.DECODE, Stage.DENOISE, Stage.CONDITION]
     assert roles.of(SessionClosed) == [SessionClosed("A", "client", None, ())]
@@ -537,23 +532,23 @@ def test_a_cleanly_closed_id_can_be_opened_again_but_a_live_one_cannot() -> None
 def test_serial_mode_submits_condition_with_control_and_admits_the_next_control_after_emission() -> None:
     roles = Roles(Scheduler(mode=Mode.SERIAL))
     out = roles.ready("A", 3)
-    assert not any(isinstance(a, RunCondition) for a in out)
+    assert not any(isinstance(a, RunChunk) and a.stage is Stage.CONDITION for a in out)
     assert roles.sched.next_condition_index("A") == 0
     out = roles.control("A", 0)
-    assert RunCondition("A", 0) in out
+    assert RunChunk("A", Stage.CONDITION, 0) in out
     with pytest.raises(AdmissionError) as info:
         roles.control("A", 1)
     assert info.value.kind == "serial"
     roles.finish(Stage.CONDITION)
     out = roles.finish(Stage.DENOISE)
-    assert not any(isinstance(a, RunCondition) for a in out)  # no refill in serial mode
+    assert not any(isinstance(a, RunChunk) and a.stage is Stage.CONDITION for a in out)  # no refill in serial mode
     assert not roles.sched.can_submit("A", 1)
     roles.finish(Stage.DECODE)
     assert roles.sched.can_submit("A", 1)
     roles.run_until_idle({"A": 3})
-    kinds = (RunCondition, RunDenoise, RunDecode, Emit)
-    order = [(type(a).__name__, a.index) for a in roles.log if isinstance(a, kinds)]
-    expected = [(n, i) for i in range(3) for n in ("RunCondition", "RunDenoise", "RunDecode", "Emit")]
+    order = [(a.stage.value if isinstance(a, RunChunk) else "emit", a.index) for a in roles.log
+             if isinstance(a, (RunChunk, Emit))]
+    expected = [(n, i) for i in range(3) for n in ("condition", "denoise", "decode", "emit")]
     assert order == expected
 
 
@@ -578,9 +573,9 @@ def test_illegal_events_raise_and_change_nothing() -> None:
     roles.ready("A", 4)
     before = snapshot(roles.sched, "A")
     with pytest.raises(IllegalEvent):
-        roles.sched.condition_done("A", 1, roles.tick())  # condition[0] is the one encoding
+        roles.sched.chunk_done("A", Stage.CONDITION, 1, roles.tick())  # condition[0] is the one encoding
     with pytest.raises(IllegalEvent):
-        roles.sched.denoise_done("A", 0, roles.tick())
+        roles.sched.chunk_done("A", Stage.DENOISE, 0, roles.tick())
     with pytest.raises(IllegalEvent):
         roles.sched.init_done("A", Stage.CONDITION, roles.tick())
     with pytest.raises(IllegalEvent):
@@ -588,7 +583,7 @@ def test_illegal_events_raise_and_change_nothing() -> None:
     with pytest.raises(IllegalEvent):
         roles.sched.stage_failed("A", Stage.DECODE, 0, "boom", roles.tick())
     with pytest.raises(UnknownSession):
-        roles.sched.condition_done("Z", 0, roles.tick())
+        roles.sched.chunk_done("Z", Stage.CONDITION, 0, roles.tick())
     assert snapshot(roles.sched, "A") == before
 
 

@@ -25,9 +25,7 @@ from runtime.scheduler import (
     InitCache,
     Mode,
     Release,
-    RunCondition,
-    RunDecode,
-    RunDenoise,
+    RunChunk,
     Scheduler,
     SessionClosed,
     SessionFailed,
@@ -35,8 +33,6 @@ from runtime.scheduler import (
     SessionState,
     Stage,
 )
-
-_STAGE_OF = {RunCondition: Stage.CONDITION, RunDenoise: Stage.DENOISE, RunDecode: Stage.DECODE}
 
 
 @dataclass
@@ -81,7 +77,7 @@ class Driver:
                 continue
             seen = self.seen[a.session]
             assert seen.closed is None, f"{a} after the session closed"
-            stage = a.stage if isinstance(a, (InitCache, Release)) else _STAGE_OF.get(type(a))
+            stage = a.stage if isinstance(a, (InitCache, Release, RunChunk)) else None
             if stage is not None:
                 assert stage not in self.running, f"{stage} got {a} while running {self.running[stage]}"
                 self.running[stage] = a
@@ -90,7 +86,7 @@ class Driver:
             if isinstance(a, InitCache):
                 assert a.stage not in seen.inited
                 seen.inited.append(a.stage)
-            elif isinstance(a, RunDenoise):
+            elif isinstance(a, RunChunk) and a.stage is Stage.DENOISE:
                 assert a.index in seen.encoded and a.index in seen.accepted, f"denoise {a} without both inputs"
                 assert a.index not in seen.denoised
                 seen.denoised.add(a.index)
@@ -160,13 +156,10 @@ class Driver:
             self.feed(s.stage_failed(a.session, stage, index, "boom", now))
         elif isinstance(a, InitCache):
             self.feed(s.init_done(a.session, a.stage, now))
-        elif isinstance(a, RunCondition):
-            seen.encoded.add(a.index)
-            self.feed(s.condition_done(a.session, a.index, now))
-        elif isinstance(a, RunDenoise):
-            self.feed(s.denoise_done(a.session, a.index, now))
         else:
-            self.feed(s.decode_done(a.session, a.index, now))
+            if a.stage is Stage.CONDITION:
+                seen.encoded.add(a.index)
+            self.feed(s.chunk_done(a.session, a.stage, a.index, now))
 
     def control(self, session: str, offset: int) -> bool:
         """Send control[next + offset]; a wrong index must be rejected with nothing changed."""

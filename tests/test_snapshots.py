@@ -178,12 +178,12 @@ def test_a_held_session_does_not_start_its_next_denoise_and_the_dit_idles_for_th
     s.open("s", 8, 0.0)
     for stage in sch.INIT_ORDER:
         s.init_done("s", stage, 0.0)
-    s.condition_done("s", 0, 0.1)
+    s.chunk_done("s", sch.Stage.CONDITION, 0, 0.1)
     s.hold("s", True, 0.2)
     actions = s.submit_control("s", 0, 0.3)
-    assert not [a for a in actions if isinstance(a, sch.RunDenoise)]
+    assert not [a for a in actions if isinstance(a, sch.RunChunk) and a.stage is sch.Stage.DENOISE]
     actions = s.hold("s", False, 0.5)
-    assert [a.index for a in actions if isinstance(a, sch.RunDenoise)] == [0]
+    assert [a.index for a in actions if isinstance(a, sch.RunChunk) and a.stage is sch.Stage.DENOISE] == [0]
     idle = [a for a in actions if isinstance(a, sch.DitIdle)]
     assert idle[-1].cause == "save" and idle[-1].end == 0.5
 
@@ -194,7 +194,7 @@ def test_a_restored_session_starts_every_cursor_at_its_snapshot_chunk() -> None:
     actions: list[sch.Action] = []
     for stage in sch.INIT_ORDER:
         actions = s.init_done("s", stage, 0.0)
-    assert [a.index for a in actions if isinstance(a, sch.RunCondition)] == [5]
+    assert [a.index for a in actions if isinstance(a, sch.RunChunk) and a.stage is sch.Stage.CONDITION] == [5]
     assert (s.next_control_index("s"), s.next_condition_index("s"), s.next_emit_index("s")) == (5, 7, 5)
     with pytest.raises(sch.AdmissionError, match="expected index 5"):
         s.submit_control("s", 0, 0.1)
