@@ -19,7 +19,7 @@ besides (``runtime.session``: its client, start image, accepted controls, spans,
   official frame size at ``stream.area`` pixels would be degenerate (``models.stages.frame_size``) is refused with
   ``bad_image``. Everything of the session uses its own geometry: the ``opened`` reply, the pose
   count of a control, every shape announced to the ranks.
-- **Tasks.** Each scheduler action becomes per-rank tasks through the one table, ``runtime.placement.plan``; the
+- **Tasks.** Each scheduler action becomes per-rank tasks through the stage table (``runtime.placement.plan``); the
   action is finished when every completion it waits for arrived (the join), and only then does the scheduler
   hear of it. A completion that no join waits for only adds its spans. A task whose join is older than
   ``timeouts.stage_s`` ends the job; so does a rank silent for ``timeouts.rank_dead_s`` and any fatal failure.

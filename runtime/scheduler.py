@@ -2,6 +2,9 @@
 
 Events come in (with the rank-0 time at which they happened), actions go out, executed by the coordinator in list
 order. No sockets, threads, processes or clocks. Illegal events raise a ``SchedulerError`` and change nothing.
+Every stage's chunk is one action, ``RunChunk(session, stage, index)``, answered by ``chunk_done``; what differs
+between the stages (the queue a stage takes its next chunk from, the Join, Refill and Emission rules below) is that
+stage's entry of ``_RULES``, at the end of the module.
 
 Per session (``s``), with ``d`` the next chunk whose denoise has not started:
 
