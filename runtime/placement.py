@@ -178,6 +178,11 @@ def _init_decode(s: SessionFacts) -> protocol.WorkerTask:
     return protocol.InitDecode(session=s.id, height=g.height, width=g.width, restore=s.restore)
 
 
+def _condition_chunk(s: SessionFacts, index: int, _control: protocol.ChunkControl | None,
+                     _steps: int | None) -> protocol.WorkerTask:
+    return protocol.ConditionChunk(session=s.id, index=index)
+
+
 def _denoise_chunk(s: SessionFacts, index: int, control: protocol.ChunkControl | None,
                    steps: int | None) -> protocol.WorkerTask:
     assert control is not None, "a denoise runs with its accepted control"
@@ -185,24 +190,29 @@ def _denoise_chunk(s: SessionFacts, index: int, control: protocol.ChunkControl |
                                  steps=steps, prompt_revision=s.prompt_revision)
 
 
+def _decode_chunk(s: SessionFacts, index: int, _control: protocol.ChunkControl | None,
+                  _steps: int | None) -> protocol.WorkerTask:
+    return protocol.DecodeChunk(session=s.id, index=index, frames=_frames(s.geometry, index))
+
+
 STAGES: Final[Mapping[Stage, StageSpec]] = {  # in pipeline order (``Stage``'s)
     Stage.CONDITION: StageSpec(
-        Stage.CONDITION, lambda lay: (lay.condition,), _init_condition, protocol.ConditionChunk,
-        lambda s, index, _control, _steps: protocol.ConditionChunk(session=s.id, index=index),
-        EdgeSpec(Edge.CONDITION, CONDITION_EDGE, protocol.BroadcastCondition, to=Stage.DENOISE, broadcast=True,
-                 answers=False, tensor=lambda g, _index: TensorSpec(shape=g.condition_shape, dtype=_dtype(g))),
+        Stage.CONDITION, ranks=lambda lay: (lay.condition,), init=_init_condition,
+        chunk_task=protocol.ConditionChunk, chunk=_condition_chunk,
+        out=EdgeSpec(Edge.CONDITION, CONDITION_EDGE, protocol.BroadcastCondition, to=Stage.DENOISE, broadcast=True,
+                     answers=False, tensor=lambda g, _index: TensorSpec(shape=g.condition_shape, dtype=_dtype(g))),
         image=True),
     Stage.DENOISE: StageSpec(
-        Stage.DENOISE, lambda lay: tuple(lay.dit), _init_denoise, protocol.DenoiseChunk, _denoise_chunk,
-        EdgeSpec(Edge.LATENT, LATENT_RECEIVER, protocol.ReceiveLatent, to=Stage.DECODE, broadcast=False,
-                 answers=False, tensor=_latent),
+        Stage.DENOISE, ranks=lambda lay: tuple(lay.dit), init=_init_denoise,
+        chunk_task=protocol.DenoiseChunk, chunk=_denoise_chunk,
+        out=EdgeSpec(Edge.LATENT, LATENT_RECEIVER, protocol.ReceiveLatent, to=Stage.DECODE, broadcast=False,
+                     answers=False, tensor=_latent),
         group="dit", context=True, controlled=True),
     Stage.DECODE: StageSpec(
-        Stage.DECODE, lambda lay: (lay.decode,), _init_decode, protocol.DecodeChunk,
-        lambda s, index, _control, _steps: protocol.DecodeChunk(session=s.id, index=index,
-                                                                frames=_frames(s.geometry, index)),
-        EdgeSpec(Edge.FRAMES, FRAMES_RECEIVER, protocol.ReceiveFrames, to=None, broadcast=False, answers=True,
-                 tensor=_frames)),
+        Stage.DECODE, ranks=lambda lay: (lay.decode,), init=_init_decode,
+        chunk_task=protocol.DecodeChunk, chunk=_decode_chunk,
+        out=EdgeSpec(Edge.FRAMES, FRAMES_RECEIVER, protocol.ReceiveFrames, to=None, broadcast=False, answers=True,
+                     tensor=_frames)),
 }
 assert tuple(STAGES) == tuple(Stage), "the table lists every stage, in pipeline order"
 
