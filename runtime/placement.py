@@ -307,10 +307,6 @@ class Plan:
     then: tuple[tuple[bytes, protocol.WorkerTask], ...] = field(default=())  # sent once it is finished
 
 
-def _dtype(geometry: StreamGeometry) -> str:
-    return geometry.dtype  # a torch dtype's name already (``models.geometry``)
-
-
 def plan(action: StageAction, session: SessionFacts, where: Placement,
          control: protocol.ChunkControl | None = None, steps: int | None = None) -> Plan:
     """The tasks of ``action`` for ``session`` on this layout (``control``: the accepted control of a ``controlled``
