@@ -14,11 +14,12 @@ from PIL import Image
 
 from ipc import protocol
 from ipc.client import ChunkResult
+from web import page_messages as pm
 from web import page_protocol as pp
 from web.bridge import BridgeSettings, SessionSlots
 from web.chunks import chrome_trace, read_chunk
 from web.gateway import GatewaySettings, host_name, is_loopback, make_app
-from web.playout import Playout, encode_frame
+from web.playout import Dropped, Playout, encode_frame
 from web.tab_tasks import TabTasks
 
 FPS = 16.0
@@ -132,11 +133,11 @@ def test_a_valid_state_parses_to_its_fields() -> None:
     ('{"type": "dance"}', "bad_message", "message type"),
     ('{"keys": []}', "bad_message", "message type"),
     ('{"type": "state", "keys": ["x"], "revision": 1}', "unknown_keys", "unknown keys ['x']"),
-    ('{"type": "state", "keys": [], "taps": ["q"], "revision": 1}', "unknown_keys", "state.taps"),
+    ('{"type": "state", "keys": [], "taps": ["q"], "revision": 1}', "unknown_keys", "taps: unknown keys ['q']"),
     ('{"type": "state", "keys": [], "mouse": [1e999, 0], "revision": 1}', "bad_message", "out of range"),
     ('{"type": "state", "keys": [], "mouse": [400, 0], "revision": 1}', "bad_message", "within"),
-    ('{"type": "state", "keys": [], "revision": -1}', "bad_message", "state.revision must be in 0..2147483647"),
-    ('{"type": "state", "keys": [], "revision": 2147483648}', "bad_message", "state.revision must be in 0.."),
+    ('{"type": "state", "keys": [], "revision": -1}', "bad_message", "revision must be in 0..2147483647"),
+    ('{"type": "state", "keys": [], "revision": 2147483648}', "bad_message", "revision must be in 0.."),
     ('{"type": "state", "keys": [], "revision": %s}' % ("9" * 400), "bad_message", r"got 9+ \.\.\. \(clipped\)"),
     ('{"type": "state", "keys": "w", "revision": 1}', "bad_message", "keys"),
     ('{"type": "state", "keys": [], "revision": 1, "extra": 1}', "bad_message", "extra"),
@@ -236,12 +237,15 @@ def chunk_with(control: protocol.ChunkControl, spans: tuple[protocol.Span, ...] 
                        input_to_photon_s={3: 0.25})
 
 
-def test_the_adapter_reads_the_applied_control_and_facts() -> None:
+def test_the_adapter_reads_the_applied_control_and_facts_into_the_pages_chunk_message() -> None:
     view = read_chunk(chunk_with(protocol.ChunkControl(keys=frozenset("wd"), mouse=(2.0, -1.0), revision=3)))
-    assert (view.index, view.keys, view.mouse, view.revision) == (4, ("d", "w"), (2.0, -1.0), 3)
-    assert view.control_to_output_s == pytest.approx(0.3)
-    assert view.gateway_input_to_photon_s == {3: 0.25}
-    assert view.timeline().frames == 12
+    assert (view.index, view.revision, view.timeline().frames) == (4, 3, 12)
+    message = json.loads(pm.encode(view.message(Dropped(superseded=2))))
+    assert message == {"type": "chunk", "session": "s1", "index": 4, "frames": 12, "keys": ["d", "w"],
+                       "mouse": [2.0, -1.0], "revision": 3, "prompt_revision": 0,
+                       "control_to_output_s": pytest.approx(0.3), "steps": 0, "steps_changed": None,
+                       "gateway_input_to_photon_s": {"3": 0.25}, "dropped": {"superseded": 2, "late": 0},
+                       "missed": 0}
 
 
 def test_the_trace_of_a_session_has_one_event_per_span_on_each_ranks_track() -> None:
