@@ -805,7 +805,7 @@ _decoders = {
 _raw = msgspec.msgpack.Decoder()
 
 
-def encode(message: _Msg) -> bytes:
+def encode(message: _Msg | ControlState) -> bytes:
     return _encoder.encode(message)
 
 
