@@ -143,11 +143,9 @@ class AsyncClient:
                     raise
                 await asyncio.sleep(error.retry_after_s or 0.002)
 
-    def control_state(self, session: str, keys: Iterable[str], revision: int, mouse: tuple[float, float] = (0, 0),
-                      taps: Iterable[str] = (), steps: int | None = None) -> None:
+    def control_state(self, session: str, state: protocol.InputState, steps: int | None = None) -> None:
         """Live mode, fire and forget (call it from the loop's thread); see ``Client.control_state``."""
-        self._send_quiet(self._requests.control_state(session, keys, revision, mouse, taps, steps),
-                         stamp=(session, revision))
+        self._send_quiet(self._requests.control_state(session, state, steps), stamp=(session, state.revision))
 
     def live(self, session: str, first_revision: int = 1) -> LiveInput:
         return LiveInput(self, session, first_revision)

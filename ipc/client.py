@@ -298,13 +298,18 @@ class InputToPhoton:
 
     For each revision r the client sent, the latency is the time from sending the ``control_state`` of r to
     receiving the first chunk whose applied control carries a revision >= r (the first frames that can show
-    that input). Bounded: at most ``keep`` sent revisions wait to be shown; older ones are forgotten."""
+    that input). Bounded: at most ``keep`` sent revisions wait to be shown; older ones are forgotten. A revision
+    not newer than one sent before starts no clock (the server refuses it as stale: it shows nothing)."""
 
     def __init__(self, keep: int = KEEP_REVISIONS) -> None:
         self.keep = keep
         self._sent: OrderedDict[int, float] = OrderedDict()
+        self._last = -1  # the newest revision sent
 
     def sent(self, revision: int, at: float) -> None:
+        if revision <= self._last:
+            return
+        self._last = revision
         self._sent[revision] = at
         while len(self._sent) > self.keep:
             self._sent.popitem(last=False)
@@ -318,8 +323,7 @@ class InputToPhoton:
 
 
 class StateSink(Protocol):
-    def control_state(self, session: str, keys: Iterable[str], revision: int, mouse: tuple[float, float] = (0, 0),
-                      taps: Iterable[str] = (), steps: int | None = None) -> None: ...
+    def control_state(self, session: str, state: protocol.InputState, steps: int | None = None) -> None: ...
 
 
 class LiveInput:
@@ -365,7 +369,7 @@ class LiveInput:
             return None
         revision = self.revision + 1
         extra = {} if steps is None else {"steps": steps}  # a sink without quality presets is sent no steps
-        self.sink.control_state(self.session, sorted(held), revision, mouse=mouse, taps=tapped, **extra)
+        self.sink.control_state(self.session, input_state(held, revision, mouse, tapped), **extra)
         self.held, self.revision = held, revision  # only once sent: a refused send (``OutboxFull``) changes nothing
         return revision
 
@@ -373,6 +377,14 @@ class LiveInput:
 def _norm(keys: Iterable[str]) -> frozenset[str]:
     """``"wd"``, ``["w", "D"]`` -> ``{"w", "d"}``."""
     return frozenset(k.lower() for item in keys for k in item)
+
+
+def input_state(keys: Iterable[str], revision: int, mouse: tuple[float, float] = (0.0, 0.0),
+                taps: Iterable[str] = ()) -> protocol.InputState:
+    """A live input state as it travels (``"wd"`` or ``["w", "D"]`` for keys). Its values are checked by the server
+    (``protocol.check_input_state``; a refusal arrives through ``error()``), as a page's are by the gateway."""
+    return protocol.InputState(keys=sorted(_norm(keys)), mouse=(float(mouse[0]), float(mouse[1])),
+                               taps=sorted(_norm(taps)), revision=revision)
 
 
 def chunk_control(keys: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0.0),
@@ -430,11 +442,10 @@ class Requests:
                 steps: int | None = None) -> protocol.Control:  # fmt: skip
         return protocol.Control(req=next(self._ids), session=session, index=index, control=control, steps=steps)
 
-    def control_state(self, session: str, keys: Iterable[str], revision: int, mouse: tuple[float, float] = (0, 0),
-                      taps: Iterable[str] = (), steps: int | None = None) -> protocol.ControlState:
-        return protocol.ControlState(req=next(self._ids), session=session, keys=sorted(_norm(keys)),
-                                     mouse=(float(mouse[0]), float(mouse[1])), taps=sorted(_norm(taps)),
-                                     revision=revision, steps=steps)
+    def control_state(self, session: str, state: protocol.InputState,
+                      steps: int | None = None) -> protocol.ControlState:  # fmt: skip
+        return protocol.ControlState(req=next(self._ids), session=session, keys=state.keys, mouse=state.mouse,
+                                     taps=state.taps, revision=state.revision, steps=steps)
 
     def set_prompt(self, session: str, prompt: str) -> protocol.SetPrompt:
         return prompt_message(next(self._ids), session, prompt)
@@ -735,14 +746,13 @@ class Client:
                     raise
                 time.sleep(error.retry_after_s or 0.002)
 
-    def control_state(self, session: str, keys: Iterable[str], revision: int, mouse: tuple[float, float] = (0, 0),
-                      taps: Iterable[str] = (), steps: int | None = None) -> None:
-        """Live mode: the whole held-key state, sent whenever input changes (fire and forget: a rejection, e.g.
-        ``StaleRevision``, arrives through ``error()`` and does not interrupt the chunk stream). The moment it
-        leaves the socket starts the input-to-photon clock of ``revision``. ``OutboxFull`` when the server does not
-        take messages: nothing is sent (a ``LiveInput`` sends the whole state again with the next change)."""
-        self._send_quiet(self._requests.control_state(session, keys, revision, mouse, taps, steps),
-                         stamp=(session, revision))
+    def control_state(self, session: str, state: protocol.InputState, steps: int | None = None) -> None:
+        """Live mode: the whole held-key state (``input_state(keys, revision, ...)``), sent whenever input changes
+        (fire and forget: a rejection, e.g. ``StaleRevision``, arrives through ``error()`` and does not interrupt the
+        chunk stream). The moment it leaves the socket starts the input-to-photon clock of its revision.
+        ``OutboxFull`` when the server does not take messages: nothing is sent (a ``LiveInput`` sends the whole
+        state again with the next change)."""
+        self._send_quiet(self._requests.control_state(session, state, steps), stamp=(session, state.revision))
 
     def live(self, session: str, first_revision: int = 1) -> LiveInput:
         """A ``LiveInput`` bound to this client and a live session."""

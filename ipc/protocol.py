@@ -32,6 +32,8 @@ DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 
 KEYS = frozenset("wasdijkl")  # W/S forward/back, A/D strafe, I/K pitch, J/L yaw
 MAX_MOUSE_DEGREES = 360.0  # per chunk; more is a client bug, not a turn
+MAX_REVISION = 2**31 - 1  # a live input's revision: the page's frame header carries it as an int32 (2^31 states
+# is a year at 60 a second); one limit for every client, so a page and a script are refused alike
 MAX_POSE_TRANSLATION = 1e6  # scene units from the origin: far beyond any walk (0.05 units a frame for days)
 POSE_ORTHONORMAL_TOLERANCE = 1e-3  # |R^T R - I| of an explicit pose's rotation
 MAX_DEPTH = 16  # nesting of a client message: the deepest legitimate one (a control's poses) is 4
@@ -118,6 +120,46 @@ class ChunkControl(_Value):
                 why = pose_problem(pose)
                 if why is not None:
                     raise ValueError(f"pose {i}: {why}")
+
+
+class InputState(_Value, kw_only=True):
+    """A live session's input, one shape from the page to rank 0: the page's ``state`` message (``web.page_protocol``)
+    and the wire's ``control_state`` are this value with their own envelope; both SDKs send it and the live control
+    service folds it in. Its types are checked while it is decoded, its values by ``check_input_state`` (at each
+    trust boundary: the gateway for a page, rank 0 for every client); only rank 0 knows which revision is stale."""
+
+    keys: KeyList = []  # every key held now (case-insensitive)
+    mouse: tuple[float, float] = (0.0, 0.0)  # mouse motion (yaw, pitch degrees) since the previous state
+    taps: KeyList = []  # keys pressed and released since the previous state
+    revision: int = 0  # client input revision, strictly increasing; echoed on the chunk that applied it
+
+
+class InputStateError(ValueError):
+    """A live input state that must not count; ``reason`` is machine-readable: ``unknown_keys``, ``malformed``, or
+    (rank 0's live control service only) ``stale_revision``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def check_input_state(state: InputState) -> None:
+    """What an ``InputState``'s types cannot say: known key names, mouse motion finite and within
+    ±``MAX_MOUSE_DEGREES`` (a turn per state: more is a client bug), a revision in 0..``MAX_REVISION``. Raises
+    ``InputStateError``; the message names the field the same way whichever client sent it."""
+    for name, keys in (("keys", state.keys), ("taps", state.taps)):
+        unknown = sorted({k.lower() for k in keys} - KEYS)
+        if unknown:
+            raise InputStateError("unknown_keys", f"{name}: unknown keys {clip(str(unknown), 80)}; valid "
+                                                  f"{''.join(sorted(KEYS))}")
+    for axis, value in zip(("yaw", "pitch"), state.mouse):
+        if not math.isfinite(value) or abs(value) > MAX_MOUSE_DEGREES:
+            raise InputStateError("malformed", f"mouse {axis} must be finite and within ±{MAX_MOUSE_DEGREES:g} "
+                                               f"degrees, got {value!r}")
+    if not 0 <= state.revision <= MAX_REVISION:
+        raise InputStateError("malformed", f"revision must be in 0..{MAX_REVISION}, got "
+                                           f"{clip(str(state.revision), 40)}")
 
 
 def intrinsics_problem(values: tuple[float, ...]) -> str | None:
@@ -285,13 +327,13 @@ class Control(_Msg, tag="control"):
             raise ValueError(why)
 
 
-class ControlState(_Msg, tag="control_state"):
+class ControlState(InputState, tag_field="type", tag="control_state", kw_only=True):
+    """A live session's input (``InputState``: keys, mouse, taps, revision, the same fields as the page's ``state``)
+    with the request's own fields."""
+
+    v: int = PROTOCOL_VERSION  # as ``_Msg``'s (a struct has one base with fields: the input state's)
     req: int
     session: SessionId
-    keys: KeyList = []  # every key held now
-    mouse: tuple[float, float] = (0.0, 0.0)  # mouse motion (yaw, pitch degrees) since the previous message
-    taps: KeyList = []  # keys pressed and released since the previous message
-    revision: int = 0  # client input revision, strictly increasing; echoed on the chunk that applied it
     # from the next chunk cut on, the session's best quality in denoising steps (as ``Control.steps``; None: unchanged)
     steps: Steps | None = None
 
@@ -763,7 +805,7 @@ _decoders = {
 _raw = msgspec.msgpack.Decoder()
 
 
-def encode(message: _Msg) -> bytes:
+def encode(message: _Msg | ControlState) -> bytes:
     return _encoder.encode(message)
 
 

@@ -1,18 +1,22 @@
 """The live control service: a client's held-key state in, immutable per-chunk snapshots out.
 
 Sans-io: no sockets, threads or clocks. The coordinator core feeds ``update`` with each ``control_state`` message
-(``ipc.protocol.ControlState``, as decoded) of a live session and calls ``cut`` when the scheduler wants the session's
+(``ipc.protocol.ControlState``, as decoded: an ``InputState``, the one live-input shape from the page on) of a live
+session and calls ``cut`` when the scheduler wants the session's
 next control (``Scheduler.control_wanted``); whatever ``cut`` returns it submits through the scheduler's normal
 admission.
 
 Rules (each one is enforced here and nowhere else):
 
-Input is checked before it counts: unknown key names raise ``ControlStateError(reason="unknown_keys")``,
-non-finite motion or a negative revision ``reason="malformed"``, and nothing changes (types are the decoder's).
+Input is checked before it counts, by the check every trust boundary uses (``protocol.check_input_state``: the
+gateway runs it too, so a page and a script are refused with the same words): unknown key names raise
+``ControlStateError(reason="unknown_keys")``, motion that is not finite or beyond a turn, or a revision out of
+range ``reason="malformed"``, and nothing changes (types are the decoder's).
 
-1. **Revisions are strictly increasing per client.** A state whose revision is not greater than the last one
-   folded in raises ``ControlStateError(reason="stale_revision")`` and changes nothing. Revisions are >= 0; a
-   snapshot cut before any state arrived carries revision -1 ("no client state yet").
+1. **Revisions are strictly increasing per client**, checked here only (the gateway forwards a page's state, and
+   this refusal back to it). A state whose revision is not greater than the last one folded in raises
+   ``ControlStateError(reason="stale_revision")`` and changes nothing. Revisions are >= 0; a snapshot cut before
+   any state arrived carries revision -1 ("no client state yet").
 2. **Snapshots are cut in chunk order, only on demand.** ``cut(index, current)`` requires ``index`` to be the next
    index not yet cut (anything else is a coordinator bug: ``CutOrderError``). A snapshot exists only from the
    moment it is cut, and a cut snapshot is final: it is what the scheduler receives and what the model sees.
@@ -39,45 +43,21 @@ what the model saw and which client revision it came from.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from ipc.protocol import KEYS, MAX_MOUSE_DEGREES, ChunkControl, ControlState
+from ipc.protocol import MAX_MOUSE_DEGREES, ChunkControl, InputState, InputStateError, check_input_state
 
 NO_REVISION = -1  # revision of snapshots cut before any client state arrived
 APPLIED_HISTORY = 64  # how many recent (index -> snapshot) records are kept
 
-
-class ControlStateError(ValueError):
-    """Bad live input from a client; the service state is unchanged. ``reason`` is a short machine-readable tag."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason  # "malformed" | "unknown_keys" | "stale_revision"
+# Bad live input from a client (the shared check's ``unknown_keys`` and ``malformed``, and this service's own
+# ``stale_revision``); the service state is unchanged. ``reason`` is a short machine-readable tag.
+ControlStateError = InputStateError
 
 
 class CutOrderError(RuntimeError):
     """The coordinator asked for a snapshot out of chunk order (a bug on the caller's side); nothing changed."""
-
-
-def _keys(names: Iterable[str], field: str) -> frozenset[str]:
-    """Key names, case-insensitive, checked against the control vocabulary."""
-    out = frozenset(k.lower() for k in names)
-    unknown = sorted(out - KEYS)
-    if unknown:
-        raise ControlStateError("unknown_keys", f"control_state.{field}: unknown keys {unknown}; valid {sorted(KEYS)}")
-    return out
-
-
-def _check(state: ControlState) -> tuple[frozenset[str], frozenset[str], tuple[float, float]]:
-    """What the decoder's types cannot say about a state: known keys, finite motion, a revision >= 0."""
-    keys, taps = _keys(state.keys, "keys"), _keys(state.taps, "taps")
-    if not all(math.isfinite(m) for m in state.mouse):
-        raise ControlStateError("malformed", f"control_state.mouse must be finite numbers, got {state.mouse!r}")
-    if state.revision < 0:
-        raise ControlStateError("malformed", f"control_state.revision must be >= 0, got {state.revision}")
-    return keys, taps, (float(state.mouse[0]), float(state.mouse[1]))
 
 
 class LiveControls:
@@ -126,18 +106,19 @@ class LiveControls:
         """No key held, no pending tap, no pending mouse motion."""
         return not self._held and not self._taps and self._mouse == (0.0, 0.0)
 
-    def update(self, state: ControlState) -> None:
+    def update(self, state: InputState) -> None:
         """Fold in a client's new input state (a decoded ``control_state`` message; key names case-insensitive).
-        Raises ``ControlStateError`` (state unchanged) on unknown keys, non-finite motion, a negative or a stale
-        revision."""
-        keys, taps, mouse = _check(state)
+        Raises ``ControlStateError`` (state unchanged) on unknown keys, bad motion, a revision out of range or a
+        stale one."""
+        check_input_state(state)
         if state.revision <= self._revision:
             raise ControlStateError(
-                "stale_revision", f"control_state revision {state.revision} is not newer than {self._revision}"
+                "stale_revision", f"revision {state.revision} is not newer than {self._revision}, the last one "
+                                  "the server folded in"
             )
-        self._held = keys
-        self._taps.update(taps)
-        self._mouse = (self._mouse[0] + mouse[0], self._mouse[1] + mouse[1])
+        self._held = frozenset(k.lower() for k in state.keys)
+        self._taps.update(k.lower() for k in state.taps)
+        self._mouse = (self._mouse[0] + state.mouse[0], self._mouse[1] + state.mouse[1])
         self._revision = state.revision
 
     def reset(self) -> None:

@@ -32,6 +32,7 @@ from ipc.client import (
     SessionFailed,
     StaleRevision,
     UnknownSession,
+    input_state,
 )
 from scripts.client import applied_trace, check_timeline, frame_hashes, intrinsics_of, photon_stats
 
@@ -42,10 +43,9 @@ class Sink:
     def __init__(self) -> None:
         self.sent: list[dict[str, Any]] = []
 
-    def control_state(self, session: str, keys: Any, revision: int, mouse: tuple[float, float] = (0, 0),
-                      taps: Any = ()) -> None:
-        self.sent.append({"session": session, "keys": list(keys), "revision": revision, "mouse": mouse,
-                          "taps": list(taps)})
+    def control_state(self, session: str, state: protocol.InputState) -> None:
+        self.sent.append({"session": session, "keys": state.keys, "revision": state.revision, "mouse": state.mouse,
+                          "taps": state.taps})
 
 
 def test_live_input_sends_the_whole_state_with_strictly_increasing_revisions_only_on_change() -> None:
@@ -309,7 +309,7 @@ def unanswered_endpoint() -> str:
 def test_requests_are_built_once_for_both_clients_with_fresh_ids_and_checked_before_sending() -> None:
     requests = Requests()
     built = [requests.open(b"png", live=True), requests.control("s", 0, protocol.ChunkControl()),
-             requests.control_state("s", ["W", "d"], 3, mouse=(1, 2), taps="i"), requests.close("s"),
+             requests.control_state("s", input_state(["W", "d"], 3, mouse=(1, 2), taps="i")), requests.close("s"),
              requests.stats(), requests.resume("s")]
     assert [m.req for m in built] == [1, 2, 3, 4, 5, 6]
     state = built[2]
@@ -335,7 +335,7 @@ def test_the_blocking_clients_outbox_is_bounded_and_a_full_one_refuses_with_outb
         accepted, refused, until = 0, None, time.monotonic() + 1.0
         while time.monotonic() < until:  # a caller that keeps sending to a server that is not there
             try:
-                client.control_state("s", "w", accepted + 1)
+                client.control_state("s", input_state("w", accepted + 1))
                 accepted += 1
             except OutboxFull as error:
                 refused = error
@@ -357,7 +357,7 @@ def test_the_async_clients_outbox_is_bounded_and_a_full_one_refuses_with_outbox_
             sent = 0
             with pytest.raises(OutboxFull):
                 for revision in range(1, 100):
-                    client.control_state("s", "w", revision)
+                    client.control_state("s", input_state("w", revision))
                     sent += 1
             with pytest.raises(OutboxFull) as refused:
                 await client.stats()

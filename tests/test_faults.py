@@ -24,7 +24,7 @@ import pytest
 import zmq
 
 from ipc import protocol
-from ipc.client import BadRequest, Client, ServerError, ServerGone
+from ipc.client import BadRequest, Client, ServerError, ServerGone, input_state
 from scripts.local_server import ROOT, LocalServer, ServerFailed
 from tests.shared import FAST
 
@@ -274,7 +274,7 @@ def fault(rank: int, sig: int, mid_stream: bool, tmp_path: Path,
             Client(server.endpoint, server_silent_s=silent_s) as client:  # fmt: skip
         if mid_stream:  # a live session with a key held streams without end: every stage has work in flight
             info = client.open(IMAGE, live=True)
-            client.control_state(info.id, ["w"], revision=1)
+            client.control_state(info.id, input_state(["w"], revision=1))
             for _ in range(3):
                 client.next_chunk(info.id, timeout_s=30)
         else:  # one chunk, then nothing to do

@@ -22,7 +22,7 @@ from PIL import Image
 
 from ipc import protocol
 from ipc.aio_client import AsyncClient
-from ipc.client import BadRequest, Busy, Client, SessionInfo, UnknownSession
+from ipc.client import BadRequest, Busy, Client, SessionInfo, UnknownSession, input_state
 from scripts import client as tool
 from scripts.local_server import ROOT, LocalServer
 from tests.shared import CLIENT_TIMEOUT_S, MAX_CHUNKS, MAX_IMAGE_PIXELS, MAX_SESSIONS
@@ -251,7 +251,7 @@ def test_a_client_that_drops_mid_stream_resumes_and_keeps_receiving_later_chunks
     identity = f"dropper-{uuid.uuid4().hex[:6]}".encode()
     first = Client(server.endpoint, identity=identity)
     info = first.open(IMAGE, num_chunks=None, live=True)
-    first.control_state(info.id, keys=["w"], revision=1)  # held: the world keeps streaming while we are away
+    first.control_state(info.id, input_state(["w"], revision=1))  # held: the world keeps streaming while we are away
     before = [first.next_chunk(info.id, timeout_s=10) for _ in range(2)]
     first.close_client()
     time.sleep(0.5)  # chunks are produced meanwhile and dropped (the client is gone, not yet timed out)

@@ -29,6 +29,7 @@ import aiohttp
 import pytest
 from PIL import Image
 
+from ipc.client import Client, input_state
 from scripts.browser import CHROMIUM, launch, wait_until
 from scripts.local_gateway import LocalGateway
 from scripts.local_server import ROOT, LocalServer
@@ -190,6 +191,52 @@ def test_bad_page_messages_get_clear_errors_and_the_session_streams_on(gateway: 
             assert "recent_chunks" not in closed["summary"]
 
     asyncio.run(scenario())
+
+
+def test_a_stale_revision_from_the_page_is_refused_by_rank_0_and_changes_nothing(gateway: LocalGateway) -> None:
+    async def scenario() -> None:
+        async with tab(gateway) as page:
+            opened = await page.open(prompt="stale input", seed=4)
+            assert opened["type"] == "opened", opened
+            await page.state(5, keys="w", mouse=(2.0, 0.0))
+            while (chunk := await page.next("chunk"))["revision"] < 5:
+                pass
+            for revision in (5, 3):  # the same revision again, an older one: the gateway forwards both
+                await page.state(revision, keys="s", mouse=(90.0, 0.0), taps="i")
+                error = await page.next("error")
+                assert (error["code"], error["session"]) == ("stale_revision", opened["session"]), error
+                assert error["message"] == f"revision {revision} is not newer than 5, the last one the server " \
+                                           "folded in", error  # rank 0's words: the gateway checks no revision
+            await page.state(6, keys="d")
+            turned = 0.0
+            while (chunk := await page.next("chunk"))["revision"] < 6:
+                assert chunk["keys"] == ["w"], chunk  # the refused states changed nothing: no s, no tap of i
+                turned += chunk["mouse"][0]
+            assert chunk["keys"] == ["d"] and turned + chunk["mouse"][0] <= 2.0  # nor their 90 degrees of turn
+            await page.close_session()
+
+    asyncio.run(scenario())
+
+
+def test_a_bad_mouse_value_is_refused_with_the_same_words_via_the_page_and_via_the_sdk(
+        server: LocalServer, gateway: LocalGateway) -> None:  # fmt: skip
+    async def by_page() -> dict[str, Any]:
+        async with tab(gateway) as page:
+            assert (await page.open(seed=5))["type"] == "opened"
+            await page.state(1, keys="w", mouse=(400.0, 0.0))
+            error = await page.next("error")
+            await page.close_session()
+            return error
+
+    page_error = asyncio.run(by_page())
+    with Client(server.endpoint) as client:
+        info = client.open(IMAGE_PATH.read_bytes(), live=True, pause_when_idle=True)
+        client.control_state(info.id, input_state("w", 1, mouse=(400.0, 0.0)))
+        sdk_error = client.error(timeout_s=20)
+        client.close(info.id)
+    assert sdk_error is not None and (sdk_error.code, sdk_error.session) == ("malformed", info.id)
+    assert page_error["code"] == "bad_message"  # each side keeps its code; the words are the one check's
+    assert page_error["message"] == sdk_error.message == "mouse yaw must be finite and within ±360 degrees, got 400.0"
 
 
 def test_the_gateway_session_limit_answers_busy_and_a_closed_session_frees_its_slot(guarded: LocalGateway) -> None:

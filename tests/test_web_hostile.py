@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 
 from ipc.aio_client import AsyncClient
+from ipc.protocol import MAX_REVISION
 from scripts.local_gateway import LocalGateway
 from scripts.local_server import LocalServer
 from web import page_protocol as pp
@@ -98,15 +99,15 @@ def test_huge_revisions_get_an_error_naming_the_field_and_the_stream_plays_on(se
                 await tab.state(revision, keys="w")
                 error = await tab.next("error", timeout_s=10)  # was: nothing (the stream stopped, or the tab died)
                 assert error["code"] == "bad_message", error
-                assert error["message"].startswith(f"state.revision must be in 0..{pp.MAX_REVISION}, got "), error
-            await tab.state(pp.MAX_REVISION, keys="d")  # the largest revision a page may send is served
-            while (chunk := await tab.next("chunk"))["revision"] != pp.MAX_REVISION:
+                assert error["message"].startswith(f"revision must be in 0..{MAX_REVISION}, got "), error
+            await tab.state(MAX_REVISION, keys="d")  # the largest revision a page may send is served
+            while (chunk := await tab.next("chunk"))["revision"] != MAX_REVISION:
                 pass
             frames = len(tab.frames)
             await tab.next("chunk")
             await tab.drain(0.3)
             assert len(tab.frames) > frames, "frames keep coming after the huge revisions"
-            assert tab.frames[-1][1]["revision"] == pp.MAX_REVISION and chunk["keys"] == ["d"]
+            assert tab.frames[-1][1]["revision"] == MAX_REVISION and chunk["keys"] == ["d"]
             assert (await tab.close_session())["reason"] == "client"
         await settled(gw, server, within_s=10)
 

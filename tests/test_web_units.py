@@ -6,19 +6,26 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
+from aiohttp.test_utils import TestServer
 from PIL import Image
 
 from ipc import protocol
-from ipc.client import ChunkResult
+from ipc.client import ChunkResult, Requests, ServerError, StaleRevision, input_state
+from runtime.control_service import ControlStateError, LiveControls
+from scripts.local_server import ROOT
+from web import page_messages as pm
 from web import page_protocol as pp
 from web.bridge import BridgeSettings, SessionSlots
 from web.chunks import chrome_trace, read_chunk
 from web.gateway import GatewaySettings, host_name, is_loopback, make_app
-from web.playout import Playout, encode_frame
+from web.playout import Dropped, Playout, encode_frame
+from web.tab import connect
 from web.tab_tasks import TabTasks
 
 FPS = 16.0
@@ -132,11 +139,11 @@ def test_a_valid_state_parses_to_its_fields() -> None:
     ('{"type": "dance"}', "bad_message", "message type"),
     ('{"keys": []}', "bad_message", "message type"),
     ('{"type": "state", "keys": ["x"], "revision": 1}', "unknown_keys", "unknown keys ['x']"),
-    ('{"type": "state", "keys": [], "taps": ["q"], "revision": 1}', "unknown_keys", "state.taps"),
+    ('{"type": "state", "keys": [], "taps": ["q"], "revision": 1}', "unknown_keys", "taps: unknown keys ['q']"),
     ('{"type": "state", "keys": [], "mouse": [1e999, 0], "revision": 1}', "bad_message", "out of range"),
     ('{"type": "state", "keys": [], "mouse": [400, 0], "revision": 1}', "bad_message", "within"),
-    ('{"type": "state", "keys": [], "revision": -1}', "bad_message", "state.revision must be in 0..2147483647"),
-    ('{"type": "state", "keys": [], "revision": 2147483648}', "bad_message", "state.revision must be in 0.."),
+    ('{"type": "state", "keys": [], "revision": -1}', "bad_message", "revision must be in 0..2147483647"),
+    ('{"type": "state", "keys": [], "revision": 2147483648}', "bad_message", "revision must be in 0.."),
     ('{"type": "state", "keys": [], "revision": %s}' % ("9" * 400), "bad_message", r"got 9+ \.\.\. \(clipped\)"),
     ('{"type": "state", "keys": "w", "revision": 1}', "bad_message", "keys"),
     ('{"type": "state", "keys": [], "revision": 1, "extra": 1}', "bad_message", "extra"),
@@ -236,12 +243,15 @@ def chunk_with(control: protocol.ChunkControl, spans: tuple[protocol.Span, ...] 
                        input_to_photon_s={3: 0.25})
 
 
-def test_the_adapter_reads_the_applied_control_and_facts() -> None:
+def test_the_adapter_reads_the_applied_control_and_facts_into_the_pages_chunk_message() -> None:
     view = read_chunk(chunk_with(protocol.ChunkControl(keys=frozenset("wd"), mouse=(2.0, -1.0), revision=3)))
-    assert (view.index, view.keys, view.mouse, view.revision) == (4, ("d", "w"), (2.0, -1.0), 3)
-    assert view.control_to_output_s == pytest.approx(0.3)
-    assert view.gateway_input_to_photon_s == {3: 0.25}
-    assert view.timeline().frames == 12
+    assert (view.index, view.revision, view.timeline().frames) == (4, 3, 12)
+    message = json.loads(pm.encode(view.message(Dropped(superseded=2))))
+    assert message == {"type": "chunk", "session": "s1", "index": 4, "frames": 12, "keys": ["d", "w"],
+                       "mouse": [2.0, -1.0], "revision": 3, "prompt_revision": 0,
+                       "control_to_output_s": pytest.approx(0.3), "steps": 0, "steps_changed": None,
+                       "gateway_input_to_photon_s": {"3": 0.25}, "dropped": {"superseded": 2, "late": 0},
+                       "missed": 0}
 
 
 def test_the_trace_of_a_session_has_one_event_per_span_on_each_ranks_track() -> None:
@@ -368,3 +378,75 @@ def test_a_playout_rewound_after_a_migration_takes_the_chunks_again_and_counts_w
     playout.rewind()  # the session resumed from its snapshot at chunk 2 on another replica
     playout.push(2, 12, 0.1)
     assert playout.chunk == 2 and playout.dropped.superseded == 12  # chunk 3's frames were never sent
+
+
+# ------------------------------------------------------------------------------------------------ one live input
+
+
+def error_codes_the_gateway_may_send() -> set[str]:
+    """Every error code written in the gateway's and the server's code, and the client library's: what a page may
+    be told (less the indexed controls' codes: a page sends live input only)."""
+    found = {code for cls in (ServerError, *ServerError.__subclasses__(), StaleRevision) for code in cls.codes}
+    for path in [*(ROOT / "web").glob("*.py"), *(ROOT / "runtime").glob("*.py")]:
+        text = path.read_text()
+        found |= set(re.findall(r'(?:self\.error|PageError|ClientError)\(\s*"(\w+)"', text))
+        found |= set(re.findall(r'code="(\w+)"', text))
+    # (``migrated`` is a session's event, not an error: the page gets it as its own ``migrated`` message)
+    return found - {"bad_control", "rejected_control", "control_backpressure", "malformed", "migrated"}
+
+
+def test_hello_lists_the_keys_limits_and_error_codes_the_page_may_see() -> None:
+    async def scenario() -> dict[str, Any]:
+        bridge = BridgeSettings(server="tcp://127.0.0.1:9", limits=pp.Limits(max_upload_bytes=2**20))
+        server = TestServer(make_app(GatewaySettings(bridge=bridge, max_sessions=3)), host="127.0.0.1")
+        await server.start_server()
+        try:
+            async with connect(server.port) as tab:  # hello comes before any server is asked anything
+                return tab.texts[0]
+        finally:
+            await server.close()
+
+    hello = asyncio.run(scenario())
+    assert (hello["type"], hello["version"], hello["max_sessions"]) == ("hello", pp.PAGE_PROTOCOL_VERSION, 3)
+    assert hello["keys"] == sorted(protocol.KEYS)
+    assert hello["limits"] == {"max_upload_bytes": 2**20, "max_text_bytes": pp.MAX_TEXT_BYTES,
+                               "max_header_bytes": pp.MAX_HEADER_BYTES,
+                               "max_mouse_degrees": protocol.MAX_MOUSE_DEGREES, "max_revision": protocol.MAX_REVISION}
+    missing = error_codes_the_gateway_may_send() - set(hello["errors"])
+    assert not missing, f"codes the page may get that hello does not list: {sorted(missing)}"
+    assert all(isinstance(meaning, str) and meaning for meaning in hello["errors"].values())
+
+
+def test_the_play_page_takes_its_keys_limits_and_error_codes_from_hello() -> None:
+    js = (ROOT / "web" / "static" / "play.js").read_text()
+    assert not re.search(r"""["'`][wasdijkl]{4,}["'`]""", js), "a key list written in play.js"
+    assert "state.hello.keys" in js and "hello.errors" in js
+    for limit in ("max_mouse_degrees", "max_revision", "max_text_bytes", "max_upload_bytes", "max_header_bytes"):
+        assert f"limits.{limit}" in js or f".{limit}" in js, limit
+    assert not re.search(r"\b(360|2147483647|9000|8192|16384)\b", js), "a limit written in play.js"
+    worded = set(re.findall(r"^  (\w+): \(e\) =>", js, re.M))  # the page's own wording per code
+    assert worded and worded <= set(pm.ERROR_CODES), sorted(worded - set(pm.ERROR_CODES))
+
+
+@pytest.mark.parametrize("mouse", [(400.0, 0.0), (0.0, -361.0)])
+def test_a_bad_mouse_value_gets_the_same_words_from_the_gateway_and_from_rank_0(mouse: tuple[float, float]) -> None:
+    with pytest.raises(pp.PageError) as by_gateway:
+        pp.parse_text(json.dumps({"type": "state", "keys": ["w"], "mouse": list(mouse), "revision": 1}))
+    sent = Requests().control_state("s", input_state("w", 1, mouse=mouse))  # what the SDK puts on the wire
+    live = LiveControls()
+    with pytest.raises(ControlStateError) as by_rank_0:
+        live.update(protocol.decode(protocol.encode(sent), "client"))
+    assert by_gateway.value.message == by_rank_0.value.message and "within ±360 degrees" in by_rank_0.value.message
+    assert (by_gateway.value.code, by_rank_0.value.reason) == ("bad_message", "malformed")  # each side's code as before
+    assert live.revision == -1 and live.cut(0, 0) == protocol.ChunkControl()  # nothing changed
+
+
+def test_the_gateway_leaves_staleness_to_rank_0() -> None:
+    # the page's check is the shared one: an old revision passes it (rank 0 alone knows the last one it folded in)
+    old = pp.parse_text(json.dumps({"type": "state", "keys": ["w"], "revision": 0}))
+    assert isinstance(old, protocol.InputState) and old.revision == 0
+    live = LiveControls()
+    live.update(old)
+    with pytest.raises(ControlStateError, match="not newer than 0, the last one the server folded in") as stale:
+        live.update(pp.parse_text(json.dumps({"type": "state", "keys": ["s"], "revision": 0})))
+    assert stale.value.reason == "stale_revision"

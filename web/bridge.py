@@ -22,9 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +38,7 @@ from ipc.client import (
     UnknownSession,
     closed_summary,
 )
+from web import page_messages as pm
 from web import page_protocol as pp
 from web.chunks import ChunkView, Timeline, chrome_trace, read_chunk
 from web.playout import Playout, encode_frame
@@ -92,7 +91,6 @@ class Bridge:
         self.playout: Playout | None = None
         self.playing: ChunkView | None = None
         self.timeline: collections.deque[Timeline] = collections.deque(maxlen=TRACE_CHUNKS)
-        self.last_revision = -1
         self.watching = False  # the session is another tab's, watched read-only (``watch``)
         self.frames_sent = 0
         self.bytes_sent = 0
@@ -109,9 +107,9 @@ class Bridge:
         everything."""
         try:
             self._tasks.spawn(self._sender())
-            self.send({"type": "hello", "version": pp.PAGE_PROTOCOL_VERSION,
-                       "format": self.settings.frame_format, "limits": self.settings.limits.to_wire(),
-                       "max_sessions": self.slots.limit})
+            self.send(pm.Hello(version=pp.PAGE_PROTOCOL_VERSION, format=self.settings.frame_format,
+                               limits=pm.PageLimits(max_upload_bytes=self.settings.limits.max_upload_bytes),
+                               max_sessions=self.slots.limit))
             failure = await self._tasks.run(self._read())
             if failure is not None:
                 log.error("a task of this tab failed: closing it", exc_info=failure)
@@ -144,7 +142,7 @@ class Bridge:
             elif message.type == WSMsgType.ERROR:
                 log.info("websocket error: %s", self.ws.exception())
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: pm.PageMessage) -> None:
         """Queue a text message for the page (the sender writes it before any further frame)."""
         if self._tasks.stopping:  # the tab is over (its session's last words go nowhere)
             return
@@ -153,16 +151,11 @@ class Bridge:
             self._outbox.clear()
             self._tasks.spawn(self.ws.close(code=1008, message=b"the page stopped reading"))
             return
-        try:
-            text = json.dumps(message, allow_nan=False, default=_jsonable)
-        except ValueError:  # a NaN or infinity in a summary: JSON has none, the page reads null
-            text = json.dumps(_finite(message), allow_nan=False, default=_jsonable)
-        self._outbox.append(text)
+        self._outbox.append(pm.encode(message))
         self._wake.set()
 
     def error(self, code: str, message: str, retry_after_s: float | None = None, session: str | None = None) -> None:
-        self.send({"type": "error", "code": code, "message": message, "retry_after_s": retry_after_s,
-                   "session": session})
+        self.send(pm.Error(code=code, message=message, retry_after_s=retry_after_s, session=session))
 
     # ------------------------------------------------------------------------------------------ page messages
 
@@ -233,18 +226,17 @@ class Bridge:
             self.slots.release()
             raise
         # From here the slot is the session's: the page's close or the tab's teardown closes it and returns it.
-        self.session, self.last_revision, self.watching = info, -1, False
+        self.session, self.watching = info, False
         log.info("session %s opened", info.id)
         if self._tasks.stopping:  # the tab went away while the server opened it
             return
         self.playout, self.playing = Playout(info.fps), None
         self.timeline.clear()
         self._pump = self._tasks.spawn(self._chunk_pump(client, info))
-        self.send({"type": "opened", "session": info.id, "height": info.height, "width": info.width, "fps": info.fps,
-                   "frames_first_chunk": info.frames_first_chunk, "frames_per_chunk": info.frames_per_chunk,
-                   "num_chunks": info.num_chunks, "format": self.settings.frame_format,
-                   "watch_token": info.watch_token,  # the page's share link carries it
-                   "first_chunk": info.first_chunk, "restored": request.restore})
+        self.send(pm.Opened(session=info.id, height=info.height, width=info.width, fps=info.fps,
+                            frames_first_chunk=info.frames_first_chunk, frames_per_chunk=info.frames_per_chunk,
+                            num_chunks=info.num_chunks, format=self.settings.frame_format,
+                            watch_token=info.watch_token, first_chunk=info.first_chunk, restored=request.restore))
 
     async def _on_watch(self, request: pp.WatchRequest) -> None:
         """Watch another tab's session read-only (a share link): a slot of the gateway's limit, like a session."""
@@ -259,14 +251,13 @@ class Bridge:
                        getattr(error, "retry_after_s", None))
             return
         info = watch.info
-        self.session, self.last_revision, self.watching = info, -1, True
+        self.session, self.watching = info, True
         self.playout, self.playing = Playout(info.fps), None
         self.timeline.clear()
         self._pump = self._tasks.spawn(self._chunk_pump(client, info))
-        self.send({"type": "watching", "session": info.id, "height": info.height, "width": info.width,
-                   "fps": info.fps, "frames_first_chunk": info.frames_first_chunk,
-                   "frames_per_chunk": info.frames_per_chunk, "num_chunks": info.num_chunks,
-                   "format": self.settings.frame_format})
+        self.send(pm.Watching(session=info.id, height=info.height, width=info.width, fps=info.fps,
+                              frames_first_chunk=info.frames_first_chunk, frames_per_chunk=info.frames_per_chunk,
+                              num_chunks=info.num_chunks, format=self.settings.frame_format))
 
     def _on_state(self, state: pp.StateRequest) -> None:
         if self.session is None or self.client is None:
@@ -276,13 +267,8 @@ class Bridge:
             self.error("watch_only", "this tab watches another tab's session: only its player steers it",
                        session=self.session.id)
             return
-        if state.revision <= self.last_revision:
-            self.error("stale_revision", f"state revision {state.revision} is not newer than {self.last_revision}",
-                       session=self.session.id)
-            return
-        self.last_revision = state.revision
-        try:
-            self.client.control_state(self.session.id, state.keys, state.revision, mouse=state.mouse, taps=state.taps)
+        try:  # a stale revision is rank 0's to refuse: its error comes back through the error pump
+            self.client.control_state(self.session.id, state)
         except OutboxFull as error:  # the server is not taking input: the page hears it, its next state goes again
             self.error(error.code, error.message, session=self.session.id)
 
@@ -297,7 +283,7 @@ class Bridge:
             self.error(getattr(error, "code", "server_unreachable"), getattr(error, "message", str(error)),
                        getattr(error, "retry_after_s", None), session=info.id)
             return
-        self.send({"type": "prompt", "session": info.id, "revision": reply.revision, "chunk": reply.chunk})
+        self.send(pm.Prompt(session=info.id, revision=reply.revision, chunk=reply.chunk))
 
     async def _on_save(self) -> None:
         info, client = self.session, self.client
@@ -310,9 +296,9 @@ class Bridge:
             self.error(getattr(error, "code", "server_unreachable"), getattr(error, "message", str(error)),
                        getattr(error, "retry_after_s", None), session=info.id)
             return
-        self.send({"type": "saved", "session": info.id, "snapshot": snapshot.id, "chunk": snapshot.chunk,
-                   "bytes": snapshot.bytes, "files": snapshot.files, "pause_s": snapshot.pause_s,
-                   "write_s": snapshot.write_s, "wait_s": snapshot.wait_s})
+        self.send(pm.Saved(session=info.id, snapshot=snapshot.id, chunk=snapshot.chunk, bytes=snapshot.bytes,
+                           files=snapshot.files, pause_s=snapshot.pause_s, write_s=snapshot.write_s,
+                           wait_s=snapshot.wait_s))
 
     async def _on_stats(self) -> None:
         if self.client is None:
@@ -324,10 +310,10 @@ class Bridge:
             self.error(getattr(error, "code", "server_unreachable"), str(error))
             return
         session = stats.get("per_session", {}).get(self.session.id) if self.session else None
-        self.send({"type": "stats", "session": _brief(session) if session else None,
-                   "server": {k: stats.get(k) for k in ("open_sessions", "layout", "schedule", "dit_idle")},
-                   "gateway": {"sessions": self.slots.used, "max_sessions": self.slots.limit,
-                               "frames_sent": self.frames_sent, "bytes_sent": self.bytes_sent}})
+        self.send(pm.Stats(session=_brief(session) if session else None,
+                           server={k: stats.get(k) for k in ("open_sessions", "layout", "schedule", "dit_idle")},
+                           gateway={"sessions": self.slots.used, "max_sessions": self.slots.limit,
+                                    "frames_sent": self.frames_sent, "bytes_sent": self.bytes_sent}))
 
     async def _on_trace(self) -> None:
         if not self.timeline:
@@ -335,7 +321,7 @@ class Bridge:
             return
         chunks = list(self.timeline)
         trace = await asyncio.to_thread(chrome_trace, chunks)
-        self.send({"type": "trace", "session": chunks[-1].session, "trace": trace})
+        self.send(pm.Trace(session=chunks[-1].session, trace=trace))
 
     # ------------------------------------------------------------------------------------------ session
 
@@ -361,7 +347,7 @@ class Bridge:
             except SessionMigrated as moved:  # its replica died: the router resumed it from its snapshot elsewhere
                 assert self.playout is not None
                 self.playout.rewind()
-                self.send({"type": "migrated", "session": info.id, "chunk": moved.chunk, "replica": moved.replica})
+                self.send(pm.Migrated(session=info.id, chunk=moved.chunk, replica=moved.replica))
                 continue
             except ServerError:
                 continue  # the session's failure or the server's end: the error pump reports it, `closed` follows
@@ -372,13 +358,7 @@ class Bridge:
                 self.playout.rewind()  # chunks again after a migration whose notice a watcher's full feed dropped
             self.playout.push(view.index, int(view.frames.shape[0]), loop.time())
             self.playing = view
-            self.send({"type": "chunk", "session": info.id, "index": view.index, "frames": int(view.frames.shape[0]),
-                       "keys": list(view.keys), "mouse": list(view.mouse), "revision": view.revision,
-                       "prompt_revision": view.prompt_revision,
-                       "control_to_output_s": view.control_to_output_s,
-                       "steps": view.facts.steps, "steps_changed": view.facts.steps_changed,  # quality, for the HUD
-                       "gateway_input_to_photon_s": {str(r): s for r, s in view.gateway_input_to_photon_s.items()},
-                       "dropped": self.playout.dropped.to_wire(), "missed": chunk.missed})
+            self.send(view.message(self.playout.dropped))
 
     async def _close_session(self) -> None:
         """Close the open session on the server (page stop or tab gone), wait for its summary, return the slot."""
@@ -410,8 +390,8 @@ class Bridge:
             return
         self.session, self._pump = None, None  # the playout still shows what is left of the last chunk
         self.slots.release()
-        self.send({"type": "closed", "session": info.id, "reason": summary.get("reason"),
-                   "error": summary.get("error"), "summary": _brief(summary)})
+        self.send(pm.Closed(session=info.id, reason=summary.get("reason"), error=summary.get("error"),
+                            summary=_brief(summary)))
         log.info("session %s closed (%s)", info.id, summary.get("reason"))
 
     async def _error_pump(self, client: AsyncClient) -> None:
@@ -454,21 +434,3 @@ class Bridge:
 def _brief(summary: dict[str, Any]) -> dict[str, Any]:
     """A session summary without its per-chunk tail (the page has every chunk already)."""
     return {k: v for k, v in summary.items() if k != "recent_chunks"}
-
-
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, (set, frozenset, tuple)):
-        return list(value)
-    raise TypeError(f"{type(value).__name__} is not JSON")
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value

@@ -7,15 +7,17 @@ Page -> gateway:
   ends after the header (no image: the snapshot holds the state; one sent anyway is refused). The sizes
   are checked before anything is decoded: the whole message against ``Limits.max_upload_bytes`` (aiohttp's own
   ``max_msg_size`` refuses larger frames before they are read), the JSON header against ``MAX_HEADER_BYTES``.
-- **text** messages are JSON maps with a ``type``: ``state`` (the live input: ``keys`` held now, ``mouse`` motion
-  [yaw, pitch] degrees since the previous state, ``taps`` pressed and released since, ``revision`` strictly
-  increasing), ``prompt`` (a new prompt mid-session: ``prompt``), ``save`` (save the tab's session at its next
-  chunk boundary: answered ``saved``), ``close``, ``stats``, ``trace`` (the session's
-  Chrome trace), ``watch`` (``session``, ``token``: watch another tab's session read-only, from a share link;
+- **text** messages are JSON maps with a ``type``: ``state`` (the live input, ``protocol.InputState``, the shape
+  both SDKs send and rank 0 folds in: ``keys`` held now, ``mouse`` motion [yaw, pitch] degrees since the previous
+  state, ``taps`` pressed and released since, ``revision`` strictly increasing: rank 0 alone refuses a stale one,
+  the gateway forwards its ``stale_revision`` error), ``prompt`` (a new prompt mid-session: ``prompt``), ``save``
+  (save the tab's session at its next chunk boundary: answered ``saved``), ``close``, ``stats``, ``trace`` (the
+  session's Chrome trace), ``watch`` (``session``, ``token``: watch another tab's session read-only, from a share link;
   ``close`` ends the watch). Each is at most ``MAX_TEXT_BYTES``.
 
-Gateway -> page:
-- **text** JSON maps: ``hello`` (limits, frame format), ``opened`` (with the ``watch_token`` a share link carries,
+Gateway -> page (typed in ``web.page_messages``):
+- **text** JSON maps: ``hello`` (frame format, the limits, the key names, the error codes the page may see),
+  ``opened`` (with the ``watch_token`` a share link carries,
   ``first_chunk``: a restored session's first chunk index, its snapshot's chunk, else 0, and ``restored``: the
   snapshot id or null), ``saved`` (``snapshot``: the id a fork opens with, ``chunk``: the boundary, ``bytes``,
   ``files``, ``pause_s``, ``write_s``, ``wait_s``: what the save cost),
@@ -27,22 +29,21 @@ Gateway -> page:
   sent (``playout``); the header names the chunk, the frame in it and the input revision the chunk applied, so the
   page times input-to-photon on its own clock.
 
-Every page message is validated here (types by msgspec, then ranges) and a bad one raises ``PageError`` naming
-the problem; the bridge answers it with an ``error`` and changes nothing.
+Every page message is validated here (types by msgspec, then ranges; a state by ``protocol.check_input_state``,
+the check rank 0 runs for every client) and a bad one raises ``PageError`` naming the problem; the bridge answers
+it with an ``error`` and changes nothing.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import struct
 from dataclasses import dataclass
 from typing import Annotated, Any, Union
 
 import msgspec
 
-from ipc.protocol import clip
-from models.controls import KEYS, MAX_MOUSE_DEGREES
+from ipc.protocol import InputState, InputStateError, check_input_state, clip
 from runtime.snapshots import ID_PATTERN
 
 PAGE_PROTOCOL_VERSION = 1
@@ -53,7 +54,6 @@ MAX_HEADER_BYTES = 8192  # the open header: a prompt of the server's 2000 charac
 MAX_EXACT = 2**53 - 1  # JavaScript's largest exact integer: a number the page shows is the number the server uses
 MAX_SEED = MAX_EXACT
 MAX_NUM_CHUNKS = MAX_EXACT  # the server then holds it to its own server.max_chunks (its error names the field)
-MAX_REVISION = 2**31 - 1  # the frame header's int32 (the page counts up from 1: 2^31 states is a year at 60 a second)
 MIN_UPLOAD_BYTES = 64 * 1024  # the smallest upload limit a gateway starts with (a start image must fit)
 
 FRAME_HEADER = struct.Struct("<BBHIHHi")  # kind, format, header length, chunk, frame, frames in chunk, revision
@@ -83,9 +83,6 @@ class Limits:
             raise ValueError(f"the upload limit must be at least {MIN_UPLOAD_BYTES} bytes "
                              f"({MIN_UPLOAD_BYTES / 2**20:g} MiB), got {self.max_upload_bytes}")
 
-    def to_wire(self) -> dict[str, int]:
-        return {"max_upload_bytes": self.max_upload_bytes, "max_text_bytes": MAX_TEXT_BYTES}
-
 
 class _PageMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type"):
     pass
@@ -100,11 +97,8 @@ class OpenRequest(_PageMsg, tag="open"):
     restore: str | None = None  # a snapshot id (``saved``): the session starts from it, no image is sent
 
 
-class StateRequest(_PageMsg, tag="state"):
-    keys: list[str]
-    revision: int
-    mouse: tuple[float, float] = (0.0, 0.0)
-    taps: list[str] = []
+class StateRequest(InputState, _PageMsg, tag="state"):
+    """The live input (``protocol.InputState``) as the page sends it: the gateway forwards it as it is."""
 
 
 class PromptRequest(_PageMsg, tag="prompt"):
@@ -158,15 +152,12 @@ def parse_text(data: str) -> (StateRequest | CloseRequest | StatsRequest | Trace
 
 
 def check_state(state: StateRequest) -> None:
-    for name, keys in (("keys", state.keys), ("taps", state.taps)):
-        unknown = sorted(set(keys) - KEYS)
-        if unknown:
-            raise PageError("unknown_keys", f"state.{name}: unknown keys {unknown}; valid {''.join(sorted(KEYS))}")
-    for axis, value in zip(("yaw", "pitch"), state.mouse):
-        if not math.isfinite(value) or abs(value) > MAX_MOUSE_DEGREES:
-            raise PageError("bad_message", f"state.mouse {axis} must be finite and within ±{MAX_MOUSE_DEGREES:g} "
-                                           f"degrees, got {value!r}")
-    check_range("state.revision", state.revision, 0, MAX_REVISION, code="bad_message")
+    """Rank 0's check of a live input, run here too so a bad one costs no round trip; its refusal is the same
+    words under the page protocol's code (``malformed`` is a page's ``bad_message``). Staleness is rank 0's."""
+    try:
+        check_input_state(state)
+    except InputStateError as error:
+        raise PageError("bad_message" if error.reason == "malformed" else error.reason, error.message) from None
 
 
 def check_range(name: str, value: int, low: int, high: int, code: str = "bad_request") -> None:

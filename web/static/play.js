@@ -2,7 +2,7 @@
 // No build step: plain browser JavaScript. `window.worldstream` holds what the HUD shows (tests read it too).
 "use strict";
 
-const KEYS = new Set("wasdijkl");
+// The key names, the limits and the error codes come from the gateway's `hello` (state.hello): none is written here.
 const MOUSE_DEG_PER_PX = 0.15; // mouse look sensitivity: degrees of yaw/pitch per pixel of motion
 const FRAME_HEADER_BYTES = 16; // kind u8, format u8, header u16, chunk u32, frame u16, frames u16, revision i32
 const MIME = { 1: "image/jpeg", 2: "image/webp" };
@@ -68,7 +68,10 @@ function send(message) {
 function onText(message) {
   switch (message.type) {
     case "hello":
-      state.hello = message;
+      state.hello = message; // keys, limits, errors: what this page must not hard-code
+      for (const code of Object.keys(ERRORS)) { // wording for a code the gateway never sends is a stale page
+        if (!(code in message.errors)) console.warn(`the gateway sends no error code ${code}`);
+      }
       if (shared && !state.session) send({ type: "watch", ...shared }); // a share link: watch, read-only
       else if (forkOf && !state.session) fork(forkOf);
       break;
@@ -162,7 +165,11 @@ function fork(snapshot) {
 }
 
 function setPrompt() {
-  if (state.session) send({ type: "prompt", prompt: $("prompt").value });
+  if (!state.session) return;
+  const text = JSON.stringify({ type: "prompt", prompt: $("prompt").value });
+  const size = new TextEncoder().encode(text).length, limit = state.hello.limits.max_text_bytes;
+  if (size > limit) return showBanner(`This prompt is ${size} bytes as sent; the gateway takes up to ${limit}.`);
+  if (ws && ws.readyState === WebSocket.OPEN) ws.send(text);
 }
 
 function onClosed(message) {
@@ -199,7 +206,8 @@ function onError(error) {
     state.busyTries++;
     return retryLater(error, error.retry_after_s);
   }
-  const text = (ERRORS[error.code] || ((e) => `${e.code}: ${e.message}`))(error);
+  const meaning = state.hello && state.hello.errors[error.code]; // the gateway's words for a code without ours
+  const text = (ERRORS[error.code] || ((e) => `${meaning || e.code}: ${e.message}`))(error);
   showBanner(text);
 }
 
@@ -293,9 +301,12 @@ const input = {
   flush(force = false) {
     const moved = this.mouse[0] !== 0 || this.mouse[1] !== 0;
     if (!state.session || state.watching || (!force && !moved && this.taps.size === 0)) return;
+    const limits = state.hello.limits;
+    if (this.revision >= limits.max_revision) return showBanner("This tab sent all the input it may: reload it.");
     const revision = ++this.revision;
+    const turn = limits.max_mouse_degrees; // one state's motion on each axis
     const message = { type: "state", keys: [...this.held].sort(), taps: [...this.taps].sort(),
-                      mouse: this.mouse.map((v) => Math.max(-360, Math.min(360, v))), revision };
+                      mouse: this.mouse.map((v) => Math.max(-turn, Math.min(turn, v))), revision };
     this.taps.clear();
     this.mouse = [0, 0];
     this.mouseSent = this.mouseSent.map((v, i) => v + message.mouse[i]);
@@ -309,7 +320,8 @@ state.input = input;
 
 function keyOf(event) {
   const key = event.key.length === 1 ? event.key.toLowerCase() : "";
-  return KEYS.has(key) && !event.ctrlKey && !event.metaKey && !event.altKey ? key : null;
+  const keys = state.hello ? state.hello.keys : []; // the model's key names, from the gateway
+  return keys.includes(key) && !event.ctrlKey && !event.metaKey && !event.altKey ? key : null;
 }
 
 function typing(event) {
@@ -379,7 +391,9 @@ function inputLoop() {
 let image = null; // {bytes: ArrayBuffer, name}
 
 async function useFile(file) {
-  const limit = state.hello ? state.hello.limits.max_upload_bytes - 16384 : 8 * 1024 * 1024;
+  // the open message holds the image, its JSON header and the header's length (before hello: the gateway checks)
+  const limits = state.hello && state.hello.limits;
+  const limit = limits ? limits.max_upload_bytes - 4 - limits.max_header_bytes : Infinity;
   if (!["image/png", "image/jpeg"].includes(file.type)) return showBanner(`${file.name}: use a PNG or JPEG image.`);
   if (file.size > limit) return showBanner(`${file.name} is ${(file.size / 2 ** 20).toFixed(1)} MiB; the gateway ` +
     `takes up to ${(limit / 2 ** 20).toFixed(1)} MiB.`);
