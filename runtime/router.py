@@ -903,8 +903,12 @@ class RouterCore:
 
 def fold(a: protocol.ControlState, b: protocol.ControlState) -> protocol.ControlState:
     """Two live inputs of a session as one, as the server folds them: the later one's held keys and revision (and
-    request id), the mouse motion of both, the taps of both."""
+    request id), the mouse motion of both (held to one state's limit, as the server clamps a cut's turn: a fold
+    must not make two valid states one the server refuses), the taps of both, the later steps request given."""
     older, newer = (a, b) if a.revision <= b.revision else (b, a)
     taps = list(dict.fromkeys([*older.taps, *newer.taps]))[:16]
-    mouse = (older.mouse[0] + newer.mouse[0], older.mouse[1] + newer.mouse[1])
-    return msgspec.structs.replace(newer, mouse=mouse, taps=taps)
+    limit = protocol.MAX_MOUSE_DEGREES
+    mouse = (max(-limit, min(limit, older.mouse[0] + newer.mouse[0])),
+             max(-limit, min(limit, older.mouse[1] + newer.mouse[1])))
+    steps = newer.steps if newer.steps is not None else older.steps
+    return msgspec.structs.replace(newer, mouse=mouse, taps=taps, steps=steps)

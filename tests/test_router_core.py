@@ -16,7 +16,7 @@ from runtime.clients import MAX_PEERS
 from runtime.config import ConfigError
 from runtime.core_types import ClientError
 from runtime.replicas import IllegalTransition, Replica, State
-from runtime.router import MAX_REASONS, RouterCore
+from runtime.router import MAX_REASONS, RouterCore, fold
 from runtime.router_config import ReplicaEntry, RouterSection, load
 from runtime.router_types import (
     ChunkHead,
@@ -670,3 +670,15 @@ def test_a_new_session_goes_to_the_replica_with_the_most_real_time_headroom_less
     fleet.client(A, p.Open(req=2, image=b"png"))  # b (0.4) still before a (0.3), whatever the session counts
     fleet.client(A, p.Open(req=3, image=b"png"))  # b would be at 0.2 now: a
     assert (fleet.core.replicas["a"].opening, fleet.core.replicas["b"].opening) == (1, 2)
+
+
+def test_a_fold_of_two_valid_live_inputs_is_one_the_server_accepts_and_keeps_the_steps_asked() -> None:
+    """Two states folded at a full replica link: motion summed but held to one state's limit (the server refuses
+    a single state beyond it), taps of both, the later keys and revision, a steps request not lost."""
+    turn = p.MAX_MOUSE_DEGREES - 60
+    first = p.ControlState(req=1, session="s", keys=["w"], mouse=(turn, -turn), taps=["a"], revision=3, steps=2)
+    second = p.ControlState(req=2, session="s", keys=["d"], mouse=(turn, -turn), taps=["j"], revision=4)
+    folded = fold(first, second)
+    p.check_input_state(folded)  # would raise "mouse yaw must be finite and within ±360" unclamped
+    assert folded.mouse == (p.MAX_MOUSE_DEGREES, -p.MAX_MOUSE_DEGREES)
+    assert (folded.keys, folded.taps, folded.revision, folded.req, folded.steps) == (["d"], ["a", "j"], 4, 2, 2)
