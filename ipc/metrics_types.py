@@ -185,6 +185,10 @@ class WarmUpStages(_Metric):
     denoise: WarmUpStage = field(default_factory=WarmUpStage)
     decode: WarmUpStage = field(default_factory=WarmUpStage)
 
+    def by_stage(self) -> dict[str, WarmUpStage]:
+        """Each stage's warm-up, by the stage's name."""
+        return msgspec.structs.asdict(self)
+
 
 class SeatStats(_Metric):
     """A session's seat in the capacity model (``runtime.capacity``)."""

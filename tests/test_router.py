@@ -66,7 +66,7 @@ class Fleet:
 
     def states(self) -> dict[str, str]:
         with Client(self.router.endpoint, timeout_s=10) as client:
-            return {name: r["state"] for name, r in client.stats()["replicas"].items()}
+            return {name: r.state for name, r in client.stats().replicas.items()}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def unaddressed(text: str) -> str:
 
 
 def replica_of(client: Client, session: str) -> str:
-    return client.stats()["per_session"][session]["replica"]
+    return client.stats().per_session[session].replica
 
 
 def stream(client: Client, session: str, chunks: int, keys: str = "w") -> list[int]:
@@ -189,20 +189,20 @@ def test_router_stats_list_each_replica_and_sum_them(fleet: Fleet) -> None:
     with Client(fleet.router.endpoint) as client:
         info = client.open(IMAGE, num_chunks=3)
         stats = client.stats()
-        assert set(stats["per_session"]) == {info.id}  # only this client's sessions
-        replica = stats["per_session"][info.id]["replica"]
+        assert set(stats.per_session) == {info.id}  # only this client's sessions
+        replica = stats.per_session[info.id].replica
         assert stream(client, info.id, 3) == [0, 1, 2]
         time.sleep(1.2)  # two stats intervals: every replica's counters are fresh
         stats = client.stats()
-    replicas = stats["replicas"]
-    assert set(replicas) == {"a", "b"} and {r["state"] for r in replicas.values()} == {"up"}
-    assert replicas["a"]["source"] == "config" and replicas["b"]["source"] == "registered"
-    assert replicas["b"]["layout"] == "cpu-mini" and replicas["b"]["max_sessions"] == MAX_SESSIONS
-    assert replicas[replica]["stats"]["chunks_emitted"] >= 3
-    total = stats["total"]
-    assert total["chunks_emitted"] == sum(r["stats"]["chunks_emitted"] for r in replicas.values()) > 0
-    assert total["max_sessions"] == 2 * MAX_SESSIONS and total["replicas_up"] == 2
-    assert stats["router"]["chunks_forwarded"] >= 3 and stats["router"]["client_messages"] >= 5
+    replicas = stats.replicas
+    assert set(replicas) == {"a", "b"} and {r.state for r in replicas.values()} == {"up"}
+    assert replicas["a"].source == "config" and replicas["b"].source == "registered"
+    assert replicas["b"].layout == "cpu-mini" and replicas["b"].max_sessions == MAX_SESSIONS
+    assert replicas[replica].stats["chunks_emitted"] >= 3
+    total = stats.total
+    assert total.chunks_emitted == sum(r.stats["chunks_emitted"] for r in replicas.values()) > 0
+    assert total.max_sessions == 2 * MAX_SESSIONS and total.replicas_up == 2
+    assert stats.router.chunks_forwarded >= 3 and stats.router.client_messages >= 5
     json.dumps(stats)  # plain JSON all the way down
 
 
@@ -250,7 +250,7 @@ def test_a_killed_replica_ends_only_its_sessions_and_rejoins_after_restart(fleet
         for t in threads:
             t.join(timeout=60)
         for s in kept:
-            assert s.error is None and s.summary is not None and s.summary["reason"] == "client"
+            assert s.error is None and s.summary is not None and s.summary.reason == "client"
             assert [i for i, _ in s.chunks] == list(range(len(s.chunks)))
         print(f"\nfailover: kill -> clients told {told_s:.2f} s, kill -> new session on the survivor "
               f"{new_session_s:.2f} s, restarted replica serving -> rejoined {rejoin_s:.2f} s "

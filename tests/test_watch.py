@@ -115,7 +115,7 @@ def test_a_watcher_that_stops_reading_drops_its_oldest_chunks_and_slows_no_one(s
     slow.close()
     assert [c.index for c in played] == list(range(chunks))  # the player got every chunk
     assert [c.index for c in seen] == list(range(chunks)) and watch.missed == 0  # so did the reading watcher
-    assert summary["reason"] == "complete"
+    assert summary.reason == "complete"
     indices = [m.facts.index for m in got if isinstance(m, protocol.Chunk)]
     missed = [m for m in got if isinstance(m, protocol.Missed)]
     assert missed and missed[-1].total == sum(m.chunks for m in missed) == chunks - len(indices)
@@ -123,11 +123,11 @@ def test_a_watcher_that_stops_reading_drops_its_oldest_chunks_and_slows_no_one(s
     assert isinstance(got[-1], protocol.Closed) and got[-1].reason == "complete"
     with Client(server.endpoint) as reader:  # the server counts them (its shell reports once a heartbeat)
         deadline = time.monotonic() + 10
-        while reader.stats()["watch_dropped"] < missed[-1].total:
+        while reader.stats().watch_dropped < missed[-1].total:
             assert time.monotonic() < deadline, "the drops never reached the server's stats"
             time.sleep(0.1)
-    period = summary["chunk_period_s"]
-    print(f"player chunk period p50 {period['p50']:.4f} s p90 {period['p90']:.4f} s; slow watcher got "
+    period = summary.chunk_period_s
+    print(f"player chunk period p50 {period.p50:.4f} s p90 {period.p90:.4f} s; slow watcher got "
           f"{len(indices)} of {chunks} chunks, {missed[-1].total} dropped")
 
 
@@ -154,7 +154,7 @@ def test_watchers_beyond_max_watchers_are_refused_busy(server: LocalServer) -> N
             refused = answers[-1]
             assert isinstance(refused, protocol.Error) and refused.code == "busy"
             assert f"limit of {MAX_WATCHERS} watchers" in refused.message and refused.retry_after_s
-            assert owner.stats()["watchers"] >= MAX_WATCHERS
+            assert owner.stats().watchers >= MAX_WATCHERS
             owner.close(info.id)
         for w in watchers[:-1]:
             assert isinstance(w.read_until_closed()[-1], protocol.Closed)
