@@ -52,7 +52,7 @@ class WarmStart:
                    for stage in Stage for rank in self.placement.ranks_of(stage))
 
     def seconds(self, stage: Stage) -> float:
-        return max((sum(r.seconds for r in self.runs.get((stage.value, rank), []))
+        return max((sum((r.seconds for r in self.runs.get((stage.value, rank), [])), 0.0)
                     for rank in self.placement.ranks_of(stage)), default=0.0)
 
     def stages(self) -> WarmUpStages:

@@ -66,14 +66,14 @@ class Job:
 
     def __init__(self, stream: dict[str, Any] | None = None, server: dict[str, Any] | None = None,
                  timeouts: dict[str, Any] | None = None, scheduler: dict[str, Any] | None = None,
-                 model_max_chunks: int | None = None) -> None:  # fmt: skip
+                 model_max_chunks: int | None = None, observers: tuple[Any, ...] = ()) -> None:  # fmt: skip
         stream_config = StreamConfig(**(stream or {}))
         geometry = synthetic_geometry(stream_config.height, stream_config.width, stream_config.chunk_latent_frames)
         self.core = CoordinatorCore(
             LayoutConfig(), ServerConfig(**{"max_sessions": 4, **(server or {})}), stream_config,
             SchedulerConfig(**(scheduler or {})), TimeoutsConfig(**(timeouts or {})), MetricsConfig(warmup_chunks=0),
             dataclasses.replace(geometry, max_chunks=model_max_chunks), 0.0,
-            new_id=(f"s{i}" for i in itertools.count()).__next__)
+            new_id=(f"s{i}" for i in itertools.count()).__next__, observers=observers)
         self.now = 0.0
         self.tasks: list[tuple[bytes, p.WorkerTask]] = []  # sent, not yet answered
         self.log: list[Output] = []
@@ -628,6 +628,53 @@ def test_two_sessions_share_the_ranks_and_each_gets_its_chunks_in_order() -> Non
         assert [c.reason for c in job.to(who, p.Closed)] == ["complete"]
     denoised = [t.session for who, t in job.sent(p.DenoiseChunk) if who == b"2:denoise"]
     assert denoised.index(sids[B]) < len(denoised) - 1 - denoised[::-1].index(sids[A])  # interleaved on the DiT
+
+
+class Recorder:
+    """A metrics observer that writes down every event it hears (``runtime.metrics.MetricsObserver``)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+
+    def on_open(self, session: str, now: float) -> None:
+        self.events.append(("open", session))
+
+    def on_chunk(self, session: str, facts: p.ChunkFacts, memory: Any) -> None:
+        self.events.append(("chunk", session, facts))
+
+    def on_idle(self, start: float, end: float, cause: str, blocked: tuple[tuple[str, str], ...]) -> None:
+        self.events.append(("idle", cause, blocked))
+
+    def on_reject(self, reason: str) -> None:
+        self.events.append(("reject", reason))
+
+    def on_error(self, kind: str) -> None:
+        self.events.append(("error", kind))
+
+    def on_close(self, session: str, now: float) -> None:
+        self.events.append(("close", session))
+
+    def on_gauges(self, open_sessions: int, memory: Any) -> None:
+        self.events.append(("gauges", open_sessions))
+
+
+def test_every_metrics_observer_hears_each_event_once_as_the_server_metrics_do() -> None:
+    recorder = Recorder()
+    job = Job(observers=(recorder,))
+    sid = job.open(num_chunks=2)
+    job.send(A, p.Control(req=next(job.req), session="nope", index=0))  # refused: unknown session
+    job.play({A: sid}, chunks=2)
+    job.step(Tick(), dt=job.core.timeouts.heartbeat_s)
+    kinds = [e[0] for e in recorder.events]
+    assert kinds.count("open") == 1 and kinds.count("close") == 1 and kinds.index("open") < kinds.index("close")
+    chunks = [e[2] for e in recorder.events if e[0] == "chunk"]
+    assert chunks == [e.facts for e in job.emitted(sid)]  # the very facts the client got, each once
+    assert kinds.index("close") > max(i for i, k in enumerate(kinds) if k == "chunk")
+    assert [e[1] for e in recorder.events if e[0] == "reject"] == list(job.core.server_metrics.rejects.counts)
+    idle = [e for e in recorder.events if e[0] == "idle"]
+    server = job.core.server_metrics
+    assert len(idle) == sum(server.idle.count.values()) > 0 and ("gauges", 0) in recorder.events
+    assert server.chunks_emitted == len(chunks) and server.sessions_total == 1 and not server.sessions
 
 
 def test_stats_report_sessions_ranks_and_the_layout() -> None:
