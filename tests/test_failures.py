@@ -79,7 +79,7 @@ def test_a_failure_preparing_a_chunk_on_one_dit_rank_fails_only_its_session_and_
     assert summary.reason == "failed", summary
     assert "rank 3 could not prepare the chunk" in summary.error and "injected failure preparing" in summary.error
     assert received in ([], [0], [0, 1])  # in order, and nothing from chunk 2 on (those in flight are dropped)
-    assert results["good twin"][0] == list(range(8)) and results["good twin"][2]["reason"] == "complete"
+    assert results["good twin"][0] == list(range(8)) and results["good twin"][2].reason == "complete"
     assert sorted(summary.released["denoise"]) == [2, 3, 4, 5, 6]  # every DiT rank released its caches
     assert concurrent(server.endpoint, ["after a prepare failure"], chunks=4)["after a prepare failure"][0] == \
         [0, 1, 2, 3]

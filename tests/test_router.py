@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 import pytest
@@ -24,6 +23,7 @@ import zmq
 
 from ipc import protocol
 from ipc.client import Busy, Client, ServerError, ServerGone
+from ipc.metrics_types import SessionSummary
 from scripts.local_router import LocalRouter, Streamer
 from scripts.local_server import ROOT, LocalServer
 
@@ -117,7 +117,7 @@ def test_sessions_spread_over_both_replicas_arrive_in_order_and_a_full_fleet_ans
             clients[-1].open(IMAGE, num_chunks=5)
         assert refused.value.retry_after_s == 5.0 and f"a {MAX_SESSIONS}/{MAX_SESSIONS}" in refused.value.message
         results: dict[int, list[int]] = {}
-        summaries: dict[int, dict[str, Any]] = {}
+        summaries: dict[int, SessionSummary] = {}
 
         def run(n: int) -> None:
             results[n] = stream(clients[n], sessions[n].id, 5, keys="wasd"[n % 4])
@@ -129,7 +129,7 @@ def test_sessions_spread_over_both_replicas_arrive_in_order_and_a_full_fleet_ans
         for t in threads:
             t.join(timeout=120)
         assert results == {n: [0, 1, 2, 3, 4] for n in range(len(sessions))}
-        assert all(s["reason"] == "complete" and s["chunks"] == 5 for s in summaries.values())
+        assert all(s.reason == "complete" and s.chunks == 5 for s in summaries.values())
         assert len({s.id for s in sessions}) == len(sessions)  # unique across replicas
     finally:
         for c in clients:

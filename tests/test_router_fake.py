@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from ipc.client import Busy, Client
+from ipc.metrics_types import ReplicaView
 from ranks.registration import server_id
 from scripts.local_router import LocalRouter
 from tests.fake_replica import FakeReplica, register, sane_stats
@@ -49,7 +50,7 @@ def test_a_registration_at_the_routers_own_endpoint_is_refused_and_stats_stay_re
             Client(router.endpoint, timeout_s=10) as client:
         wait_for("a up", lambda: replicas(client)["a"].state == "up", 10)
         assert register(router.register_endpoint, "loop", router.endpoint, "x").ok  # not known yet to be itself
-        wait_for("the loop seen", lambda: "router itself" in (replicas(client).get("loop", {}).get("down_reason")
+        wait_for("the loop seen", lambda: "router itself" in (replicas(client).get("loop", ReplicaView()).down_reason
                                                                 or ""), 10)
         time.sleep(10 * 0.2)  # ten stats intervals: nothing nests, every client still reads its stats
         stats = client.stats()
@@ -83,7 +84,7 @@ def test_hostile_stats_mark_their_replica_down_and_never_kill_the_router(fake: F
                 time.sleep(5 * 0.2)  # several stats intervals
                 assert router.process is not None and router.process.poll() is None, (what, router.log())
                 shown = replicas(client)  # every client still reads its stats
-                assert shown["b"]["state"] == "up" and shown["a"]["state"] == "down", what
+                assert shown["b"].state == "up" and shown["a"].state == "down", what
                 assert "unusable stats" in shown["a"].down_reason, what
                 session = client.open(b"png", num_chunks=4)
                 assert client.stats().per_session[session.id].replica == "b" and alive(client, session.id)
@@ -114,7 +115,7 @@ def test_a_restarted_replica_takes_sessions_only_once_registered_and_its_registr
     old = FakeReplica("server-one")
     with LocalRouter([], FAST, register_port=free_port()) as router, Client(router.endpoint, timeout_s=10) as client:
         assert register(router.register_endpoint, "r", old.endpoint, "server-one").ok
-        wait_for("r up", lambda: replicas(client).get("r", {}).get("state") == "up", 10)
+        wait_for("r up", lambda: replicas(client).get("r", ReplicaView()).state == "up", 10)
         client.open(b"png", num_chunks=4)
         old.stop()  # the job dies; Slurm requeues it at the same endpoint
         new = FakeReplica("server-two", port=old.port)

@@ -103,8 +103,8 @@ def test_the_router_refuses_bad_tokens_extra_watchers_and_a_watchers_controls(ro
             w1.control(info.id, 0, keys="w")
         with pytest.raises(WatchOnly):
             w1.close(info.id, timeout_s=5)
-        assert w1.unwatch(info.id)["reason"] == "unwatched"
+        assert w1.unwatch(info.id).reason == "unwatched"
         w3.watch(info.id, info.watch_token)  # a seat freed
         play(owner, info.id, 2)
-        assert owner.close(info.id)["reason"] == "client"
+        assert owner.close(info.id).reason == "client"
         assert [c.index for c in second] == [0, 1] and second.info.id == first.info.id

@@ -88,7 +88,7 @@ def test_a_watcher_gets_the_players_frames_bit_for_bit_from_the_chunk_after_it_s
         assert (watch.info.id, watch.info.height, watch.info.width) == (info.id, info.height, info.width)
         after = play(owner, info.id, range(3, 8))
         seen = list(watch)
-        assert owner.wait_closed(info.id)["reason"] == "complete"
+        assert owner.wait_closed(info.id).reason == "complete"
     assert [c.index for c in before + after] == list(range(8))
     assert [c.index for c in seen] == list(range(3, 8)) and watch.missed == 0
     for mine, theirs in zip(after, seen, strict=True):
@@ -173,11 +173,11 @@ def test_a_watcher_cannot_control_or_close_the_session_and_can_unwatch(server: L
             watcher.close(info.id, timeout_s=5)
         play(owner, info.id, range(2))
         assert next(watch).index == 0
-        assert watcher.unwatch(info.id)["reason"] == "unwatched"
+        assert watcher.unwatch(info.id).reason == "unwatched"
         with pytest.raises(UnknownSession):
             watcher.unwatch(info.id)
         play(owner, info.id, range(2, 4))  # it streams on for its owner
-        assert owner.wait_closed(info.id)["reason"] == "complete"
+        assert owner.wait_closed(info.id).reason == "complete"
 
 
 def test_the_async_client_watches_a_session(server: LocalServer) -> None:
