@@ -203,7 +203,7 @@ def test_router_stats_list_each_replica_and_sum_them(fleet: Fleet) -> None:
     assert total.chunks_emitted == sum(r.stats["chunks_emitted"] for r in replicas.values()) > 0
     assert total.max_sessions == 2 * MAX_SESSIONS and total.replicas_up == 2
     assert stats.router.chunks_forwarded >= 3 and stats.router.client_messages >= 5
-    json.dumps(stats)  # plain JSON all the way down
+    json.dumps(protocol.to_builtins(stats))  # plain JSON all the way down
 
 
 def test_a_killed_replica_ends_only_its_sessions_and_rejoins_after_restart(fleet: Fleet) -> None:
