@@ -51,6 +51,7 @@ from ipc.client import (
     session_info,
     snapshot_of,
 )
+from ipc.metrics_types import ServerStats, SessionSummary
 
 
 class AsyncClient:
@@ -154,11 +155,11 @@ class AsyncClient:
         """A new prompt mid-stream: its revision and first chunk once encoded; see ``Client.set_prompt``."""
         return await self._request(self._requests.set_prompt(session, prompt))
 
-    async def close(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
+    async def close(self, session: str, timeout_s: float | None = None) -> SessionSummary:
         """Ask the server to close the session; its summary once closed (``UnknownSession`` if it is not held)."""
         return await self._until_closed(self._requests.close(session), session, timeout_s, "closing")
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> ServerStats:
         return (await self._request(self._requests.stats())).stats
 
     async def watch(self, session: str, token: str, timeout_s: float | None = None) -> AsyncWatch:
@@ -168,13 +169,13 @@ class AsyncClient:
         reply = await self._request(self._requests.watch(session, token))
         return AsyncWatch(session_info(reply), self.chunks(session, timeout_s))
 
-    async def unwatch(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
+    async def unwatch(self, session: str, timeout_s: float | None = None) -> SessionSummary:
         """Stop watching; see ``Client.unwatch``."""
         self._session(session).closed = None  # the closed that ends this watch, not an earlier one
         return await self._until_closed(self._requests.unwatch(session), session, timeout_s)
 
     async def _until_closed(self, message: protocol.Close | protocol.Unwatch, session: str, timeout_s: float | None,
-                            fine: str | None = None) -> dict[str, Any]:  # fmt: skip
+                            fine: str | None = None) -> SessionSummary:  # fmt: skip
         """Send ``message`` and return the session's summary once its ``closed`` comes; an error answering the
         request raises, except code ``fine`` (``closing``: the session was closing already, its closed follows)."""
         refused = self._ask(message)
@@ -229,7 +230,7 @@ class AsyncClient:
             except SessionClosed:
                 return
 
-    async def wait_closed(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
+    async def wait_closed(self, session: str, timeout_s: float | None = None) -> SessionSummary:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
             remaining = deadline - time.monotonic()

@@ -44,10 +44,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+import msgspec
 import numpy as np
 import zmq
 
 from ipc import protocol, tolerant
+from ipc.metrics_types import ServerStats, SessionSummary
 
 KEEP_REVISIONS = 1024  # sent-but-not-yet-shown revisions remembered per session for input-to-photon (bounded)
 KEEP_QUIET_REQS = 4096  # fire-and-forget request ids remembered, so their errors do not end a chunk stream
@@ -199,9 +201,11 @@ class SessionClosed(Exception):
         self.closed = closed
 
 
-def closed_summary(closed: protocol.Closed) -> dict[str, Any]:
-    """A session's closing summary with its reason and error folded in (what ``wait_closed`` returns)."""
-    return {**closed.summary, "reason": closed.reason, "error": closed.error}
+def closed_summary(closed: protocol.Closed) -> SessionSummary:
+    """A session's closing summary with its reason and error folded in (what ``wait_closed`` returns); a closed
+    without a summary of its own (a watcher's) gives an empty one."""
+    summary = closed.summary if isinstance(closed.summary, SessionSummary) else SessionSummary()
+    return msgspec.structs.replace(summary, reason=closed.reason, error=closed.error)
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -766,7 +770,7 @@ class Client:
         ``prompt_failed``): the session then goes on with its current prompt."""
         return self._wait(self._ask(self._requests.set_prompt(session, prompt)), self.timeout_s)
 
-    def close(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
+    def close(self, session: str, timeout_s: float | None = None) -> SessionSummary:
         """Ask the server to close the session; returns its summary once closed (``UnknownSession`` if the
         server no longer holds it)."""
         message = self._requests.close(session)
@@ -775,7 +779,7 @@ class Client:
         finally:
             self._core.forget(message.req)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ServerStats:
         return self._wait(self._ask(self._requests.stats()), self.timeout_s).stats
 
     def watch(self, session: str, token: str, timeout_s: float | None = None) -> Watch:
@@ -789,7 +793,7 @@ class Client:
         reply = self._wait(self._ask(self._requests.watch(session, token)), self.timeout_s)
         return Watch(session_info(reply), self.chunks(session, timeout_s))
 
-    def unwatch(self, session: str, timeout_s: float | None = None) -> dict[str, Any]:
+    def unwatch(self, session: str, timeout_s: float | None = None) -> SessionSummary:
         """Stop watching; returns once the stream ended (its ``closed``, reason "unwatched")."""
         message = self._requests.unwatch(session)
         self._session(session).closed = None  # the closed that ends this watch, not an earlier one
@@ -842,7 +846,7 @@ class Client:
                 return
 
     def wait_closed(self, session: str, timeout_s: float | None = None,
-                    refused: Future[Any] | None = None) -> dict[str, Any]:
+                    refused: Future[Any] | None = None) -> SessionSummary:
         """Discard chunks until the session's ``closed`` arrives; returns its summary. ``refused``: a request
         whose error (e.g. the close was refused) ends the wait by raising it."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)

@@ -20,6 +20,7 @@ from enum import Enum
 from typing import Annotated, Any, ClassVar, Union
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 # 2: controls and chunk facts are typed values (``ChunkControl``, ``ChunkFacts``); 3: fields appended with defaults
 # (``open``'s intrinsics, steps, min_steps and restore; a control's steps; the facts' steps and prompt revision),
@@ -263,6 +264,10 @@ class ChunkFacts(_Value):
     prompt_revision: int = 0
 
 
+# the metrics on the wire (``Closed.summary``, ``StatsReply.stats``); they hold a ``ChunkControl``, defined above
+from ipc.metrics_types import ServerStats, SessionSummary  # noqa: E402
+
+
 class TensorSpec(_Value):
     """The header of a tensor transfer: what the receiver allocates before the data moves."""
 
@@ -438,7 +443,8 @@ class Closed(_Msg, tag="closed"):
     session: str
     reason: str  # "client", "complete", "disconnect", "failed", "shutdown"; to a watcher also "unwatched"
     error: str | None = None
-    summary: dict[str, Any] = {}  # the session's metrics (JSON-able, documented in runtime/metrics.py)
+    # the session's metrics (``ipc.metrics_types``); UNSET (left out) where it has none of its own: to a watcher
+    summary: SessionSummary | UnsetType = UNSET
 
 
 class Error(_Msg, tag="error", kw_only=True):
@@ -487,7 +493,7 @@ class Saved(_Msg, tag="saved"):
 
 class StatsReply(_Msg, tag="stats_reply"):
     req: int
-    stats: dict[str, Any]  # server counters and per-session metrics (JSON-able)
+    stats: ServerStats  # server counters and per-session metrics (``ipc.metrics_types``)
 
 
 class HeartbeatAck(_Msg, tag="heartbeat_ack"):

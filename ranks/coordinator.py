@@ -84,7 +84,8 @@ class Coordinator:
         c = self.config
         session_cost = self._session_cost()  # seconds of meta-device runs: before the core's heartbeat clock starts
         self.core = CoordinatorCore(c.layout, c.server, c.stream, c.scheduler, c.timeouts, c.metrics,
-                                    self.ctx.backend.geometry, time.monotonic(), sink=self.exporter,
+                                    self.ctx.backend.geometry, time.monotonic(),
+                                    observers=() if self.exporter is None else (self.exporter,),
                                     intrinsics=c.controls.intrinsics, rooms=self.rooms,
                                     session_cost=session_cost, warm_start=self.warm_start, capacity=c.capacity,
                                     snapshots=SnapshotStore(c.snapshots.dir),

@@ -1,14 +1,18 @@
 """Optional Prometheus endpoint on the coordinator: the server's counters and latency histograms over HTTP.
 
 Enabled by ``metrics.prometheus_port > 0`` when ``prometheus-client`` is installed (the ``metrics`` extra); it
-binds to 127.0.0.1 only. The coordinator thread records into the (thread-safe) metric objects; the HTTP
-server thread only reads them.
+binds to 127.0.0.1 only. It is one ``runtime.metrics.MetricsObserver`` of the coordinator core: it derives what it
+exports from the core's events alone, like ``ServerMetrics``. The coordinator thread records into the (thread-safe)
+metric objects; the HTTP server thread only reads them.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+from ipc.protocol import ChunkFacts
+from runtime.metrics import Memory
 
 log = logging.getLogger(__name__)
 
@@ -33,27 +37,39 @@ class Exporter:
                                       registry=r)
         self.period = prom.Histogram("worldstream_chunk_period_seconds", "Interval between emissions of a session",
                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.last_emitted: dict[str, float] = {}  # per open session: its latest emission (for the period)
         self.server, self.thread = prom.start_http_server(port, addr="127.0.0.1", registry=r)
         log.info("prometheus metrics on http://127.0.0.1:%d/metrics", port)
 
-    def on_chunk(self, frames: int, latency: float | None, period: float | None) -> None:
+    # ---- runtime.metrics.MetricsObserver: the core's events, each once
+
+    def on_open(self, session: str, now: float) -> None:
+        self.sessions_opened.inc()
+
+    def on_chunk(self, session: str, facts: ChunkFacts, memory: Memory) -> None:
         self.chunks.inc()
-        self.frames.inc(frames)
+        self.frames.inc(facts.frames)
+        latency = facts.times.control_to_output
         if latency is not None:
             self.latency.observe(latency)
-        if period is not None:
-            self.period.observe(period)
+        previous = self.last_emitted.get(session)
+        if previous is not None:  # the period between two emissions of the session, warm-up included
+            self.period.observe(facts.times.emitted - previous)
+        self.last_emitted[session] = facts.times.emitted
+
+    def on_idle(self, start: float, end: float, cause: str, blocked: tuple[tuple[str, str], ...]) -> None:
+        self.dit_idle.labels(cause=cause).inc(max(0.0, end - start))
 
     def on_reject(self, reason: str) -> None:
         self.rejects.labels(reason=reason).inc()
 
-    def on_idle(self, seconds: float, cause: str) -> None:
-        self.dit_idle.labels(cause=cause).inc(max(0.0, seconds))
+    def on_error(self, kind: str) -> None:
+        """Not exported (the stats reply counts errors by kind)."""
 
-    def on_open(self) -> None:
-        self.sessions_opened.inc()
+    def on_close(self, session: str, now: float) -> None:
+        self.last_emitted.pop(session, None)
 
-    def update(self, open_sessions: int, memory: dict[int, dict[str, int]]) -> None:
+    def on_gauges(self, open_sessions: int, memory: Memory) -> None:
         self.open_sessions.set(open_sessions)
         for rank, facts in memory.items():
             self.rank_rss.labels(rank=str(rank)).set(facts["rss"])

@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 
 from ipc import protocol, relay, tolerant, transport
+from runtime import replicas
 from runtime import router_types as rt
 from runtime.config import ConfigError
 from runtime.metrics import StreamStat
@@ -119,7 +120,7 @@ class RouterShell:
                 events.append(rt.Tick())
             if now >= next_times:  # its percentiles cost a little: once a second is fresh enough for stats
                 next_times = now + TIMES_S
-                events.append(rt.ShellTimes(self.hold.to_dict(), self.feeds.dropped))
+                events.append(rt.ShellTimes(self.hold.distribution(), self.feeds.dropped))
             if events:
                 code = self._carry_out(self.core.step(events, now))
             if code is None and self.clients in ready:
@@ -142,6 +143,8 @@ class RouterShell:
                 if head.type == "chunk" and head.session is not None:
                     self.read_at[id(frame)] = time.perf_counter()
                     yield rt.ReplicaSent(name, generation, rt.ChunkHead(head.session), frame)
+                elif head.type == "stats_reply":  # its stats read by the core, as untrusted (``read_stats``)
+                    yield rt.ReplicaSent(name, generation, replicas.stats_reply(frame.buffer, self.largest), frame)
                 else:  # a newer replica's additions are skipped (``tolerant``); what it needs is read strictly
                     message = tolerant.decode(frame.buffer, "server", max_bytes=self.largest)
                     if isinstance(message, tolerant.Unknown):

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Literal
 
+from ipc.metrics_types import CapacityStats, SeatStats
 from ipc.protocol import QUALITY_STEPS, ChunkFacts, Stage
 from runtime.config import CapacityConfig
 
@@ -275,28 +276,27 @@ class CapacityModel:
             return None
         return 1.0 - period * (1 + self.config.margin) / min(s.media_s for s in self.seats.values())
 
-    def to_dict(self, visible: set[str] | None = None) -> dict[str, object]:
+    def stats(self, visible: set[str] | None = None) -> CapacityStats:
         period = self.period()
         sessions = {}
         for sid, seat in self.seats.items():
             if visible is not None and sid not in visible:
                 continue
             predicted, measured = self.rtf(seat)
-            sessions[sid] = {"steps": seat.steps, "want_steps": seat.want, "min_steps": seat.floor,
-                             "steps_changed": seat.why, "predicted_rtf": predicted, "measured_rtf": measured,
-                             "measured_periods": len(seat.periods)}  # fmt: skip
-        return {
-            "admission": self.config.admission,
-            "ladder": self.config.ladder,
-            "margin": self.config.margin,
-            "predicted_period_s": period,
+            sessions[sid] = SeatStats(steps=seat.steps, want_steps=seat.want, min_steps=seat.floor,
+                                      steps_changed=seat.why, predicted_rtf=predicted, measured_rtf=measured,
+                                      measured_periods=len(seat.periods))
+        return CapacityStats(
+            admission=self.config.admission,
+            ladder=self.config.ladder,
+            margin=self.config.margin,
+            predicted_period_s=period,
             # what a router places by: only where sessions are admitted by real time (under count admission the
             # measured headroom is no rule this server keeps, and on a shared CPU it is other processes' noise)
-            "headroom": self.headroom() if self.config.admission == "realtime" else None,
-            "stage_s": {f"{stage}/{steps}/{h}x{w}": t
-                        for (stage, steps, (h, w)), t in sorted(self.times.seconds.items())},
-            "sessions": sessions,
-        }
+            headroom=self.headroom() if self.config.admission == "realtime" else None,
+            stage_s={f"{stage}/{steps}/{h}x{w}": t for (stage, steps, (h, w)), t in sorted(self.times.seconds.items())},
+            sessions=sessions,
+        )
 
 
 def _lower(steps: int, floor: int) -> int:

@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from ipc.metrics_types import ClockOffset
+
 
 @dataclass(frozen=True)
 class ClockSample:
@@ -84,8 +86,9 @@ class ClockSync:
         """A timestamp of ``rank``'s clock expressed on rank 0's clock."""
         return t - self.offset(rank)
 
-    def to_dict(self) -> dict[str, dict[str, float]]:
-        return {str(r): {"offset_s": self.offset(r), "uncertainty_s": self.uncertainty(r)} for r in self.ranks()}
+    def offsets(self) -> dict[str, ClockOffset]:
+        """Each rank's offset and its uncertainty, by rank as text (a summary's and the stats' ``clock_offsets``)."""
+        return {str(r): ClockOffset(offset_s=self.offset(r), uncertainty_s=self.uncertainty(r)) for r in self.ranks()}
 
     def _sample(self, rank: int) -> ClockSample:
         try:

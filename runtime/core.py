@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ipc import protocol
+from ipc.metrics_types import RankStats, ServerStats, SessionSummary
 from ipc.protocol import QUALITY_STEPS, ChunkFacts, Phase, Stage, clip
 from models.controls import OFFICIAL_INTRINSICS
 from models.geometry import frame_size, intrinsics_at
@@ -86,7 +87,6 @@ from runtime.core_types import (
     ImageDecoded,
     JobFailed,
     MemorySampled,
-    MetricsSink,
     Output,
     RankLost,
     ShutdownRequested,
@@ -98,7 +98,7 @@ from runtime.core_types import (
     WorkerSent,
 )
 from runtime.memory_admission import Cost, MemoryAdmission
-from runtime.metrics import ServerMetrics
+from runtime.metrics import MetricsObserver, Observers, ServerMetrics, SessionMetrics
 from runtime.placement import (
     HEARTBEAT,
     STAGES,
@@ -167,7 +167,7 @@ class CoordinatorCore:
 
     def __init__(self, layout: LayoutConfig, server: ServerConfig, stream: StreamConfig, scheduler: SchedulerConfig,
                  timeouts: TimeoutsConfig, metrics: MetricsConfig, geometry: StreamGeometry, now: float,
-                 sink: MetricsSink | None = None, new_id: Callable[[], str] = _new_id,
+                 observers: tuple[MetricsObserver, ...] = (), new_id: Callable[[], str] = _new_id,
                  server_id: str | None = None,
                  intrinsics: tuple[float, float, float, float] = OFFICIAL_INTRINSICS,
                  rooms: dict[int, int] | None = None, session_cost: Cost | None = None,
@@ -183,9 +183,10 @@ class CoordinatorCore:
             mode=sch.Mode(scheduler.mode),
             capacities=sch.Capacities(control=scheduler.control_capacity, latent=scheduler.latent_capacity,
                                       output=scheduler.output_capacity))
-        self.metrics = ServerMetrics(started_at=now)
+        # the summaries and the stats reply; ``metrics`` feeds it and the other observers (Prometheus) each event once
+        self.server_metrics = ServerMetrics(now, stream.fps, metrics.warmup_chunks)
+        self.metrics = Observers(self.server_metrics, *observers)
         self.clock = ClockSync()
-        self.sink = sink
         self.new_id = new_id
         self.server_id = server_id or _new_id()  # in every heartbeat ack: a client tells a restarted server apart
         self.intrinsics = intrinsics  # controls.intrinsics: the camera of sessions whose open gives none
@@ -364,8 +365,6 @@ class CoordinatorCore:
 
     def _reject(self, reason: str) -> None:
         self.metrics.on_reject(reason)
-        if self.sink is not None:
-            self.sink.on_reject(reason)
 
     @property
     def max_chunks(self) -> int:
@@ -428,7 +427,7 @@ class CoordinatorCore:
         self._admit(sid, geometry, message)  # may refuse busy: before the memory is held, which it cannot refuse
         self.admission.admit(sid, geometry.height, geometry.width)
         live = LiveControls(pause_when_idle=message.pause_when_idle) if message.live else None
-        metrics = self.metrics.open_session(sid, now, self.stream.fps, self.metrics_config.warmup_chunks)
+        metrics = self._open_metrics(sid, now)
         self.clients.add(Session(
             id=sid, client=opening.identity, owner=opening.identity, open_req=message.req, seed=message.seed,
             prompt=message.prompt, geometry=geometry, live=live, metrics=metrics,
@@ -436,6 +435,10 @@ class CoordinatorCore:
             image=result.image, intrinsics=message.intrinsics or self.intrinsics), now)
         self._guarded(sid, lambda: self._run(self.scheduler.open(sid, message.num_chunks or self.max_chunks, now),
                                              now), now)
+
+    def _open_metrics(self, sid: str, now: float) -> SessionMetrics:
+        self.metrics.on_open(sid, now)
+        return self.server_metrics.sessions[sid]
 
     def _check_memory(self, geometry: StreamGeometry) -> None:
         """``busy`` when some rank has no room for one more session of this size (memory-aware admission)."""
@@ -616,8 +619,6 @@ class CoordinatorCore:
                 session.queued[(step, task.index)] = now  # type: ignore[union-attr]
 
     def _ready(self, session: Session) -> None:
-        if self.sink is not None:
-            self.sink.on_open()
         g = session.geometry
         session.opened = True
         self._to_client(session, protocol.Opened(
@@ -628,28 +629,17 @@ class CoordinatorCore:
             steps=self._steps_of(session.id), watch_token=self.watchers.grant(session.id),
             first_chunk=session.first_chunk))
 
-    def _idle(self, action: sch.DitIdle) -> None:
-        self.metrics.on_idle(action.start, action.end, action.cause)
-        if self.sink is not None:
-            self.sink.on_idle(action.end - action.start, action.cause)
-        for sid, cause in action.blocked:  # each waiting session counts the idle time with its own cause
-            if sid in self.sessions:
-                self.sessions[sid].metrics.on_idle(action.start, action.end, cause)
+    def _idle(self, action: sch.DitIdle) -> None:  # each waiting session counts the idle time with its own cause
+        self.metrics.on_idle(action.start, action.end, action.cause, action.blocked)
 
     def _emit_chunk(self, session: Session, action: sch.Emit) -> None:
         control, spans = session.take_chunk(action.index)
-        for rank, mem in self.memory.items():
-            session.metrics.on_memory(rank, max(mem["peak_rss"], mem["cuda_peak"]))
         steps, changed = session.chunk_steps.pop(action.index, (0, None))
         facts = ChunkFacts(action.index, session.geometry.frames_in_chunk(action.index), control, action.times, spans,
                            steps, changed, prompt_revision=session.prompts.emitted(action.index))
-        previous = session.metrics.last_emitted
-        self.metrics.on_chunk(session.id, facts)
+        self.metrics.on_chunk(session.id, facts, self.memory)
         self.capacity.on_chunk(session.id, facts, warm=action.index < max(1, self.metrics_config.warmup_chunks))
         self._log_steps(self.capacity.rebalance(), "the measured stage times miss real time")
-        if self.sink is not None:
-            period = None if previous is None else action.times.emitted - previous
-            self.sink.on_chunk(facts.frames, action.times.control_to_output, period)
         self._emit(EmitChunk(session.id, facts, None if session.gone else session.client,
                              self.watchers.of(session.id)))
 
@@ -661,11 +651,10 @@ class CoordinatorCore:
         assert session is not None
         self.admission.release(session.id)
         self._log_steps(self.capacity.remove(session.id), f"session {session.id} closed")
-        summary = self.metrics.close_session(session.id, now)
-        summary["clock_offsets"] = self.clock.to_dict()
-        summary["released"] = session.released  # stage -> ranks that confirmed, in release order
-        summary["leaked_caches"] = [s.value for s in action.leaked]
-        summary["poisoned"] = action.poisoned
+        summary = msgspec.structs.replace(
+            self._final_summary(session.id, now), clock_offsets=self.clock.offsets(),
+            released=session.released,  # stage -> ranks that confirmed, in release order
+            leaked_caches=[s.value for s in action.leaked], poisoned=action.poisoned)
         for revision, req in session.prompts.waiting().items():  # a set_prompt still encoding gets its answer
             self._to_client(session, protocol.Error(req=req, session=session.id, code="closing", message=(
                 f"session {session.id} closed before its prompt revision {revision} was ready")))
@@ -753,8 +742,7 @@ class CoordinatorCore:
             for rank in self.where.heartbeat_ranks:
                 self._emit(ToWorker(identity(rank, HEARTBEAT), protocol.Ping(seq=self.ping_seq, sent=now)))
             self.ping_seq += 1
-            if self.sink is not None:
-                self.sink.update(len(self.sessions), self.memory)
+            self.metrics.on_gauges(len(self.sessions), self.memory)
         for rank, seen in self.last_beat.items():
             if now - seen > self.timeouts.rank_dead_s:
                 raise JobFailed(f"rank {rank} stopped answering (silent for {now - seen:.1f} s)")
@@ -928,7 +916,7 @@ class CoordinatorCore:
         live = None  # an indexed restore of a live session takes the client's per-chunk controls (an exact replay)
         if saved_live is not None and not message.indexed:
             live = LiveControls.restored(saved_live.held, manifest.chunk, saved_live.pause_when_idle, saved_live.cut)
-        metrics = self.metrics.open_session(sid, now, self.stream.fps, self.metrics_config.warmup_chunks)
+        metrics = self._open_metrics(sid, now)
         num_chunks = manifest.num_chunks
         self.clients.add(Session(
             id=sid, client=who, owner=who, open_req=message.req, seed=manifest.seed, prompt=manifest.prompt,
@@ -975,7 +963,7 @@ class CoordinatorCore:
             self.capacity.remove(session.id)
             self.saves.pop(session.id, None)
             with contextlib.suppress(Exception):  # its metrics are bounded by sessions: never keep a dropped one's
-                self.metrics.close_session(session.id, now)
+                self.metrics.on_close(session.id, now)
             self._end_watchers(session.id, "failed", text, keep=False)
             self._emit(DropTensors(session.id))
 
@@ -984,32 +972,38 @@ class CoordinatorCore:
         if lost:  # under torchrun a dead rank reaches rank 0 as a SIGTERM: say what really happened
             code, message = "rank_failed", f"rank {', '.join(map(str, lost))} is gone; the job is ending"
         self._out += self.clients.notices(code, message, lambda session: protocol.Closed(
-            session=session.id, reason="shutdown", error=message, summary=self.metrics.close_session(session.id, now)))
+            session=session.id, reason="shutdown", error=message, summary=self._final_summary(session.id, now)))
         for sid in list(self.watchers.tokens):
             self._end_watchers(sid, "shutdown", message, keep=False)
         self._stop(EXIT_OK, message)
 
     # ---------------------------------------------------------------------------------------------- queries
 
-    def stats(self, now: float, who: bytes | None = None) -> dict[str, Any]:
+    def _final_summary(self, sid: str, now: float) -> SessionSummary:
+        """A session's summary as it closes; its metrics are done (every observer hears of the close)."""
+        summary = self.server_metrics.closing(sid, now)
+        self.metrics.on_close(sid, now)
+        return summary
+
+    def stats(self, now: float, who: bytes | None = None) -> ServerStats:
         """Server-wide figures, and the sessions of client ``who`` only (None: every session, for operators)."""
         visible = None if who is None else {sid for sid, s in self.sessions.items() if who in (s.client, s.owner)}
-        return {
-            **self.metrics.to_dict(now, visible),
-            "open_sessions": len(self.sessions),
-            "watchers": self.watchers.count(),  # spectators of every session now
-            "watch_dropped": self.watch_dropped,  # chunks dropped for slow watchers so far (never the players')
-            "ranks": {str(r): {"rss": 0, "peak_rss": 0, "cuda_peak": 0, **self.memory.get(r, {}),
-                               **self.admission.stats(r)}
-                      for r in sorted({*self.memory, *range(self.where.world_size)})},
-            "clock_offsets": self.clock.to_dict(),
-            "layout": self.layout.name,
-            "schedule": self.scheduler.mode.value,
-            "warm": self.warm_start.warm,  # every stage ran at every served size before the port opened
-            "warm_up": self.warm_start.to_dict(),
-            "sizes": [list(size) for size in self.sizes],
-            "capacity": self.capacity.to_dict(visible),  # real-time factors, headroom, the ladder's steps
-        }
+        ranks = {str(r): RankStats(**{**self.memory.get(r, {}), **self.admission.stats(r)})
+                 for r in sorted({*self.memory, *range(self.where.world_size)})}
+        return msgspec.structs.replace(
+            self.server_metrics.stats(now, visible),
+            open_sessions=len(self.sessions),
+            watchers=self.watchers.count(),  # spectators of every session now
+            watch_dropped=self.watch_dropped,  # chunks dropped for slow watchers so far (never the players')
+            ranks=ranks,
+            clock_offsets=self.clock.offsets(),
+            layout=self.layout.name,
+            schedule=self.scheduler.mode.value,
+            warm=self.warm_start.warm,  # every stage ran at every served size before the port opened
+            warm_up=self.warm_start.stages(),
+            sizes=[tuple(size) for size in self.sizes],
+            capacity=self.capacity.stats(visible),  # real-time factors, headroom, the ladder's steps
+        )
 
 
 def backpressure_retry_s(period: float | None) -> float:

@@ -10,7 +10,6 @@ with the router core and re-exported here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 from ipc import protocol
 from runtime.client_types import (  # the client side, shared with the router core
@@ -30,7 +29,7 @@ from runtime.images import DecodedImage
 __all__ = ["EXIT_FAILED", "EXIT_OK", "ClientError", "ClientSent", "ClientUnreachable", "ClientUnreadable",
            "DecodeImage", "DropTensors", "EmitChunk", "EndWatch", "Event", "FramesMissing", "ImageDecoded", "JobFailed",
            "MemorySampled",
-           "MetricsSink", "Output", "RankLost", "ShutdownRequested", "Stop", "Tick", "ToClient", "ToWorker",
+           "Output", "RankLost", "ShutdownRequested", "Stop", "Tick", "ToClient", "ToWorker",
            "WatchDropped", "WorkerSent"]
 
 EXIT_OK = 0
@@ -130,20 +129,6 @@ class DropSnapshotFiles:
 
 
 Output = ToClient | ToWorker | DecodeImage | EmitChunk | EndWatch | DropTensors | DropSnapshotFiles | Stop
-
-
-class MetricsSink(Protocol):
-    """Where live counters go besides the server metrics (the Prometheus exporter); in-memory, no I/O."""
-
-    def on_open(self) -> None: ...
-
-    def on_chunk(self, frames: int, latency: float | None, period: float | None) -> None: ...
-
-    def on_reject(self, reason: str) -> None: ...
-
-    def on_idle(self, seconds: float, cause: str) -> None: ...
-
-    def update(self, open_sessions: int, memory: dict[int, dict[str, int]]) -> None: ...
 
 
 class JobFailed(Exception):

@@ -3,7 +3,9 @@
 Pure and clock-free: every time is given in as rank-0 seconds (worker timestamps are converted with
 ``runtime.clock.ClockSync`` before they get here). The coordinator feeds, per session, the ``ChunkFacts`` of each
 emitted chunk (in emission order; the same value the client receives), the DiT idle intervals and the ranks' peak
-memory; ``to_dict`` gives the JSON-able summary returned on close and in a live ``stats`` reply.
+memory; ``summary`` gives the typed summary (``ipc.metrics_types.SessionSummary``) returned on close and in a live
+``stats`` reply. ``ServerMetrics`` is one ``MetricsObserver`` of the core's events (the Prometheus exporter is
+another); the core feeds each event once, to every observer (``Observers``).
 
 Rules:
 
@@ -36,10 +38,24 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from enum import Enum
+from typing import Protocol
 
-from ipc.protocol import ChunkFacts, Stage, to_builtins
+from ipc.metrics_types import (
+    Compute,
+    Distribution,
+    Idle,
+    IdleByCause,
+    IdleShare,
+    RecentChunk,
+    ServerStats,
+    SessionCounts,
+    SessionSummary,
+    TimeToFirstFrame,
+    WarmUpCompute,
+)
+from ipc.protocol import ChunkFacts, Stage
 
 COMPUTE_STAGES = tuple(stage.value for stage in Stage)  # condition, denoise, decode
 REPORTED_PERCENTILES = (50, 90, 99)
@@ -119,16 +135,12 @@ class StreamStat:
         """Number of stored histogram buckets (bounded by ``MAX_BUCKETS + 1``)."""
         return len(self._buckets) + 1
 
-    def to_dict(self, percentiles: tuple[int, ...] = REPORTED_PERCENTILES) -> dict[str, float | int | None]:
-        out: dict[str, float | int | None] = {
-            "count": self.count,
-            "mean": self.mean,
-            "min": self.min if self.count else None,
-            "max": self.max if self.count else None,
-        }
-        for q in percentiles:
-            out[f"p{q}"] = self.percentile(q)
-        return out
+    def distribution(self, p95: bool = False, total: bool = False) -> Distribution:
+        """The reported figures; ``p95`` and ``total`` add the 95th percentile and the sum."""
+        return Distribution(
+            count=self.count, mean=self.mean, min=self.min if self.count else None,
+            max=self.max if self.count else None, **{f"p{q}": self.percentile(q) for q in REPORTED_PERCENTILES},
+            **({"p95": self.percentile(95)} if p95 else {}), **({"total": self.total} if total else {}))
 
 
 def stage_extent(facts: ChunkFacts, stage: str) -> tuple[float, float] | None:
@@ -158,16 +170,10 @@ def window(facts: ChunkFacts) -> tuple[float, float]:
     return (start, t.emitted)
 
 
-def brief(facts: ChunkFacts) -> dict[str, object]:
+def brief(facts: ChunkFacts) -> RecentChunk:
     """A chunk in a session summary's ``recent_chunks``."""
-    return {
-        "index": facts.index,
-        "emitted": facts.times.emitted,
-        "frames": facts.frames,
-        "latency_s": facts.times.control_to_output,
-        "compute_s": compute_seconds(facts),
-        "control": to_builtins(facts.control),
-    }
+    return RecentChunk(index=facts.index, emitted=facts.times.emitted, frames=facts.frames,
+                       latency_s=facts.times.control_to_output, compute_s=compute_seconds(facts), control=facts.control)
 
 
 class _IdleTotals:
@@ -182,20 +188,15 @@ class _IdleTotals:
         self.count[cause] += 1
         self.seconds[cause] += end - start
 
-    def to_dict(self, elapsed: float | None) -> dict[str, object]:
+    def idle(self, elapsed: float | None) -> Idle:
         total = sum(self.seconds.values())
 
         def fraction(seconds: float) -> float | None:
             return seconds / elapsed if elapsed else None
 
-        return {
-            "total_s": total,
-            "fraction": fraction(total),
-            "by_cause": {
-                c.value: {"count": self.count[c], "total_s": self.seconds[c], "fraction": fraction(self.seconds[c])}
-                for c in IdleCause
-            },
-        }
+        by_cause = IdleByCause(**{c.value: IdleShare(count=self.count[c], total_s=self.seconds[c],
+                                                     fraction=fraction(self.seconds[c])) for c in IdleCause})
+        return Idle(total_s=total, fraction=fraction(total), by_cause=by_cause)
 
 
 class _Compute:
@@ -209,13 +210,11 @@ class _Compute:
         self.frames += facts.frames
         self.seconds += compute_seconds(facts)
 
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "chunks": self.chunks,
-            "frames": self.frames,
-            "compute_s": self.seconds,
-            "fps_weighted": self.frames / self.seconds if self.seconds > 0 else None,
-        }
+    def compute(self) -> Compute:
+        return Compute(chunks=self.chunks, frames=self.frames, compute_s=self.seconds, fps_weighted=self.fps())
+
+    def fps(self) -> float | None:
+        return self.frames / self.seconds if self.seconds > 0 else None
 
 
 class SessionMetrics:
@@ -322,37 +321,37 @@ class SessionMetrics:
             return None
         return p95 / (compute.frames / compute.chunks / self.fps)
 
-    def to_dict(self, now: float | None = None) -> dict[str, object]:
-        """JSON-able summary. ``now`` (rank-0 seconds) bounds the elapsed time of a session still open."""
+    def summary(self, now: float | None = None) -> SessionSummary:
+        """The typed summary. ``now`` (rank-0 seconds) bounds the elapsed time of a session still open."""
         end = self.closed_at if self.closed_at is not None else now if now is not None else self._last_emitted
         elapsed = None if end is None else max(0.0, end - self.opened_at)
         first = self._first_emitted
-        period = self.period.to_dict((*REPORTED_PERCENTILES, 95))
         compute = self.steady if self.steady.chunks else self.warmup
-        return {
-            "session": self.session,
-            "opened_at": self.opened_at,
-            "closed_at": self.closed_at,
-            "elapsed_s": elapsed,
-            "chunks": self.steady.chunks + self.warmup.chunks,
-            "frames": self.steady.frames + self.warmup.frames,
-            "time_to_first_frame_s": {
-                "from_open": None if first is None else first - self.opened_at,
-                "from_first_control": None if first is None or self._first_control is None
-                else first - self._first_control,
-            },
-            "latency_s": self.latency.to_dict(),
-            "chunk_period_s": period,
-            "compute": self.steady.to_dict(),
-            "warmup": {**self.warmup.to_dict(), "latency_s": list(self._warmup_latencies)},
-            "chunk_media_s": compute.frames / compute.chunks / self.fps if compute.chunks else None,
-            "real_time_factor": self.real_time_factor(),
-            "dit_idle": self.idle.to_dict(elapsed),
-            "condition_prefetch_wait_s": {**self.prefetch_wait.to_dict(), "total": self.prefetch_wait.total},
-            "peak_memory_bytes": {str(rank): b for rank, b in sorted(self.peak_memory.items())},
-            "percentile_relative_error": StreamStat.RELATIVE_ERROR,
-            "recent_chunks": [brief(r) for r in self._recent],
-        }
+        warmup = self.warmup
+        return SessionSummary(
+            session=self.session,
+            opened_at=self.opened_at,
+            closed_at=self.closed_at,
+            elapsed_s=elapsed,
+            chunks=self.steady.chunks + self.warmup.chunks,
+            frames=self.steady.frames + self.warmup.frames,
+            time_to_first_frame_s=TimeToFirstFrame(
+                from_open=None if first is None else first - self.opened_at,
+                from_first_control=None if first is None or self._first_control is None
+                else first - self._first_control),
+            latency_s=self.latency.distribution(),
+            chunk_period_s=self.period.distribution(p95=True),
+            compute=self.steady.compute(),
+            warmup=WarmUpCompute(chunks=warmup.chunks, frames=warmup.frames, compute_s=warmup.seconds,
+                                 fps_weighted=warmup.fps(), latency_s=tuple(self._warmup_latencies)),
+            chunk_media_s=compute.frames / compute.chunks / self.fps if compute.chunks else None,
+            real_time_factor=self.real_time_factor(),
+            dit_idle=self.idle.idle(elapsed),
+            condition_prefetch_wait_s=self.prefetch_wait.distribution(total=True),
+            peak_memory_bytes={str(rank): b for rank, b in sorted(self.peak_memory.items())},
+            percentile_relative_error=StreamStat.RELATIVE_ERROR,
+            recent_chunks=tuple(brief(r) for r in self._recent),
+        )
 
 
 OTHER_REASON = "other"
@@ -371,13 +370,81 @@ class _Counter:
         self.counts[name] = self.counts.get(name, 0) + 1
 
 
-class ServerMetrics:
-    """Server-wide counters and the open sessions' metrics, for the live ``stats`` request."""
+Memory = Mapping[int, Mapping[str, int]]  # rank -> its latest sample ("rss", "peak_rss", "cuda_peak": bytes)
 
-    def __init__(self, started_at: float, max_reasons: int = 32) -> None:
+
+class MetricsObserver(Protocol):
+    """What the coordinator core tells every metrics observer (``ServerMetrics``, ``ranks.prometheus.Exporter``):
+    each event once, when it happens, in rank-0 seconds. In memory, no I/O; an observer derives what it reports
+    from these alone (nothing is computed in the core for one observer)."""
+
+    def on_open(self, session: str, now: float) -> None:
+        """A session was created (opened or restored); its chunks follow."""
+
+    def on_chunk(self, session: str, facts: ChunkFacts, memory: Memory) -> None:
+        """A chunk left rank 0 with these facts (in emission order per session); ``memory``: the ranks' now."""
+
+    def on_idle(self, start: float, end: float, cause: str, blocked: tuple[tuple[str, str], ...]) -> None:
+        """The DiT sat idle for ``cause``; ``blocked``: (session, its own cause) of every session kept waiting."""
+
+    def on_reject(self, reason: str) -> None:
+        """A client message was refused."""
+
+    def on_error(self, kind: str) -> None:
+        """Something failed ("stage_failed", "internal")."""
+
+    def on_close(self, session: str, now: float) -> None:
+        """A session ended (after its last chunk): its metrics are done."""
+
+    def on_gauges(self, open_sessions: int, memory: Memory) -> None:
+        """The periodic turn (every heartbeat): the open sessions and every rank's latest memory."""
+
+
+class Observers:
+    """Every observer of the core, fed as one: each event goes to each observer once, in order."""
+
+    def __init__(self, *observers: MetricsObserver) -> None:
+        self.observers = observers
+
+    def on_open(self, session: str, now: float) -> None:
+        for o in self.observers:
+            o.on_open(session, now)
+
+    def on_chunk(self, session: str, facts: ChunkFacts, memory: Memory) -> None:
+        for o in self.observers:
+            o.on_chunk(session, facts, memory)
+
+    def on_idle(self, start: float, end: float, cause: str, blocked: tuple[tuple[str, str], ...]) -> None:
+        for o in self.observers:
+            o.on_idle(start, end, cause, blocked)
+
+    def on_reject(self, reason: str) -> None:
+        for o in self.observers:
+            o.on_reject(reason)
+
+    def on_error(self, kind: str) -> None:
+        for o in self.observers:
+            o.on_error(kind)
+
+    def on_close(self, session: str, now: float) -> None:
+        for o in self.observers:
+            o.on_close(session, now)
+
+    def on_gauges(self, open_sessions: int, memory: Memory) -> None:
+        for o in self.observers:
+            o.on_gauges(open_sessions, memory)
+
+
+class ServerMetrics:
+    """Server-wide counters and the open sessions' metrics, for the live ``stats`` request and the summary on close
+    (a ``MetricsObserver``)."""
+
+    def __init__(self, started_at: float, fps: float, warmup_chunks: int = 2, keep_last: int = 16,
+                 max_reasons: int = 32) -> None:
         if max_reasons < 2:
             raise ValueError(f"max_reasons must be >= 2, got {max_reasons}")
         self.started_at = started_at
+        self.fps, self.warmup_chunks, self.keep_last = fps, warmup_chunks, keep_last  # of every session
         self.sessions: dict[str, SessionMetrics] = {}  # open sessions only
         self.sessions_total = 0
         self.chunks_emitted = 0
@@ -386,26 +453,26 @@ class ServerMetrics:
         self.errors = _Counter(max_reasons)
         self.idle = _IdleTotals()
 
-    def open_session(
-        self, session: str, opened_at: float, fps: float, warmup_chunks: int = 2, keep_last: int = 16
-    ) -> SessionMetrics:
+    def on_open(self, session: str, now: float) -> None:
         if session in self.sessions:
             raise ValueError(f"session {session} is already open")
-        metrics = SessionMetrics(session, opened_at, fps, warmup_chunks, keep_last)
-        self.sessions[session] = metrics
+        self.sessions[session] = SessionMetrics(session, now, self.fps, self.warmup_chunks, self.keep_last)
         self.sessions_total += 1
-        return metrics
 
-    def on_chunk(self, session: str, record: ChunkFacts) -> None:
-        self._get(session).on_chunk(record)
+    def on_chunk(self, session: str, facts: ChunkFacts, memory: Memory) -> None:
+        metrics = self._get(session)
+        for rank, sample in memory.items():
+            metrics.on_memory(rank, max(sample["peak_rss"], sample["cuda_peak"]))
+        metrics.on_chunk(facts)
         self.chunks_emitted += 1
-        self.frames_emitted += record.frames
+        self.frames_emitted += facts.frames
 
-    def on_idle(self, start: float, end: float, cause: IdleCause | str, session: str | None = None) -> None:
-        """A DiT idle interval: always counted server-wide, and also for ``session`` when one is named."""
-        if session is not None:
-            self._get(session).on_idle(start, end, cause)
+    def on_idle(self, start: float, end: float, cause: str, blocked: tuple[tuple[str, str], ...] = ()) -> None:
+        """A DiT idle interval: counted server-wide by its cause, and for each blocked open session by its own."""
         self.idle.add(start, end, cause)
+        for session, own in blocked:
+            if session in self.sessions:
+                self.sessions[session].on_idle(start, end, own)
 
     def on_reject(self, reason: str) -> None:
         self.rejects.add(reason)
@@ -413,28 +480,35 @@ class ServerMetrics:
     def on_error(self, kind: str) -> None:
         self.errors.add(kind)
 
-    def close_session(self, session: str, at: float) -> dict[str, object]:
-        """Close a session's metrics and return its final summary (what the client gets on close)."""
-        metrics = self._get(session)
-        metrics.close(at)
-        del self.sessions[session]
-        return metrics.to_dict()
+    def on_close(self, session: str, now: float) -> None:
+        """Forget a closed session's metrics (read its final ``closing`` summary first)."""
+        self.sessions.pop(session, None)
 
-    def to_dict(self, now: float, visible: set[str] | None = None) -> dict[str, object]:
+    def on_gauges(self, open_sessions: int, memory: Memory) -> None:
+        """Nothing: the stats reply reads the open sessions and memory when asked."""
+
+    def closing(self, session: str, now: float) -> SessionSummary:
+        """A session's final summary, closed at ``now`` (what the client gets on close)."""
+        metrics = self._get(session)
+        metrics.close(now)
+        return metrics.summary()
+
+    def stats(self, now: float, visible: set[str] | None = None) -> ServerStats:
         """Server-wide counters, and the per-session metrics of ``visible`` sessions only (None: all of them; a
-        client's ``stats`` sees its own sessions, never another client's ids)."""
+        client's ``stats`` sees its own sessions, never another client's ids). The core adds what it knows."""
         uptime = max(0.0, now - self.started_at)
         shown = self.sessions if visible is None else {s: m for s, m in self.sessions.items() if s in visible}
-        return {
-            "uptime_s": uptime,
-            "sessions": {"open": len(self.sessions), "total": self.sessions_total},
-            "chunks_emitted": self.chunks_emitted,
-            "frames_emitted": self.frames_emitted,
-            "rejects": dict(self.rejects.counts),
-            "errors": dict(self.errors.counts),
-            "dit_idle": self.idle.to_dict(uptime),
-            "per_session": {sid: m.to_dict(now) for sid, m in shown.items()},
-        }
+        return ServerStats(
+            uptime_s=uptime,
+            sessions=SessionCounts(open=len(self.sessions), total=self.sessions_total),
+            chunks_emitted=self.chunks_emitted,
+            frames_emitted=self.frames_emitted,
+            rejects=dict(self.rejects.counts),
+            errors=dict(self.errors.counts),
+            dit_idle=self.idle.idle(uptime),
+            per_session={sid: m.summary(now) for sid, m in shown.items()},
+            open_sessions=len(self.sessions),
+        )
 
     def _get(self, session: str) -> SessionMetrics:
         try:

@@ -38,69 +38,68 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
+from msgspec import UNSET
 
 from ipc import protocol
-from ipc.protocol import SessionId
+from ipc.metrics_types import MAX_SESSIONS, CapacityStats, ReplicaView, ServerStats
 
-MAX_SESSIONS_PER_REPLICA = 100_000  # a registration or stats reply claiming more is refused
-MAX_COUNT = 2**53  # a counter beyond this is nonsense (and a sum over replicas must still fit a msgpack uint64)
-MAX_UPTIME_S = 1e9  # 31 years
+MAX_SESSIONS_PER_REPLICA = MAX_SESSIONS  # a registration or stats reply claiming more is refused
 # nesting of a replica's stats (a server's is 7 deep): a client reads 16 levels (``protocol.MAX_DEPTH``), and the
 # router's stats reply wraps a replica's stats in 4 (the message, its stats, ``replicas``, the replica's name)
 MAX_STATS_DEPTH = protocol.MAX_DEPTH - 4
-MAX_COUNTED = 64  # reject or error reasons in one reply (a server keeps 32)
-MAX_TEXT = 128
-
-Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
-Reason = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
-
-
-class SessionCounts(msgspec.Struct, frozen=True):
-    open: Count = 0
-    total: Count = 0
-
-
-class ReplicaStats(msgspec.Struct, frozen=True):
-    """What the router reads of a replica's stats reply, each value typed and in range (other keys are shown to
-    operators as they came, never read)."""
-
-    uptime_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_UPTIME_S)]
-    open_sessions: Annotated[int, msgspec.Meta(ge=0, le=MAX_SESSIONS_PER_REPLICA)]
-    chunks_emitted: Count = 0
-    frames_emitted: Count = 0
-    sessions: SessionCounts = SessionCounts()
-    rejects: Annotated[dict[Reason, Count], msgspec.Meta(max_length=MAX_COUNTED)] = {}
-    errors: Annotated[dict[Reason, Count], msgspec.Meta(max_length=MAX_COUNTED)] = {}
-    layout: Reason = ""
-    # the sessions it shows the asking client (the router's own): their metrics, forwarded to their owners
-    per_session: Annotated[dict[SessionId, dict[str, Any]],
-                           msgspec.Meta(max_length=MAX_SESSIONS_PER_REPLICA)] = {}
-
-
-READ = frozenset(ReplicaStats.__struct_fields__)
-ROUTER_KEYS = frozenset({"replicas", "router", "total"})  # a router's own stats, never nested into another's
+READ = frozenset(ServerStats.__struct_fields__)  # what a server's stats say; other keys are shown, never read
 
 
 class UnusableStats(ValueError):
     """A stats reply that is not one a server sends: the message says why."""
 
 
-def read_stats(stats: dict[str, Any]) -> tuple[ReplicaStats, dict[str, Any]]:
+class ReplicaStatsReply(msgspec.Struct, frozen=True, tag_field="type", tag="stats_reply", kw_only=True):
+    """A replica's ``stats_reply`` with its stats as they came: untrusted until ``read_stats`` read them (so stats
+    that are not a server's mark their replica down with the reason, never fail the message)."""
+
+    req: int
+    stats: dict[str, Any]
+    v: int = protocol.PROTOCOL_VERSION
+
+
+_stats_reply = msgspec.msgpack.Decoder(ReplicaStatsReply)
+
+
+def stats_reply(data: bytes | memoryview, max_bytes: int) -> ReplicaStatsReply:
+    """A replica's ``stats_reply`` read as ``ReplicaStatsReply`` (bounded as ``protocol.decode`` bounds a message),
+    or ``ProtocolViolation``."""
+    if len(data) > max_bytes:
+        raise protocol.ProtocolViolation(f"message of {len(data)} bytes exceeds the limit of {max_bytes} bytes")
+    protocol.scan(data, max_items=protocol.MAX_INTERNAL_ITEMS)
+    try:
+        reply = _stats_reply.decode(data)
+    except msgspec.DecodeError as error:
+        raise protocol.ProtocolViolation(f"unreadable stats reply: {error}") from None
+    if reply.v not in protocol.SUPPORTED_VERSIONS:
+        raise protocol.ProtocolViolation(f"protocol version {reply.v} is not supported")
+    return reply
+
+
+def read_stats(stats: dict[str, Any]) -> tuple[ServerStats, dict[str, Any]]:
     """A replica's stats reply as typed values, and what it says besides (shown, never read), or ``UnusableStats``.
-    A router serving as a replica (``layout`` "router") is shown without its own replicas and totals: stats never
+    A router serving as a replica (``layout`` "router") is read without its own replicas and totals: stats never
     nest stats."""
     depth = nesting(stats)
     if depth > MAX_STATS_DEPTH:
         raise UnusableStats(f"nested {depth} deep (at most {MAX_STATS_DEPTH})")
     try:
-        typed = msgspec.convert(stats, ReplicaStats)
+        typed = msgspec.convert(stats, ServerStats)
     except msgspec.ValidationError as error:
         raise UnusableStats(str(error)[:200]) from None
-    rest = {k: v for k, v in stats.items() if k not in READ and not (typed.layout == "router" and k in ROUTER_KEYS)}
-    return typed, rest
+    if typed.open_sessions > MAX_SESSIONS_PER_REPLICA:
+        raise UnusableStats(f"{typed.open_sessions} open sessions (at most {MAX_SESSIONS_PER_REPLICA})")
+    if typed.layout == "router":
+        typed = msgspec.structs.replace(typed, total=UNSET, router=UNSET, replicas=UNSET)
+    return typed, {k: v for k, v in stats.items() if k not in READ}
 
 
 def nesting(value: Any) -> int:
@@ -152,7 +151,7 @@ class Replica:
     next_stats: float = 0.0
     stats_req: int | None = None  # the stats request in flight
     stats_sent: float = 0.0
-    stats: ReplicaStats | None = None  # its latest stats reply, typed (per-session entries kept for their owners)
+    stats: ServerStats | None = None  # its latest stats reply, typed (per-session entries kept for their owners)
     shown: dict[str, Any] = field(default_factory=dict)  # what that reply says besides, for operators
     stats_at: float | None = None
     fresh: bool = False  # a stats reply was read on the current connection: its load is known
@@ -185,7 +184,7 @@ class Replica:
         return (self.state is State.UP and self.fresh and self.load < self.max_sessions
                 and now >= self.refused_until)
 
-    def fold_stats(self, stats: ReplicaStats, shown: dict[str, Any], now: float) -> bool:
+    def fold_stats(self, stats: ServerStats, shown: dict[str, Any], now: float) -> bool:
         """Take a (typed) stats reply in. Returns False when its uptime went back: the replica restarted since the
         last one (its sessions are gone)."""
         restarted = self._sample is not None and stats.uptime_s < self._sample[2]
@@ -206,8 +205,8 @@ class Replica:
         """Its real-time headroom (module docstring), or None when it reports none."""
         if self.stats is None:
             return None
-        capacity = self.shown.get("capacity")
-        headroom = _headroom(capacity.get("headroom")) if isinstance(capacity, dict) else None
+        capacity = self.stats.capacity
+        headroom = _headroom(capacity.headroom) if isinstance(capacity, CapacityStats) else None
         if headroom is None:
             return None
         present = self.stats.open_sessions
@@ -223,22 +222,22 @@ class Replica:
         self.fresh = False
         self._sample = None
 
-    def describe(self, now: float) -> dict[str, Any]:
-        """This replica in the router's stats (its own stats without any session's entry)."""
+    def describe(self, now: float) -> ReplicaView:
+        """This replica in the router's stats (its own stats without any session's entry: their owners' only)."""
         own = None
         if self.stats is not None:
-            own = {**self.shown, **msgspec.to_builtins(self.stats)}
-            del own["per_session"]
-            if isinstance(own.get("capacity"), dict):  # its per-session entries name sessions: their owners' only
-                own["capacity"] = {k: v for k, v in own["capacity"].items() if k != "sessions"}
-        return {
-            "state": self.state.value, "endpoint": self.endpoint, "source": "config" if self.listed else "registered",
-            "layout": self.layout or (self.stats.layout if self.stats else ""), "max_sessions": self.max_sessions,
-            "server": self.server, "sessions": len(self.sessions), "opening": self.opening,
-            "external_sessions": self.external, "load": self.load, "chunk_period_s": self.period_s,
-            "for_s": now - self.since, "down_reason": None if self.state is State.UP else self.down_reason,
-            "stats_age_s": None if self.stats_at is None else now - self.stats_at, "stats": own,
-        }
+            capacity = self.stats.capacity
+            if isinstance(capacity, CapacityStats):
+                capacity = msgspec.structs.replace(capacity, sessions={})
+            own = {**self.shown, **msgspec.to_builtins(msgspec.structs.replace(self.stats, per_session={},
+                                                                                capacity=capacity))}
+        return ReplicaView(
+            state=self.state.value, endpoint=self.endpoint, source="config" if self.listed else "registered",
+            layout=self.layout or (self.stats.layout if self.stats else ""), max_sessions=self.max_sessions,
+            server=self.server, sessions=len(self.sessions), opening=self.opening,
+            external_sessions=self.external, load=self.load, chunk_period_s=self.period_s,
+            for_s=now - self.since, down_reason=None if self.state is State.UP else self.down_reason,
+            stats_age_s=None if self.stats_at is None else now - self.stats_at, stats=own)
 
 
 def choose(replicas: Iterable[Replica], now: float, exclude: Iterable[str] = ()) -> Replica | None:

@@ -64,15 +64,24 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
 from ipc import protocol
+from ipc.metrics_types import Distribution, RouterCounters, RouterTotals, ServerStats, SessionCounts, SessionSummary
 from runtime.clients import Clients
 from runtime.core_types import EXIT_OK, ClientError
 from runtime.migration import renamed
-from runtime.replicas import MAX_SESSIONS_PER_REPLICA, Replica, State, UnusableStats, choose, read_stats, summary
+from runtime.replicas import (
+    MAX_SESSIONS_PER_REPLICA,
+    Replica,
+    ReplicaStatsReply,
+    State,
+    UnusableStats,
+    choose,
+    read_stats,
+    summary,
+)
 from runtime.router_config import ReplicaEntry, RouterSection, check_endpoint, check_name, chunk_limit
 from runtime.router_types import (
     ChunkHead,
@@ -175,7 +184,7 @@ class RouterCore:
         self.sessions_total = 0
         self.chunks_forwarded = 0
         self.client_messages = 0
-        self.hold_s: dict[str, Any] = {}  # the shell's measure of a chunk's stay in the router (``ShellTimes``)
+        self.hold_s = Distribution()  # the shell's measure of a chunk's stay in the router (``ShellTimes``)
         self.watch_dropped = 0  # chunks the shell dropped for slow watchers (``ShellTimes``)
         self.rejects: dict[str, int] = {}
         self.aliases: dict[tuple[str, str], str] = {}  # (replica, id there) -> the id a migrated one's client knows
@@ -316,8 +325,9 @@ class RouterCore:
             if error is not None:
                 self._emit(ToClient(session.client, protocol.Error(session=session.id, code="rank_failed",
                                                                    message=error), session.id))
-            self._emit(ToClient(session.client, protocol.Closed(session=session.id, reason=reason, error=error,
-                                                                summary={"replica": session.replica}), session.id))
+            closed = protocol.Closed(session=session.id, reason=reason, error=error,
+                                     summary=SessionSummary(replica=session.replica))
+            self._emit(ToClient(session.client, closed, session.id))
 
     def _end_watchers(self, sid: str, reason: str, error: str | None, keep: bool) -> None:
         """The session ended here: each of its watchers gets a ``closed`` of its own (the owner's summary is not
@@ -453,7 +463,7 @@ class RouterCore:
                 if sid in self.sessions and message.req is not None:
                     self.sessions[sid].asked.pop(message.req, None)
                 self._to_session(replica, sid, raw)  # type: ignore[arg-type]
-            case protocol.StatsReply():
+            case ReplicaStatsReply():
                 self._stats_reply(replica, message, now)
             case protocol.HeartbeatAck(server=server):
                 self._identify(replica, server, now)
@@ -635,7 +645,7 @@ class RouterCore:
                                                       f"{event.replica} is full; send it again",
                                                       retry_after_s=SESSION_RETRY_S), origin.req, origin.session)
 
-    def _stats_reply(self, replica: Replica, reply: protocol.StatsReply, now: float) -> None:
+    def _stats_reply(self, replica: Replica, reply: ReplicaStatsReply, now: float) -> None:
         if reply.req != replica.stats_req:
             return
         replica.stats_req = None
@@ -716,7 +726,7 @@ class RouterCore:
                                     session.id))
                 self._emit(ToClient(session.client, protocol.Closed(
                     session=session.id, reason="shutdown" if code == "shutdown" else "failed", error=text,
-                    summary={"replica": replica.name}), session.id))
+                    summary=SessionSummary(replica=replica.name)), session.id))
         return len(lost)
 
     def _add(self, name: str, endpoint: str, max_sessions: int, listed: bool, now: float) -> Replica:
@@ -855,50 +865,48 @@ class RouterCore:
     def sessions(self) -> Mapping[str, RoutedSession]:
         return self.clients.sessions
 
-    def stats(self, who: bytes, now: float) -> dict[str, Any]:
-        """The router's stats for client ``who``: totals over the up replicas (the keys a server has, summed), the
+    def stats(self, who: bytes, now: float) -> ServerStats:
+        """The router's stats for client ``who``: totals over the up replicas (the counters a server has, summed), the
         router's own counters, every replica (its state, load and its own latest stats without per-session
         entries) and ``per_session`` for ``who``'s sessions only (with the replica each is on)."""
         up = [r for r in self.replicas.values() if r.state is State.UP]
         read = [r.stats for r in up if r.stats is not None]  # typed and in range (``read_stats``): sums fit uint64
 
-        def merged(key: str) -> dict[str, int]:
-            out = dict(self.rejects) if key == "rejects" else {}
-            for stats in read:
-                for name, n in getattr(stats, key).items():
+        def merged(counts: Iterable[dict[str, int]], start: dict[str, int]) -> dict[str, int]:
+            out = dict(start)
+            for each in counts:
+                for name, n in each.items():
                     out[name] = out.get(name, 0) + n
             return out
 
         mine = {}
         for session in sorted(self.clients.of(who), key=lambda s: s.id):
-            sid = session.id
             stats = self.replicas[session.replica].stats
-            mine[sid] = {**(stats.per_session.get(session.rid, {}) if stats else {}), "replica": session.replica}
+            own = stats.per_session.get(session.rid) if stats else None
+            mine[session.id] = msgspec.structs.replace(own or SessionSummary(), replica=session.replica)
         chunks, frames = sum(s.chunks_emitted for s in read), sum(s.frames_emitted for s in read)
         open_sessions = sum(len(r.sessions) + r.external for r in up)
-        return {
-            "layout": "router",
-            "uptime_s": now - self.started,
-            "open_sessions": open_sessions,
-            "sessions": {"open": len(self.sessions), "total": self.sessions_total},
-            "chunks_emitted": chunks,
-            "frames_emitted": frames,
-            "rejects": dict(self.rejects),
-            "total": {
-                "replicas_up": len(up), "replicas": len(self.replicas),
-                "max_sessions": sum(r.max_sessions for r in up),
-                "open_sessions": open_sessions,
-                "sessions_total": sum(s.sessions.total for s in read),
-                "chunks_emitted": chunks, "frames_emitted": frames,
-                "rejects": merged("rejects"), "errors": merged("errors"),
-            },
-            "router": {"chunks_forwarded": self.chunks_forwarded, "client_messages": self.client_messages,
-                       "watchers": self.watchers.count(), "watch_dropped": self.watch_dropped,
-                       "opening": len(self.opens), "sessions_total": self.sessions_total, "chunk_hold_s": self.hold_s,
-                       "autosaves": self.autosaves, "migrations": self.migrations},
-            "replicas": {name: r.describe(now) for name, r in sorted(self.replicas.items())},
-            "per_session": mine,
-        }
+        return ServerStats(
+            layout="router",
+            uptime_s=now - self.started,
+            open_sessions=open_sessions,
+            sessions=SessionCounts(open=len(self.sessions), total=self.sessions_total),
+            chunks_emitted=chunks,
+            frames_emitted=frames,
+            rejects=dict(self.rejects),
+            total=RouterTotals(
+                replicas_up=len(up), replicas=len(self.replicas), max_sessions=sum(r.max_sessions for r in up),
+                open_sessions=open_sessions, sessions_total=sum(s.sessions.total for s in read),
+                chunks_emitted=chunks, frames_emitted=frames, rejects=merged((s.rejects for s in read), self.rejects),
+                errors=merged((s.errors for s in read if isinstance(s.errors, dict)), {})),
+            router=RouterCounters(
+                chunks_forwarded=self.chunks_forwarded, client_messages=self.client_messages,
+                watchers=self.watchers.count(), watch_dropped=self.watch_dropped, opening=len(self.opens),
+                sessions_total=self.sessions_total, chunk_hold_s=self.hold_s, autosaves=self.autosaves,
+                migrations=self.migrations),
+            replicas={name: r.describe(now) for name, r in sorted(self.replicas.items())},
+            per_session=mine,
+        )
 
 
 def fold(a: protocol.ControlState, b: protocol.ControlState) -> protocol.ControlState:

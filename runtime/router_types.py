@@ -13,9 +13,9 @@ only hands it back in an output, so a chunk's frames cross the router without be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ipc import protocol
+from ipc.metrics_types import Distribution
 from runtime.client_types import (  # the client side, shared with the coordinator core
     ClientSent,
     ClientUnreachable,
@@ -28,6 +28,7 @@ from runtime.client_types import (  # the client side, shared with the coordinat
     ToClient,
     ToWatchers,
 )
+from runtime.replicas import ReplicaStatsReply
 
 __all__ = ["ChunkHead", "ClientSent", "ClientUnreachable", "ClientUnreadable", "Connect", "Disconnect", "DropSnapshot",
            "EndWatch", "Event",
@@ -51,7 +52,7 @@ class ReplicaSent:
 
     replica: str
     generation: int
-    message: protocol.ServerMessage | ChunkHead
+    message: protocol.ServerMessage | ReplicaStatsReply | ChunkHead  # a stats reply: its stats as they came
     raw: Payload
 
 
@@ -104,7 +105,7 @@ class ShellTimes:
     """What the shell measured of itself, for ``stats``: how long a chunk stayed in the router, from the moment
     it was read off a replica's socket to the moment it was queued for its client (a distribution, seconds)."""
 
-    hold_s: dict[str, Any]
+    hold_s: Distribution
     watch_dropped: int = 0  # chunks dropped for slow watchers so far (``runtime.watchers.Feeds``)
 
 

@@ -9,8 +9,8 @@ could not warm (out of memory) is not warm, and rank 0 refuses sessions at it (`
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
+from ipc.metrics_types import WarmUpStage, WarmUpStages
 from ipc.protocol import Stage, WarmUp
 from runtime.placement import Placement
 from runtime.sizes import Size
@@ -52,24 +52,23 @@ class WarmStart:
                    for stage in Stage for rank in self.placement.ranks_of(stage))
 
     def seconds(self, stage: Stage) -> float:
-        return max((sum(r.seconds for r in self.runs.get((stage.value, rank), []))
+        return max((sum((r.seconds for r in self.runs.get((stage.value, rank), [])), 0.0)
                     for rank in self.placement.ranks_of(stage)), default=0.0)
 
-    def to_dict(self) -> dict[str, Any]:
+    def stages(self) -> WarmUpStages:
         """Per stage: the slowest rank's seconds, the chunks of each throwaway session, and the sizes per rank."""
-        out: dict[str, Any] = {}
+        out: dict[str, WarmUpStage] = {}
         for stage in Stage:
             ranks = self.placement.ranks_of(stage)
             chunks = {r.chunks for rank in ranks for r in self.runs.get((stage.value, rank), [])}
             runs = {rank: self.runs.get((stage.value, rank), []) for rank in ranks}
             failed = {str(rank): {size_name(r.height, r.width): r.failed for r in rs if r.failed}
                       for rank, rs in runs.items() if any(r.failed for r in rs)}
-            out[stage.value] = {"seconds": round(self.seconds(stage), 3),
-                                "chunks_per_size": max(chunks, default=0),
-                                "ranks": {str(rank): self._sizes_of(stage, rank) for rank in ranks},
-                                "threads": {str(rank): sorted({r.thread for r in rs}) for rank, rs in runs.items()},
-                                "failed": failed}
-        return out
+            out[stage.value] = WarmUpStage(
+                seconds=round(self.seconds(stage), 3), chunks_per_size=max(chunks, default=0),
+                ranks={str(rank): self._sizes_of(stage, rank) for rank in ranks},
+                threads={str(rank): sorted({r.thread for r in rs}) for rank, rs in runs.items()}, failed=failed)
+        return WarmUpStages(**out)
 
     def describe(self) -> str:
         seconds = ", ".join(f"{stage.value} {self.seconds(stage):.2f} s" for stage in Stage)

@@ -39,6 +39,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import Busy, ChunkResult, Client, ServerError
+from ipc.metrics_types import CapacityStats, SeatStats
 from scripts.bench_common import fmt, table
 from scripts.local_server import ROOT, LocalServer
 
@@ -94,11 +95,11 @@ class Player:
         raise AssertionError(f"session {self.info.id}: no chunk {what} within {timeout_s} s: "
                              f"{[(c.index, c.facts.steps, c.facts.steps_changed) for c in self.chunks]}")
 
-    def own_stats(self, ready: Callable[[dict], bool], timeout_s: float = 60) -> dict:
+    def own_stats(self, ready: Callable[[SeatStats], bool], timeout_s: float = 60) -> SeatStats:
         """This session's entry in the server's capacity stats, once ``ready`` holds (or at the deadline)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            mine = self.client.stats()["capacity"]["sessions"][self.info.id]
+            mine = self.client.stats().capacity.sessions[self.info.id]
             if ready(mine) or time.monotonic() > deadline:
                 return mine
             time.sleep(0.1)
@@ -136,15 +137,15 @@ def run(ladder: str, settle: int, hold: int, max_sessions: int) -> dict[str, Any
             Client(server.endpoint) as admin:
         try:
             while True:
-                before = admin.stats()["capacity"]
+                before = admin.stats().capacity
                 try:
                     players.append(Player(server.endpoint, steps=4, min_steps=floor))
                 except Busy as busy:
                     n = len(players)
-                    room = floor_period(before["stage_s"], n + 1, floor)
+                    room = floor_period(before.stage_s, n + 1, floor)
                     refusal = {"sessions": n, "message": str(busy), "retry_after_s": busy.retry_after_s,
                                "floor_period_s": room,
-                               "model_had_room": room is not None and room * (1 + before["margin"]) <= MEDIA_S}
+                               "model_had_room": room is not None and room * (1 + before.margin) <= MEDIA_S}
                     break
                 # settle: every session runs `settle` chunks at what the ladder gave it, then `hold` more are measured
                 marks = {p.info.id: len(p.chunks) for p in players}
@@ -156,7 +157,7 @@ def run(ladder: str, settle: int, hold: int, max_sessions: int) -> dict[str, Any
                 for p in players:
                     p.wait_for("measured", lambda c, s=starts[p.info.id] + measure: c.index >= s,
                                timeout_s=120)
-                stats = admin.stats()["capacity"]
+                stats = admin.stats().capacity
                 phases.append(phase_record(players, starts, stats))
                 if final:
                     break
@@ -164,7 +165,7 @@ def run(ladder: str, settle: int, hold: int, max_sessions: int) -> dict[str, Any
                 starts = {p.info.id: max(c.index for c in p.chunks) for p in players}
                 for p in players:
                     p.wait_for("held", lambda c, s=starts[p.info.id]: c.index >= s + hold, timeout_s=120)
-                phases.append(phase_record(players, starts, admin.stats()["capacity"]))
+                phases.append(phase_record(players, starts, admin.stats().capacity))
         finally:
             for p in players:
                 p.close()
@@ -173,7 +174,7 @@ def run(ladder: str, settle: int, hold: int, max_sessions: int) -> dict[str, Any
             "sessions_held": len(players)}
 
 
-def phase_record(players: list[Player], starts: dict[str, int], stats: dict[str, Any]) -> dict[str, Any]:
+def phase_record(players: list[Player], starts: dict[str, int], stats: CapacityStats) -> dict[str, Any]:
     sessions = {}
     for p in players:
         steady = sorted((c for c in p.chunks if c.index > starts[p.info.id]), key=lambda c: c.index)
@@ -181,8 +182,8 @@ def phase_record(players: list[Player], starts: dict[str, int], stats: dict[str,
         periods = list(np.diff(emitted)) if len(emitted) > 1 else []
         sessions[p.info.id] = {"steps": [c.facts.steps for c in steady], "periods_s": [float(x) for x in periods],
                                "rtf": [MEDIA_S / x for x in periods if x > 0]}  # fmt: skip
-    return {"n": len(players), "predicted_period_s": stats["predicted_period_s"], "headroom": stats["headroom"],
-            "stage_s": stats["stage_s"], "sessions": sessions}
+    return {"n": len(players), "predicted_period_s": stats.predicted_period_s, "headroom": stats.headroom,
+            "stage_s": stats.stage_s, "sessions": sessions}
 
 
 def verdicts(on: dict[str, Any], off: dict[str, Any]) -> list[tuple[str, str, str, bool]]:

@@ -23,13 +23,14 @@ import itertools
 import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ipc.client import ChunkResult, Client
+from ipc.metrics_types import ServerStats, SessionSummary
 from ipc.protocol import ChunkFacts, Span
 from runtime.metrics import stage_extent
 from scripts.client import Played, load_trace, play
@@ -85,10 +86,10 @@ class Run:
     mode: str
     reactive: bool
     chunks: list[dict[str, Any]]  # index, frames (count), frame_bytes, shape, digest, control, facts (typed)
-    summary: dict[str, Any]
+    summary: SessionSummary
     server_start_s: float
     wall_s: float
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: ServerStats | None = None
 
     @property
     def digests(self) -> list[str]:
@@ -106,7 +107,7 @@ def _chunk_entry(chunk: ChunkResult) -> dict[str, Any]:
 
 
 def _to_run(label: str, config: str, mode: str, reactive: bool, played: Played, start_s: float,
-            stats: dict[str, Any]) -> Run:
+            stats: ServerStats) -> Run:
     return Run(label=label, config=config, mode=mode, reactive=reactive,
                chunks=[_chunk_entry(c) for c in played.chunks], summary=played.summary, server_start_s=start_s,
                wall_s=played.wall_s, stats=stats)
@@ -256,20 +257,18 @@ def summarize(run: Run, warmup: int) -> dict[str, Any]:
     steady = _steady(run, warmup)
     latencies = [t for c in steady if (t := c["facts"].times.control_to_output) is not None]
     summary = run.summary
-    first = summary.get("time_to_first_frame_s", {})
-    peak = summary.get("peak_memory_bytes", {}) or {}
+    first, peak, idle = summary.time_to_first_frame_s, summary.peak_memory_bytes, summary.dit_idle
     return {
         "label": run.label, "config": run.config, "mode": run.mode, "reactive": run.reactive,
         "chunks": len(run.chunks), "frames": sum(c["frames"] for c in run.chunks),
         "period_s": distribution(periods(run, warmup)),
         "latency_s": distribution(latencies),
-        "first_frame_from_open_s": first.get("from_open"),
-        "first_frame_from_first_control_s": first.get("from_first_control"),
-        "compute_fps": (summary.get("compute") or {}).get("fps_weighted"),
+        "first_frame_from_open_s": first.from_open,
+        "first_frame_from_first_control_s": first.from_first_control,
+        "compute_fps": summary.compute.fps_weighted,
         "stream_fps": _stream_fps(run, warmup),
-        "dit_idle_fraction": (summary.get("dit_idle") or {}).get("fraction"),
-        "dit_idle_by_cause_s": {k: v["total_s"] for k, v in (summary.get("dit_idle") or {}).get("by_cause",
-                                                                                              {}).items()},
+        "dit_idle_fraction": idle.fraction,
+        "dit_idle_by_cause_s": {cause: share.total_s for cause, share in idle.by_cause.shares().items()},
         "dit": dit_busy(run, warmup),
         "peak_rss_bytes": max(peak.values()) if peak else None,
         "peak_rss_by_rank": peak,

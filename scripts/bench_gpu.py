@@ -598,6 +598,7 @@ def serve(tiny: bool, chunks: int = 8) -> dict[str, Any]:
     """A short session through the whole runtime on one device (every role on rank 0) at the stream's full size
     (480x832; tiny: 64x96): its first chunk against its steady ones, at the client and per stage on rank 0."""
     from ipc.client import Client
+    from ipc.protocol import to_builtins
     from scripts.local_server import LocalServer
 
     height, width = (64, 96) if tiny else (480, 832)
@@ -634,7 +635,7 @@ def serve(tiny: bool, chunks: int = 8) -> dict[str, Any]:
             "steady_period_s": statistics.median(gaps) if gaps else None,
             "first": {k: per_chunk[0][k] for k in ("denoise_s", "decode_s", "condition_s")} if per_chunk else None,
             "steady": {k: median(k) for k in ("denoise_s", "decode_s", "condition_s")},
-            "period_p50_s": summary.get("chunk_period_s", {}).get("p50"), "summary": summary}
+            "period_p50_s": summary.chunk_period_s.p50, "summary": to_builtins(summary)}
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -55,10 +55,10 @@ def period(endpoint: str, chunks: int) -> float:
 
 def migration(router: LocalRouter, servers: dict[str, LocalServer]) -> dict[str, Any]:
     with Client(router.endpoint, timeout_s=60) as client:
-        saves = client.stats()["router"]["autosaves"]
+        saves = client.stats().router.autosaves
         info = client.open(IMAGE, seed=2, num_chunks=200)
         index = 0
-        while index < 6 or client.stats()["router"]["autosaves"] <= saves:
+        while index < 6 or client.stats().router.autosaves <= saves:
             client.control(info.id, index, keys="w")
             client.next_chunk(info.id, timeout_s=60)
             index += 1
@@ -106,7 +106,7 @@ def main() -> int:
                 s.start()
             for r in (off, on):
                 with Client(r.endpoint, timeout_s=10) as c:
-                    wait_for("replicas up", lambda c=c: all(x["state"] == "up" for x in c.stats()["replicas"]
+                    wait_for("replicas up", lambda c=c: all(x.state == "up" for x in c.stats().replicas
                                                             .values()), 60)
             for n in range(args.rounds):
                 order = [("off", off), ("on", on)] if n % 2 == 0 else [("on", on), ("off", off)]
@@ -116,7 +116,7 @@ def main() -> int:
                 print(f"round {n}: period off {got['off'] * 1e3:.1f} ms, K={args.every} {got['on'] * 1e3:.1f} ms, "
                       f"ratio {got['ratio']:.3f}", flush=True)
             with Client(on.endpoint) as c:
-                result["autosaves"] = c.stats()["router"]["autosaves"]
+                result["autosaves"] = c.stats().router.autosaves
             for n in range(args.trials):
                 trial = migration(on, servers)
                 result["migrations"].append(trial)
@@ -129,7 +129,7 @@ def main() -> int:
                 started.append(servers[dead])
                 servers[dead].start()
                 with Client(on.endpoint, timeout_s=10) as c:
-                    wait_for("replica back", lambda c=c, dead=dead: c.stats()["replicas"][dead]["state"] == "up", 60)
+                    wait_for("replica back", lambda c=c, dead=dead: c.stats().replicas[dead].state == "up", 60)
         finally:
             for s in started:
                 s.stop()

@@ -52,6 +52,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import Busy, Client
+from ipc.metrics_types import RouterCounters
 from scripts.bench_common import distribution, fmt, table
 from scripts.client import Played, load_trace, play
 from scripts.local_router import LocalRouter, Streamer
@@ -125,9 +126,9 @@ def play_paced(client: Client, image: bytes, trace: dict[str, Any], pace_s: floa
     return played
 
 
-def router_counters(router: LocalRouter) -> dict[str, int]:
+def router_counters(router: LocalRouter) -> RouterCounters:
     with Client(router.endpoint, timeout_s=10) as probe:
-        return probe.stats()["router"]
+        return probe.stats().router
 
 
 def run_phase(endpoints: list[str], image: bytes, trace: dict[str, Any], router: LocalRouter, reactive: bool,
@@ -135,7 +136,7 @@ def run_phase(endpoints: list[str], image: bytes, trace: dict[str, Any], router:
     """Play one session per endpoint at once; what each client saw (latencies split by the router's endpoint)."""
     router_endpoint = router.endpoint
     router_pid = router.process.pid if measure_router and router.process is not None else None
-    before = router_counters(router) if router_pid else {}
+    before = router_counters(router) if router_pid else RouterCounters()
     plays: dict[int, Played] = {}
     errors: list[BaseException] = []
     clients = [Client(e, timeout_s=120) for e in endpoints]
@@ -156,7 +157,7 @@ def run_phase(endpoints: list[str], image: bytes, trace: dict[str, Any], router:
         t.join(timeout=600)
     wall = time.monotonic() - began
     cpu = (cpu_seconds(router_pid) - cpu0) if router_pid else None
-    after = router_counters(router) if router_pid else {}
+    after = router_counters(router) if router_pid else RouterCounters()
     for c in clients:
         c.close_client()
     if errors:
@@ -180,7 +181,7 @@ def run_phase(endpoints: list[str], image: bytes, trace: dict[str, Any], router:
             "bare_latencies": delivery("bare"),
             "rates": rates, "rate": overlap_rate(ordered), "wall_s": wall,
             "router_cpu_s": cpu, "chunks": chunks,
-            "client_messages": after.get("client_messages", 0) - before.get("client_messages", 0),
+            "client_messages": after.client_messages - before.client_messages,
             "in_order": all([c.index for c in p.chunks] == list(range(len(trace["chunks"]))) for p in ordered)}
 
 
@@ -188,7 +189,7 @@ def settle(router: LocalRouter) -> None:
     """Wait until the router's view of every replica is empty again (its stats are read every second): the next
     phase starts from the same placement."""
     with Client(router.endpoint, timeout_s=10) as probe:
-        while any(r["load"] for r in probe.stats()["replicas"].values()):
+        while any(r.load for r in probe.stats().replicas.values()):
             time.sleep(0.1)
 
 
@@ -200,7 +201,7 @@ def failover(kind: int, router: LocalRouter, a: LocalServer, b: LocalServer, ima
         streamers = []
         for client in clients[:2]:
             info = client.open(image)
-            streamers.append(Streamer(client, info.id, client.stats()["per_session"][info.id]["replica"]))
+            streamers.append(Streamer(client, info.id, client.stats().per_session[info.id].replica))
         assert sorted(s.replica for s in streamers) == ["a", "b"], [s.replica for s in streamers]
         threads = [s.start() for s in streamers]
         while not all(len(s.chunks) >= 3 for s in streamers):
@@ -219,14 +220,14 @@ def failover(kind: int, router: LocalRouter, a: LocalServer, b: LocalServer, ima
             except Busy as error:
                 time.sleep(min(0.2, error.retry_after_s or 0.2))
         new_session = time.monotonic() - killed
-        where = clients[2].stats()["per_session"][opened.id]["replica"]
+        where = clients[2].stats().per_session[opened.id].replica
         clients[2].close(opened.id)
         b.wait(timeout_s=60)
         relaunched = time.monotonic()
         restarted = LocalServer("cpu-mini", b_overrides).start()
         serving = time.monotonic()
         with Client(router.endpoint, timeout_s=10) as probe:
-            while probe.stats()["replicas"]["b"]["state"] != "up":
+            while probe.stats().replicas["b"].state != "up":
                 time.sleep(0.02)
         up = time.monotonic()
         kept.stop.set()
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             forwarder.start()
         assert router.process is not None
         with Client(router.endpoint) as probe:
-            while {r["state"] for r in probe.stats()["replicas"].values()} != {"up"}:
+            while {r.state for r in probe.stats().replicas.values()} != {"up"}:
                 time.sleep(0.05)
         print(f"two cpu-mini replicas and the router up; {k} sessions x {args.chunks} chunks, {args.rounds} rounds",
               flush=True)
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                 servers.append(b)
                 timings = {key: round(v, 3) for key, v in failovers[label].items() if key != "error"}
                 print(f"  failover {label}: {json.dumps(timings)}", flush=True)
-        hold = router_counters(router)["chunk_hold_s"]
+        hold = router_counters(router).chunk_hold_s
     finally:
         for forwarder in forwarders:
             if forwarder.is_alive():

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
           Client(server.endpoint) as client_b):
         thread_a = threading.Thread(target=lambda: results.__setitem__("a", play(client_a, image, trace)))
         thread_a.start()
-        while client_a.stats()["chunks_emitted"] < 4:
+        while client_a.stats().chunks_emitted < 4:
             time.sleep(0.01)
         opened_b = time.monotonic()
         results["b"] = play(client_b, image, {**trace, "chunks": trace["chunks"][: args.chunks // 2]})
@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     b_chunks = [c.received for c in b.chunks]
     facts = {
         "unit_s": args.unit, "E_s": e, "D_s": d, "V_s": v,
-        "first_frame_a_s": a.summary["time_to_first_frame_s"]["from_open"],
-        "first_frame_b_s": b.summary["time_to_first_frame_s"]["from_open"],
+        "first_frame_a_s": a.summary.time_to_first_frame_s.from_open,
+        "first_frame_b_s": b.summary.time_to_first_frame_s.from_open,
         "b_first_frame_before_a_end_s": a.chunks[-1].received - b.chunks[0].received,
         "b_opened_after_a_chunk": 4, "b_open_to_first_frame_wall_s": b.chunks[0].received - opened_b,
         "b_longest_gap_s": float(np.max(np.diff(b_chunks))) if len(b_chunks) > 1 else None,

@@ -54,6 +54,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import ChunkResult, Client, LiveInput, ServerError, SessionClosed, SessionInfo, closed_summary
+from ipc.metrics_types import SessionSummary
 from ipc.protocol import to_builtins
 
 LIVE_TRACE_FORMAT = "worldstream-live-trace/1"
@@ -75,7 +76,7 @@ class Played:
     fps: float
     opened_s: float  # open -> session ready
     chunks: list[ChunkResult] = field(default_factory=list)
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: SessionSummary = field(default_factory=SessionSummary)
     wall_s: float = 0.0
     prompts: list[dict[str, Any]] = field(default_factory=list)  # set_prompt answers: chunk, prompt_revision, prompt
     saves: list[dict[str, Any]] = field(default_factory=list)  # saved answers: chunk, snapshot, bytes, pause_s
@@ -385,21 +386,19 @@ def write_video(chunks: list[ChunkResult], path: Path, fps: float) -> int:
     return count
 
 
-def report(played: Played, summary: dict[str, Any]) -> dict[str, Any]:
-    period = summary.get("chunk_period_s", {})
-    first = summary.get("time_to_first_frame_s", {})
-    latency = summary.get("latency_s", {})
+def report(played: Played, summary: SessionSummary) -> dict[str, Any]:
+    period, first, latency = summary.chunk_period_s, summary.time_to_first_frame_s, summary.latency_s
     return {
         "chunks": len(played.chunks),
         "frames": sum(c.frames.shape[0] for c in played.chunks),
         "wall_s": played.wall_s,
-        "first_frame_from_open_s": first.get("from_open"),
-        "first_frame_from_first_control_s": first.get("from_first_control"),
-        "chunk_period_p50_s": period.get("p50"),
-        "chunk_period_p90_s": period.get("p90"),
-        "control_to_output_p50_s": latency.get("p50"),
-        "control_to_output_p90_s": latency.get("p90"),
-        "real_time_factor": summary.get("real_time_factor"),
+        "first_frame_from_open_s": first.from_open,
+        "first_frame_from_first_control_s": first.from_first_control,
+        "chunk_period_p50_s": period.p50,
+        "chunk_period_p90_s": period.p90,
+        "control_to_output_p50_s": latency.p50,
+        "control_to_output_p90_s": latency.p90,
+        "real_time_factor": summary.real_time_factor,
     }
 
 
@@ -469,7 +468,7 @@ def report_all(args: argparse.Namespace, played: Played, matched: bool | None) -
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         chunks = [to_builtins(c.facts) for c in played.chunks]
-        args.json.write_text(json.dumps({"report": facts, "summary": summary, "prompts": played.prompts,
+        args.json.write_text(json.dumps({"report": facts, "summary": to_builtins(summary), "prompts": played.prompts,
                                          "saves": played.saves, "chunks": chunks}, indent=1))
     if args.chrome_trace:
         write_chrome_trace(played, args.chrome_trace)

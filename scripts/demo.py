@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     facts = report(played, played.summary)
     frames = write_video(played.chunks, args.out, played.fps)
     facts["demo_wall_s"] = time.monotonic() - began
-    facts["rank_rss_mb"] = {r: round(m["rss"] / 2**20) for r, m in stats.get("ranks", {}).items()}
-    args.json.write_text(json.dumps({"report": facts, "summary": played.summary,
+    ranks = stats.ranks if isinstance(stats.ranks, dict) else {}
+    facts["rank_rss_mb"] = {r: round(m.rss / 2**20) for r, m in ranks.items()}
+    args.json.write_text(json.dumps({"report": facts, "summary": to_builtins(played.summary),
                                      "chunks": [to_builtins(c.facts) for c in played.chunks]}, indent=1))
     print(f"wrote {args.out} ({frames} frames) and {args.json}")
     print(f"chunks={facts['chunks']} first_frame_from_open={facts['first_frame_from_open_s']:.3f}s "

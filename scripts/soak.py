@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import Client
+from ipc.protocol import to_builtins
 from scripts.local_server import ROOT, LocalServer
 
 ZERO_COST = ["--synthetic.encode_s=0", "--synthetic.denoise_s=0", "--synthetic.decode_s=0"]
@@ -51,13 +52,13 @@ def soak(client: Client, chunks: int, marks: set[int], control: Callable[[int], 
         if chunk.index != index:
             errors.append(f"chunk {chunk.index} arrived where {index} was due")
         if index in marks:
-            samples[index] = {r: m["rss"] // 2**20 for r, m in client.stats()["ranks"].items()}
+            samples[index] = {r: m.rss // 2**20 for r, m in client.stats().ranks.items()}
     elapsed = time.monotonic() - began
     summary = client.wait_closed(info.id, timeout_s=60)
-    if summary["reason"] != "complete":
-        errors.append(f"closed with {summary['reason']}: {summary['error']}")
+    if summary.reason != "complete":
+        errors.append(f"closed with {summary.reason}: {summary.error}")
     return {"chunks": chunks, "seconds": elapsed, "rss_mb": samples, "errors": errors,
-            "period_s": summary.get("chunk_period_s")}
+            "period_s": to_builtins(summary.chunk_period_s)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ import msgspec
 import zmq
 
 from ipc import protocol
+from runtime.replicas import ReplicaStatsReply
 
 Stats = Callable[[list[str], int], dict[str, Any]]  # (the asker's sessions, every session count) -> a stats reply
 
@@ -80,7 +81,8 @@ class FakeReplica:
             case protocol.Stats():
                 self.stats_asked += 1
                 mine = sorted(s for s, c in self.sessions.items() if c == who)
-                return [protocol.StatsReply(req=message.req, stats=self.stats(mine, len(self.sessions)))]
+                # as it says it (maybe hostile): the router reads a replica's stats as they come
+                return [ReplicaStatsReply(req=message.req, stats=self.stats(mine, len(self.sessions)))]
             case protocol.Open():
                 sid = next(self._ids)
                 self.sessions[sid] = who

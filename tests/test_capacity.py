@@ -118,7 +118,7 @@ def test_count_admission_admits_beyond_real_time_at_the_lowest_steps() -> None:
     for sid in "bcdefg":
         assert m.admit(sid, SIZE, MEDIA, 4, 1).ok
     assert m.headroom() < 0  # type: ignore[operator]
-    assert m.to_dict()["headroom"] is None  # a router must not place by a rule this server does not keep
+    assert m.stats().headroom is None  # a router must not place by a rule this server does not keep
 
 
 def test_a_session_asking_for_other_steps_gets_them_as_far_as_real_time_allows() -> None:
@@ -142,8 +142,8 @@ def test_the_measured_real_time_factor_counts_only_periods_since_the_pipeline_la
     assert m.rtf(m.seats["a"])[1] == pytest.approx(MEDIA / 0.5)
     m.admit("b", SIZE, MEDIA, 4, 1)  # a new session changes everyone's period
     assert m.rtf(m.seats["a"])[1] is None
-    stats = m.to_dict(visible={"b"})
-    assert set(stats["sessions"]) == {"b"} and stats["headroom"] == pytest.approx(1 - 0.6 * 1.1 / MEDIA)
+    stats = m.stats(visible={"b"})
+    assert set(stats.sessions) == {"b"} and stats.headroom == pytest.approx(1 - 0.6 * 1.1 / MEDIA)
     for i, t in enumerate((2.0, 2.6, 3.2), start=4):
         m.on_chunk("a", facts(i, 4, t), warm=False)
     assert m.rtf(m.seats["a"])[1] == pytest.approx(MEDIA / 0.6)

@@ -21,14 +21,14 @@ def test_a_third_session_makes_the_first_two_step_down_and_closing_it_lets_them_
         b = Player(server.endpoint)
         b.wait_for("measured", lambda c: c.index >= 3)
         with Client(server.endpoint) as admin:
-            two = admin.stats()["capacity"]
-        period = two["predicted_period_s"]
-        assert period is not None and two["headroom"] >= 0  # two sessions keep real time at 4 steps (admitted so)
-        mine = a.own_stats(lambda s: s["measured_rtf"] is not None)
-        assert mine["steps"] == 4 and mine["predicted_rtf"] >= 1 + two["margin"]
-        assert mine["measured_rtf"] >= 0.97  # it keeps real time, as predicted
+            two = admin.stats().capacity
+        period = two.predicted_period_s
+        assert period is not None and two.headroom >= 0  # two sessions keep real time at 4 steps (admitted so)
+        mine = a.own_stats(lambda s: s.measured_rtf is not None)
+        assert mine.steps == 4 and mine.predicted_rtf >= 1 + two.margin
+        assert mine.measured_rtf >= 0.97  # it keeps real time, as predicted
         # three sessions at 4 steps would share the DiT three ways: by the server's own estimate, not in real time
-        assert 1.5 * period * (1 + two["margin"]) > MEDIA_S
+        assert 1.5 * period * (1 + two.margin) > MEDIA_S
 
         c = Player(server.endpoint)
         for player in (a, b):
@@ -39,8 +39,8 @@ def test_a_third_session_makes_the_first_two_step_down_and_closing_it_lets_them_
         c_steps = c.wait_for("running", lambda ch: ch.index >= 1)
         assert next(ch for ch in c.chunks if ch.index == c_steps).facts.steps < 4
         with Client(server.endpoint) as admin:
-            three = admin.stats()["capacity"]
-        assert three["headroom"] >= 0  # real time holds for all three after the ladder
+            three = admin.stats().capacity
+        assert three.headroom >= 0  # real time holds for all three after the ladder
 
         c.close()
         for player in (a, b):

@@ -34,6 +34,7 @@ from ipc.client import (
     UnknownSession,
     input_state,
 )
+from ipc.metrics_types import ServerStats
 from scripts.client import applied_trace, check_timeline, frame_hashes, intrinsics_of, photon_stats
 
 # ------------------------------------------------------------------------------------------------ LiveInput
@@ -245,7 +246,7 @@ def test_a_restarted_server_ends_the_old_sessions_and_still_answers_new_requests
         thread, raised = raised_in_thread(client.stats)
         _, stats = fake.recv(protocol.Stats)
         fake.send(identity, protocol.HeartbeatAck(server="run-2"))  # the restarted server, which got the request
-        fake.send(identity, protocol.StatsReply(req=stats.req, stats={"open_sessions": 0}))
+        fake.send(identity, protocol.StatsReply(req=stats.req, stats=ServerStats(uptime_s=1.0, open_sessions=0)))
         thread.join(timeout=5)
         assert not raised  # answered by the new run: not failed as lost
         with pytest.raises(ServerGone, match="restarted"):

@@ -66,14 +66,14 @@ class Job:
 
     def __init__(self, stream: dict[str, Any] | None = None, server: dict[str, Any] | None = None,
                  timeouts: dict[str, Any] | None = None, scheduler: dict[str, Any] | None = None,
-                 model_max_chunks: int | None = None) -> None:  # fmt: skip
+                 model_max_chunks: int | None = None, observers: tuple[Any, ...] = ()) -> None:  # fmt: skip
         stream_config = StreamConfig(**(stream or {}))
         geometry = synthetic_geometry(stream_config.height, stream_config.width, stream_config.chunk_latent_frames)
         self.core = CoordinatorCore(
             LayoutConfig(), ServerConfig(**{"max_sessions": 4, **(server or {})}), stream_config,
             SchedulerConfig(**(scheduler or {})), TimeoutsConfig(**(timeouts or {})), MetricsConfig(warmup_chunks=0),
             dataclasses.replace(geometry, max_chunks=model_max_chunks), 0.0,
-            new_id=(f"s{i}" for i in itertools.count()).__next__)
+            new_id=(f"s{i}" for i in itertools.count()).__next__, observers=observers)
         self.now = 0.0
         self.tasks: list[tuple[bytes, p.WorkerTask]] = []  # sent, not yet answered
         self.log: list[Output] = []
@@ -282,8 +282,10 @@ def test_a_session_closes_itself_after_its_last_chunk_and_releases_decode_denois
     job.answer(p.Release, sid)
     out = job.answer(p.Release, sid)
     (closed,) = job.to(A, p.Closed, out)
-    assert closed.reason == "complete" and closed.summary["chunks"] == 2
-    assert closed.summary["released"] == {"decode": [1], "denoise": [2, 3, 6, 4, 5], "condition": [0]}
+    assert closed.reason == "complete" and closed.summary.chunks == 2
+    assert closed.summary.released == {"decode": [1], "denoise": [2, 3, 6, 4, 5], "condition": [0]}
+    assert list(closed.summary.released) == ["decode", "denoise", "condition"]  # in release order, on the wire too
+    assert list(p.decode(p.encode(closed), "server").summary.released) == ["decode", "denoise", "condition"]
     assert DropTensors(sid) in out and sid not in job.core.sessions
 
 
@@ -399,7 +401,7 @@ def test_an_image_of_any_aspect_ratio_lands_on_an_allowed_size(shape: tuple[int,
     job.open(A, image(*shape))
     (opened,) = job.to(A, p.Opened)
     assert (opened.height, opened.width) == size
-    assert size in {tuple(s) for s in job.core.stats(0.0)["sizes"]}
+    assert size in {tuple(s) for s in job.core.stats(0.0).sizes}
 
 
 def test_configured_sizes_are_the_only_ones_a_session_can_get() -> None:
@@ -507,8 +509,8 @@ def test_a_failed_release_on_one_dit_rank_is_retried_on_every_rank_and_poisons_t
     assert sorted(retried) == sorted([f"{r}:denoise".encode() for r in range(2, 7)] * 2)  # again on every rank
     job.settle(p.Release)
     (closed,) = job.to(A, p.Closed)
-    assert closed.summary["poisoned"] and closed.summary["leaked_caches"] == []
-    assert sorted(closed.summary["released"]["denoise"]) == [2, 3, 4, 5, 6]
+    assert closed.summary.poisoned and closed.summary.leaked_caches == []
+    assert sorted(closed.summary.released["denoise"]) == [2, 3, 4, 5, 6]
 
 
 def test_a_fatal_failure_ends_the_job_and_tells_every_client() -> None:
@@ -628,14 +630,61 @@ def test_two_sessions_share_the_ranks_and_each_gets_its_chunks_in_order() -> Non
     assert denoised.index(sids[B]) < len(denoised) - 1 - denoised[::-1].index(sids[A])  # interleaved on the DiT
 
 
+class Recorder:
+    """A metrics observer that writes down every event it hears (``runtime.metrics.MetricsObserver``)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+
+    def on_open(self, session: str, now: float) -> None:
+        self.events.append(("open", session))
+
+    def on_chunk(self, session: str, facts: p.ChunkFacts, memory: Any) -> None:
+        self.events.append(("chunk", session, facts))
+
+    def on_idle(self, start: float, end: float, cause: str, blocked: tuple[tuple[str, str], ...]) -> None:
+        self.events.append(("idle", cause, blocked))
+
+    def on_reject(self, reason: str) -> None:
+        self.events.append(("reject", reason))
+
+    def on_error(self, kind: str) -> None:
+        self.events.append(("error", kind))
+
+    def on_close(self, session: str, now: float) -> None:
+        self.events.append(("close", session))
+
+    def on_gauges(self, open_sessions: int, memory: Any) -> None:
+        self.events.append(("gauges", open_sessions))
+
+
+def test_every_metrics_observer_hears_each_event_once_as_the_server_metrics_do() -> None:
+    recorder = Recorder()
+    job = Job(observers=(recorder,))
+    sid = job.open(num_chunks=2)
+    job.send(A, p.Control(req=next(job.req), session="nope", index=0))  # refused: unknown session
+    job.play({A: sid}, chunks=2)
+    job.step(Tick(), dt=job.core.timeouts.heartbeat_s)
+    kinds = [e[0] for e in recorder.events]
+    assert kinds.count("open") == 1 and kinds.count("close") == 1 and kinds.index("open") < kinds.index("close")
+    chunks = [e[2] for e in recorder.events if e[0] == "chunk"]
+    assert chunks == [e.facts for e in job.emitted(sid)]  # the very facts the client got, each once
+    assert kinds.index("close") > max(i for i, k in enumerate(kinds) if k == "chunk")
+    assert [e[1] for e in recorder.events if e[0] == "reject"] == list(job.core.server_metrics.rejects.counts)
+    idle = [e for e in recorder.events if e[0] == "idle"]
+    server = job.core.server_metrics
+    assert len(idle) == sum(server.idle.count.values()) > 0 and ("gauges", 0) in recorder.events
+    assert server.chunks_emitted == len(chunks) and server.sessions_total == 1 and not server.sessions
+
+
 def test_stats_report_sessions_ranks_and_the_layout() -> None:
     job = Job()
     job.open()
     job.step(MemorySampled(0, 10, 20, 0), WorkerSent(p.Beat(rank=3, seq=0, echo=0.0, received=0.0, sent=0.0,
                                                               rss=5)))
     (reply,) = job.to(B, p.StatsReply, job.send(B, p.Stats(req=9)))
-    assert reply.req == 9 and reply.stats["open_sessions"] == 1 and reply.stats["layout"] == "cpu-tiny"
-    assert reply.stats["ranks"]["0"]["peak_rss"] == 20 and reply.stats["ranks"]["3"]["rss"] == 5
+    assert reply.req == 9 and reply.stats.open_sessions == 1 and reply.stats.layout == "cpu-tiny"
+    assert reply.stats.ranks["0"].peak_rss == 20 and reply.stats.ranks["3"].rss == 5
 
 
 def test_pings_go_to_every_rank_but_the_coordinators_once_per_heartbeat_period() -> None:
@@ -650,7 +699,8 @@ def test_an_unreadable_message_gets_bad_message_with_its_request_id() -> None:
     job = Job()
     out = job.step(ClientUnreadable(A, "invalid 'control' message: unknown keys ['q']", req=4))
     (error,) = job.to(A, p.Error, out)
-    assert (error.code, error.req) == ("bad_message", 4) and job.core.metrics.rejects.counts == {"bad_message": 1}
+    assert (error.code, error.req) == ("bad_message", 4)
+    assert job.core.server_metrics.rejects.counts == {"bad_message": 1}
 
 
 @pytest.mark.parametrize(("lost", "code"), [((), "shutdown"), ((3,), "rank_failed")])
@@ -661,7 +711,7 @@ def test_shutdown_tells_every_client_and_closes_every_session(lost: tuple[int, .
     out = job.step(ShutdownRequested(lost))
     assert errors(job, A, out) == errors(job, B, out) == [code]
     (closed,) = job.to(A, p.Closed, out)
-    assert (closed.session, closed.reason) == (sid, "shutdown") and isinstance(closed.summary, dict)
+    assert (closed.session, closed.reason) == (sid, "shutdown") and closed.summary.session == sid
     assert out[-1].code == EXIT_OK and (not lost or "rank 3 is gone" in out[-1].reason)
 
 
@@ -686,9 +736,9 @@ def test_stats_show_a_client_its_own_sessions_and_operators_all_of_them() -> Non
     mine, theirs = job.open(A), job.open(B)
     out = job.send(A, p.Stats(req=60))
     (reply,) = job.to(A, p.StatsReply, out)
-    assert list(reply.stats["per_session"]) == [mine] and reply.stats["open_sessions"] == 2
-    assert theirs not in str(reply.stats)
-    assert set(job.core.stats(job.now)["per_session"]) == {mine, theirs}  # no client: the operator's view
+    assert list(reply.stats.per_session) == [mine] and reply.stats.open_sessions == 2
+    assert theirs.encode() not in p.encode(reply)
+    assert set(job.core.stats(job.now).per_session) == {mine, theirs}  # no client: the operator's view
 
 
 def test_a_session_gets_the_camera_its_open_asks_for_or_the_servers_and_the_reply_says_which() -> None:
@@ -716,8 +766,8 @@ def test_a_sessions_steps_reach_every_dit_rank_and_a_controls_change_is_receipte
     assert per_chunk == {(0, 2), (1, 2), (2, 1)}  # every DiT rank runs what rank 0 chose for the chunk
     facts = [e.facts for e in job.emitted(sid)]
     assert [(f.steps, f.steps_changed) for f in facts] == [(2, None), (2, None), (1, "client")]
-    (mine,) = job.core.stats(job.now, A)["capacity"]["sessions"].values()
-    assert (mine["steps"], mine["want_steps"], mine["steps_changed"]) == (1, 1, "client")
+    (mine,) = job.core.stats(job.now, A).capacity.sessions.values()
+    assert (mine.steps, mine.want_steps, mine.steps_changed) == (1, 1, "client")
 
 
 def test_a_live_sessions_steps_change_from_the_next_chunk_cut() -> None:

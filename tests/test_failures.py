@@ -57,14 +57,14 @@ def test_a_failing_stage_fails_only_its_session_and_the_edges_stay_in_step(serve
     bad, good = f"bad FAIL:{stage}:2", f"good twin of {stage}"
     results = concurrent(server.endpoint, [bad, good])
     received, errors, summary = results[good]
-    assert received == list(range(8)) and not errors and summary["reason"] == "complete"
+    assert received == list(range(8)) and not errors and summary.reason == "complete"
     received, errors, summary = results[bad]
     expected = "not finite" if stage == "decode" else "injected condition failure"  # decode refuses a NaN latent
-    assert summary["reason"] == "failed" and expected in (summary["error"] or ""), summary["error"]
+    assert summary.reason == "failed" and expected in (summary.error or ""), summary.error
     # chunks before the failure arrive in order and nothing after it (conditions run ahead: one may fail first)
     assert received == list(range(len(received))) and len(received) <= 2
     assert stage != "decode" or received == [0, 1]
-    assert {k: sorted(v) for k, v in summary["released"].items()} == {"decode": [1], "denoise": [2, 3, 4, 5, 6],
+    assert {k: sorted(v) for k, v in summary.released.items()} == {"decode": [1], "denoise": [2, 3, 4, 5, 6],
                                                                       "condition": [0]}
     # a new session afterwards streams normally: nothing on any edge was left out of step
     after = concurrent(server.endpoint, [f"after {stage}"], chunks=4)
@@ -76,11 +76,11 @@ def test_a_failure_preparing_a_chunk_on_one_dit_rank_fails_only_its_session_and_
     bad = "bad FAIL:prepare:2"
     results = concurrent(server.endpoint, [bad, "good twin"])
     received, _, summary = results[bad]
-    assert summary["reason"] == "failed", summary
-    assert "rank 3 could not prepare the chunk" in summary["error"] and "injected failure preparing" in summary["error"]
+    assert summary.reason == "failed", summary
+    assert "rank 3 could not prepare the chunk" in summary.error and "injected failure preparing" in summary.error
     assert received in ([], [0], [0, 1])  # in order, and nothing from chunk 2 on (those in flight are dropped)
-    assert results["good twin"][0] == list(range(8)) and results["good twin"][2]["reason"] == "complete"
-    assert sorted(summary["released"]["denoise"]) == [2, 3, 4, 5, 6]  # every DiT rank released its caches
+    assert results["good twin"][0] == list(range(8)) and results["good twin"][2].reason == "complete"
+    assert sorted(summary.released["denoise"]) == [2, 3, 4, 5, 6]  # every DiT rank released its caches
     assert concurrent(server.endpoint, ["after a prepare failure"], chunks=4)["after a prepare failure"][0] == \
         [0, 1, 2, 3]
 
@@ -91,7 +91,7 @@ def test_a_denoise_failure_with_one_dit_rank_fails_only_that_session(tmp_path: P
         results = concurrent(server.endpoint, ["bad FAIL:denoise:3", "good"])
         assert results["good"][0] == list(range(8))
         received, _, summary = results["bad FAIL:denoise:3"]
-        assert summary["reason"] == "failed" and "injected denoise failure" in summary["error"]
+        assert summary.reason == "failed" and "injected denoise failure" in summary.error
         assert received == list(range(len(received))) and len(received) <= 3  # in flight at the failure: dropped
         assert server.stop() == 0
 

@@ -87,7 +87,7 @@ def reply(sock: zmq.Socket, timeout_s: float = 30.0) -> object:
 
 
 def rank0_rss(client: Client) -> int:
-    return int(client.stats()["ranks"]["0"]["rss"])
+    return int(client.stats().ranks["0"].rss)
 
 
 def peak_rss(pid: int) -> int:
@@ -130,7 +130,7 @@ def test_no_message_kills_the_server_and_each_gets_a_clear_bounded_error(server:
     finally:
         sock.close()
     with Client(server.endpoint) as client:
-        assert client.stats()["layout"] == "cpu-tiny"  # still serving
+        assert client.stats().layout == "cpu-tiny"  # still serving
 
 
 def test_a_huge_frame_is_dropped_before_it_is_buffered(server: LocalServer) -> None:
@@ -186,7 +186,7 @@ def test_stats_show_a_client_only_its_own_sessions(server: LocalServer) -> None:
         mine = alice.open(IMAGE, num_chunks=3).id
         theirs = bob.open(IMAGE, num_chunks=3).id
         seen = alice.stats()
-        assert list(seen["per_session"]) == [mine] and seen["open_sessions"] >= 2
+        assert list(seen.per_session) == [mine] and seen.open_sessions >= 2
         assert theirs not in str(seen)
         alice.close(mine)
         bob.close(theirs)

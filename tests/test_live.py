@@ -52,7 +52,7 @@ def live_run(server: LocalServer) -> tool.LivePlayed:
 
 def test_live_snapshots_follow_the_input_timeline_chunk_by_chunk(live_run: tool.LivePlayed) -> None:
     chunks, states = live_run.chunks, {s["revision"]: s for s in live_run.sent}
-    assert live_run.summary["reason"] == "complete"
+    assert live_run.summary.reason == "complete"
     assert [c.index for c in chunks] == list(range(40))
     assert len(states) == len(TIMELINE["events"]) and chunks[-1].revision == max(states)  # every input was shown
     previous = -1
@@ -87,7 +87,7 @@ def test_every_input_revision_gets_an_input_to_photon_latency(live_run: tool.Liv
     assert sorted(measured) == sorted(s["revision"] for s in live_run.sent)
     assert all(0 < v < 30 for v in measured.values())  # measured (each after its revision left), never negative
     stats = tool.photon_stats(live_run.chunks)
-    period = live_run.summary["chunk_period_s"]["p50"]
+    period = live_run.summary.chunk_period_s.p50
     print(f"\ninput-to-photon on cpu-tiny: {stats} (chunk period p50 {period:.3f} s)")
 
 
@@ -147,7 +147,7 @@ def test_pause_when_idle_stops_the_stream_until_the_next_input(server: LocalServ
     assert (tapped.control.keys, tapped.revision) == ({"d"}, 3)
     assert (resumed.control.keys, resumed.revision) == ({"a"}, 4)
     assert [c.index for c in [*walking, tapped, resumed]] == list(range(len(walking) + 2))
-    assert summary["reason"] == "client"
+    assert summary.reason == "client"
 
 
 def test_a_session_beyond_the_limit_is_refused_busy_while_the_others_keep_streaming(server: LocalServer) -> None:
@@ -177,7 +177,7 @@ def test_session_length_and_image_size_beyond_the_limits_are_refused(server: Loc
             client.open(big.getvalue(), num_chunks=2)
         with pytest.raises(BadRequest, match="exceeds the limit of 2000"):
             client.open(IMAGE, prompt="p" * 2001, num_chunks=2)  # server.max_prompt_chars
-        assert client.stats()["per_session"] == {}  # nothing was opened
+        assert client.stats().per_session == {}  # nothing was opened
 
 
 def test_silent_clients_have_their_sessions_closed_and_caches_released_after_the_timeout(
@@ -244,7 +244,7 @@ def test_a_reconnecting_client_with_the_same_identity_resumes_its_session(server
         summary = second.wait_closed(info.id)
     assert [c.index for c in before + after] == [0, 1, 2, 3]
     assert [c.control.keys for c in after] == [{"d"}, {"d"}]
-    assert summary["reason"] == "complete"
+    assert summary.reason == "complete"
 
 
 def test_a_client_that_drops_mid_stream_resumes_and_keeps_receiving_later_chunks(server: LocalServer) -> None:
@@ -278,7 +278,7 @@ def test_async_client_streams_a_session_and_types_errors(server: LocalServer) ->
 
     chunks, summary, stats = asyncio.run(scenario())
     assert [c.index for c in chunks] == [0, 1, 2] and all(c.control.keys == {"j"} for c in chunks)
-    assert summary["reason"] == "complete" and stats["layout"] == "cpu-tiny"
+    assert summary.reason == "complete" and stats.layout == "cpu-tiny"
     with Client(server.endpoint) as client:  # same seed and controls through the blocking client: same frames
         same, _ = tool.play(client, IMAGE, {"seed": 4, "chunks": [{"keys": "j"}] * 3}), None
     assert len(chunks) == len(same.chunks) == 3

@@ -91,10 +91,10 @@ def test_stats_show_each_ranks_session_bytes_and_free_bytes() -> None:
     job.open(A)
     job.step(WorkerSent(p.Beat(rank=3, seq=0, echo=0.0, received=0.0, sent=0.0, room=100, held=38)))
     (reply,) = job.to(B, p.StatsReply, job.send(B, p.Stats(req=9)))
-    ranks = reply.stats["ranks"]
-    assert ranks["3"]["session_bytes"] == 40 and ranks["3"]["free_bytes"] == 60
-    assert ranks["3"]["measured_session_bytes"] == 38 and ranks["3"]["room_bytes"] == 100
-    assert ranks["0"]["session_bytes"] == 10 and ranks["0"]["free_bytes"] == 990
+    ranks = reply.stats.ranks
+    assert ranks["3"].session_bytes == 40 and ranks["3"].free_bytes == 60
+    assert ranks["3"].measured_session_bytes == 38 and ranks["3"].room_bytes == 100
+    assert ranks["0"].session_bytes == 10 and ranks["0"].free_bytes == 990
 
 
 def test_an_oom_while_one_dit_rank_opens_the_caches_answers_the_open_and_gives_the_bytes_back() -> None:

@@ -40,15 +40,15 @@ def test_a_budget_for_two_tiny_sessions_refuses_the_third_naming_the_rank_and_ad
         assert error.code == "busy" and error.retry_after_s, error
         assert f"rank {short} " in error.message and f"needs {costs[short]} bytes" in error.message, error.message
         assert f"has {budget - 2 * costs[short]} bytes" in error.message, error.message
-        ranks = client.stats()["ranks"]
+        ranks = client.stats().ranks
         for rank, cost in costs.items():
-            assert ranks[str(rank)]["session_bytes"] == 2 * cost
-            assert abs(ranks[str(rank)]["free_bytes"] - (budget - 2 * cost)) <= 1  # the budget travels in GiB
-        measured = ranks["1"]["measured_session_bytes"]  # what the stages of rank 1 count, the two sessions together
-        assert 0 < measured <= ranks["1"]["session_bytes"]
+            assert ranks[str(rank)].session_bytes == 2 * cost
+            assert abs(ranks[str(rank)].free_bytes - (budget - 2 * cost)) <= 1  # the budget travels in GiB
+        measured = ranks["1"].measured_session_bytes  # what the stages of rank 1 count, the two sessions together
+        assert 0 < measured <= ranks["1"].session_bytes
         client.close(first.id, timeout_s=60)
         third = client.open(IMAGE, prompt="three again", num_chunks=None)
-        assert third.id and client.stats()["open_sessions"] == 2
+        assert third.id and client.stats().open_sessions == 2
         assert server.stop() == 0
     assert "under-estimates" not in server.log()
 
@@ -58,10 +58,10 @@ def test_an_out_of_memory_error_on_one_dit_rank_fails_its_session_only_and_the_j
     bad = "bad OOM:prepare:2"
     results = concurrent(shared_server.endpoint, [bad, "good beside an OOM"])
     received, _, summary = results[bad]
-    assert summary["reason"] == "failed", summary
-    assert "rank 3 could not prepare the chunk" in summary["error"] and "OutOfMemoryError" in summary["error"]
+    assert summary.reason == "failed", summary
+    assert "rank 3 could not prepare the chunk" in summary.error and "OutOfMemoryError" in summary.error
     assert received in ([], [0], [0, 1])
-    assert sorted(summary["released"]["denoise"]) == [2, 3, 4, 5, 6]
+    assert sorted(summary.released["denoise"]) == [2, 3, 4, 5, 6]
     assert results["good beside an OOM"][0] == list(range(8))
     after = concurrent(shared_server.endpoint, ["after an OOM"], chunks=4)
     assert after["after an OOM"][0] == [0, 1, 2, 3]

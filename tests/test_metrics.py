@@ -6,10 +6,12 @@ import json
 import math
 import tracemalloc
 
+import msgspec
 import numpy as np
 import pytest
 
-from ipc.protocol import ChunkControl, ChunkFacts, ChunkTimes, Span
+from ipc.metrics_types import IdleShare, ServerStats, SessionCounts, TimeToFirstFrame
+from ipc.protocol import ChunkControl, ChunkFacts, ChunkTimes, Span, to_builtins
 from runtime.metrics import (
     OTHER_REASON,
     IdleCause,
@@ -100,11 +102,11 @@ def test_chunk_period_is_the_interval_between_emissions() -> None:
     m = session()
     for i, t in enumerate((1.0, 1.5, 2.5, 3.0, 3.5)):
         m.on_chunk(record(i, t))
-    summary = m.to_dict()
-    assert summary["chunk_period_s"]["count"] == 4  # type: ignore[index]
-    assert summary["chunk_period_s"]["mean"] == pytest.approx(2.5 / 4)  # type: ignore[index]
-    assert summary["chunk_period_s"]["max"] == pytest.approx(1.0)  # type: ignore[index]
-    assert summary["chunk_period_s"]["p50"] == pytest.approx(0.5, rel=0.01)  # type: ignore[index]
+    period = m.summary().chunk_period_s
+    assert period.count == 4
+    assert period.mean == pytest.approx(2.5 / 4)
+    assert period.max == pytest.approx(1.0)
+    assert period.p50 == pytest.approx(0.5, rel=0.01)
 
 
 def test_the_latest_period_is_known_from_the_second_chunk_warm_up_included() -> None:
@@ -123,14 +125,14 @@ def test_compute_fps_counts_lockstep_dit_spans_once_and_excludes_warmup() -> Non
     m.on_chunk(record(1, 6.0))
     for i in range(2, 6):
         m.on_chunk(record(i, 6.0 + i))
-    compute = m.to_dict()["compute"]
+    compute = m.summary().compute
     # steady chunk: condition 0.1 + denoise 0.2 (extent over ranks 2 and 3, not 0.2 + 0.19) + decode 0.1
-    assert compute == {"chunks": 4, "frames": 48, "compute_s": pytest.approx(4 * 0.4),
-                       "fps_weighted": pytest.approx(48 / (4 * 0.4))}
-    warm = m.to_dict()["warmup"]
-    assert warm["chunks"] == 2 and warm["frames"] == 21  # type: ignore[index]
-    assert warm["compute_s"] == pytest.approx(3.0 + 0.1 + 0.4)  # chunk 0: its denoise span, decode from stage times  # type: ignore[index]
-    assert warm["latency_s"] == [pytest.approx(0.5), pytest.approx(0.5)]  # type: ignore[index]
+    assert (compute.chunks, compute.frames) == (4, 48)
+    assert compute.compute_s == pytest.approx(4 * 0.4) and compute.fps_weighted == pytest.approx(48 / (4 * 0.4))
+    warm = m.summary().warmup
+    assert warm.chunks == 2 and warm.frames == 21
+    assert warm.compute_s == pytest.approx(3.0 + 0.1 + 0.4)  # chunk 0: its denoise span, decode from stage times
+    assert warm.latency_s == (pytest.approx(0.5), pytest.approx(0.5))
     assert m.latency.count == 4 and m.period.count == 4  # warm-up chunks are out of the steady statistics
 
 
@@ -154,7 +156,7 @@ def test_real_time_factor_is_p95_period_over_chunk_media_duration() -> None:
     for i in range(100):
         m.on_chunk(record(i, 0.5 * i + (0.3 if i == 99 else 0.0)))
     media = 12 / FPS
-    assert m.to_dict()["chunk_media_s"] == pytest.approx(media)
+    assert m.summary().chunk_media_s == pytest.approx(media)
     assert m.real_time_factor() == pytest.approx(0.5 / media, rel=0.01)  # the one slow period is above p95
 
 
@@ -164,12 +166,12 @@ def test_dit_idle_totals_and_fractions_by_cause() -> None:
     m.on_idle(2.0, 2.25, "condition")
     m.on_idle(3.0, 4.0, IdleCause.CONTROL)
     m.close(10.0)
-    idle = m.to_dict()["dit_idle"]
-    assert idle["total_s"] == pytest.approx(1.75) and idle["fraction"] == pytest.approx(0.175)  # type: ignore[index]
-    by = idle["by_cause"]  # type: ignore[index]
-    assert by["control"] == {"count": 2, "total_s": 1.5, "fraction": 0.15}
-    assert by["condition"] == {"count": 1, "total_s": 0.25, "fraction": 0.025}
-    assert by["edge"]["count"] == 0 and by["no_session"]["total_s"] == 0.0
+    idle = m.summary().dit_idle
+    assert idle.total_s == pytest.approx(1.75) and idle.fraction == pytest.approx(0.175)
+    by = idle.by_cause
+    assert by.control == IdleShare(count=2, total_s=1.5, fraction=0.15)
+    assert by.condition == IdleShare(count=1, total_s=0.25, fraction=0.025)
+    assert by.edge.count == 0 and by.no_session.total_s == 0.0
     with pytest.raises(ValueError):
         m.on_idle(5.0, 6.0, "bored")
     with pytest.raises(ValueError):
@@ -181,17 +183,17 @@ def test_condition_prefetch_wait_counts_from_the_later_of_control_and_previous_d
     m.on_chunk(record(0, 2.0, control_accepted=1.0, condition_ready=1.25, denoise_end=1.8))  # waited 0.25
     m.on_chunk(record(1, 3.0, control_accepted=1.5, condition_ready=1.9, denoise_end=2.8))  # DiT free at 1.8: 0.1
     m.on_chunk(record(2, 4.0, control_accepted=3.5, condition_ready=2.0))  # condition was early: 0
-    wait = m.to_dict()["condition_prefetch_wait_s"]
-    assert wait["count"] == 3 and wait["total"] == pytest.approx(0.35)  # type: ignore[index]
-    assert wait["max"] == pytest.approx(0.25) and wait["min"] == 0.0  # type: ignore[index]
+    wait = m.summary().condition_prefetch_wait_s
+    assert wait.count == 3 and wait.total == pytest.approx(0.35)
+    assert wait.max == pytest.approx(0.25) and wait.min == 0.0
 
 
 def test_time_to_first_frame_from_open_and_from_first_control() -> None:
     m = SessionMetrics("s", opened_at=100.0, fps=FPS)
-    assert m.to_dict()["time_to_first_frame_s"] == {"from_open": None, "from_first_control": None}
+    assert m.summary().time_to_first_frame_s == TimeToFirstFrame(from_open=None, from_first_control=None)
     m.on_chunk(record(0, 104.0, control_accepted=103.0))
     m.on_chunk(record(1, 105.0))
-    assert m.to_dict()["time_to_first_frame_s"] == {"from_open": 4.0, "from_first_control": 1.0}
+    assert m.summary().time_to_first_frame_s == TimeToFirstFrame(from_open=4.0, from_first_control=1.0)
 
 
 def test_out_of_order_chunks_are_refused() -> None:
@@ -208,12 +210,13 @@ def test_peak_memory_keeps_the_maximum_per_rank() -> None:
     m.on_memory(2, 100)
     m.on_memory(2, 50)
     m.on_memory(0, 7)
-    assert m.to_dict()["peak_memory_bytes"] == {"0": 7, "2": 100}
+    assert m.summary().peak_memory_bytes == {"0": 7, "2": 100}
 
 
 def test_memory_stays_bounded_over_100k_chunks() -> None:
-    server = ServerMetrics(started_at=0.0)
-    m = server.open_session("long", opened_at=0.0, fps=FPS, keep_last=16)
+    server = ServerMetrics(started_at=0.0, fps=FPS, keep_last=16)
+    server.on_open("long", now=0.0)
+    m = server.sessions["long"]
     rng = np.random.default_rng(1)
     jitter = rng.lognormal(-3.0, 1.0, size=1000)
     sizes = []
@@ -221,9 +224,9 @@ def test_memory_stays_bounded_over_100k_chunks() -> None:
     try:
         for i in range(100_000):
             t += 0.4 + float(jitter[i % 1000])
-            server.on_chunk("long", record(i, t))
+            server.on_chunk("long", record(i, t), {})
             if i % 1000 == 0:
-                server.on_idle(t - 0.1, t - 0.05, IdleCause.CONTROL, session="long")
+                server.on_idle(t - 0.1, t - 0.05, IdleCause.CONTROL, (("long", IdleCause.CONTROL),))
             if i == 80_000:  # trace allocations over the last 20k chunks only (tracemalloc is slow)
                 sizes.append(m.state_size())
                 tracemalloc.start()
@@ -239,35 +242,40 @@ def test_memory_stays_bounded_over_100k_chunks() -> None:
 
 
 def test_session_and_server_summaries_are_json_serialisable() -> None:
-    server = ServerMetrics(started_at=0.0)
-    server.open_session("empty", opened_at=0.5, fps=FPS)
-    m = server.open_session("busy", opened_at=1.0, fps=FPS)
+    server = ServerMetrics(started_at=0.0, fps=FPS)
+    server.on_open("empty", now=0.5)
+    server.on_open("busy", now=1.0)
     for i in range(5):
-        server.on_chunk("busy", record(i, 2.0 + i))
-    m.on_memory(1, 2**33)
+        server.on_chunk("busy", record(i, 2.0 + i), {1: {"rss": 1, "peak_rss": 2**33, "cuda_peak": 0}})
     server.on_idle(0.0, 0.5, IdleCause.NO_SESSION)
     server.on_reject("stale_revision")
     server.on_error("decode_failed")
-    live = json.loads(json.dumps(server.to_dict(now=10.0), allow_nan=False))
-    assert live["sessions"] == {"open": 2, "total": 2}
-    assert live["chunks_emitted"] == 5 and live["frames_emitted"] == 60
-    assert live["rejects"] == {"stale_revision": 1} and live["errors"] == {"decode_failed": 1}
-    assert live["dit_idle"]["by_cause"]["no_session"]["fraction"] == pytest.approx(0.05)
-    assert set(live["per_session"]) == {"empty", "busy"}
-    assert live["per_session"]["busy"]["recent_chunks"][0]["control"]["keys"] == ["w"]
-    final = json.loads(json.dumps(server.close_session("busy", at=9.0), allow_nan=False))
-    assert final["closed_at"] == 9.0 and final["chunks"] == 5 and final["elapsed_s"] == 8.0
-    assert server.to_dict(now=11.0)["sessions"] == {"open": 1, "total": 2}
+    stats = server.stats(now=10.0)
+    json.dumps(to_builtins(stats), allow_nan=False)
+    live = msgspec.json.decode(msgspec.json.encode(stats), type=ServerStats)  # what a client reads
+    assert live == stats and live.sessions == SessionCounts(open=2, total=2)
+    assert live.chunks_emitted == 5 and live.frames_emitted == 60
+    assert live.rejects == {"stale_revision": 1} and live.errors == {"decode_failed": 1}
+    assert live.dit_idle and live.dit_idle.by_cause.no_session.fraction == pytest.approx(0.05)
+    assert set(live.per_session) == {"empty", "busy"}
+    busy = live.per_session["busy"]
+    assert busy.recent_chunks[0].control and busy.recent_chunks[0].control.keys == {"w"}
+    assert busy.peak_memory_bytes == {"1": 2**33}
+    final = server.closing("busy", now=9.0)
+    server.on_close("busy", now=9.0)
+    json.dumps(to_builtins(final), allow_nan=False)
+    assert final.closed_at == 9.0 and final.chunks == 5 and final.elapsed_s == 8.0
+    assert server.stats(now=11.0).sessions == SessionCounts(open=1, total=2)
 
 
 def test_server_counters_by_reason_are_capped() -> None:
-    server = ServerMetrics(started_at=0.0, max_reasons=4)
+    server = ServerMetrics(started_at=0.0, fps=FPS, max_reasons=4)
     for i in range(10):
         server.on_reject(f"reason{i}")
-    rejects = server.to_dict(now=1.0)["rejects"]
-    assert len(rejects) == 4 and rejects[OTHER_REASON] == 7  # type: ignore[index, arg-type]
+    rejects = server.stats(now=1.0).rejects
+    assert len(rejects) == 4 and rejects[OTHER_REASON] == 7
     with pytest.raises(KeyError):
-        server.on_chunk("nope", record(0, 1.0))
-    server.open_session("a", opened_at=0.0, fps=FPS)
+        server.on_chunk("nope", record(0, 1.0), {})
+    server.on_open("a", now=0.0)
     with pytest.raises(ValueError):
-        server.open_session("a", opened_at=0.0, fps=FPS)
+        server.on_open("a", now=0.0)

@@ -47,7 +47,7 @@ def test_seven_rank_real_model_stream_matches_the_one_process_stages() -> None:
         chunks = list(client.chunks(info.id, timeout_s=120))
         summary = client.wait_closed(info.id)
     assert [c.frames.shape for c in chunks] == [(9, 64, 96, 3), (12, 64, 96, 3), (12, 64, 96, 3)]
-    assert summary["reason"] == "complete"
+    assert summary.reason == "complete"
     assert info.intrinsics == intrinsics_at(CAMERA, 64, 96)
     reference = one_process_reference("a red house", 5)
     assert len(reference) == len(chunks) == len(KEYS)

@@ -67,10 +67,10 @@ def test_two_concurrent_sessions_get_every_chunk_once_in_order_moving_with_their
         shifts = [horizontal_shift(a, b) for a, b in itertools.pairwise(frames)]
         # strafing right slides the scene left, frame after frame (and strafing left slides it right)
         assert all(s < 0 for s in shifts) if keys == "d" else all(s > 0 for s in shifts), (keys, shifts)
-        assert summary["reason"] == "complete"
-        assert {k: sorted(v) for k, v in summary["released"].items()} == {"decode": [1], "denoise": [2, 3, 4, 5, 6],
+        assert summary.reason == "complete"
+        assert {k: sorted(v) for k, v in summary.released.items()} == {"decode": [1], "denoise": [2, 3, 4, 5, 6],
                                                                           "condition": [0]}
-        assert list(summary["released"]) == ["decode", "denoise", "condition"]
+        assert list(summary.released) == ["decode", "denoise", "condition"]
 
 
 def test_two_conditions_are_ready_before_the_first_control_is_sent(server: LocalServer) -> None:
@@ -88,8 +88,8 @@ def test_two_conditions_are_ready_before_the_first_control_is_sent(server: Local
     assert chunks[0].facts.times.condition_wait == 0.0
     # the server's latency metric counts from acceptance, not from the condition ingress half a second earlier
     first = chunks[0].facts.times
-    assert summary["warmup"]["latency_s"][0] == pytest.approx(first.emitted - first.control_accepted)
-    assert summary["warmup"]["latency_s"][0] < first.emitted - first.condition_submitted - 0.4
+    assert summary.warmup.latency_s[0] == pytest.approx(first.emitted - first.control_accepted)
+    assert summary.warmup.latency_s[0] < first.emitted - first.condition_submitted - 0.4
 
 
 def test_bad_messages_get_clear_errors_while_another_session_keeps_streaming(server: LocalServer) -> None:
@@ -164,11 +164,11 @@ def test_stats_reports_sessions_rejects_ranks_and_clock_offsets(server: LocalSer
         error = client.error(timeout_s=10)
         stats = client.stats()
     assert error is not None and error.code == "bad_message"
-    assert stats["sessions"]["total"] == before["sessions"]["total"] + 1 and stats["layout"] == "cpu-tiny"
-    assert stats["rejects"]["bad_message"] == before["rejects"].get("bad_message", 0) + 1
-    assert sorted(stats["ranks"]) == ["0", "1", "2", "3", "4", "5", "6"]
-    assert all(m["rss"] > 0 for m in stats["ranks"].values())
-    assert all(abs(o["offset_s"]) < 0.05 for o in stats["clock_offsets"].values())  # one machine, one clock
+    assert stats.sessions.total == before.sessions.total + 1 and stats.layout == "cpu-tiny"
+    assert stats.rejects["bad_message"] == before.rejects.get("bad_message", 0) + 1
+    assert sorted(stats.ranks) == ["0", "1", "2", "3", "4", "5", "6"]
+    assert all(m.rss > 0 for m in stats.ranks.values())
+    assert all(abs(o.offset_s) < 0.05 for o in stats.clock_offsets.values())  # one machine, one clock
 
 
 def test_a_session_summary_is_complete_and_its_trace_puts_every_span_inside_its_chunk(server: LocalServer,
@@ -178,14 +178,14 @@ def test_a_session_summary_is_complete_and_its_trace_puts_every_span_inside_its_
     with Client(server.endpoint) as client:
         played = play(client, IMAGE, load_trace(ROOT / "assets" / "demo_trace.json"), num_chunks=5)
     summary = played.summary
-    assert summary["chunks"] == 5 and summary["frames"] == 9 + 4 * 12
-    assert summary["latency_s"]["count"] == 3 and summary["warmup"]["chunks"] == 2  # two warm-up chunks
+    assert summary.chunks == 5 and summary.frames == 9 + 4 * 12
+    assert summary.latency_s.count == 3 and summary.warmup.chunks == 2  # two warm-up chunks
     for key in ("p50", "p90", "p99", "mean"):
-        assert summary["latency_s"][key] > 0 and summary["chunk_period_s"][key] > 0
-    assert summary["compute"]["fps_weighted"] > 0 and summary["real_time_factor"] > 0
-    assert summary["time_to_first_frame_s"]["from_open"] >= summary["time_to_first_frame_s"]["from_first_control"]
-    assert sorted(summary["peak_memory_bytes"]) == ["0", "1", "2", "3", "4", "5", "6"]
-    assert set(summary["dit_idle"]["by_cause"]) == {"condition", "control", "edge", "no_session", "save"}
+        assert getattr(summary.latency_s, key) > 0 and getattr(summary.chunk_period_s, key) > 0
+    assert summary.compute.fps_weighted > 0 and summary.real_time_factor > 0
+    assert summary.time_to_first_frame_s.from_open >= summary.time_to_first_frame_s.from_first_control
+    assert sorted(summary.peak_memory_bytes) == ["0", "1", "2", "3", "4", "5", "6"]
+    assert set(summary.dit_idle.by_cause.shares()) == {"condition", "control", "edge", "no_session", "save"}
     path = tmp_path / "trace.json"
     write_chrome_trace(played, path)
     events = json.loads(path.read_text())["traceEvents"]
@@ -231,7 +231,7 @@ def test_sigterm_tells_connected_clients_and_every_rank_exits_0(tmp_path: Path) 
         summary = client.wait_closed(info.id, timeout_s=10)
         log = server.log()
     assert error is not None and error.code == "shutdown", error
-    assert summary["reason"] == "shutdown" and summary["chunks"] >= 1
+    assert summary.reason == "shutdown" and summary.chunks >= 1
     assert all(not p.is_running() or p.status() == "zombie" for p in ranks.values())
     assert all(f"rank {r}: clean exit" in log for r in range(1, 7))
 
@@ -312,5 +312,5 @@ def test_the_aggregated_layout_with_co_located_roles_streams(tmp_path: Path) -> 
     with LocalServer("cpu-aggregated", FAST, log_path=tmp_path / "server.log") as server, \
             Client(server.endpoint) as client:  # fmt: skip
         chunks, summary = stream(client, "a", chunks=4)
-    assert [c.index for c in chunks] == [0, 1, 2, 3] and summary["reason"] == "complete"
-    assert sorted(summary["released"]["denoise"]) == [0, 1, 2, 3, 4]
+    assert [c.index for c in chunks] == [0, 1, 2, 3] and summary.reason == "complete"
+    assert sorted(summary.released["denoise"]) == [0, 1, 2, 3, 4]

@@ -39,7 +39,7 @@ def play(client: Client, switch: str | None, seed: int = 5) -> tuple[list[np.nda
         assert chunk.index == index
         frames.append(chunk.frames)
         revisions.append(chunk.prompt_revision)
-    assert client.wait_closed(info.id)["reason"] == "complete"
+    assert client.wait_closed(info.id).reason == "complete"
     return frames, revisions, announced
 
 

@@ -118,7 +118,7 @@ def test_a_released_layout_streams_through_the_split7_config_path(releases: dict
         summary = client.wait_closed(info.id)
         log = server.log_path.read_text(errors="replace")
     cs = 3 if version == "v1" else 4
-    assert summary["reason"] == "complete"
+    assert summary.reason == "complete"
     assert [c.frames.shape for c in chunks] == [(1 + 4 * (cs - 1), 64, 96, 3)] + [(4 * cs, 64, 96, 3)] * 2
     # the recipe the DiT ranks actually run, from their own start-up line
     indices = (0, 179, 358, 679) if version == "v1" else (0, 250, 500, 750)

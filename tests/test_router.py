@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 import pytest
@@ -24,6 +23,7 @@ import zmq
 
 from ipc import protocol
 from ipc.client import Busy, Client, ServerError, ServerGone
+from ipc.metrics_types import SessionSummary
 from scripts.local_router import LocalRouter, Streamer
 from scripts.local_server import ROOT, LocalServer
 
@@ -66,7 +66,7 @@ class Fleet:
 
     def states(self) -> dict[str, str]:
         with Client(self.router.endpoint, timeout_s=10) as client:
-            return {name: r["state"] for name, r in client.stats()["replicas"].items()}
+            return {name: r.state for name, r in client.stats().replicas.items()}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def unaddressed(text: str) -> str:
 
 
 def replica_of(client: Client, session: str) -> str:
-    return client.stats()["per_session"][session]["replica"]
+    return client.stats().per_session[session].replica
 
 
 def stream(client: Client, session: str, chunks: int, keys: str = "w") -> list[int]:
@@ -117,7 +117,7 @@ def test_sessions_spread_over_both_replicas_arrive_in_order_and_a_full_fleet_ans
             clients[-1].open(IMAGE, num_chunks=5)
         assert refused.value.retry_after_s == 5.0 and f"a {MAX_SESSIONS}/{MAX_SESSIONS}" in refused.value.message
         results: dict[int, list[int]] = {}
-        summaries: dict[int, dict[str, Any]] = {}
+        summaries: dict[int, SessionSummary] = {}
 
         def run(n: int) -> None:
             results[n] = stream(clients[n], sessions[n].id, 5, keys="wasd"[n % 4])
@@ -129,7 +129,7 @@ def test_sessions_spread_over_both_replicas_arrive_in_order_and_a_full_fleet_ans
         for t in threads:
             t.join(timeout=120)
         assert results == {n: [0, 1, 2, 3, 4] for n in range(len(sessions))}
-        assert all(s["reason"] == "complete" and s["chunks"] == 5 for s in summaries.values())
+        assert all(s.reason == "complete" and s.chunks == 5 for s in summaries.values())
         assert len({s.id for s in sessions}) == len(sessions)  # unique across replicas
     finally:
         for c in clients:
@@ -189,21 +189,21 @@ def test_router_stats_list_each_replica_and_sum_them(fleet: Fleet) -> None:
     with Client(fleet.router.endpoint) as client:
         info = client.open(IMAGE, num_chunks=3)
         stats = client.stats()
-        assert set(stats["per_session"]) == {info.id}  # only this client's sessions
-        replica = stats["per_session"][info.id]["replica"]
+        assert set(stats.per_session) == {info.id}  # only this client's sessions
+        replica = stats.per_session[info.id].replica
         assert stream(client, info.id, 3) == [0, 1, 2]
         time.sleep(1.2)  # two stats intervals: every replica's counters are fresh
         stats = client.stats()
-    replicas = stats["replicas"]
-    assert set(replicas) == {"a", "b"} and {r["state"] for r in replicas.values()} == {"up"}
-    assert replicas["a"]["source"] == "config" and replicas["b"]["source"] == "registered"
-    assert replicas["b"]["layout"] == "cpu-mini" and replicas["b"]["max_sessions"] == MAX_SESSIONS
-    assert replicas[replica]["stats"]["chunks_emitted"] >= 3
-    total = stats["total"]
-    assert total["chunks_emitted"] == sum(r["stats"]["chunks_emitted"] for r in replicas.values()) > 0
-    assert total["max_sessions"] == 2 * MAX_SESSIONS and total["replicas_up"] == 2
-    assert stats["router"]["chunks_forwarded"] >= 3 and stats["router"]["client_messages"] >= 5
-    json.dumps(stats)  # plain JSON all the way down
+    replicas = stats.replicas
+    assert set(replicas) == {"a", "b"} and {r.state for r in replicas.values()} == {"up"}
+    assert replicas["a"].source == "config" and replicas["b"].source == "registered"
+    assert replicas["b"].layout == "cpu-mini" and replicas["b"].max_sessions == MAX_SESSIONS
+    assert replicas[replica].stats["chunks_emitted"] >= 3
+    total = stats.total
+    assert total.chunks_emitted == sum(r.stats["chunks_emitted"] for r in replicas.values()) > 0
+    assert total.max_sessions == 2 * MAX_SESSIONS and total.replicas_up == 2
+    assert stats.router.chunks_forwarded >= 3 and stats.router.client_messages >= 5
+    json.dumps(protocol.to_builtins(stats))  # plain JSON all the way down
 
 
 def test_a_killed_replica_ends_only_its_sessions_and_rejoins_after_restart(fleet: Fleet) -> None:
@@ -250,7 +250,7 @@ def test_a_killed_replica_ends_only_its_sessions_and_rejoins_after_restart(fleet
         for t in threads:
             t.join(timeout=60)
         for s in kept:
-            assert s.error is None and s.summary is not None and s.summary["reason"] == "client"
+            assert s.error is None and s.summary is not None and s.summary.reason == "client"
             assert [i for i, _ in s.chunks] == list(range(len(s.chunks)))
         print(f"\nfailover: kill -> clients told {told_s:.2f} s, kill -> new session on the survivor "
               f"{new_session_s:.2f} s, restarted replica serving -> rejoined {rejoin_s:.2f} s "

@@ -12,10 +12,11 @@ import pytest
 
 from ipc import protocol as p
 from ipc import relay
+from ipc.metrics_types import Distribution, SessionCounts, SessionSummary
 from runtime.clients import MAX_PEERS
 from runtime.config import ConfigError
 from runtime.core_types import ClientError
-from runtime.replicas import IllegalTransition, Replica, State
+from runtime.replicas import IllegalTransition, Replica, ReplicaStatsReply, State
 from runtime.router import MAX_REASONS, RouterCore, fold
 from runtime.router_config import ReplicaEntry, RouterSection, load
 from runtime.router_types import (
@@ -104,7 +105,7 @@ class Fleet:
         if replica.stats_req is None:
             self.step(Tick(), dt=max(0.001, replica.next_stats - self.now + 0.001))
         assert replica.stats_req is not None, f"no stats poll of {name}"
-        return self.replica(name, p.StatsReply(req=replica.stats_req, stats=stats))
+        return self.replica(name, ReplicaStatsReply(req=replica.stats_req, stats=stats))
 
     def sent_open(self) -> ToReplica:
         return [o for o in self.log if isinstance(o, ToReplica) and isinstance(o.message, p.Open)][-1]
@@ -263,8 +264,8 @@ def test_chunks_and_replies_of_a_session_reach_its_client_as_the_same_payload(fl
     out = fleet.step(ClientSent(A, control, raw))
     assert len(out) == 1 and out[0].replica == name and out[0].message is raw  # the client's own bytes
     fleet.replica(name, p.Accepted(req=7, session=sid, index=0))
-    fleet.replica(name, p.Closed(session=sid, reason="complete", summary={"chunks": 1}))
-    assert fleet.to(A, p.Accepted)[-1].req == 7 and fleet.to(A, p.Closed)[-1].summary == {"chunks": 1}
+    fleet.replica(name, p.Closed(session=sid, reason="complete", summary=SessionSummary(chunks=1)))
+    assert fleet.to(A, p.Accepted)[-1].req == 7 and fleet.to(A, p.Closed)[-1].summary == SessionSummary(chunks=1)
     assert sid not in fleet.core.sessions and not fleet.core.replicas[name].sessions
     assert fleet.core.chunks_forwarded == 1
 
@@ -531,20 +532,22 @@ def test_stats_sum_the_up_replicas_and_show_a_client_only_its_own_sessions(fleet
         fleet.answer_stats(name, stats_of(open_sessions=1, chunks=4, rejects={"busy": 1},
                                           per_session={sid: {"chunks": 4}},
                                           capacity={"headroom": 0.5, "sessions": {sid: {"steps": 4}}}))
-    fleet.step(ShellTimes({"count": 2, "p50": 0.0002}))
+    fleet.step(ShellTimes(Distribution(count=2, p50=0.0002)))
     fleet.client(A, p.Stats(req=5))
     (reply,) = fleet.to(A, p.StatsReply)
     stats = reply.stats
-    assert reply.req == 5 and stats["layout"] == "router"
-    assert stats["chunks_emitted"] == 8 and stats["sessions"] == {"open": 2, "total": 2}
-    assert stats["total"]["replicas_up"] == 2 and stats["total"]["max_sessions"] == 4
-    assert stats["total"]["rejects"] == {"busy": 2}
-    assert stats["per_session"] == {sid_a: {"chunks": 4, "replica": name_a}}  # not B's
-    assert set(stats["replicas"]) == {"a", "b"} and stats["replicas"][name_a]["sessions"] == 1
-    assert all("per_session" not in r["stats"] for r in stats["replicas"].values())
-    assert all(r["stats"]["capacity"] == {"headroom": 0.5} for r in stats["replicas"].values())  # no session ids
-    assert stats["router"]["chunk_hold_s"] == {"count": 2, "p50": 0.0002}  # the shell's own measure
-    assert stats["router"]["client_messages"] == 3  # two opens and this stats
+    assert reply.req == 5 and stats.layout == "router"
+    assert stats.chunks_emitted == 8 and stats.sessions == SessionCounts(open=2, total=2)
+    assert stats.total and stats.total.replicas_up == 2 and stats.total.max_sessions == 4
+    assert stats.total.rejects == {"busy": 2}
+    assert stats.per_session == {sid_a: SessionSummary(chunks=4, replica=name_a)}  # not B's
+    assert stats.replicas and set(stats.replicas) == {"a", "b"} and stats.replicas[name_a].sessions == 1
+    shown = [r.stats for r in stats.replicas.values()]  # each replica's own stats as the router shows them
+    assert all(s is not None and s["per_session"] == {} and s["capacity"]["sessions"] == {} for s in shown)
+    assert all(s is not None and s["capacity"]["headroom"] == 0.5 for s in shown)  # no session ids
+    assert sid_a.encode() not in p.encode(p.StatsReply(req=0, stats=msgspec.structs.replace(stats, per_session={})))
+    assert stats.router and stats.router.chunk_hold_s == Distribution(count=2, p50=0.0002)  # the shell's own
+    assert stats.router.client_messages == 3  # two opens and this stats
     assert not fleet.to_replica(name_a, p.Stats)  # answered from what the router knows
 
 
@@ -555,8 +558,8 @@ def test_a_replica_with_malformed_stats_is_down_and_the_fleets_stats_stay_whole(
                                       per_session={sid: "?"}) | {"frames_emitted": float("inf")})
     fleet.client(B, p.Stats(req=6))
     (reply,) = fleet.to(B, p.StatsReply)
-    assert reply.stats["replicas"][name]["state"] == "down" and reply.stats["total"]["replicas_up"] == 1
-    assert "unusable stats" in reply.stats["replicas"][name]["down_reason"]
+    assert reply.stats.replicas[name].state == "down" and reply.stats.total.replicas_up == 1
+    assert "unusable stats" in reply.stats.replicas[name].down_reason
     assert fleet.errors(A)[-1].session == sid and not fleet.core.sessions
 
 

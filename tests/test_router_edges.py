@@ -124,7 +124,7 @@ def test_hostile_stats_mark_their_replica_down_with_the_reason_and_leave_the_rou
         f.client(B, p.Stats(req=3))
         (reply,) = f.to(B, p.StatsReply)
         p.decode(p.encode(reply), "server", max_bytes=1 << 30)  # encodable and decodable by every client
-        assert reply.stats["replicas"][name]["down_reason"] == replica.down_reason, what
+        assert reply.stats.replicas[name].down_reason == replica.down_reason, what
         f.replica(name, ack(""))  # it answers again at once: it stays down for a while, never flapping
         assert replica.state is State.DOWN, what
 
@@ -142,7 +142,7 @@ def test_a_replica_whose_stats_nest_as_deep_as_allowed_reaches_every_client_read
     f.answer_stats("a", stats)
     f.client(A, p.Stats(req=1))
     (reply,) = f.to(A, p.StatsReply)
-    assert p.decode(p.encode(reply), "server").stats["replicas"]["a"]["stats"]["deep"] == deepest
+    assert p.decode(p.encode(reply), "server").stats.replicas["a"].stats["deep"] == deepest  # shown as it came
 
 
 def test_a_replica_whose_stats_nest_a_routers_stats_is_shown_without_them() -> None:
@@ -151,7 +151,7 @@ def test_a_replica_whose_stats_nest_a_routers_stats_is_shown_without_them() -> N
     nested = stats_of() | {"layout": "router", "replicas": {"x": {"stats": {"replicas": {}}}}, "total": {}}
     f.answer_stats("a", nested)
     f.client(A, p.Stats(req=1))
-    shown = f.to(A, p.StatsReply)[-1].stats["replicas"]["a"]["stats"]
+    shown = f.to(A, p.StatsReply)[-1].stats.replicas["a"].stats
     assert shown["layout"] == "router" and "replicas" not in shown and "total" not in shown
 
 

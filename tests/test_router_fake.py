@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from ipc.client import Busy, Client
+from ipc.metrics_types import ReplicaView
 from ranks.registration import server_id
 from scripts.local_router import LocalRouter
 from tests.fake_replica import FakeReplica, register, sane_stats
@@ -33,7 +34,7 @@ def fake() -> Iterator[FakeReplica]:
 
 
 def replicas(client: Client) -> dict[str, dict[str, Any]]:
-    return client.stats()["replicas"]
+    return client.stats().replicas
 
 
 def alive(client: Client, session: str) -> bool:
@@ -47,17 +48,17 @@ def alive(client: Client, session: str) -> bool:
 def test_a_registration_at_the_routers_own_endpoint_is_refused_and_stats_stay_readable(fake: FakeReplica) -> None:
     with LocalRouter([("a", fake.endpoint, 2)], FAST, register_port=free_port()) as router, \
             Client(router.endpoint, timeout_s=10) as client:
-        wait_for("a up", lambda: replicas(client)["a"]["state"] == "up", 10)
+        wait_for("a up", lambda: replicas(client)["a"].state == "up", 10)
         assert register(router.register_endpoint, "loop", router.endpoint, "x").ok  # not known yet to be itself
-        wait_for("the loop seen", lambda: "router itself" in (replicas(client).get("loop", {}).get("down_reason")
+        wait_for("the loop seen", lambda: "router itself" in (replicas(client).get("loop", ReplicaView()).down_reason
                                                                 or ""), 10)
         time.sleep(10 * 0.2)  # ten stats intervals: nothing nests, every client still reads its stats
         stats = client.stats()
-        assert stats["replicas"]["loop"]["state"] == "down" and stats["replicas"]["loop"]["stats"] is None
+        assert stats.replicas["loop"].state == "down" and stats.replicas["loop"].stats is None
         answer = register(router.register_endpoint, "loop", router.endpoint, "x")
         assert not answer.ok and "router itself" in answer.message
         sessions = [client.open(b"png", num_chunks=4) for _ in range(2)]
-        assert {client.stats()["per_session"][s.id]["replica"] for s in sessions} == {"a"}
+        assert {client.stats().per_session[s.id].replica for s in sessions} == {"a"}
         assert all(alive(client, s.id) for s in sessions)
         assert router.process is not None and router.process.poll() is None
 
@@ -76,20 +77,20 @@ def test_hostile_stats_mark_their_replica_down_and_never_kill_the_router(fake: F
     try:
         with LocalRouter([("a", fake.endpoint, 2), ("b", other.endpoint, 2)], FAST) as router, \
                 Client(router.endpoint, timeout_s=10) as client:
-            wait_for("both up", lambda: {r["state"] for r in replicas(client).values()} == {"up"}, 10)
+            wait_for("both up", lambda: {r.state for r in replicas(client).values()} == {"up"}, 10)
             for what, stats in HOSTILE.items():
                 fake.stats, asked = stats, fake.stats_asked
                 wait_for(f"{what} read by the router", lambda asked=asked: fake.stats_asked > asked, 10)
                 time.sleep(5 * 0.2)  # several stats intervals
                 assert router.process is not None and router.process.poll() is None, (what, router.log())
                 shown = replicas(client)  # every client still reads its stats
-                assert shown["b"]["state"] == "up" and shown["a"]["state"] == "down", what
-                assert "unusable stats" in shown["a"]["down_reason"], what
+                assert shown["b"].state == "up" and shown["a"].state == "down", what
+                assert "unusable stats" in shown["a"].down_reason, what
                 session = client.open(b"png", num_chunks=4)
-                assert client.stats()["per_session"][session.id]["replica"] == "b" and alive(client, session.id)
+                assert client.stats().per_session[session.id].replica == "b" and alive(client, session.id)
                 client.close(session.id)
                 fake.stats = sane_stats
-                wait_for(f"a back after {what}", lambda: replicas(client)["a"]["state"] == "up", 10)
+                wait_for(f"a back after {what}", lambda: replicas(client)["a"].state == "up", 10)
     finally:
         other.stop()
 
@@ -97,7 +98,7 @@ def test_hostile_stats_mark_their_replica_down_and_never_kill_the_router(fake: F
 def test_registrations_at_a_live_listed_replicas_endpoint_never_end_its_sessions(fake: FakeReplica) -> None:
     with LocalRouter([("a", fake.endpoint, 2)], FAST, register_port=free_port()) as router, \
             Client(router.endpoint, timeout_s=10) as client:
-        wait_for("a up", lambda: replicas(client)["a"]["state"] == "up", 10)
+        wait_for("a up", lambda: replicas(client)["a"].state == "up", 10)
         session = client.open(b"png", num_chunks=4)
         first = register(router.register_endpoint, "a", fake.endpoint, "one")
         time.sleep(DEAD_S + 0.3)  # one replica_dead_s apart: no timing rule may take the second for a restart
@@ -114,7 +115,7 @@ def test_a_restarted_replica_takes_sessions_only_once_registered_and_its_registr
     old = FakeReplica("server-one")
     with LocalRouter([], FAST, register_port=free_port()) as router, Client(router.endpoint, timeout_s=10) as client:
         assert register(router.register_endpoint, "r", old.endpoint, "server-one").ok
-        wait_for("r up", lambda: replicas(client).get("r", {}).get("state") == "up", 10)
+        wait_for("r up", lambda: replicas(client).get("r", ReplicaView()).state == "up", 10)
         client.open(b"png", num_chunks=4)
         old.stop()  # the job dies; Slurm requeues it at the same endpoint
         new = FakeReplica("server-two", port=old.port)
@@ -126,7 +127,7 @@ def test_a_restarted_replica_takes_sessions_only_once_registered_and_its_registr
             except Busy:
                 early = None
             assert register(router.register_endpoint, "r", new.endpoint, "server-two").ok
-            wait_for("r up as server-two", lambda: replicas(client)["r"]["state"] == "up", 10)
+            wait_for("r up as server-two", lambda: replicas(client)["r"].state == "up", 10)
             later = client.open(b"png", num_chunks=4).id
             for _ in range(3):
                 time.sleep(0.3)

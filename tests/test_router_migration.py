@@ -91,7 +91,7 @@ def test_the_router_saves_each_session_every_k_chunks_one_at_a_time_and_keeps_it
     assert not f.to(A, p.Saved)  # the router's own: never forwarded
     assert f.core.sessions[sid].snapshot == SNAP1 and f.core.sessions[sid].snapshot_chunk == 3
     chunks(f, name, sid, range(6, 8))
-    assert len(saves(f, name)) == 1 and f.core.stats(A, f.now)["router"]["autosaves"] == 1
+    assert len(saves(f, name)) == 1 and f.core.stats(A, f.now).router.autosaves == 1
 
 
 def test_a_clients_own_save_is_forwarded_and_answered_to_it() -> None:
@@ -139,7 +139,7 @@ def test_a_session_with_a_snapshot_moves_to_a_survivor_under_its_id_and_its_clie
     f.replica(sent.replica, msgspec.structs.replace(opened(sent.message.req, MOVED), first_chunk=2))
     (notice,) = f.to(A, p.Migrated)
     assert (notice.session, notice.chunk, notice.replica) == (sid, 2, sent.replica)
-    assert f.core.stats(A, f.now)["router"]["migrations"] == 1
+    assert f.core.stats(A, f.now).router.migrations == 1
 
     f.clear()  # its chunks come again from the snapshot's chunk, under the id the client knows
     f.step(ReplicaSent(sent.replica, f.generation[sent.replica], ChunkHead(MOVED), p.encode(chunk(MOVED, 2))))

@@ -46,7 +46,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalRoute
             t.join()
         try:
             with Client(router.endpoint, timeout_s=10) as client:
-                wait_for("both replicas up", lambda: {n: r["state"] for n, r in client.stats()["replicas"].items()}
+                wait_for("both replicas up", lambda: {n: r.state for n, r in client.stats().replicas.items()}
                          == {"a": "up", "b": "up"}, 60)
             yield router, servers
         finally:
@@ -69,12 +69,12 @@ def test_a_session_whose_replica_is_killed_resumes_on_the_other_from_its_snapsho
         reference = client.open(IMAGE, prompt="a quiet harbour", seed=7, num_chunks=CHUNKS)
         expected = {i: step(client, reference.id, i) for i in range(CHUNKS)}  # saved every 2 chunks, never moved
         client.wait_closed(reference.id, timeout_s=60)
-        saves = client.stats()["router"]["autosaves"]  # the reference's
+        saves = client.stats().router.autosaves  # the reference's
 
         info = client.open(IMAGE, prompt="a quiet harbour", seed=7, num_chunks=CHUNKS)
         before = {i: step(client, info.id, i) for i in range(BEFORE)}
         assert all(np.array_equal(before[i], expected[i]) for i in before), "the router's saves changed the stream"
-        wait_for("a save of the session", lambda: client.stats()["router"]["autosaves"] > saves, 30)
+        wait_for("a save of the session", lambda: client.stats().router.autosaves > saves, 30)
         holder = replica_of(client, info.id)
 
         killed = time.monotonic()
@@ -98,7 +98,7 @@ def test_a_session_whose_replica_is_killed_resumes_on_the_other_from_its_snapsho
         for i in range(resume, CHUNKS):
             assert np.array_equal(after[i], expected[i]), f"chunk {i} differs from the uninterrupted session's"
         client.wait_closed(info.id, timeout_s=60)
-        assert client.stats()["router"]["migrations"] == 1
+        assert client.stats().router.migrations == 1
     folder: Path = router.snapshots  # type: ignore[attr-defined]
     wait_for("the router's snapshots deleted once their sessions ended",
              lambda: not list(folder.glob("*/manifest.json")), 10)

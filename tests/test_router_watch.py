@@ -29,7 +29,7 @@ WAIT_S = 20.0
 def router() -> Iterator[LocalRouter]:
     replica = FakeReplica("server-w", side=256)  # a 4-frame chunk is 786 KB
     with LocalRouter([("a", replica.endpoint, 4)], FLAGS) as router, Client(router.endpoint) as client:
-        wait_for("replica a up", lambda: client.stats()["replicas"]["a"]["state"] == "up", 20)
+        wait_for("replica a up", lambda: client.stats().replicas["a"].state == "up", 20)
         yield router
     replica.stop()
 
@@ -42,18 +42,18 @@ def play(client: Client, sid: str, chunks: int) -> list[ChunkResult]:
 
 def test_a_watcher_through_the_router_gets_the_owners_chunks_bit_for_bit(router: LocalRouter) -> None:
     with Client(router.endpoint) as owner, Client(router.endpoint) as watcher:
-        forwarded = owner.stats()["router"]["chunks_forwarded"]
+        forwarded = owner.stats().router.chunks_forwarded
         info = owner.open(b"png", num_chunks=6)
         assert len(info.watch_token) >= 32  # the router's own: this replica predates spectators
         watch = watcher.watch(info.id, info.watch_token, timeout_s=WAIT_S)
         assert (watch.info.height, watch.info.width) == (256, 256)
         mine = play(owner, info.id, 6)
         theirs = [next(watch) for _ in range(6)]
-        stats = owner.stats()["router"]
+        stats = owner.stats().router
         owner.close(info.id)
         assert [c.index for c in theirs] == list(range(6)) and watch.missed == 0
         assert all(a.frames.tobytes() == b.frames.tobytes() for a, b in zip(mine, theirs, strict=True))
-        assert stats["chunks_forwarded"] - forwarded == 6 and stats["watchers"] == 1  # each chunk read once
+        assert stats.chunks_forwarded - forwarded == 6 and stats.watchers == 1  # each chunk read once
         assert list(watch) == []  # its stream ended with the session
 
 
@@ -82,7 +82,7 @@ def test_a_slow_watcher_at_the_router_loses_its_oldest_chunks_and_slows_no_one(r
     assert missed and missed[-1].total == chunks - len(indices)
     assert indices == sorted(indices) and indices[-1] == chunks - 1
     with Client(router.endpoint) as reader:  # the router counts them (its shell reports once a second)
-        wait_for("drops counted", lambda: reader.stats()["router"]["watch_dropped"] >= missed[-1].total, 5)
+        wait_for("drops counted", lambda: reader.stats().router.watch_dropped >= missed[-1].total, 5)
 
 
 def test_the_router_refuses_bad_tokens_extra_watchers_and_a_watchers_controls(router: LocalRouter) -> None:
@@ -103,8 +103,8 @@ def test_the_router_refuses_bad_tokens_extra_watchers_and_a_watchers_controls(ro
             w1.control(info.id, 0, keys="w")
         with pytest.raises(WatchOnly):
             w1.close(info.id, timeout_s=5)
-        assert w1.unwatch(info.id)["reason"] == "unwatched"
+        assert w1.unwatch(info.id).reason == "unwatched"
         w3.watch(info.id, info.watch_token)  # a seat freed
         play(owner, info.id, 2)
-        assert owner.close(info.id)["reason"] == "client"
+        assert owner.close(info.id).reason == "client"
         assert [c.index for c in second] == [0, 1] and second.info.id == first.info.id

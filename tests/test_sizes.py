@@ -48,7 +48,7 @@ def server() -> Iterator[LocalServer]:
 def test_an_odd_image_lands_on_an_allowed_size_and_its_first_chunk_is_as_fast_as_the_steady_ones(
         server: LocalServer) -> None:
     with Client(server.endpoint) as client:
-        assert client.stats()["sessions"]["total"] == 0  # the server's first session: no size was used by another
+        assert client.stats().sessions.total == 0  # the server's first session: no size was used by another
         info = client.open(png(517, 211), num_chunks=4)  # 2.45:1 -> the wide allowed size
         for index in range(4):
             client.control(info.id, index, keys="w")
@@ -94,16 +94,16 @@ def test_two_sessions_with_different_aspect_ratios_stream_at_once_each_at_its_ow
 def test_every_stage_of_every_rank_is_warm_at_every_allowed_size_before_serving(server: LocalServer) -> None:
     with Client(server.endpoint) as client:
         stats = client.stats()
-    assert stats["warm"] is True and stats["sizes"] == [[160, 240], [240, 160]]
-    warm = stats["warm_up"]
-    assert {stage: warm[stage]["ranks"] for stage in warm} == {
+    assert stats.warm is True and stats.sizes == [(160, 240), (240, 160)]
+    warm = stats.warm_up.by_stage()
+    assert {name: stage.ranks for name, stage in warm.items()} == {
         "condition": {"0": SIZES}, "decode": {"1": SIZES}, "denoise": {str(r): SIZES for r in range(2, 7)}}
     for name, stage in warm.items():
-        assert stage["chunks_per_size"] == 2
-        assert stage["seconds"] >= 2 * COLD_S  # the first use of each size was paid at start-up
+        assert stage.chunks_per_size == 2
+        assert stage.seconds >= 2 * COLD_S  # the first use of each size was paid at start-up
         # by the thread that serves the stage (run_thread names it after its role): cuDNN's cache is per thread
-        assert set(map(tuple, stage["threads"].values())) == {(name,)}, stage["threads"]
-        assert stage["failed"] == {}
+        assert set(map(tuple, stage.threads.values())) == {(name,)}, stage.threads
+        assert stage.failed == {}
     log = server.log()  # warm before serving
     assert -1 < log.find("warm-up: warm at 160x240, 240x160") < log.find("coordinator: serving on tcp:")
 

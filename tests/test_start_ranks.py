@@ -41,7 +41,7 @@ def test_a_rank_slow_to_build_does_not_fail_the_others_first_collective(tmp_path
     with LocalServer("cpu-tiny", flags, log_path=tmp_path / "server.log",
                      env={"FAULTY_SLOW_BUILD_S": str(SLOW_BUILD_S)}) as server, Client(server.endpoint) as client:
         assert len(stream(client, png(320, 192), 2)) == 2
-        assert client.stats()["warm"] is True
+        assert client.stats().warm is True
     log = (tmp_path / "server.log").read_text(errors="replace")
     waited = [float(x) for x in re.findall(r"every rank was built ([\d.]+) s later", log)]
     assert len(waited) == 7 and max(waited) >= SLOW_BUILD_S - 1.0, waited  # the others did wait, at the barrier
@@ -59,11 +59,11 @@ def test_a_size_a_rank_cannot_warm_up_is_refused_naming_the_rank_and_the_others_
     with LocalServer("cpu-tiny", flags, log_path=tmp_path / "server.log", env=env) as server, \
             Client(server.endpoint) as client:  # fmt: skip
         stats = client.stats()
-        assert stats["warm"] is False
-        failed = stats["warm_up"][stage]["failed"]
+        assert stats.warm is False
+        failed = stats.warm_up.by_stage()[stage].failed
         assert sorted(failed) == failed_ranks and all(list(f) == ["240x160"] for f in failed.values()), failed
         assert "OutOfMemoryError: injected" in failed[str(rank)]["240x160"]
-        assert set(map(tuple, stats["warm_up"][stage]["ranks"].values())) == {("160x240",)}
+        assert set(map(tuple, stats.warm_up.by_stage()[stage].ranks.values())) == {("160x240",)}
         with pytest.raises(Busy) as refused:
             client.open(png(200, 300))  # portrait: 240x160
         why = refused.value.message

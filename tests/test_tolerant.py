@@ -63,7 +63,7 @@ def test_the_sdk_and_the_router_serve_a_newer_replica_whose_replies_carry_fields
             assert client.next_chunk(info.id, timeout_s=10).index == 0 and client.error() is None
         with LocalRouter([("a", replica.endpoint, 2)], ["--router.heartbeat_s=0.1"]) as router, \
                 Client(router.endpoint, timeout_s=10) as client:  # the router reading it
-            wait_for("a up", lambda: client.stats()["replicas"]["a"]["state"] == "up", 10)
+            wait_for("a up", lambda: client.stats().replicas["a"].state == "up", 10)
             info = client.open(b"png", num_chunks=2)
             client.control(info.id, 0, keys="w")
             assert client.next_chunk(info.id, timeout_s=10).index == 0 and client.error() is None

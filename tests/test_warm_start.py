@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import launch
+from ipc.metrics_types import WarmUpStage
 from ipc.protocol import ChunkControl, WarmUp
 from ipc.streams import RoleStreams
 from models import lingbot
@@ -91,10 +92,10 @@ def test_a_job_is_warm_only_once_every_rank_of_every_stage_warmed_every_size() -
     assert not warm.warm  # rank 6 warmed one size of two
     warm.add(6, [WarmUp("denoise", *sizes[1], 2, 0.5)])
     assert warm.warm
-    summary = warm.to_dict()
-    assert summary["denoise"]["seconds"] == 3.0  # the slowest rank (4): the job's start waited for it
-    assert summary["condition"] == {"seconds": 1.0, "chunks_per_size": 2, "ranks": {"0": ["160x240", "240x160"]},
-                                    "threads": {"0": [""]}, "failed": {}}
+    summary = warm.stages()
+    assert summary.denoise.seconds == 3.0  # the slowest rank (4): the job's start waited for it
+    assert summary.condition == WarmUpStage(seconds=1.0, chunks_per_size=2, ranks={"0": ["160x240", "240x160"]},
+                                            threads={"0": [""]}, failed={})
 
 
 def test_the_launcher_loads_cuda_modules_eagerly_and_expands_segments_unless_the_user_chose_otherwise(

@@ -88,7 +88,7 @@ def test_a_watcher_gets_the_players_frames_bit_for_bit_from_the_chunk_after_it_s
         assert (watch.info.id, watch.info.height, watch.info.width) == (info.id, info.height, info.width)
         after = play(owner, info.id, range(3, 8))
         seen = list(watch)
-        assert owner.wait_closed(info.id)["reason"] == "complete"
+        assert owner.wait_closed(info.id).reason == "complete"
     assert [c.index for c in before + after] == list(range(8))
     assert [c.index for c in seen] == list(range(3, 8)) and watch.missed == 0
     for mine, theirs in zip(after, seen, strict=True):
@@ -115,7 +115,7 @@ def test_a_watcher_that_stops_reading_drops_its_oldest_chunks_and_slows_no_one(s
     slow.close()
     assert [c.index for c in played] == list(range(chunks))  # the player got every chunk
     assert [c.index for c in seen] == list(range(chunks)) and watch.missed == 0  # so did the reading watcher
-    assert summary["reason"] == "complete"
+    assert summary.reason == "complete"
     indices = [m.facts.index for m in got if isinstance(m, protocol.Chunk)]
     missed = [m for m in got if isinstance(m, protocol.Missed)]
     assert missed and missed[-1].total == sum(m.chunks for m in missed) == chunks - len(indices)
@@ -123,11 +123,11 @@ def test_a_watcher_that_stops_reading_drops_its_oldest_chunks_and_slows_no_one(s
     assert isinstance(got[-1], protocol.Closed) and got[-1].reason == "complete"
     with Client(server.endpoint) as reader:  # the server counts them (its shell reports once a heartbeat)
         deadline = time.monotonic() + 10
-        while reader.stats()["watch_dropped"] < missed[-1].total:
+        while reader.stats().watch_dropped < missed[-1].total:
             assert time.monotonic() < deadline, "the drops never reached the server's stats"
             time.sleep(0.1)
-    period = summary["chunk_period_s"]
-    print(f"player chunk period p50 {period['p50']:.4f} s p90 {period['p90']:.4f} s; slow watcher got "
+    period = summary.chunk_period_s
+    print(f"player chunk period p50 {period.p50:.4f} s p90 {period.p90:.4f} s; slow watcher got "
           f"{len(indices)} of {chunks} chunks, {missed[-1].total} dropped")
 
 
@@ -154,7 +154,7 @@ def test_watchers_beyond_max_watchers_are_refused_busy(server: LocalServer) -> N
             refused = answers[-1]
             assert isinstance(refused, protocol.Error) and refused.code == "busy"
             assert f"limit of {MAX_WATCHERS} watchers" in refused.message and refused.retry_after_s
-            assert owner.stats()["watchers"] >= MAX_WATCHERS
+            assert owner.stats().watchers >= MAX_WATCHERS
             owner.close(info.id)
         for w in watchers[:-1]:
             assert isinstance(w.read_until_closed()[-1], protocol.Closed)
@@ -173,11 +173,11 @@ def test_a_watcher_cannot_control_or_close_the_session_and_can_unwatch(server: L
             watcher.close(info.id, timeout_s=5)
         play(owner, info.id, range(2))
         assert next(watch).index == 0
-        assert watcher.unwatch(info.id)["reason"] == "unwatched"
+        assert watcher.unwatch(info.id).reason == "unwatched"
         with pytest.raises(UnknownSession):
             watcher.unwatch(info.id)
         play(owner, info.id, range(2, 4))  # it streams on for its owner
-        assert owner.wait_closed(info.id)["reason"] == "complete"
+        assert owner.wait_closed(info.id).reason == "complete"
 
 
 def test_the_async_client_watches_a_session(server: LocalServer) -> None:

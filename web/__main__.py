@@ -79,7 +79,7 @@ async def check_server(endpoint: str, timeout_s: float) -> str | None:
             return f"no worldstream server answers at {endpoint} (waited {timeout_s:.0f} s): start one first " \
                    "(python launch.py --config cpu-tiny), or give --server"
     logging.getLogger("worldstream.web").info("server %s: layout %s, %s open sessions", endpoint,
-                                              stats.get("layout"), stats.get("open_sessions"))
+                                              stats.layout, stats.open_sessions)
     return None
 
 

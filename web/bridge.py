@@ -26,6 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from aiohttp import WSMsgType, web
 
 from ipc.aio_client import AsyncClient
@@ -38,6 +39,7 @@ from ipc.client import (
     UnknownSession,
     closed_summary,
 )
+from ipc.metrics_types import SessionSummary
 from web import page_messages as pm
 from web import page_protocol as pp
 from web.chunks import ChunkView, Timeline, chrome_trace, read_chunk
@@ -309,9 +311,10 @@ class Bridge:
         except (ServerError, TimeoutError) as error:
             self.error(getattr(error, "code", "server_unreachable"), str(error))
             return
-        session = stats.get("per_session", {}).get(self.session.id) if self.session else None
-        self.send(pm.Stats(session=_brief(session) if session else None,
-                           server={k: stats.get(k) for k in ("open_sessions", "layout", "schedule", "dit_idle")},
+        session = stats.per_session.get(self.session.id) if self.session else None
+        server = {"open_sessions": stats.open_sessions, "layout": stats.layout,
+                  "schedule": _given(stats.schedule), "dit_idle": _given(stats.dit_idle)}
+        self.send(pm.Stats(session=_brief(session) if session else None, server=_plain(server),
                            gateway={"sessions": self.slots.used, "max_sessions": self.slots.limit,
                                     "frames_sent": self.frames_sent, "bytes_sent": self.bytes_sent}))
 
@@ -379,20 +382,20 @@ class Bridge:
             try:
                 summary = await client.wait_closed(info.id, timeout_s=2.0)
             except TimeoutError:
-                summary = {"reason": "unknown", "error": "the server no longer holds the session"}
+                summary = SessionSummary(reason="unknown", error="the server no longer holds the session")
         except (ServerError, TimeoutError) as error:
-            summary = {"reason": "unknown", "error": f"closing failed: {error}"}
+            summary = SessionSummary(reason="unknown", error=f"closing failed: {error}")
         self._finish(info, summary)  # (cancelled before this, the session stays recorded: the teardown closes it)
 
-    def _finish(self, info: SessionInfo, summary: dict[str, Any]) -> None:
+    def _finish(self, info: SessionInfo, summary: SessionSummary) -> None:
         """The session is over: tell the page, return the slot (exactly once per session)."""
         if self.session is not info:
             return
         self.session, self._pump = None, None  # the playout still shows what is left of the last chunk
         self.slots.release()
-        self.send(pm.Closed(session=info.id, reason=summary.get("reason"), error=summary.get("error"),
-                            summary=_brief(summary)))
-        log.info("session %s closed (%s)", info.id, summary.get("reason"))
+        reason, error = _given(summary.reason), _given(summary.error)
+        self.send(pm.Closed(session=info.id, reason=reason, error=error, summary=_brief(summary)))
+        log.info("session %s closed (%s)", info.id, reason)
 
     async def _error_pump(self, client: AsyncClient) -> None:
         while self._tasks.wanted():
@@ -431,6 +434,19 @@ class Bridge:
                 woken.cancel()
 
 
-def _brief(summary: dict[str, Any]) -> dict[str, Any]:
-    """A session summary without its per-chunk tail (the page has every chunk already)."""
-    return {k: v for k, v in summary.items() if k != "recent_chunks"}
+def _brief(summary: SessionSummary) -> dict[str, Any]:
+    """A session summary as the page reads it (its wire map), without its per-chunk tail (the page has every chunk
+    already)."""
+    out = _plain(summary)
+    del out["recent_chunks"]
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A typed value as the map it is on the wire (fields left unset left out)."""
+    return msgspec.to_builtins(value)
+
+
+def _given(value: Any) -> Any:
+    """A field that only some senders fill, or None where it was not."""
+    return None if value is msgspec.UNSET else value
