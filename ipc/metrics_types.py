@@ -150,6 +150,20 @@ class SessionSummary(_Metric):
     error: str | UnsetType | None = UNSET
 
 
+class PartialSummary(SessionSummary, omit_defaults=True):
+    """A summary from a sender that holds no metrics of the session (a router naming the replica of a session it
+    lost, or of one whose replica has not reported yet): encoded with the fields it sets only (its figures are
+    unknown, not zero); a reader decodes it as a ``SessionSummary`` whose ``session`` is empty."""
+
+    time_to_first_frame_s: TimeToFirstFrame | None = None  # type: ignore[assignment]
+    latency_s: Distribution | None = None  # type: ignore[assignment]
+    chunk_period_s: Distribution | None = None  # type: ignore[assignment]
+    compute: Compute | None = None  # type: ignore[assignment]
+    warmup: WarmUpCompute | None = None  # type: ignore[assignment]
+    dit_idle: Idle | None = None  # type: ignore[assignment]
+    condition_prefetch_wait_s: Distribution | None = None  # type: ignore[assignment]
+
+
 # ---------------------------------------------------------------------------------------------------- a server
 
 

@@ -12,7 +12,7 @@ is ``Unknown`` (the caller skips it). Anything else is the strict ``ProtocolViol
 from __future__ import annotations
 
 from functools import cache
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from msgspec import inspect as mi
@@ -20,6 +20,7 @@ from msgspec import inspect as mi
 from ipc import protocol
 
 _raw = msgspec.msgpack.Decoder()
+T = TypeVar("T")
 READERS: dict[str, Any] = {"server": protocol.ServerMessage, "router": protocol.Registered}  # direction -> type
 
 
@@ -52,6 +53,17 @@ def decode(data: bytes | memoryview, direction: str, max_bytes: int = protocol.D
             return msgspec.convert(_prune(raw, schema), READERS[direction])
         except (msgspec.ValidationError, ValueError, TypeError):
             raise strict from None
+
+
+def convert(value: Any, kind: type[T]) -> T:
+    """``value`` (msgpack builtins from a possibly newer peer) as ``kind``, the map keys and trailing array items
+    ``kind`` has no field for dropped first (at every depth); raises ``msgspec.ValidationError`` on a wrong type."""
+    return msgspec.convert(_prune(value, _type_info(kind)), kind)
+
+
+@cache
+def _type_info(kind: type) -> mi.Type:
+    return mi.type_info(kind)
 
 
 @cache

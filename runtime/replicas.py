@@ -43,7 +43,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET
 
-from ipc import protocol
+from ipc import protocol, tolerant
 from ipc.metrics_types import MAX_SESSIONS, CapacityStats, ReplicaView, ServerStats
 
 MAX_SESSIONS_PER_REPLICA = MAX_SESSIONS  # a registration or stats reply claiming more is refused
@@ -92,7 +92,7 @@ def read_stats(stats: dict[str, Any]) -> tuple[ServerStats, dict[str, Any]]:
     if depth > MAX_STATS_DEPTH:
         raise UnusableStats(f"nested {depth} deep (at most {MAX_STATS_DEPTH})")
     try:
-        typed = msgspec.convert(stats, ServerStats)
+        typed = tolerant.convert(stats, ServerStats)  # a newer server's additions are dropped, not refused
     except msgspec.ValidationError as error:
         raise UnusableStats(str(error)[:200]) from None
     if typed.open_sessions > MAX_SESSIONS_PER_REPLICA:
@@ -226,11 +226,10 @@ class Replica:
         """This replica in the router's stats (its own stats without any session's entry: their owners' only)."""
         own = None
         if self.stats is not None:
-            capacity = self.stats.capacity
-            if isinstance(capacity, CapacityStats):
-                capacity = msgspec.structs.replace(capacity, sessions={})
-            own = {**self.shown, **msgspec.to_builtins(msgspec.structs.replace(self.stats, per_session={},
-                                                                                capacity=capacity))}
+            own = {**self.shown, **msgspec.to_builtins(self.stats)}
+            own.pop("per_session", None)  # session ids are their owners' only
+            if isinstance(own.get("capacity"), dict):
+                own["capacity"].pop("sessions", None)
         return ReplicaView(
             state=self.state.value, endpoint=self.endpoint, source="config" if self.listed else "registered",
             layout=self.layout or (self.stats.layout if self.stats else ""), max_sessions=self.max_sessions,

@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from ipc import protocol
-from ipc.metrics_types import Distribution, RouterCounters, RouterTotals, ServerStats, SessionCounts, SessionSummary
+from ipc.metrics_types import Distribution, PartialSummary, RouterCounters, RouterTotals, ServerStats, SessionCounts
 from runtime.clients import Clients
 from runtime.core_types import EXIT_OK, ClientError
 from runtime.migration import renamed
@@ -326,7 +326,7 @@ class RouterCore:
                 self._emit(ToClient(session.client, protocol.Error(session=session.id, code="rank_failed",
                                                                    message=error), session.id))
             closed = protocol.Closed(session=session.id, reason=reason, error=error,
-                                     summary=SessionSummary(replica=session.replica))
+                                     summary=PartialSummary(replica=session.replica))
             self._emit(ToClient(session.client, closed, session.id))
 
     def _end_watchers(self, sid: str, reason: str, error: str | None, keep: bool) -> None:
@@ -726,7 +726,7 @@ class RouterCore:
                                     session.id))
                 self._emit(ToClient(session.client, protocol.Closed(
                     session=session.id, reason="shutdown" if code == "shutdown" else "failed", error=text,
-                    summary=SessionSummary(replica=replica.name)), session.id))
+                    summary=PartialSummary(replica=replica.name)), session.id))
         return len(lost)
 
     def _add(self, name: str, endpoint: str, max_sessions: int, listed: bool, now: float) -> Replica:
@@ -883,7 +883,7 @@ class RouterCore:
         for session in sorted(self.clients.of(who), key=lambda s: s.id):
             stats = self.replicas[session.replica].stats
             own = stats.per_session.get(session.rid) if stats else None
-            mine[session.id] = msgspec.structs.replace(own or SessionSummary(), replica=session.replica)
+            mine[session.id] = msgspec.structs.replace(own or PartialSummary(), replica=session.replica)
         chunks, frames = sum(s.chunks_emitted for s in read), sum(s.frames_emitted for s in read)
         open_sessions = sum(len(r.sessions) + r.external for r in up)
         return ServerStats(

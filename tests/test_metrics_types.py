@@ -10,7 +10,7 @@ import pytest
 
 from ipc import protocol as p
 from ipc import tolerant
-from ipc.metrics_types import ServerStats, SessionSummary
+from ipc.metrics_types import PartialSummary, ServerStats, SessionSummary
 from ranks.prometheus import Exporter
 from runtime.core_types import ClientSent
 from tests.test_core import A, B, Job, control
@@ -99,3 +99,18 @@ def test_the_prometheus_exporter_derives_each_sessions_chunk_period_from_the_cor
         assert not exporter.last_emitted  # closed sessions are forgotten
     finally:
         exporter.close()
+
+
+def test_a_partial_summary_says_only_what_its_sender_knows_and_the_page_shows_no_zeros() -> None:
+    """A router that lost a session's replica knows only the replica: the wire map is that (as before typing), and
+    the gateway passes the page that map, not a summary of zeros read as "0 chunks"."""
+    from web.bridge import _brief
+
+    closed = p.Closed(session="s", reason="failed", error="replica a is down", summary=PartialSummary(replica="a"))
+    wire = _raw.decode(p.encode(closed))
+    assert wire["summary"] == {"replica": "a"}
+    read = p.decode(p.encode(closed), "server").summary
+    assert isinstance(read, SessionSummary) and read.session == "" and read.replica == "a"
+    assert _brief(msgspec.structs.replace(read, reason="failed")) == {"replica": "a", "reason": "failed"}
+    full = SessionSummary(session="s", chunks=0)  # a real summary keeps its zeros: they are measured
+    assert _brief(full)["chunks"] == 0 and _brief(full)["session"] == "s"

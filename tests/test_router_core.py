@@ -543,7 +543,7 @@ def test_stats_sum_the_up_replicas_and_show_a_client_only_its_own_sessions(fleet
     assert stats.per_session == {sid_a: SessionSummary(chunks=4, replica=name_a)}  # not B's
     assert stats.replicas and set(stats.replicas) == {"a", "b"} and stats.replicas[name_a].sessions == 1
     shown = [r.stats for r in stats.replicas.values()]  # each replica's own stats as the router shows them
-    assert all(s is not None and s["per_session"] == {} and s["capacity"]["sessions"] == {} for s in shown)
+    assert all(s is not None and "per_session" not in s and "sessions" not in s["capacity"] for s in shown)
     assert all(s is not None and s["capacity"]["headroom"] == 0.5 for s in shown)  # no session ids
     assert sid_a.encode() not in p.encode(p.StatsReply(req=0, stats=msgspec.structs.replace(stats, per_session={})))
     assert stats.router and stats.router.chunk_hold_s == Distribution(count=2, p50=0.0002)  # the shell's own
@@ -685,3 +685,21 @@ def test_a_fold_of_two_valid_live_inputs_is_one_the_server_accepts_and_keeps_the
     p.check_input_state(folded)  # would raise "mouse yaw must be finite and within ±360" unclamped
     assert folded.mouse == (p.MAX_MOUSE_DEGREES, -p.MAX_MOUSE_DEGREES)
     assert (folded.keys, folded.taps, folded.revision, folded.req, folded.steps) == (["d"], ["a", "j"], 4, 2, 2)
+
+
+def test_a_newer_replicas_stats_with_fields_this_router_does_not_know_keep_it_up(fleet: Fleet) -> None:
+    """Additions anywhere in a replica's stats (a chunk's control in a session's recent chunks included) are dropped,
+    never a reason to mark the replica down and end its sessions."""
+    sid, name = fleet.open(A)
+    fleet.step(Tick(), dt=1.1)
+    recent = {"index": 0, "frames": 4, "control": {"keys": ["w"], "revision": 2, "sprint": True}, "new": 1}
+    fleet.answer_stats(name, stats_of(chunks=3, per_session={sid: {"chunks": 3, "recent_chunks": [recent],
+                                                                   "decode_s": {"p95": 0.1}}})
+                       | {"gpu": {"name": "H200"}})
+    fleet.client(A, p.Stats(req=7))
+    (reply,) = fleet.to(A, p.StatsReply)
+    assert reply.stats.replicas[name].state == "up" and reply.stats.total.replicas_up == 2  # both of the fleet
+    assert reply.stats.per_session[sid].chunks == 3
+    assert reply.stats.per_session[sid].recent_chunks[0].control.keys == frozenset({"w"})
+    assert reply.stats.replicas[name].stats["gpu"] == {"name": "H200"}  # shown as it came, never read
+    assert fleet.core.sessions

@@ -52,7 +52,7 @@ def test_playout_releases_a_chunks_frames_at_the_stream_fps() -> None:
     sent = drain(playout, 1.0)
     assert [frame for _, frame in sent] == [(0, 0), (0, 1), (0, 2), (0, 3)]
     assert [t for t, _ in sent] == pytest.approx([0.0, PERIOD, 2 * PERIOD, 3 * PERIOD], abs=0.0011)
-    assert playout.dropped.to_wire() == {"superseded": 0, "late": 0}
+    assert playout.dropped == Dropped(superseded=0, late=0)
     assert playout.next_due() is None
 
 
@@ -385,14 +385,14 @@ def test_a_playout_rewound_after_a_migration_takes_the_chunks_again_and_counts_w
 
 def error_codes_the_gateway_may_send() -> set[str]:
     """Every error code written in the gateway's and the server's code, and the client library's: what a page may
-    be told (less the indexed controls' codes: a page sends live input only)."""
+    be told (the indexed controls' codes too: a router refuses live input with them during a migration)."""
     found = {code for cls in (ServerError, *ServerError.__subclasses__(), StaleRevision) for code in cls.codes}
     for path in [*(ROOT / "web").glob("*.py"), *(ROOT / "runtime").glob("*.py")]:
         text = path.read_text()
         found |= set(re.findall(r'(?:self\.error|PageError|ClientError)\(\s*"(\w+)"', text))
         found |= set(re.findall(r'code="(\w+)"', text))
     # (``migrated`` is a session's event, not an error: the page gets it as its own ``migrated`` message)
-    return found - {"bad_control", "rejected_control", "control_backpressure", "malformed", "migrated"}
+    return found - {"migrated"}
 
 
 def test_hello_lists_the_keys_limits_and_error_codes_the_page_may_see() -> None:

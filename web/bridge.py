@@ -129,7 +129,8 @@ class Bridge:
                 await self._close_session()
             finally:
                 if self.session is not None:  # the close itself was cancelled (the gateway stopping)
-                    self._finish(self.session, {"reason": "unknown", "error": "the gateway stopped while closing"})
+                    stopped = SessionSummary(reason="unknown", error="the gateway stopped while closing")
+                    self._finish(self.session, stopped)
                 if self.client is not None:
                     await self.client.aclose()
 
@@ -439,7 +440,13 @@ def _brief(summary: SessionSummary) -> dict[str, Any]:
     already)."""
     out = _plain(summary)
     del out["recent_chunks"]
+    if not summary.session:  # a partial one (a router's replica, this gateway's reason): only what it says
+        empty = _EMPTY_SUMMARY
+        out = {k: v for k, v in out.items() if k not in empty or v != empty[k]}
     return out
+
+
+_EMPTY_SUMMARY = msgspec.to_builtins(SessionSummary())
 
 
 def _plain(value: Any) -> Any:

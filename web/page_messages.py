@@ -31,6 +31,11 @@ ERROR_CODES: dict[str, str] = {
     "outbox_full": "the server is not taking input now; the next input goes again",
     "bad_reply": "the server answered something the gateway cannot read",
     # the server
+    "malformed": "a live input the server cannot take (its check's words say which field)",
+    "bad_control": "a control this session does not take",
+    "rejected_control": "the server did not take this input (its words say why); the next one goes again",
+    "control_backpressure": "the server is not taking input now (a migration, or a full queue); retry_after_s says "
+                            "when",
     "stale_revision": "a live input not newer than the last one the server took (it changed nothing)",
     "unknown_session": "the server no longer holds this session",
     "closing": "the session is closing",
@@ -94,7 +99,7 @@ class Opened(Watching, tag="opened"):
 
 
 class Chunk(_Out, tag="chunk"):
-    """One chunk's facts as the page shows them (``web.chunks.chunk_message`` builds it from ``ChunkFacts``)."""
+    """One chunk's facts as the page shows them (``web.chunks.ChunkView.message`` builds it from ``ChunkFacts``)."""
 
     session: str
     index: int

@@ -30,9 +30,6 @@ class Dropped:
     superseded: int = 0  # frames of an older chunk never sent because a newer chunk arrived
     late: int = 0  # frames skipped because a later frame of the same chunk was already due
 
-    def to_wire(self) -> dict[str, int]:
-        return {"superseded": self.superseded, "late": self.late}
-
 
 class Playout:
     """The newest chunk's frames, released at ``fps``. ``push`` a chunk when it arrives, ``take`` the frame to send

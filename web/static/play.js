@@ -68,6 +68,11 @@ function send(message) {
 function onText(message) {
   switch (message.type) {
     case "hello":
+      if (!Array.isArray(message.keys) || !message.errors || !message.limits
+          || !Number.isFinite(message.limits.max_mouse_degrees)) { // a gateway older than this page
+        showBanner("this page is newer than its gateway (its hello lacks the keys and limits): reload the page");
+        return;
+      }
       state.hello = message; // keys, limits, errors: what this page must not hard-code
       for (const code of Object.keys(ERRORS)) { // wording for a code the gateway never sends is a stale page
         if (!(code in message.errors)) console.warn(`the gateway sends no error code ${code}`);
