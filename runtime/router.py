@@ -119,11 +119,23 @@ log = logging.getLogger(__name__)
 MAX_REASONS = 32  # distinct reject codes counted; more count as "other"
 SESSION_RETRY_S = 0.01  # hint when a control met a full replica connection (a server's control_backpressure)
 MAX_ASKED = 256  # unanswered requests remembered per session (a replica answers each at once; more is a flood)
+MAX_PROMPTS_ASKED = 4  # set_prompt texts remembered per session until answered (a server refuses more waiting)
 ANSWERED = ("control", "set_prompt", "save")  # the forwarded kinds a replica answers by request id
 # what a server answers a request it cannot take now, by kind: the client sends it again (after a migration: to the
 # new replica)
 NOT_NOW = {"set_prompt": "prompt_backpressure", "save": "busy"}
 ENDING_CODES = frozenset({"rank_failed", "shutdown"})  # a replica says its whole job is ending
+
+
+@dataclass
+class ScheduledPrompt:
+    """A prompt a session's replica scheduled (``prompt_scheduled``): a snapshot of chunk k holds it when ``chunk``
+    <= k. ``chunk`` None: the router sent it again to the session's new replica and no answer named its chunk yet
+    (it is in no snapshot)."""
+
+    text: str
+    chunk: int | None
+    revision: int
 
 
 @dataclass
@@ -149,6 +161,11 @@ class RoutedSession:
     # requests forwarded and not answered yet (request id -> kind): a replica that goes down answers none of them,
     # so a migration answers them itself (bounded: the oldest are forgotten past MAX_ASKED)
     asked: dict[int, str] = field(default_factory=dict)
+    # the texts of its set_prompts forwarded and not answered yet (request id -> text; the oldest forgotten past
+    # MAX_PROMPTS_ASKED): a ``prompt_scheduled`` names its request, not its text
+    prompts_asked: dict[int, str] = field(default_factory=dict)
+    prompt: ScheduledPrompt | None = None  # the latest prompt its replica answered ``prompt_scheduled`` (one text)
+    replay: int | None = None  # the router's own set_prompt of ``prompt`` in flight on its new replica (its req)
 
     @property
     def rid(self) -> str:
@@ -283,6 +300,10 @@ class RouterCore:
                     session.asked[message.req] = str(kind)
                     if len(session.asked) > MAX_ASKED:
                         del session.asked[next(iter(session.asked))]
+                if isinstance(message, protocol.SetPrompt):  # its answer names the request: the text is kept till then
+                    session.prompts_asked[message.req] = message.prompt
+                    if len(session.prompts_asked) > MAX_PROMPTS_ASKED:
+                        del session.prompts_asked[next(iter(session.prompts_asked))]
                 self._emit(ToReplica(replica.name, replica.generation, upstream,
                                      SessionOrigin(who, message.req, session.id, str(kind), state)))
             case protocol.Stats():
@@ -449,6 +470,9 @@ class RouterCore:
                 self._open_failed(replica, message, now)
             case protocol.Saved(session=sid) | protocol.Error(session=sid) if self._autosaved(replica, message):
                 pass  # the router's own save: answered to the router alone
+            case protocol.PromptScheduled(session=sid) | protocol.Error(session=sid) \
+                    if self._replayed(replica, message):
+                pass  # the router's own set_prompt after a migration: answered to the router alone
             case protocol.Closed(session=sid):
                 session = self.sessions.get(sid)
                 if session is not None and session.replica == replica.name and not session.migrating:
@@ -460,8 +484,10 @@ class RouterCore:
                   | protocol.Saved(session=sid)):
                 if isinstance(message, protocol.Saved):
                     self._snapshotted(replica, message)  # a client's own save is a place to resume from too
-                if sid in self.sessions and message.req is not None:
+                if sid in self.sessions and message.req is not None and self.sessions[sid].replica == replica.name:
                     self.sessions[sid].asked.pop(message.req, None)
+                    if isinstance(message, protocol.PromptScheduled | protocol.Error):
+                        self._prompt_answered(self.sessions[sid], message)
                 self._to_session(replica, sid, raw)  # type: ignore[arg-type]
             case ReplicaStatsReply():
                 self._stats_reply(replica, message, now)
@@ -545,6 +571,8 @@ class RouterCore:
                                                      f"(it {text}); send it again", retry_after_s=SESSION_RETRY_S),
                          req, session.id)
         session.asked.clear()
+        session.prompts_asked.clear()  # (their clients were told to send them again)
+        session.replay = None
         log.warning("session %s: replica %s %s; restoring it from its snapshot at chunk %d", session.id, down.name,
                     text, session.snapshot_chunk)
         return True
@@ -573,7 +601,60 @@ class RouterCore:
         watchers = self.watchers.of(session.id)
         if watchers:  # their chunks come again from the resume chunk too
             self._emit(ToWatchers(session.id, watchers, notice))
+        prompt = session.prompt
+        if prompt is not None and (prompt.chunk is None or prompt.chunk > session.snapshot_chunk):
+            # the snapshot holds the prompt in force at its chunk: one scheduled after it is set again here, and
+            # is in no snapshot until the new replica's answer names its chunk
+            log.info("session %s: its prompt of revision %d from chunk %s (after its snapshot at chunk %d) is sent "
+                     "again to replica %s", session.id, prompt.revision, prompt.chunk, session.snapshot_chunk,
+                     replica.name)
+            session.prompt = ScheduledPrompt(prompt.text, None, prompt.revision)
+            self._replay_prompt(session)
         self._send_state(session)  # live input that came meanwhile
+
+    def _replay_prompt(self, session: RoutedSession) -> None:
+        """Send the session's prompt that is in no snapshot (``ScheduledPrompt.chunk`` None) to its replica, as
+        the router's own ``set_prompt`` (a negative request id, as its saves: no client's answer is taken for it)."""
+        prompt = session.prompt
+        if prompt is None or prompt.chunk is not None or session.replay is not None or session.migrating \
+                or session.closing:
+            return
+        session.replay = -self.new_req()
+        replica = self.replicas[session.replica]
+        self._emit(ToReplica(replica.name, replica.generation,
+                             protocol.SetPrompt(req=session.replay, session=session.rid, prompt=prompt.text),
+                             SessionOrigin(session.client, session.replay, session.id, "replay_prompt")))
+
+    def _replayed(self, replica: Replica, message: protocol.PromptScheduled | protocol.Error) -> bool:
+        """Whether ``message`` answers the router's own ``set_prompt`` (``_replay_prompt``): then it is the
+        router's alone. Scheduled: the prompt is known in force from its chunk (on the new replica's revisions);
+        refused: the session goes on with its snapshot's prompt (logged: the client may send it again)."""
+        session = self.sessions.get(message.session or "")
+        if session is None or session.replica != replica.name or session.replay is None \
+                or message.req != session.replay:
+            return False
+        session.replay = None
+        pending = session.prompt if session.prompt is not None and session.prompt.chunk is None else None
+        if isinstance(message, protocol.PromptScheduled):
+            log.info("session %s: its prompt is in force again on replica %s from chunk %d (revision %d)",
+                     session.id, replica.name, message.chunk, message.revision)
+            if pending is not None:  # (unless a client's newer prompt was answered meanwhile)
+                session.prompt = ScheduledPrompt(pending.text, message.chunk, message.revision)
+        else:
+            log.warning("session %s: replica %s refused its prompt sent again (%s: %s); it goes on with its "
+                        "snapshot's", session.id, replica.name, message.code, message.message[:200])
+            if pending is not None:
+                session.prompt = None
+        return True
+
+    def _prompt_answered(self, session: RoutedSession, message: protocol.PromptScheduled | protocol.Error) -> None:
+        """A client's ``set_prompt`` answered: a scheduled one is the latest prompt of the session (a replica
+        answers them in revision order). One whose text was forgotten (MAX_PROMPTS_ASKED) leaves none known:
+        an older text must never be set again in its place."""
+        assert message.req is not None
+        text = session.prompts_asked.pop(message.req, None)
+        if isinstance(message, protocol.PromptScheduled):
+            session.prompt = None if text is None else ScheduledPrompt(text, message.chunk, message.revision)
 
     def _opened(self, replica: Replica, message: protocol.Opened, now: float) -> None:
         pending = self.opens.get(message.req)
@@ -632,6 +713,8 @@ class RouterCore:
             return  # it ended meanwhile: its client was told
         if origin.kind == "autosave":  # the router's own save: tried again at the next chunk
             session.autosave, session.chunks = None, self.config.snapshot_every - 1
+        elif origin.kind == "replay_prompt":  # the router's own prompt after a migration: tried again next turn
+            session.replay = None
         elif origin.kind == "close":  # a server never refuses a close: the router sends it again on the next turn
             session.closing, session.close_due = True, now
         elif origin.kind == "control_state":  # nor valid live input: it is folded and sent when the link drains
@@ -844,8 +927,11 @@ class RouterCore:
                 continue  # closed just now: nothing more is sent for it
             if session.closing and now >= session.close_due:
                 self._close_on_replica(session, now)  # no `closed` yet: the close (or its answer) was lost
-            elif session.state is not None:
-                self._send_state(session)  # live input that met a full link, folded: the link may have drained
+            else:
+                if session.state is not None:
+                    self._send_state(session)  # live input that met a full link, folded: the link may have drained
+                if session.prompt is not None and session.prompt.chunk is None:
+                    self._replay_prompt(session)  # the prompt sent again after a migration met a full link
 
     def _shutdown(self, now: float) -> None:
         message = "the router is shutting down"

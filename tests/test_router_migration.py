@@ -23,6 +23,7 @@ from runtime.router_types import (
     ReplicaSent,
     SessionOrigin,
     ShutdownRequested,
+    Tick,
     ToReplica,
     ToWatchers,
 )
@@ -257,6 +258,68 @@ def test_a_session_whose_restore_is_refused_ends_with_the_reason() -> None:
     (error,) = f.errors(A)
     assert error.code == "rank_failed" and error.session == sid and "bad_snapshot: model differs" in error.message
     assert [c.reason for c in f.to(A, p.Closed)] == ["failed"] and not f.core.sessions
+
+
+def prompts_to(f: Fleet, name: str) -> list[p.SetPrompt]:
+    return [decoded(o.message) for o in f.to_replica(name, p.SetPrompt) if isinstance(decoded(o.message), p.SetPrompt)]
+
+
+def test_a_prompt_scheduled_after_the_snapshot_is_set_again_on_the_new_replica_once_its_restore_opened() -> None:
+    f = fleet(every=2)
+    sid, name = f.open(A)
+    snapshotted(f, name, sid, at=2)
+    f.client(A, p.SetPrompt(req=30, session=sid, prompt="a canyon at dusk"))
+    f.replica(name, p.PromptScheduled(req=30, session=sid, revision=1, chunk=3))  # after the snapshot's chunk 2
+    assert [(m.req, m.revision) for m in f.to(A, p.PromptScheduled)] == [(30, 1)]
+    f.clear()
+    f.replica(name, p.Error(code="rank_failed", message="rank 3 died"))
+    sent = restore(f)
+    assert not prompts_to(f, sent.replica)  # not before its restore opened
+    f.replica(sent.replica, msgspec.structs.replace(opened(sent.message.req, MOVED), first_chunk=2))
+    (replay,) = prompts_to(f, sent.replica)
+    assert (replay.session, replay.prompt) == (MOVED, "a canyon at dusk") and replay.req < 0
+
+    f.replica(sent.replica, p.PromptScheduled(req=replay.req, session=MOVED, revision=1, chunk=3))
+    assert [m.req for m in f.to(A, p.PromptScheduled)] == [] and not f.errors(A)  # the router's own answer
+    assert f.core.sessions[sid].prompt is not None and f.core.sessions[sid].prompt.chunk == 3  # type: ignore[union-attr]
+    f.client(A, p.SetPrompt(req=31, session=sid, prompt="a storm"))  # the client's own still reach it
+    f.replica(sent.replica, p.PromptScheduled(req=31, session=MOVED, revision=2, chunk=4))
+    assert [(m.req, m.session) for m in f.to(A, p.PromptScheduled)] == [(31, sid)]
+    assert not f.core.sessions[sid].asked and not f.core.sessions[sid].prompts_asked
+
+
+def test_a_prompt_scheduled_at_or_before_the_snapshots_chunk_is_in_it_and_not_set_again() -> None:
+    f = fleet(every=2)
+    sid, name = f.open(A)
+    f.client(A, p.SetPrompt(req=30, session=sid, prompt="a canyon at dusk"))
+    f.replica(name, p.PromptScheduled(req=30, session=sid, revision=1, chunk=2))
+    snapshotted(f, name, sid, at=2)  # its boundary chunk uses the prompt: the snapshot holds it
+    survivor = migrated(f, sid, name, at=2)
+    assert [m.session for m in f.to(A, p.Migrated)] == [sid] and not prompts_to(f, survivor)
+
+
+def test_the_routers_own_prompt_meeting_a_full_link_is_sent_again_and_its_refusal_reaches_no_client() -> None:
+    f = fleet(every=2, listed={"a": 2, "b": 2, "c": 2})
+    sid, name = f.open(A)
+    snapshotted(f, name, sid, at=2)
+    f.client(A, p.SetPrompt(req=30, session=sid, prompt="a canyon at dusk"))
+    f.replica(name, p.PromptScheduled(req=30, session=sid, revision=1, chunk=5))
+    survivor = migrated(f, sid, name, at=2)
+    (replay,) = prompts_to(f, survivor)
+    f.step(ReplicaRefused(survivor, f.generation[survivor], SessionOrigin(A, replay.req, sid, "replay_prompt")))
+    assert not f.errors(A)
+    f.step(Tick())
+    again = prompts_to(f, survivor)[-1]
+    assert len(prompts_to(f, survivor)) == 2 and again.prompt == "a canyon at dusk"
+
+    f.clear()  # its new replica dies before answering it: the next one gets it too
+    f.replica(survivor, p.Error(code="rank_failed", message="rank 1 died"))
+    sent = restore(f)
+    f.replica(sent.replica, msgspec.structs.replace(opened(sent.message.req, "0000000000ee"), first_chunk=2))
+    (third,) = prompts_to(f, sent.replica)
+    assert third.prompt == "a canyon at dusk"
+    f.replica(sent.replica, p.Error(req=third.req, session="0000000000ee", code="prompt_failed", message="encode"))
+    assert not f.errors(A) and f.core.sessions[sid].prompt is None  # it goes on with its snapshot's prompt
 
 
 def test_a_chunk_is_renamed_in_its_head_only() -> None:
