@@ -55,10 +55,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalRoute
         assert router.stop() == 0, router.log()
 
 
-def step(client: Client, session: str, index: int) -> np.ndarray:
+def step(client: Client, session: str, index: int, revisions: dict[int, int] | None = None) -> np.ndarray:
+    """Chunk ``index`` under its control; its frames (its prompt revision into ``revisions``)."""
     client.control(session, index, keys=KEYS[index])
     chunk = client.next_chunk(session, timeout_s=60)
     assert chunk.index == index
+    if revisions is not None:
+        revisions[index] = chunk.prompt_revision
     return chunk.frames.copy()
 
 
@@ -76,6 +79,9 @@ def test_a_session_whose_replica_is_killed_resumes_on_the_other_from_its_snapsho
         assert all(np.array_equal(before[i], expected[i]) for i in before), "the router's saves changed the stream"
         wait_for("a save of the session", lambda: client.stats().router.autosaves > saves, 30)
         holder = replica_of(client, info.id)
+        # a new prompt after the snapshot (the synthetic frames do not depend on its text; the facts name it)
+        scheduled = client.set_prompt(info.id, "a harbour in a storm")
+        assert scheduled.revision == 1 and scheduled.chunk >= BEFORE, scheduled
 
         killed = time.monotonic()
         servers[holder].kill_rank(1)  # the DiT and decode rank of the replica holding the session
@@ -89,10 +95,16 @@ def test_a_session_whose_replica_is_killed_resumes_on_the_other_from_its_snapsho
 
         with pytest.raises(RejectedControl, match=f"from index {resume}"):
             client.control(info.id, resume - 1, keys="w", wait=True)
-        again = step(client, info.id, resume)
+        revisions: dict[int, int] = {}
+        again = step(client, info.id, resume, revisions)
         first_frame_s = time.monotonic() - killed
         assert np.array_equal(again, before[resume])
-        after = {resume: again} | {i: step(client, info.id, i) for i in range(resume + 1, CHUNKS)}
+        after = {resume: again} | {i: step(client, info.id, i, revisions) for i in range(resume + 1, CHUNKS)}
+        # the router set the prompt again on the survivor (its snapshot predates it): in force from the survivor's
+        # next undispatched chunk once encoded (which one is a race with the client's controls), as revision 1
+        # there too (the snapshot's revision 0, plus one)
+        assert revisions[CHUNKS - 1] == 1, revisions
+        assert sorted(revisions.values()) == list(revisions.values()), revisions
         for i in range(resume, BEFORE):
             assert np.array_equal(after[i], before[i]), f"chunk {i} differs from the one got before the kill"
         for i in range(resume, CHUNKS):
