@@ -24,7 +24,10 @@ Rules that live here and nowhere else:
   opened on another replica from the latest (``open(restore=...)``, placed as any open) instead of ending; the
   client keeps its session id (``aliases`` maps the new replica's id to it: small messages are re-encoded, a chunk's
   head rewritten, ``runtime.migration``) and gets ``migrated`` (the resume chunk, the new replica). Controls below
-  the resume chunk are refused here; input during the restore waits (live) or gets a backpressure answer. With
+  the resume chunk are refused here; input during the restore waits (live) or gets a backpressure answer. The
+  latest prompt its replica scheduled (``prompt_scheduled``: its text kept from the forwarded ``set_prompt``) whose
+  chunk is after the snapshot's is not in the snapshot: once the restore opened the router sets it again there
+  (its own ``set_prompt``, a negative request id: its answer is the router's). With
   ``router.snapshots_dir`` the router's own snapshots are deleted once superseded or their session ended.
 - **Membership** (``runtime.replicas``): replicas from the config file and replicas that register (``register``,
   re-sent as a heartbeat, naming the server id of the job as its ``incarnation``). Every replica is pinged every
