@@ -726,6 +726,7 @@ class RouterCore:
         else:  # what a server answers a control, a new prompt or a save it cannot take now
             if origin.req is not None:
                 session.asked.pop(origin.req, None)
+                session.prompts_asked.pop(origin.req, None)
             code = NOT_NOW.get(origin.kind, "control_backpressure")
             self._refuse(origin.identity, ClientError(code, f"the connection to replica "
                                                       f"{event.replica} is full; send it again",

@@ -16,6 +16,7 @@ from ipc import protocol as p
 from ipc.aio_client import AsyncClient
 from ipc.client import Client, ClientCore, ServerError, SessionMigrated
 from runtime.migration import renamed
+from runtime.router import MAX_PROMPTS_ASKED
 from runtime.router_types import (
     ChunkHead,
     DropSnapshot,
@@ -320,6 +321,20 @@ def test_the_routers_own_prompt_meeting_a_full_link_is_sent_again_and_its_refusa
     assert third.prompt == "a canyon at dusk"
     f.replica(sent.replica, p.Error(req=third.req, session="0000000000ee", code="prompt_failed", message="encode"))
     assert not f.errors(A) and f.core.sessions[sid].prompt is None  # it goes on with its snapshot's prompt
+
+
+def test_a_prompt_whose_text_the_router_forgot_is_never_replaced_by_an_older_one() -> None:
+    f = fleet(every=2)
+    sid, name = f.open(A)
+    snapshotted(f, name, sid, at=2)
+    f.client(A, p.SetPrompt(req=30, session=sid, prompt="a canyon at dusk"))
+    f.replica(name, p.PromptScheduled(req=30, session=sid, revision=1, chunk=3))
+    for req in range(40, 40 + MAX_PROMPTS_ASKED + 1):  # the first of them is forgotten, and scheduled
+        f.client(A, p.SetPrompt(req=req, session=sid, prompt=f"prompt {req}"))
+    f.replica(name, p.PromptScheduled(req=40, session=sid, revision=2, chunk=4))
+    assert [m.req for m in f.to(A, p.PromptScheduled)] == [30, 40]
+    survivor = migrated(f, sid, name, at=2)
+    assert not prompts_to(f, survivor)  # not "a canyon at dusk": revision 2 replaced it
 
 
 def test_a_chunk_is_renamed_in_its_head_only() -> None:
