@@ -273,6 +273,9 @@ class RouterCore:
             self._refuse(who, ClientError("internal", f"internal error: {type(error).__name__}"), req, sid)
 
     def _request(self, who: bytes, message: protocol.ClientMessage, raw: Payload, now: float) -> None:
+        req = getattr(message, "req", None)
+        if isinstance(req, int) and req < 0:  # the router's own requests to replicas (saves, prompts) are negative
+            raise ClientError("bad_request", f"request ids must be >= 0, got {req}: negative ones are the router's")
         if not isinstance(message, protocol.Watch | protocol.Unwatch | protocol.Heartbeat):
             self.watchers.refuse(who, getattr(message, "session", None), type(message).__struct_config__.tag)
         match message:
@@ -608,9 +611,9 @@ class RouterCore:
         if prompt is not None and (prompt.chunk is None or prompt.chunk > session.snapshot_chunk):
             # the snapshot holds the prompt in force at its chunk: one scheduled after it is set again here, and
             # is in no snapshot until the new replica's answer names its chunk
-            log.info("session %s: its prompt of revision %d from chunk %s (after its snapshot at chunk %d) is sent "
-                     "again to replica %s", session.id, prompt.revision, prompt.chunk, session.snapshot_chunk,
-                     replica.name)
+            since = "not yet in force" if prompt.chunk is None else f"in force from chunk {prompt.chunk}"
+            log.info("session %s: its prompt of revision %d (%s, after its snapshot at chunk %d) is sent again to "
+                     "replica %s", session.id, prompt.revision, since, session.snapshot_chunk, replica.name)
             session.prompt = ScheduledPrompt(prompt.text, None, prompt.revision)
             self._replay_prompt(session)
         self._send_state(session)  # live input that came meanwhile

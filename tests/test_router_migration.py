@@ -356,6 +356,18 @@ def test_the_clients_answers_are_never_taken_for_the_routers_save_whatever_its_r
     assert not f.to(A, p.Saved) and f.core.sessions[sid].snapshot == SNAP1
 
 
+def test_a_client_request_with_a_negative_id_is_refused_and_never_reaches_a_replica() -> None:
+    """Negative request ids are the router's own (its saves, its prompts after a migration): a client's could have
+    its answer taken for the router's, so it is refused at the door."""
+    f = fleet(every=2)
+    sid, name = f.open(A)
+    before = len(f.to_replica(name, p.Save))
+    f.client(A, p.Save(req=-1, session=sid))
+    f.client(A, p.SetPrompt(req=-2, session=sid, prompt="night"))
+    assert [(e.code, e.req) for e in f.errors(A)] == [("bad_request", -1), ("bad_request", -2)]
+    assert len(f.to_replica(name, p.Save)) == before and not prompts_to(f, name)
+
+
 def test_with_snapshots_dir_the_routers_superseded_snapshots_and_those_of_ended_sessions_are_deleted() -> None:
     f = Fleet(None, snapshot_every=2, snapshots_dir="/shared/snapshots")
     f.up("a", "b")
