@@ -57,7 +57,7 @@ async def health(gw: LocalGateway) -> dict[str, Any]:
 
 async def server_sessions(server: LocalServer) -> int:
     async with AsyncClient(server.endpoint, timeout_s=10, heartbeat_s=0) as client:
-        return int((await client.stats())["open_sessions"])
+        return (await client.stats()).open_sessions
 
 
 async def settled(gw: LocalGateway, server: LocalServer, within_s: float) -> dict[str, Any]:
