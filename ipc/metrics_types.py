@@ -228,6 +228,16 @@ class CapacityStats(_Metric):
     sessions: dict[str, SeatStats] = {}
 
 
+class SnapshotFolder(_Metric):
+    """The server's ``[snapshots] dir`` (``runtime.snapshots``): its complete snapshots, as last listed (after each
+    save, and at most every few seconds for a ``stats``), and the retention budget (0: no limit)."""
+
+    count: Count = 0
+    bytes: Count = 0
+    max_bytes: Count = 0
+    max_count: Count = 0
+
+
 class RouterTotals(_Metric):
     """A router's sums over its up replicas."""
 
@@ -299,6 +309,7 @@ class ServerStats(_Metric, kw_only=True):
     warm_up: WarmUpStages | UnsetType = UNSET
     sizes: list[tuple[int, int]] | UnsetType = UNSET
     capacity: CapacityStats | UnsetType = UNSET  # real-time factors, headroom, the ladder's steps
+    snapshots: SnapshotFolder | UnsetType = UNSET  # the snapshot folder and its budget
     # a router's own (``runtime.router``)
     total: RouterTotals | UnsetType = UNSET
     router: RouterCounters | UnsetType = UNSET

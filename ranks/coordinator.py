@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +31,7 @@ from runtime.images import decode_image
 from runtime.memory_admission import Cost, gib
 from runtime.placement import placement_of
 from runtime.sizes import served_sizes
-from runtime.snapshots import SnapshotStore, model_identity
+from runtime.snapshots import Budget, SnapshotStore, model_identity
 from runtime.warm_start import WarmStart
 from runtime.watchers import Feeds
 
@@ -88,7 +87,8 @@ class Coordinator:
                                     observers=() if self.exporter is None else (self.exporter,),
                                     intrinsics=c.controls.intrinsics, rooms=self.rooms,
                                     session_cost=session_cost, warm_start=self.warm_start, capacity=c.capacity,
-                                    snapshots=SnapshotStore(c.snapshots.dir),
+                                    snapshots=SnapshotStore(c.snapshots.dir, Budget.of(c.snapshots.max_gb,
+                                                                                         c.snapshots.max_count)),
                                     model=model_identity(c.model.kind, c.model.preset, c.model.checkpoint_dir,
                                                          c.model.weights_seed))
         log.info("warm-up: %s", self.warm_start.describe())
@@ -242,20 +242,22 @@ class Coordinator:
             elif isinstance(output, ct.DropTensors):
                 self.ctx.frames.drop_session(output.session)
             elif isinstance(output, ct.DropSnapshotFiles):
-                self._drop_snapshot_files(output.snapshot)
+                self._drop_snapshot_files(output.snapshot, output.expired)
             elif isinstance(output, ct.Stop):
                 self._flush_feeds()  # what the watchers can still take (their closed) before the end
                 return output.code
         self._flush_feeds()  # every turn: a watcher whose queue was full may have read since
         return None
 
-    def _drop_snapshot_files(self, snapshot: str) -> None:
-        """Delete a failed save's folder (it has no manifest); one it cannot delete costs disk, never the server."""
+    def _drop_snapshot_files(self, snapshot: str, expired: bool) -> None:
+        """Delete a failed save's folder (it has no manifest) or a snapshot over the budget (its manifest first);
+        one it cannot delete costs disk, never the server."""
         assert self.core is not None
         try:
-            shutil.rmtree(self.core.snapshots.folder(snapshot), ignore_errors=True)
+            self.core.snapshots.delete(snapshot)
         except (OSError, ValueError) as error:
-            log.warning("could not delete the files of failed snapshot %s: %s", snapshot, error)
+            log.warning("could not delete the files of %s snapshot %s: %s", "expired" if expired else "failed",
+                        snapshot, error)
 
     def _flush_feeds(self) -> None:
         """Send each watcher what its feed holds, as far as its queue takes it now (never waiting)."""

@@ -8,6 +8,7 @@ overrides are applied before validation, with the value parsed as TOML (``--serv
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -210,6 +211,10 @@ class SnapshotsConfig(_Section):
     """Saved sessions (``save`` / ``open(restore=...)``, ``runtime.snapshots``): one folder per snapshot."""
 
     dir: str = "out/snapshots"  # local disk, or a filesystem every replica that may restore a snapshot shares
+    # the retention budget, kept after each save by deleting the oldest complete snapshots (never the one just
+    # written, never one a restore here is loading); 0: no limit. Replicas sharing ``dir`` should set the same.
+    max_gb: float = 0.0  # GiB of snapshot files in ``dir`` (a 480x832 snapshot is about 25 GiB)
+    max_count: int = 0  # snapshots in ``dir``
 
 
 class Config(_Section):
@@ -334,6 +339,10 @@ def validate(config: Config, where: str) -> Config:
         raise ConfigError(f"{where}: replica.router must be a ZeroMQ endpoint (tcp://host:port), got {rep.router!r}")
     if rep.heartbeat_s <= 0:
         raise ConfigError(f"{where}: replica.heartbeat_s must be > 0, got {rep.heartbeat_s}")
+    snap = config.snapshots
+    if not (math.isfinite(snap.max_gb) and snap.max_gb >= 0) or snap.max_count < 0:
+        raise ConfigError(f"{where}: snapshots.max_gb must be a finite number >= 0 and snapshots.max_count >= 0 "
+                          f"(0: no limit), got {snap.max_gb}, {snap.max_count}")
     return config
 
 

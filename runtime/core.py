@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ipc import protocol
-from ipc.metrics_types import RankStats, ServerStats, SessionSummary
+from ipc.metrics_types import RankStats, ServerStats, SessionSummary, SnapshotFolder
 from ipc.protocol import QUALITY_STEPS, ChunkFacts, Phase, Stage, clip
 from models.controls import OFFICIAL_INTRINSICS
 from models.geometry import frame_size, intrinsics_at
@@ -125,9 +125,11 @@ from runtime.snapshots import (
     SaveState,
     SnapshotError,
     SnapshotStore,
+    Stored,
     check_id,
     geometry_of,
     new_snapshot_id,
+    over_budget,
     refusal,
     wall_clock,
 )
@@ -146,6 +148,7 @@ BACKPRESSURE_RETRY_MIN_S = 0.002
 BACKPRESSURE_RETRY_MAX_S = 0.1
 BACKPRESSURE_RETRY_COLD_S = 0.02  # before the session's second chunk (the cold start: nothing moves for a while)
 BUSY_RETRY_S = 5.0  # hint to clients refused at the session limit
+STORED_STALE_S = 10.0  # a stats reply lists the snapshot folder again when its last listing is older
 
 
 def _new_id() -> str:
@@ -212,6 +215,10 @@ class CoordinatorCore:
         self.saves: dict[str, PendingSave] = {}  # by session: one save at a time each
         # recent failed saves, whose files a rank may still report (its writer was behind): deleted when they do
         self.failed_saves: deque[str] = deque(maxlen=64)
+        # the folder's complete snapshots as last listed (``stats``, the budget) and when; listed again after a save
+        self.stored: list[Stored] | None = None
+        self.stored_at = 0.0
+        self.budget_warned = False  # the budget is smaller than one snapshot: said once
 
     @property
     def sessions(self) -> Mapping[str, Session]:
@@ -844,9 +851,9 @@ class CoordinatorCore:
                               sha256=message.sha256)
             save.on_written(entry, message.seconds)
         if save.state is SaveState.DONE:
-            self._finish_save(save)
+            self._finish_save(save, now)
 
-    def _finish_save(self, save: PendingSave) -> None:
+    def _finish_save(self, save: PendingSave, now: float) -> None:
         facts = save.facts
         manifest = Manifest(format=FORMAT, id=save.id, identity=self.identity, geometry=facts["geometry"],
                             chunk=save.chunk, seed=facts["seed"], prompt=facts["prompt"],
@@ -866,6 +873,35 @@ class CoordinatorCore:
         self._answer_save(save, protocol.Saved(req=save.req, session=save.session, snapshot=save.id, chunk=save.chunk,
                                                bytes=save.bytes, pause_s=save.pause_s, write_s=save.write_s,
                                                files=len(save.files), wait_s=save.wait_s))
+        self._keep_budget(save.id, now)
+
+    def _snapshots_in_use(self) -> set[str]:
+        """The snapshots restores here still read: a restored session's ranks load their files at init, so until
+        its caches are ready (``opened``) or it is gone (failed, closed)."""
+        return {s.restore for s in self.sessions.values() if s.restore and not s.opened}
+
+    def _keep_budget(self, written: str, now: float) -> None:
+        """After a save: delete the oldest complete snapshots of the folder until it is within the budget, never
+        ``written`` nor one in use here (the shell deletes them: ``DropSnapshotFiles(expired=True)``)."""
+        stored = self._list_snapshots(now)
+        budget = self.snapshots.budget
+        doomed = set(over_budget(stored, budget, {written, *self._snapshots_in_use()}))
+        for snapshot in sorted(doomed):
+            self._emit(DropSnapshotFiles(snapshot, expired=True))
+        self.stored = [s for s in stored if s.id not in doomed]
+        if doomed:
+            log.info("snapshot budget: deleted %d snapshots (%s); %d left, %d bytes", len(doomed),
+                     ", ".join(sorted(doomed)), len(self.stored), sum(s.bytes for s in self.stored))
+        size = next((s.bytes for s in stored if s.id == written), 0)
+        if budget.max_bytes and size > budget.max_bytes and not self.budget_warned:
+            self.budget_warned = True
+            log.warning("snapshots.max_gb = %.3f GiB is smaller than one snapshot (%s: %.3f GiB): each save keeps only "
+                        "itself; raise the budget", budget.max_bytes / 2**30, written, size / 2**30)
+
+    def _list_snapshots(self, now: float) -> list[Stored]:
+        """The folder's complete snapshots (the store reads their manifests: a little I/O, as ``write`` does)."""
+        self.stored, self.stored_at = self.snapshots.listing(), now
+        return self.stored
 
     def _save_failed(self, save: PendingSave, error: str, now: float) -> None:
         holding = save.holds
@@ -1003,7 +1039,17 @@ class CoordinatorCore:
             warm_up=self.warm_start.stages(),
             sizes=[tuple(size) for size in self.sizes],
             capacity=self.capacity.stats(visible),  # real-time factors, headroom, the ladder's steps
+            snapshots=self._folder_stats(now),
         )
+
+    def _folder_stats(self, now: float) -> SnapshotFolder:
+        """The snapshot folder as last listed; listed again when that is older than ``STORED_STALE_S`` (replicas
+        sharing it save too, and a ``stats`` a second must not read every manifest each time)."""
+        if self.stored is None or now - self.stored_at > STORED_STALE_S:
+            self._list_snapshots(now)
+        stored, budget = self.stored or [], self.snapshots.budget
+        return SnapshotFolder(count=len(stored), bytes=sum(s.bytes for s in stored), max_bytes=budget.max_bytes,
+                              max_count=budget.max_count)
 
 
 def backpressure_retry_s(period: float | None) -> float:

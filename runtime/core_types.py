@@ -123,9 +123,11 @@ class DropTensors:
 @dataclass(frozen=True)
 class DropSnapshotFiles:
     """A save failed: delete what its ranks wrote (it has no manifest, so nothing can restore it). Asked again for
-    every file a rank reports after the failure (its writer finished later)."""
+    every file a rank reports after the failure (its writer finished later). ``expired``: a complete snapshot the
+    retention budget deletes (``runtime.snapshots.over_budget``), its manifest first."""
 
     snapshot: str
+    expired: bool = False
 
 
 Output = ToClient | ToWorker | DecodeImage | EmitChunk | EndWatch | DropTensors | DropSnapshotFiles | Stop

@@ -19,6 +19,13 @@ whatever runs meanwhile; the copy is all the stream waits for) -> ``writing`` (e
 files are written off the stream) -> ``done`` (every file written and hashed: the manifest is written and the owner
 answered), or ``failed`` from any state.
 No I/O in the state machine; ``SnapshotStore`` does the little rank 0 writes and reads (the manifest).
+
+The retention budget (``[snapshots] max_gb``, ``max_count``): after each completed save rank 0 lists the folder's
+complete snapshots (``SnapshotStore.listing``: a folder named like an id whose manifest of this format reads back
+with its files; anything else in the folder is never counted nor touched) and ``over_budget`` picks the oldest (by
+``created``) to delete until the rest fit, skipping the ones it is told to keep: the snapshot just written and those
+a restore on this server is still loading. The shell deletes them (manifest first: a restore then says "no such
+snapshot", never reads half a folder).
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 import time
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -164,11 +173,87 @@ def refusal(manifest: Manifest, identity: Identity, geometry: Geometry | None) -
     return "; ".join(differs) if differs else None
 
 
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the folder may hold (``[snapshots] max_gb``, ``max_count``); 0: no limit."""
+
+    max_bytes: int = 0
+    max_count: int = 0
+
+    @classmethod
+    def of(cls, max_gb: float, max_count: int) -> Budget:
+        """Of the validated config (``runtime.config``: finite and >= 0)."""
+        return cls(int(max_gb * GIB), max_count)
+
+    @property
+    def limited(self) -> bool:
+        return self.max_bytes > 0 or self.max_count > 0
+
+    def exceeded(self, total: int, count: int) -> bool:
+        return (self.max_bytes > 0 and total > self.max_bytes) or (self.max_count > 0 and count > self.max_count)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A complete snapshot in the folder, as the budget counts it."""
+
+    id: str
+    created: float  # its manifest's wall-clock time
+    bytes: int  # its files (the manifest's ``bytes``; the sizes were checked against the disk when listed)
+
+
+def over_budget(stored: Iterable[Stored], budget: Budget, keep: Collection[str]) -> list[str]:
+    """The ids to delete, oldest first, until what is left fits ``budget``; never one in ``keep`` (the snapshot
+    just written, those in use). What is left may still exceed it when the kept ones alone do."""
+    ordered = sorted(stored, key=lambda s: (s.created, s.id))
+    total, count = sum(s.bytes for s in ordered), len(ordered)
+    doomed: list[str] = []
+    for snapshot in ordered:
+        if not budget.exceeded(total, count):
+            break
+        if snapshot.id in keep:
+            continue
+        doomed.append(snapshot.id)
+        total, count = total - snapshot.bytes, count - 1
+    return doomed
+
+
 class SnapshotStore:
     """The folder of snapshots as rank 0 sees it: it writes and reads manifests, never the tensors."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, budget: Budget | None = None) -> None:
         self.root = Path(root)
+        self.budget = budget or Budget()
+
+    def listing(self) -> list[Stored]:
+        """The folder's complete snapshots of this format. A folder not named like an id, without a manifest (a
+        save in progress or failed), with a manifest that does not read back or a file missing is not one: it is
+        never counted, and so never deleted."""
+        try:
+            entries = list(self.root.iterdir())
+        except OSError:  # no folder yet (nothing saved), or unreadable: nothing to count
+            return []
+        stored = []
+        for entry in entries:
+            if not ID_PATTERN.fullmatch(entry.name) or not (entry / MANIFEST).is_file():
+                continue
+            try:
+                manifest = self.read(entry.name)
+            except (SnapshotError, OSError):  # another format, hand-made, or being deleted by a sharing replica
+                continue
+            if manifest.format == FORMAT:
+                stored.append(Stored(manifest.id, manifest.created, manifest.bytes))
+        return stored
+
+    def delete(self, snapshot: str) -> None:
+        """Its manifest first (a restore from then on finds no such snapshot, never half a folder), then the rest;
+        what cannot be deleted is left (it costs disk, never the server)."""
+        folder = self.folder(snapshot)
+        (folder / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
     def folder(self, snapshot: str) -> Path:
         return self.root / check_id(snapshot)
