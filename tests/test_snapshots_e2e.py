@@ -28,7 +28,9 @@ KEYS = ["w", "d", "wj", "", "l", "sa", "i"]  # one per chunk: the camera moves d
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
     folder = tmp_path_factory.mktemp("snapshots")
-    with LocalServer("cpu-tiny", [*FAST, f"--snapshots.dir={folder}", "--server.max_sessions=3"]) as running:
+    # a budget of one snapshot: every test here saves before it restores or forges, so each keeps what it needs
+    with LocalServer("cpu-tiny", [*FAST, f"--snapshots.dir={folder}", "--server.max_sessions=3",
+                                  "--snapshots.max_count=1"]) as running:
         running.snapshots = folder  # type: ignore[attr-defined]
         yield running
 
@@ -175,3 +177,21 @@ def test_only_the_owner_of_a_session_can_save_it(server: LocalServer) -> None:
             other.save(info.id)
         assert refused.value.code == "unknown_session"
         owner.close(info.id)
+
+
+def test_a_save_over_the_budget_deletes_the_older_snapshot_whose_restore_is_then_refused(server: LocalServer) -> None:
+    unknown = folder_of(server) / "the operator's"
+    unknown.mkdir(exist_ok=True)
+    with Client(server.endpoint) as client:
+        info = client.open(IMAGE, num_chunks=4)
+        run(client, info.id, 0, ["w"])
+        first = client.save(info.id)
+        run(client, info.id, 1, ["d"])
+        second = client.save(info.id)  # snapshots.max_count = 1: the first goes
+        client.close(info.id)
+        assert not (folder_of(server) / first.id).exists() and (folder_of(server) / second.id / MANIFEST).is_file()
+        assert unknown.is_dir()  # not a snapshot: never touched
+        with pytest.raises(BadSnapshot, match=f"no snapshot {first.id}"):
+            client.open(restore=first.id)
+        folder = client.stats().snapshots
+        assert (folder.count, folder.bytes, folder.max_count) == (1, second.bytes, 1)
