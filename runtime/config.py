@@ -207,6 +207,10 @@ class ReplicaConfig(_Section):
     token: str = ""  # the router's register_token, when it requires one
 
 
+MAX_SNAPSHOT_GB = 1e6  # a petabyte
+MAX_SNAPSHOT_COUNT = 10**6
+
+
 class SnapshotsConfig(_Section):
     """Saved sessions (``save`` / ``open(restore=...)``, ``runtime.snapshots``): one folder per snapshot."""
 
@@ -340,9 +344,12 @@ def validate(config: Config, where: str) -> Config:
     if rep.heartbeat_s <= 0:
         raise ConfigError(f"{where}: replica.heartbeat_s must be > 0, got {rep.heartbeat_s}")
     snap = config.snapshots
-    if not (math.isfinite(snap.max_gb) and snap.max_gb >= 0) or snap.max_count < 0:
-        raise ConfigError(f"{where}: snapshots.max_gb must be a finite number >= 0 and snapshots.max_count >= 0 "
-                          f"(0: no limit), got {snap.max_gb}, {snap.max_count}")
+    # bounded so the stats that show them stay within the counts a router reads (``ipc.metrics_types.Count``)
+    if not (math.isfinite(snap.max_gb) and 0 <= snap.max_gb <= MAX_SNAPSHOT_GB) or \
+            not 0 <= snap.max_count <= MAX_SNAPSHOT_COUNT:
+        raise ConfigError(f"{where}: snapshots.max_gb must be a finite number in [0, {MAX_SNAPSHOT_GB}] and "
+                          f"snapshots.max_count in [0, {MAX_SNAPSHOT_COUNT}] (0: no limit), got {snap.max_gb}, "
+                          f"{snap.max_count}")
     return config
 
 

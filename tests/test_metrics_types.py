@@ -24,7 +24,7 @@ SUMMARY_KEYS = ["session", "opened_at", "closed_at", "elapsed_s", "chunks", "fra
 CLOSING_KEYS = ["clock_offsets", "released", "leaked_caches", "poisoned"]
 STATS_KEYS = ["uptime_s", "sessions", "chunks_emitted", "frames_emitted", "rejects", "errors", "dit_idle",
               "per_session", "open_sessions", "watchers", "watch_dropped", "ranks", "clock_offsets", "layout",
-              "schedule", "warm", "warm_up", "sizes", "capacity"]
+              "schedule", "warm", "warm_up", "sizes", "capacity", "snapshots"]
 
 
 def served() -> tuple[bytes, bytes]:
