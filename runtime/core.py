@@ -885,13 +885,14 @@ class CoordinatorCore:
         ``written`` nor one in use here (the shell deletes them: ``DropSnapshotFiles(expired=True)``)."""
         stored = self._list_snapshots(now)
         budget = self.snapshots.budget
-        doomed = set(over_budget(stored, budget, {written, *self._snapshots_in_use()}))
-        for snapshot in sorted(doomed):
+        doomed = over_budget(stored, budget, {written, *self._snapshots_in_use()})  # oldest first
+        for snapshot in doomed:
             self._emit(DropSnapshotFiles(snapshot, expired=True))
-        self.stored = [s for s in stored if s.id not in doomed]
+        gone = set(doomed)
+        self.stored = [s for s in stored if s.id not in gone]
         if doomed:
-            log.info("snapshot budget: deleted %d snapshots (%s); %d left, %d bytes", len(doomed),
-                     ", ".join(sorted(doomed)), len(self.stored), sum(s.bytes for s in self.stored))
+            log.info("snapshot budget: deleted %d snapshots (%s); %d left, %d bytes", len(doomed), ", ".join(doomed),
+                     len(self.stored), sum(s.bytes for s in self.stored))
         size = next((s.bytes for s in stored if s.id == written), 0)
         if budget.max_bytes and size > budget.max_bytes and not self.budget_warned:
             self.budget_warned = True

@@ -72,7 +72,7 @@ def test_a_save_over_the_budget_deletes_the_oldest_complete_snapshots_and_keeps_
     first, second, third = (old_snapshot(tmp_path, t) for t in (1.0, 2.0, 3.0))
     job, sid = running(tmp_path, Budget(max_bytes=SAVED_BYTES + 10))  # room for the save and one old snapshot
     new, expired = save(job, sid)
-    assert expired == sorted([first, second])  # the two oldest; the third (7 bytes) fits beside the new one
+    assert expired == [first, second]  # the two oldest; the third (7 bytes) fits beside the new one
     assert {s.id for s in SnapshotStore(tmp_path).listing()} == {third, new}
     job.send(A, p.Open(req=70, image=b"", restore=first))  # a client that kept the id of a deleted one
     (error,) = [e for e in job.to(A, p.Error) if e.req == 70]
@@ -90,7 +90,7 @@ def test_a_snapshot_a_restore_is_still_loading_is_kept_until_its_caches_are_read
     job.send(A, p.Open(req=80, image=b"", restore=first))  # its ranks read the files at init: not answered yet
     restoring = list(job.core.sessions)[-1]
     _, expired = save(job, sid)
-    assert expired == sorted([second, third]) and (tmp_path / first / MANIFEST).is_file()
+    assert expired == [second, third] and (tmp_path / first / MANIFEST).is_file()
     job.answer(p.ConditionChunk, sid)  # the condition rank encoded ahead for the saved session; then the restore's
     job.settle(p.InitCondition, p.InitDecode, p.BroadcastContext, p.InitDenoise)
     assert [o.session for o in job.to(A, p.Opened) if o.req == 80] == [restoring]  # its caches are ready
