@@ -230,10 +230,11 @@ class CapacityStats(_Metric):
 
 class SnapshotFolder(_Metric):
     """The server's ``[snapshots] dir`` (``runtime.snapshots``): its complete snapshots, as last listed (after each
-    save, and at most every few seconds for a ``stats``), and the retention budget (0: no limit)."""
+    save, and at most every few seconds for a ``stats``), and the retention budget (0: no limit). Without a budget
+    the folder is never listed (it may hold thousands on a shared filesystem): ``count`` and ``bytes`` are None."""
 
-    count: Count = 0
-    bytes: Count = 0
+    count: Count | None = 0
+    bytes: Count | None = 0
     max_bytes: Count = 0
     max_count: Count = 0
 

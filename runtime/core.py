@@ -882,9 +882,12 @@ class CoordinatorCore:
 
     def _keep_budget(self, written: str, now: float) -> None:
         """After a save: delete the oldest complete snapshots of the folder until it is within the budget, never
-        ``written`` nor one in use here (the shell deletes them: ``DropSnapshotFiles(expired=True)``)."""
-        stored = self._list_snapshots(now)
+        ``written`` nor one in use here (the shell deletes them: ``DropSnapshotFiles(expired=True)``). Without a
+        budget nothing is read: the folder may be large, and rank 0's loop serves every stream."""
         budget = self.snapshots.budget
+        if not budget.limited:
+            return
+        stored = self._list_snapshots(now)
         doomed = over_budget(stored, budget, {written, *self._snapshots_in_use()})  # oldest first
         for snapshot in doomed:
             self._emit(DropSnapshotFiles(snapshot, expired=True))
@@ -1046,9 +1049,12 @@ class CoordinatorCore:
     def _folder_stats(self, now: float) -> SnapshotFolder:
         """The snapshot folder as last listed; listed again when that is older than ``STORED_STALE_S`` (replicas
         sharing it save too, and a ``stats`` a second must not read every manifest each time)."""
+        budget = self.snapshots.budget
+        if not budget.limited:
+            return SnapshotFolder(count=None, bytes=None)
         if self.stored is None or now - self.stored_at > STORED_STALE_S:
             self._list_snapshots(now)
-        stored, budget = self.stored or [], self.snapshots.budget
+        stored = self.stored or []
         return SnapshotFolder(count=len(stored), bytes=sum(s.bytes for s in stored), max_bytes=budget.max_bytes,
                               max_count=budget.max_count)
 

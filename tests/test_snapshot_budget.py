@@ -161,3 +161,17 @@ def test_the_snapshot_budget_config_is_checked_and_given_in_gib(tmp_path: Path) 
                 "--snapshots.max_gb=1e10", "--snapshots.max_count=-2", f"--snapshots.max_count={2**62}"):
         with pytest.raises(ConfigError, match=r"snapshots\.max_gb must be a finite number in \[0, "):
             load_config("cpu-tiny", [bad])
+
+
+def test_a_server_without_a_budget_never_lists_its_folder(tmp_path: Path) -> None:
+    """The folder may hold thousands of snapshots on a shared filesystem: without a budget rank 0's loop (which
+    serves every stream) reads none of them, neither after a save nor for stats."""
+    kept = old_snapshot(tmp_path, 1.0)
+    job, sid = running(tmp_path, Budget())
+    listed: list[int] = []
+    real = job.core.snapshots.listing
+    job.core.snapshots.listing = lambda: listed.append(1) or real()  # type: ignore[method-assign]
+    save(job, sid)
+    (reply,) = job.to(A, p.StatsReply, job.send(A, p.Stats(req=91)))
+    assert reply.stats.snapshots == SnapshotFolder(count=None, bytes=None, max_bytes=0, max_count=0)
+    assert not listed and (tmp_path / kept).is_dir()
