@@ -31,7 +31,7 @@ from runtime.images import decode_image
 from runtime.memory_admission import Cost, gib
 from runtime.placement import placement_of
 from runtime.sizes import served_sizes
-from runtime.snapshots import Budget, SnapshotStore, model_identity
+from runtime.snapshots import Budget, SnapshotStore, model_identity, remove_files
 from runtime.warm_start import WarmStart
 from runtime.watchers import Feeds
 
@@ -57,6 +57,7 @@ class Coordinator:
         self.fatal: str | None = None  # set from another thread of this rank that cannot go on
         self.decoding: dict[int, Future[object]] = {}  # start images being decoded, by ticket
         self.image_decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="image-decode")
+        self.file_remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-remove")
         self.carried: list[ct.Event] = []  # learnt while carrying out outputs: events of the next turn
         self.next_memory = 0.0
         self.next_probe = 0.0
@@ -254,7 +255,8 @@ class Coordinator:
         one it cannot delete costs disk, never the server."""
         assert self.core is not None
         try:
-            self.core.snapshots.delete(snapshot)
+            folder = self.core.snapshots.unlist(snapshot)
+            self.file_remover.submit(remove_files, folder)  # gigabytes: never on the loop that serves the streams
         except (OSError, ValueError) as error:
             log.warning("could not delete the files of %s snapshot %s: %s", "expired" if expired else "failed",
                         snapshot, error)
@@ -306,5 +308,6 @@ class Coordinator:
         if waiting:
             log.warning("workers %s did not acknowledge shutdown", sorted(i.decode() for i in waiting))
         self.image_decoder.shutdown(wait=False, cancel_futures=True)
+        self.file_remover.shutdown(wait=True)  # a snapshot's files half removed would be left for ever
         return ct.EXIT_OK if code is None else code
 

@@ -873,12 +873,17 @@ class CoordinatorCore:
         self._answer_save(save, protocol.Saved(req=save.req, session=save.session, snapshot=save.id, chunk=save.chunk,
                                                bytes=save.bytes, pause_s=save.pause_s, write_s=save.write_s,
                                                files=len(save.files), wait_s=save.wait_s))
+        session = self.sessions.get(save.session)
+        if session is not None:
+            session.latest_snapshot = save.id
         self._keep_budget(save.id, now)
 
     def _snapshots_in_use(self) -> set[str]:
-        """The snapshots restores here still read: a restored session's ranks load their files at init, so until
-        its caches are ready (``opened``) or it is gone (failed, closed)."""
-        return {s.restore for s in self.sessions.values() if s.restore and not s.opened}
+        """The snapshots the budget keeps for sessions here: the one a restore still reads (its ranks load their
+        files at init, so until its caches are ready, ``opened``, or it is gone) and each open session's latest save
+        (a router moves the session with it if its replica dies; a paused session makes no newer one)."""
+        restoring = {s.restore for s in self.sessions.values() if s.restore and not s.opened}
+        return restoring | {s.latest_snapshot for s in self.sessions.values() if s.latest_snapshot}
 
     def _keep_budget(self, written: str, now: float) -> None:
         """After a save: delete the oldest complete snapshots of the folder until it is within the budget, never
@@ -888,6 +893,8 @@ class CoordinatorCore:
         if not budget.limited:
             return
         stored = self._list_snapshots(now)
+        if stored is None:
+            return
         doomed = over_budget(stored, budget, {written, *self._snapshots_in_use()})  # oldest first
         for snapshot in doomed:
             self._emit(DropSnapshotFiles(snapshot, expired=True))
@@ -902,10 +909,16 @@ class CoordinatorCore:
             log.warning("snapshots.max_gb = %.3f GiB is smaller than one snapshot (%s: %.3f GiB): each save keeps only "
                         "itself; raise the budget", budget.max_bytes / 2**30, written, size / 2**30)
 
-    def _list_snapshots(self, now: float) -> list[Stored]:
-        """The folder's complete snapshots (the store reads their manifests: a little I/O, as ``write`` does)."""
-        self.stored, self.stored_at = self.snapshots.listing(), now
-        return self.stored
+    def _list_snapshots(self, now: float) -> list[Stored] | None:
+        """The folder's complete snapshots (the store reads their manifests: a little I/O, as ``write`` does); None
+        when it cannot be listed (a save that succeeded, or a stats request, never fails for it)."""
+        try:
+            listed = self.snapshots.listing()
+        except Exception:
+            log.exception("the snapshot folder %s could not be listed", self.snapshots.root)
+            return None
+        self.stored, self.stored_at = listed, now
+        return listed
 
     def _save_failed(self, save: PendingSave, error: str, now: float) -> None:
         holding = save.holds

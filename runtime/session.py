@@ -60,6 +60,7 @@ class Session:
     prompts: PromptRevisions = field(default_factory=PromptRevisions)  # which text each chunk attends to
     restore: str = ""  # the snapshot it was opened from ("": a fresh session); its caches load it at init
     first_chunk: int = 0  # its first chunk (a restored session's snapshot chunk)
+    latest_snapshot: str = ""  # its latest save here: what a router moves it with, kept by the folder's budget
 
     def __post_init__(self) -> None:
         self.prompts.texts.setdefault(self.prompts.announced, self.prompt)  # the text of its first revision

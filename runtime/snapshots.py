@@ -186,7 +186,7 @@ class Budget:
     @classmethod
     def of(cls, max_gb: float, max_count: int) -> Budget:
         """Of the validated config (``runtime.config``: finite and >= 0)."""
-        return cls(int(max_gb * GIB), max_count)
+        return cls(max(1, int(max_gb * GIB)) if max_gb > 0 else 0, max_count)  # a tiny budget is one, never none
 
     @property
     def limited(self) -> bool:
@@ -221,6 +221,11 @@ def over_budget(stored: Iterable[Stored], budget: Budget, keep: Collection[str])
     return doomed
 
 
+def remove_files(folder: Path) -> None:
+    """A snapshot's folder without its manifest, removed; what cannot be removed is left (disk, never the server)."""
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 class SnapshotStore:
     """The folder of snapshots as rank 0 sees it: it writes and reads manifests, never the tensors."""
 
@@ -238,22 +243,28 @@ class SnapshotStore:
             return []
         stored = []
         for entry in entries:
-            if not ID_PATTERN.fullmatch(entry.name) or not (entry / MANIFEST).is_file():
-                continue
             try:
-                manifest = self.read(entry.name)
-            except (SnapshotError, OSError):  # another format, hand-made, or being deleted by a sharing replica
-                continue
-            if manifest.format == FORMAT:
-                stored.append(Stored(manifest.id, manifest.created, manifest.bytes))
+                if not ID_PATTERN.fullmatch(entry.name) or not (entry / MANIFEST).is_file():
+                    continue
+                manifest = self.read(entry.name)  # each file there, at the size it lists
+            except (SnapshotError, OSError, ValueError):  # another format, hand-made, unreadable (EACCES, ESTALE on
+                continue  # a shared filesystem), or being deleted by a sharing replica
+            on_disk = sum(f.bytes for f in manifest.files)  # checked against the disk: never a hand-made total
+            if manifest.format == FORMAT and manifest.bytes == on_disk:
+                stored.append(Stored(manifest.id, manifest.created, on_disk))
         return stored
 
     def delete(self, snapshot: str) -> None:
         """Its manifest first (a restore from then on finds no such snapshot, never half a folder), then the rest;
         what cannot be deleted is left (it costs disk, never the server)."""
+        remove_files(self.unlist(snapshot))
+
+    def unlist(self, snapshot: str) -> Path:
+        """Delete its manifest (quick: from then on it is no snapshot, nothing restores it) and give its folder, whose
+        files (about 25 GiB at 480x832) the caller removes off its loop (``remove_files``)."""
         folder = self.folder(snapshot)
         (folder / MANIFEST).unlink(missing_ok=True)
-        shutil.rmtree(folder, ignore_errors=True)
+        return folder
 
     def folder(self, snapshot: str) -> Path:
         return self.root / check_id(snapshot)

@@ -175,3 +175,36 @@ def test_a_server_without_a_budget_never_lists_its_folder(tmp_path: Path) -> Non
     (reply,) = job.to(A, p.StatsReply, job.send(A, p.Stats(req=91)))
     assert reply.stats.snapshots == SnapshotFolder(count=None, bytes=None, max_bytes=0, max_count=0)
     assert not listed and (tmp_path / kept).is_dir()
+
+
+def test_each_open_sessions_latest_save_is_kept_by_the_budget(tmp_path: Path) -> None:
+    """A router moves a session with its latest snapshot when its replica dies; a paused session makes no newer one:
+    the budget never deletes the latest save of a session still open here, only older ones."""
+    job, first = running(tmp_path, Budget(max_count=1))
+    second = job.open(num_chunks=8)
+    for index in range(2):
+        control(job, second, index)
+        job.chunk(second, index)
+    kept, _ = save(job, first)
+    latest, expired = save(job, second)
+    assert expired == [] and {s.id for s in SnapshotStore(tmp_path).listing()} == {kept, latest}
+    _, expired = save(job, first)
+    assert expired == [kept]  # superseded by the session's newer save
+
+
+def test_a_manifest_whose_total_is_not_its_files_is_not_counted_and_stats_stay_in_range(tmp_path: Path) -> None:
+    """A hand-made or corrupt manifest in a shared folder must not put a negative or huge total in every replica's
+    stats (a router marks such a replica down) nor steer what the budget deletes."""
+    honest = old_snapshot(tmp_path, 1.0)
+    forged = old_snapshot(tmp_path, 2.0)
+    store = SnapshotStore(tmp_path)
+    store.write(msgspec.structs.replace(store.read(forged), bytes=-(2**62)))
+    assert [s.id for s in store.listing()] == [honest]
+    job, _ = running(tmp_path, Budget(max_count=5))
+    stats = job.core.stats(job.now)
+    assert stats.snapshots == SnapshotFolder(count=1, bytes=7, max_bytes=0, max_count=5)
+    read_stats(msgspec.to_builtins(stats))  # a router takes it
+
+
+def test_a_tiny_positive_budget_is_a_budget_not_none() -> None:
+    assert Budget.of(1e-12, 0) == Budget(max_bytes=1, max_count=0) and Budget.of(0.0, 0) == Budget()
