@@ -308,6 +308,9 @@ class RouterCore:
                         del session.asked[next(iter(session.asked))]
                 if isinstance(message, protocol.SetPrompt):  # its answer names the request: the text is kept till then
                     session.prompts_asked[message.req] = message.prompt
+                    pending = session.prompt
+                    if pending is not None and pending.chunk is None and session.replay is None:
+                        session.prompt = None  # a replay not sent yet (a full link) must never follow the newer
                     if len(session.prompts_asked) > MAX_PROMPTS_ASKED:
                         del session.prompts_asked[next(iter(session.prompts_asked))]
                 self._emit(ToReplica(replica.name, replica.generation, upstream,
@@ -646,6 +649,9 @@ class RouterCore:
                      session.id, replica.name, message.chunk, message.revision)
             if pending is not None:  # (unless a client's newer prompt was answered meanwhile)
                 session.prompt = ScheduledPrompt(pending.text, message.chunk, message.revision)
+        elif message.code == NOT_NOW["set_prompt"]:  # not now (prompts wait there): sent again on the next turn
+            log.info("session %s: replica %s is not taking its prompt now (%s); it is sent again", session.id,
+                     replica.name, message.code)
         else:
             log.warning("session %s: replica %s refused its prompt sent again (%s: %s); it goes on with its "
                         "snapshot's", session.id, replica.name, message.code, message.message[:200])

@@ -323,6 +323,34 @@ def test_the_routers_own_prompt_meeting_a_full_link_is_sent_again_and_its_refusa
     assert not f.errors(A) and f.core.sessions[sid].prompt is None  # it goes on with its snapshot's prompt
 
 
+def test_a_replay_waiting_for_a_full_link_never_follows_the_clients_newer_prompt() -> None:
+    f = fleet(every=2, listed={"a": 2, "b": 2, "c": 2})
+    sid, name = f.open(A)
+    snapshotted(f, name, sid, at=2)
+    f.client(A, p.SetPrompt(req=30, session=sid, prompt="old"))
+    f.replica(name, p.PromptScheduled(req=30, session=sid, revision=1, chunk=5))
+    survivor = migrated(f, sid, name, at=2)
+    (replay,) = prompts_to(f, survivor)
+    f.step(ReplicaRefused(survivor, f.generation[survivor], SessionOrigin(A, replay.req, sid, "replay_prompt")))
+    f.client(A, p.SetPrompt(req=31, session=sid, prompt="new"))  # the client's own, after the move
+    f.step(Tick())  # the link drained: the old text must not be sent after the new one
+    assert [m.prompt for m in prompts_to(f, survivor)] == ["old", "new"]
+
+
+def test_a_replay_the_new_replica_cannot_take_now_is_sent_again_not_given_up() -> None:
+    f = fleet(every=2, listed={"a": 2, "b": 2, "c": 2})
+    sid, name = f.open(A)
+    snapshotted(f, name, sid, at=2)
+    f.client(A, p.SetPrompt(req=30, session=sid, prompt="a canyon at dusk"))
+    f.replica(name, p.PromptScheduled(req=30, session=sid, revision=1, chunk=5))
+    survivor = migrated(f, sid, name, at=2)
+    (replay,) = prompts_to(f, survivor)
+    rid = f.core.sessions[sid].rid
+    f.replica(survivor, p.Error(req=replay.req, session=rid, code="prompt_backpressure", message="4 wait"))
+    f.step(Tick())
+    assert [m.prompt for m in prompts_to(f, survivor)] == ["a canyon at dusk"] * 2 and not f.errors(A)
+
+
 def test_a_prompt_whose_text_the_router_forgot_is_never_replaced_by_an_older_one() -> None:
     f = fleet(every=2)
     sid, name = f.open(A)
