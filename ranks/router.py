@@ -16,14 +16,13 @@ import argparse
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -35,7 +34,7 @@ from runtime.config import ConfigError
 from runtime.metrics import StreamStat
 from runtime.router import RouterCore
 from runtime.router_config import RouterConfig, load, replica_queue
-from runtime.snapshots import MANIFEST, SnapshotError, check_id
+from runtime.snapshots import SnapshotError, SnapshotStore, remove_files
 from runtime.watchers import Feeds
 
 log = logging.getLogger("worldstream.router")
@@ -86,6 +85,7 @@ class RouterShell:
         # each watcher's outbox (``runtime.watchers``): a chunk's frame is queued for every watcher, never copied
         self.feeds = Feeds(self.section.watch_queue, self.section.client_timeout_s)
         self.core = RouterCore(self.section, config.replicas, time.monotonic(), router_id=f"router-{self.me}")
+        self.file_remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-remove")
 
     @property
     def endpoint(self) -> str:
@@ -220,11 +220,11 @@ class RouterShell:
         return None
 
     def _drop_snapshot(self, snapshot: str) -> None:
-        """Delete a snapshot the router asked for and needs no more (its manifest first: never restored half gone)."""
+        """Delete a snapshot the router asked for and needs no more: its manifest here (never restored half gone),
+        its files (gigabytes) on a thread of their own, never on the loop that forwards every chunk."""
         try:
-            folder = Path(self.section.snapshots_dir) / check_id(snapshot)
-            (folder / MANIFEST).unlink(missing_ok=True)
-            shutil.rmtree(folder, ignore_errors=True)
+            folder = SnapshotStore(self.section.snapshots_dir).unlist(snapshot)
+            self.file_remover.submit(remove_files, folder)
         except (OSError, SnapshotError) as error:  # a folder it cannot delete costs disk, never the router
             log.warning("could not delete snapshot %s: %s", snapshot, error)
 
@@ -313,6 +313,7 @@ class RouterShell:
         return 0 if code is None else code
 
     def _close(self) -> None:
+        self.file_remover.shutdown(wait=True)  # a snapshot's files half removed would be left for ever
         for link in list(self.links.values()):
             link.sock.close()
         self.links.clear()
