@@ -821,6 +821,18 @@ def to_builtins(value: Any) -> Any:
     return msgspec.to_builtins(value, order="deterministic")
 
 
+def read_as(decoder: msgspec.msgpack.Decoder[Any], data: Any, what: str) -> Any:
+    """``data`` read by ``decoder`` (a struct with a ``v`` field: a message's head, a stats reply read raw) in a
+    version this side speaks, or ``ProtocolViolation`` naming ``what`` could not be read."""
+    try:
+        value = decoder.decode(data)
+    except msgspec.DecodeError as error:
+        raise ProtocolViolation(f"unreadable {what}: {error}") from None
+    if value.v not in SUPPORTED_VERSIONS:
+        raise ProtocolViolation(f"protocol version {value.v} is not supported")
+    return value
+
+
 def decode(data: bytes | memoryview, direction: str, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
     """Decode one message read by ``direction`` ("client": what a client sends, "server": what it receives,
     "worker"/"coordinator" likewise inside the job). Raises ``ProtocolViolation`` naming the problem, and nothing

@@ -29,10 +29,5 @@ _head = msgspec.msgpack.Decoder(Head)
 def peek(data: Any) -> Head:
     """The head of one message (``data``: bytes or any buffer). Raises ``ProtocolViolation`` when it is not a
     msgpack map with a string ``type``, a string or nil ``session`` and this protocol's version."""
-    try:
-        head = _head.decode(data)
-    except msgspec.DecodeError as error:
-        raise protocol.ProtocolViolation(f"unreadable message head: {error}") from None
-    if head.v not in protocol.SUPPORTED_VERSIONS:
-        raise protocol.ProtocolViolation(f"protocol version {head.v} is not supported")
+    head: Head = protocol.read_as(_head, data, "message head")
     return head

@@ -865,6 +865,7 @@ class CoordinatorCore:
         try:
             self.snapshots.write(manifest)  # a small JSON file: the save exists from here on
         except OSError as error:
+            self._emit(DropSnapshotFiles(save.id))  # its ranks' files, never restorable without it: never kept
             self._answer_save(save, protocol.Error(req=save.req, session=save.session, code="save_failed",
                                                    message=clip(f"the manifest could not be written: {error}")))
             return

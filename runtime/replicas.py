@@ -75,12 +75,7 @@ def stats_reply(data: bytes | memoryview, max_bytes: int) -> ReplicaStatsReply:
     if len(data) > max_bytes:
         raise protocol.ProtocolViolation(f"message of {len(data)} bytes exceeds the limit of {max_bytes} bytes")
     protocol.scan(data, max_items=protocol.MAX_INTERNAL_ITEMS)
-    try:
-        reply = _stats_reply.decode(data)
-    except msgspec.DecodeError as error:
-        raise protocol.ProtocolViolation(f"unreadable stats reply: {error}") from None
-    if reply.v not in protocol.SUPPORTED_VERSIONS:
-        raise protocol.ProtocolViolation(f"protocol version {reply.v} is not supported")
+    reply: ReplicaStatsReply = protocol.read_as(_stats_reply, data, "stats reply")
     return reply
 
 

@@ -282,6 +282,25 @@ def test_a_save_that_fails_on_a_rank_lets_the_stream_go_on_and_answers_save_fail
     assert [o.snapshot for o in late if isinstance(o, DropSnapshotFiles)] == [task.snapshot]  # deleted too
 
 
+def test_a_save_whose_manifest_cannot_be_written_answers_save_failed_and_leaves_no_files(tmp_path: Path) -> None:
+    """Without its manifest a save's folder is never a snapshot: its ranks' gigabytes are deleted, not left."""
+    job, sid = save_job(tmp_path)
+    job.send(A, p.Save(req=11, session=sid))
+    task = job.sent(p.SaveState)[-1][1]
+    job.answer(p.SaveState)
+
+    def full_disk(manifest: Manifest) -> Path:
+        raise OSError(28, "No space left on device")
+
+    job.core.snapshots.write = full_disk  # type: ignore[method-assign]
+    out = []
+    for rank, role in sorted(PARTS):
+        out += job.step(WorkerSent(written(job, task, rank, role)))
+    (error,) = [e for e in job.to(A, p.Error, out) if e.req == 11]
+    assert error.code == "save_failed" and "No space left" in error.message
+    assert [o.snapshot for o in out if isinstance(o, DropSnapshotFiles)] == [task.snapshot]
+
+
 def test_only_the_owner_saves_and_a_second_save_waits_for_the_first(tmp_path: Path) -> None:
     job, sid = save_job(tmp_path)
     job.send(B, p.Save(req=1, session=sid))
