@@ -265,6 +265,19 @@ def prompts_to(f: Fleet, name: str) -> list[p.SetPrompt]:
     return [decoded(o.message) for o in f.to_replica(name, p.SetPrompt) if isinstance(decoded(o.message), p.SetPrompt)]
 
 
+def moved_after_a_prompt(text: str) -> tuple[Fleet, str, str, p.SetPrompt]:
+    """A session whose replica scheduled ``text`` from chunk 5, moved from its snapshot of chunk 2: the fleet, its
+    id, its new replica and the router's own set_prompt of ``text`` there."""
+    f = fleet(every=2, listed={"a": 2, "b": 2, "c": 2})
+    sid, name = f.open(A)
+    snapshotted(f, name, sid, at=2)
+    f.client(A, p.SetPrompt(req=30, session=sid, prompt=text))
+    f.replica(name, p.PromptScheduled(req=30, session=sid, revision=1, chunk=5))
+    survivor = migrated(f, sid, name, at=2)
+    (replay,) = prompts_to(f, survivor)
+    return f, sid, survivor, replay
+
+
 def test_a_prompt_scheduled_after_the_snapshot_is_set_again_on_the_new_replica_once_its_restore_opened() -> None:
     f = fleet(every=2)
     sid, name = f.open(A)
@@ -300,13 +313,7 @@ def test_a_prompt_scheduled_at_or_before_the_snapshots_chunk_is_in_it_and_not_se
 
 
 def test_the_routers_own_prompt_meeting_a_full_link_is_sent_again_and_its_refusal_reaches_no_client() -> None:
-    f = fleet(every=2, listed={"a": 2, "b": 2, "c": 2})
-    sid, name = f.open(A)
-    snapshotted(f, name, sid, at=2)
-    f.client(A, p.SetPrompt(req=30, session=sid, prompt="a canyon at dusk"))
-    f.replica(name, p.PromptScheduled(req=30, session=sid, revision=1, chunk=5))
-    survivor = migrated(f, sid, name, at=2)
-    (replay,) = prompts_to(f, survivor)
+    f, sid, survivor, replay = moved_after_a_prompt("a canyon at dusk")
     f.step(ReplicaRefused(survivor, f.generation[survivor], SessionOrigin(A, replay.req, sid, "replay_prompt")))
     assert not f.errors(A)
     f.step(Tick())
@@ -324,13 +331,7 @@ def test_the_routers_own_prompt_meeting_a_full_link_is_sent_again_and_its_refusa
 
 
 def test_a_replay_waiting_for_a_full_link_never_follows_the_clients_newer_prompt() -> None:
-    f = fleet(every=2, listed={"a": 2, "b": 2, "c": 2})
-    sid, name = f.open(A)
-    snapshotted(f, name, sid, at=2)
-    f.client(A, p.SetPrompt(req=30, session=sid, prompt="old"))
-    f.replica(name, p.PromptScheduled(req=30, session=sid, revision=1, chunk=5))
-    survivor = migrated(f, sid, name, at=2)
-    (replay,) = prompts_to(f, survivor)
+    f, sid, survivor, replay = moved_after_a_prompt("old")
     f.step(ReplicaRefused(survivor, f.generation[survivor], SessionOrigin(A, replay.req, sid, "replay_prompt")))
     f.client(A, p.SetPrompt(req=31, session=sid, prompt="new"))  # the client's own, after the move
     f.step(Tick())  # the link drained: the old text must not be sent after the new one
@@ -338,13 +339,7 @@ def test_a_replay_waiting_for_a_full_link_never_follows_the_clients_newer_prompt
 
 
 def test_a_replay_the_new_replica_cannot_take_now_is_sent_again_not_given_up() -> None:
-    f = fleet(every=2, listed={"a": 2, "b": 2, "c": 2})
-    sid, name = f.open(A)
-    snapshotted(f, name, sid, at=2)
-    f.client(A, p.SetPrompt(req=30, session=sid, prompt="a canyon at dusk"))
-    f.replica(name, p.PromptScheduled(req=30, session=sid, revision=1, chunk=5))
-    survivor = migrated(f, sid, name, at=2)
-    (replay,) = prompts_to(f, survivor)
+    f, sid, survivor, replay = moved_after_a_prompt("a canyon at dusk")
     rid = f.core.sessions[sid].rid
     f.replica(survivor, p.Error(req=replay.req, session=rid, code="prompt_backpressure", message="4 wait"))
     f.step(Tick())
