@@ -397,7 +397,9 @@ class Unwatch(_Msg, tag="unwatch"):
 # coordinator -> client
 
 
-class Opened(_Msg, tag="opened"):
+class _Stream(_Msg):
+    """What a client needs to show a session's stream: the answer to its ``open`` or ``watch`` (never sent as such)."""
+
     req: int
     session: str
     height: int  # this session's frame size (fixed by the server, or derived from the start image)
@@ -406,6 +408,9 @@ class Opened(_Msg, tag="opened"):
     frames_first_chunk: int  # video frames of chunk 0 (the first latent frame gives one frame)
     frames_per_chunk: int  # video frames of every later chunk
     num_chunks: int | None
+
+
+class Opened(_Stream, tag="opened"):
     # the camera the DiT's rays use for this session: (fx, fy, cx, cy) in pixels of *this session's* frame (the open
     # request's or the server's intrinsics, scaled from 480x832); None from a server that predates the field
     intrinsics: tuple[float, float, float, float] | None = None
@@ -455,17 +460,8 @@ class Error(_Msg, tag="error", kw_only=True):
     retry_after_s: float | None = None  # set when trying again later can work (server full)
 
 
-class Watching(_Msg, tag="watching"):
+class Watching(_Stream, tag="watching"):
     """The answer to ``watch``: the session's geometry; its chunks follow from the next one emitted."""
-
-    req: int
-    session: str
-    height: int
-    width: int
-    fps: float
-    frames_first_chunk: int
-    frames_per_chunk: int
-    num_chunks: int | None
 
 
 class Missed(_Msg, tag="missed"):
