@@ -42,7 +42,7 @@ from pathlib import Path
 
 import msgspec
 
-from ipc.protocol import ChunkControl
+from ipc.protocol import ChunkControl, steps_problem
 
 FORMAT = 1  # the snapshot format; a manifest of another format is refused
 MANIFEST = "manifest.json"
@@ -132,6 +132,28 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt_revision: int = 0
     want: int = 0  # the saved session's steps setting (its best quality; 0: ``steps``)
     floor: int = 0  # the lowest steps the ladder may give it (0: the restoring server's ``capacity.min_steps``)
+
+
+MAX_CHUNK = 2**53 - 1  # a chunk index any client reads exactly (and msgpack carries)
+MAX_REVISION = 2**31 - 1  # a prompt revision, as a live input's (the frame header's int32)
+
+
+def numbers_problem(manifest: Manifest) -> str | None:
+    """Why a manifest's numbers cannot start a session here (a hand-made or corrupt one), or None: the chunk and
+    length in range and in order, the steps a quality preset, the prompt revision in range."""
+    if not 0 <= manifest.chunk <= MAX_CHUNK:
+        return f"chunk {manifest.chunk} is not in 0..{MAX_CHUNK}"
+    if manifest.num_chunks is not None and not manifest.chunk < manifest.num_chunks <= MAX_CHUNK:
+        return f"a session of {manifest.num_chunks} chunks cannot resume at chunk {manifest.chunk}"
+    if not -(2**63) <= manifest.seed <= 2**64 - 1:  # what msgpack carries to the ranks
+        return f"seed {manifest.seed} is not a 64-bit number"
+    if not 0 <= manifest.prompt_revision <= MAX_REVISION:
+        return f"prompt revision {manifest.prompt_revision} is not in 0..{MAX_REVISION}"
+    for name, steps in (("steps", manifest.steps), ("want", manifest.want or None), ("floor", manifest.floor or None)):
+        why = steps_problem(steps)
+        if why is not None:
+            return f"{name}: {why}"
+    return None
 
 
 def model_identity(kind: str, preset: str, checkpoint_dir: str, weights_seed: int) -> str:
@@ -294,6 +316,9 @@ class SnapshotStore:
             raise SnapshotError(f"the manifest of snapshot {snapshot} is not valid: {error}") from None
         if manifest.id != snapshot:
             raise SnapshotError(f"the manifest in folder {snapshot} names snapshot {manifest.id}")
+        why = numbers_problem(manifest)
+        if why is not None:  # a shared folder is writable by others: its numbers are input like a client's
+            raise SnapshotError(f"snapshot {snapshot}: {why}")
         for entry in manifest.files:  # names are checked before any is opened: none can lead out of the folder
             if entry.role not in ROLES or entry.rank < 0 or entry.name != file_name(entry.rank, entry.role):
                 raise SnapshotError(f"snapshot {snapshot}: file name {entry.name!r} is not one of ours")

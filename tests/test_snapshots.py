@@ -128,6 +128,22 @@ def test_the_store_reads_back_what_it_wrote_and_refuses_missing_truncated_or_han
         store.read(elsewhere)
 
 
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("chunk", -5, "chunk -5 is not in"), ("chunk", 2**64, "is not in 0.."),
+    ("num_chunks", 3, "a session of 3 chunks cannot resume at chunk 4"), ("seed", 2**70, "not a 64-bit number"),
+    ("prompt_revision", -1, "prompt revision -1"), ("steps", 3, "steps: steps must be one of"),
+    ("want", 2**63, "want: steps must be one of"), ("floor", -1, "floor: steps must be one of")])
+def test_a_manifest_whose_numbers_cannot_start_a_session_is_refused(tmp_path: Path, field: str, value: int,
+                                                                   words: str) -> None:
+    """A shared snapshot folder is writable by others: a negative chunk would pass for a prompt encode's index, 2^64
+    would fail the first task's encoding far from its cause, a steps of 3 would skip the open's check."""
+    store, sid = write_snapshot(tmp_path)
+    saved = msgspec.structs.replace(store.read(sid), chunk=4, num_chunks=10)
+    store.write(msgspec.structs.replace(saved, **{field: value}))
+    with pytest.raises(SnapshotError, match=words):
+        store.read(sid)
+
+
 def test_a_rank_file_round_trips_and_a_flipped_byte_or_a_non_safetensors_file_is_refused(tmp_path: Path) -> None:
     store, sid = SnapshotStore(tmp_path), new_snapshot_id()
     state = {"kv": torch.arange(12, dtype=torch.bfloat16).view(3, 4), "index": torch.tensor([5])}
