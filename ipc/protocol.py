@@ -251,8 +251,10 @@ class ChunkTimes(_Value):
 class ChunkFacts(_Value):
     """Everything rank 0 knows about one emitted chunk: sent with its frames, kept in metrics and trace files."""
 
-    index: int
-    frames: int  # video frames in the chunk
+    # bounded as the play page's frame header carries them (u32, u16): a server's nonsense is refused on decode,
+    # never a struct error in a gateway's sender (2^32 chunks are 80 years of a stream)
+    index: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+    frames: Annotated[int, msgspec.Meta(ge=0, le=2**16 - 1)]  # video frames in the chunk
     control: ChunkControl  # the control the model saw
     times: ChunkTimes  # the scheduler's rank-0 times
     spans: tuple[Span, ...] = ()  # every rank's stages and transfers of this chunk, on the rank-0 clock
@@ -442,6 +444,11 @@ class Chunk(_Msg, tag="chunk"):
     frames: bytes  # uint8 RGB, row-major [n, height, width, 3]
     shape: tuple[int, int, int, int]
     facts: ChunkFacts  # index, the control applied, the times on one timeline (rank-0 clock), spans per stage
+
+    def __post_init__(self) -> None:  # on decode too: a reader never reshapes bytes into a shape they are not
+        n, height, width, channels = self.shape
+        if min(self.shape) < 0 or channels != 3 or n * height * width * 3 != len(self.frames):
+            raise ValueError(f"frames of shape {self.shape} do not match their {len(self.frames)} bytes")
 
 
 class Closed(_Msg, tag="closed"):

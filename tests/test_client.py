@@ -5,11 +5,13 @@ clients; plus the pure parts of the live record/replay tool."""
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -21,6 +23,7 @@ from ipc.client import (
     Busy,
     ChunkResult,
     Client,
+    ClientCore,
     ControlBackpressure,
     InputToPhoton,
     LiveInput,
@@ -451,3 +454,21 @@ def test_an_open_carries_its_camera_a_bad_one_is_refused_before_it_is_sent_and_t
 
     sent, info = asyncio.run(scenario())
     assert sent.intrinsics == camera and info.intrinsics == applied
+
+
+def test_a_chunk_whose_shape_does_not_match_its_bytes_is_a_bad_reply_and_the_client_reads_on() -> None:
+    """A hostile or broken server's chunk (shape 2^63 x 1 x 1 x 3 over 12 bytes, a chunk index past the page's u32)
+    is refused on decode: an error for the caller, never a reshape that kills the I/O thread."""
+    errors: list[ServerError] = []
+    core: ClientCore[queue.Queue[Any], Any] = ClientCore(queue.Queue, errors.append, clock=lambda: 0.0)
+    good = chunk("s", 0, revision=1)
+    for field, value in (("shape", [2**63 - 1, 1, 1, 3]), ("shape", [-1, 2, 2, 3])):
+        raw = msgspec.msgpack.decode(protocol.encode(good))
+        raw[field] = value
+        core.route(msgspec.msgpack.encode(raw))
+    raw = msgspec.msgpack.decode(protocol.encode(good))
+    raw["facts"]["index"] = 2**40
+    core.route(msgspec.msgpack.encode(raw))
+    assert [e.code for e in errors] == ["bad_reply"] * 3
+    core.route(protocol.encode(good))
+    assert core.session("s").events.get_nowait().index == 0

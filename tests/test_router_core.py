@@ -598,7 +598,8 @@ def test_a_replica_moves_only_along_its_transitions() -> None:
 
 
 def test_peek_reads_a_chunks_session_whatever_its_size_and_rejects_what_is_not_a_message() -> None:
-    big = p.encode(msgspec.structs.replace(chunk("0123456789ab", 4), frames=bytes(32 << 20)))
+    big = p.encode(msgspec.structs.replace(chunk("0123456789ab", 4), frames=bytes(2 * 1024 * 4096 * 3),
+                                             shape=(2, 1024, 4096, 3)))
     head = relay.peek(memoryview(big))
     assert (head.type, head.session) == ("chunk", "0123456789ab")
     for bad in (b"\x93\x01\x02\x03", b"\xc1", msgspec.msgpack.encode({"type": 3}),

@@ -466,7 +466,8 @@ def test_a_session_being_restored_when_the_router_stops_is_told_shutdown() -> No
 def test_the_async_sdks_chunk_iterator_goes_on_after_a_migration() -> None:
     async def play(port: int, server: zmq.Socket) -> tuple[list[int], list[int]]:
         async with AsyncClient(f"tcp://127.0.0.1:{port}", identity=b"player", timeout_s=5) as client:
-            await asyncio.to_thread(lambda: server.poll(5000) and server.recv_multipart())  # its first heartbeat
+            assert await asyncio.to_thread(server.poll, 5000)  # its first heartbeat
+            server.recv_multipart()
             sid = "0000000000aa"
             for message in (chunk(sid, 3), p.Migrated(session=sid, chunk=2, replica="b"), chunk(sid, 2),
                             p.Closed(session=sid, reason="complete")):
