@@ -1015,7 +1015,11 @@ class CoordinatorCore:
             self.clients.remove(session.id)
             self.admission.release(session.id)
             self.capacity.remove(session.id)
-            self.saves.pop(session.id, None)
+            save = self.saves.get(session.id)
+            if save is not None:  # its owner is answered and what its ranks wrote is deleted, as on a close
+                with contextlib.suppress(Exception):
+                    self._save_failed(save, "the session failed and was dropped", now)
+                self.saves.pop(session.id, None)
             with contextlib.suppress(Exception):  # its metrics are bounded by sessions: never keep a dropped one's
                 self.metrics.on_close(session.id, now)
             self._end_watchers(session.id, "failed", text, keep=False)
