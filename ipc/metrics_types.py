@@ -317,7 +317,7 @@ class ServerStats(_Metric, kw_only=True):
     replicas: dict[str, ReplicaView] | UnsetType = UNSET
 
 
-def given(value: Any) -> bool:
-    """Whether a field that only some senders fill was filled."""
-    return value is not UNSET
+def given(value: Any) -> Any:
+    """A field that only some senders fill, or None where it was not."""
+    return None if value is UNSET else value
 

@@ -46,8 +46,7 @@ def decode(data: bytes | memoryview, direction: str, max_bytes: int = protocol.D
         if not isinstance(raw, dict) or raw.get("v") not in protocol.SUPPORTED_VERSIONS:
             raise
         kind = raw.get("type")
-        tags = {t.tag for t in _structs(schema)}
-        if isinstance(kind, str) and kind not in tags:
+        if isinstance(kind, str) and kind not in _tags(direction):
             return Unknown(kind)
         try:
             return msgspec.convert(_prune(raw, schema), READERS[direction])
@@ -64,6 +63,11 @@ def convert(value: Any, kind: type[T]) -> T:
 @cache
 def _type_info(kind: type) -> mi.Type:
     return mi.type_info(kind)
+
+
+@cache
+def _tags(direction: str) -> frozenset[Any]:
+    return frozenset(t.tag for t in _structs(_schema(direction)))
 
 
 @cache

@@ -39,7 +39,7 @@ from ipc.client import (
     UnknownSession,
     closed_summary,
 )
-from ipc.metrics_types import SessionSummary
+from ipc.metrics_types import SessionSummary, given
 from web import page_messages as pm
 from web import page_protocol as pp
 from web.chunks import ChunkView, Timeline, chrome_trace, read_chunk
@@ -314,7 +314,7 @@ class Bridge:
             return
         session = stats.per_session.get(self.session.id) if self.session else None
         server = {"open_sessions": stats.open_sessions, "layout": stats.layout,
-                  "schedule": _given(stats.schedule), "dit_idle": _given(stats.dit_idle)}
+                  "schedule": given(stats.schedule), "dit_idle": given(stats.dit_idle)}
         self.send(pm.Stats(session=_brief(session) if session else None, server=_plain(server),
                            gateway={"sessions": self.slots.used, "max_sessions": self.slots.limit,
                                     "frames_sent": self.frames_sent, "bytes_sent": self.bytes_sent}))
@@ -394,7 +394,7 @@ class Bridge:
             return
         self.session, self._pump = None, None  # the playout still shows what is left of the last chunk
         self.slots.release()
-        reason, error = _given(summary.reason), _given(summary.error)
+        reason, error = given(summary.reason), given(summary.error)
         self.send(pm.Closed(session=info.id, reason=reason, error=error, summary=_brief(summary)))
         log.info("session %s closed (%s)", info.id, reason)
 
@@ -452,8 +452,3 @@ _EMPTY_SUMMARY = msgspec.to_builtins(SessionSummary())
 def _plain(value: Any) -> Any:
     """A typed value as the map it is on the wire (fields left unset left out)."""
     return msgspec.to_builtins(value)
-
-
-def _given(value: Any) -> Any:
-    """A field that only some senders fill, or None where it was not."""
-    return None if value is msgspec.UNSET else value
