@@ -270,6 +270,8 @@ class Head(nn.Module):
 class BlockRunner(Protocol):
     """Runs ``block(*args)``, compiled (``models.compiled``)."""
 
+    failure: BaseException | None  # set once compiling failed: the blocks then run eagerly
+
     def __call__(self, block: Block, *args: object) -> torch.Tensor: ...
 
 
@@ -409,7 +411,9 @@ class WanModelFast(nn.Module):
             e, mods = self.time_embed(t)  # broadcast over tokens
         # Compiled blocks and captured passes write the ring through a slot index at a fixed address (the eager
         # reference writes runs of slices); only the streaming call is ever compiled.
-        fast = cache is not None and mask is None and (self.block_runner is not None or self.graphs is not None)
+        # After a compile failure the blocks run eagerly: then the eager form (complex RoPE, sliced ring writes) too.
+        compiled = self.block_runner is not None and self.block_runner.failure is None
+        fast = cache is not None and mask is None and (compiled or self.graphs is not None)
         if cache is not None:
             cache.begin(start_frame * fs, f * fs, indexed=fast)
         rope = self._rope(f, h // 2, w // 2, start_frame, self.patch_embedding.weight.device)
