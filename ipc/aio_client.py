@@ -263,7 +263,7 @@ class AsyncClient:
 
     def _ask(self, message: Any) -> asyncio.Future[Any]:
         """Send a request whose reply is waited for: the future it resolves."""
-        future = self._core.expect(message.req, asyncio.get_running_loop().create_future())
+        future = self._core.expect(message.req, asyncio.get_running_loop().create_future(), type(message))
         try:
             self._put(protocol.encode(message))
         except (OutboxFull, RuntimeError):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -53,6 +54,7 @@ from ipc.metrics_types import ServerStats, SessionSummary
 
 KEEP_REVISIONS = 1024  # sent-but-not-yet-shown revisions remembered per session for input-to-photon (bounded)
 KEEP_QUIET_REQS = 4096  # fire-and-forget request ids remembered, so their errors do not end a chunk stream
+log = logging.getLogger("worldstream.client")
 MAX_OUTBOX = 1024  # a caller's messages waiting to leave the socket; one more is refused with ``OutboxFull``
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -471,6 +473,20 @@ class Requests:
         return protocol.Heartbeat(req=next(self._ids), session=session)
 
 
+# what each request is answered with (besides an ``error``): a reply of another kind fails the request as
+# ``bad_reply`` instead of reaching a caller that reads fields it does not have
+REPLIES: dict[type, tuple[type, ...]] = {
+    protocol.Open: (protocol.Opened,), protocol.Save: (protocol.Saved,), protocol.Control: (protocol.Accepted,),
+    protocol.ControlState: (protocol.Accepted,), protocol.SetPrompt: (protocol.PromptScheduled,),
+    protocol.Close: (protocol.Closed,), protocol.Stats: (protocol.StatsReply,), protocol.Watch: (protocol.Watching,),
+    protocol.Unwatch: (protocol.Closed,), protocol.Heartbeat: (protocol.HeartbeatAck,),
+}
+
+
+def _tag(kind: type) -> str:
+    return str(getattr(getattr(kind, "__struct_config__", None), "tag", kind.__name__))
+
+
 def outbox_room(waiting: int, limit: int, endpoint: str) -> None:
     """``OutboxFull`` when ``waiting`` messages already wait to leave for ``endpoint`` (``limit`` at the most)."""
     if waiting >= limit:
@@ -536,6 +552,7 @@ class ClientCore(Generic[Q, F]):
         self._gone = False
         self._lock = threading.Lock()
         self._pending: dict[int, F] = {}
+        self._replies: dict[int, tuple[type, ...]] = {}  # req -> the kinds of reply its request takes
         self._quiet: OrderedDict[int, None] = OrderedDict()  # fire-and-forget reqs (bounded)
         self._sessions: dict[str, SessionState[Q]] = {}
 
@@ -546,15 +563,19 @@ class ClientCore(Generic[Q, F]):
                 state = self._sessions[session] = SessionState(self._new_events())
             return state
 
-    def expect(self, req: int, future: F) -> F:
-        """Register ``future`` to be resolved by the reply (or error) with request id ``req``."""
+    def expect(self, req: int, future: F, request: type | None = None) -> F:
+        """Register ``future`` to be resolved by the reply (or error) with request id ``req``; a reply of another
+        kind than a ``request`` is answered with (``REPLIES``) fails it as ``bad_reply``."""
         with self._lock:
             self._pending[req] = future
+            if request is not None:
+                self._replies[req] = REPLIES.get(request, ())
         return future
 
     def forget(self, req: int) -> None:
         with self._lock:
             self._pending.pop(req, None)
+            self._replies.pop(req, None)
 
     def quiet(self, req: int) -> None:
         """``req`` is fire-and-forget: its error goes to ``put_error`` only and does not end a chunk stream."""
@@ -588,7 +609,7 @@ class ClientCore(Generic[Q, F]):
         with self._lock:
             pending = list(self._pending.values()) if fail_requests else []
             if fail_requests:
-                self._pending = {}
+                self._pending, self._replies = {}, {}
             open_sessions = [s for s in self._sessions.values() if s.closed is None]
         for future in pending:
             if not future.done():
@@ -598,7 +619,15 @@ class ClientCore(Generic[Q, F]):
         self._put_error(error)
 
     def route(self, data: bytes) -> None:
-        """One message from the server."""
+        """One message from the server. Whatever it holds, the I/O thread that calls this lives on: a message this
+        client cannot act on is a ``bad_reply`` error, never the end of every later call."""
+        try:
+            self._route(data)
+        except Exception as error:
+            log.exception("a reply from the server could not be handled")
+            self._put_error(ServerError.of("bad_reply", f"a reply could not be handled ({type(error).__name__})"))
+
+    def _route(self, data: bytes) -> None:
         self._heard = self._clock()
         self._gone = False  # answering again (a restart is told apart by its id below)
         try:
@@ -643,6 +672,7 @@ class ClientCore(Generic[Q, F]):
         req = getattr(message, "req", None)
         with self._lock:
             future = self._pending.pop(req, None) if req is not None else None
+            replies = self._replies.pop(req, ()) if req is not None else ()
             quiet = req in self._quiet
             self._quiet.pop(req, None)
         if future is not None and future.done():  # an asyncio request that timed out or was cancelled meanwhile
@@ -658,7 +688,10 @@ class ClientCore(Generic[Q, F]):
             else:
                 self._put_error(error)
             return
-        if future is not None:
+        if future is not None and replies and not isinstance(message, replies):
+            future.set_exception(ServerError.of("bad_reply", f"a {_tag(type(message))!r} answered request {req}, "
+                                                f"which takes {' or '.join(repr(_tag(r)) for r in replies)}"))
+        elif future is not None:
             future.set_result(message)
         elif isinstance(message, protocol.Opened) and self._close_orphan is not None:
             self._close_orphan(message.session)  # its open timed out or failed here: close it, never leak it
@@ -883,7 +916,7 @@ class Client:
 
     def _ask(self, message: Any) -> Future[Any]:
         """Send a request whose reply is waited for: the future it resolves."""
-        future: Future[Any] = self._core.expect(message.req, Future())
+        future: Future[Any] = self._core.expect(message.req, Future(), type(message))
         try:
             self._put(protocol.encode(message))
         except OutboxFull:

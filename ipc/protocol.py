@@ -811,7 +811,6 @@ _decoders = {
     "replica": msgspec.msgpack.Decoder(Register),  # what a replica sends its router
     "router": msgspec.msgpack.Decoder(Registered),  # what a router answers a replica
 }
-_raw = msgspec.msgpack.Decoder()
 
 
 def encode(message: _Msg | ControlState) -> bytes:
@@ -824,42 +823,59 @@ def to_builtins(value: Any) -> Any:
     return msgspec.to_builtins(value, order="deterministic")
 
 
+class Head(msgspec.Struct, frozen=True):
+    """The fields every message is read by before its body, each type-checked (unknown fields are skipped here and
+    judged by the body's own read): a value of another type is a ``ProtocolViolation``, never a crash in the code
+    that looks at it (an array for ``v`` once ended the job: it is unhashable)."""
+
+    type: str | None = None
+    v: int = PROTOCOL_VERSION
+    req: int | None = None
+
+
+_head = msgspec.msgpack.Decoder(Head)
+
+
 def read_as(decoder: msgspec.msgpack.Decoder[Any], data: Any, what: str) -> Any:
-    """``data`` read by ``decoder`` (a struct with a ``v`` field: a message's head, a stats reply read raw) in a
+    """``data`` read by ``decoder`` (a struct with an int ``v`` field: a message's head, a stats reply read raw) in a
     version this side speaks, or ``ProtocolViolation`` naming ``what`` could not be read."""
     try:
         value = decoder.decode(data)
     except msgspec.DecodeError as error:
         raise ProtocolViolation(f"unreadable {what}: {error}") from None
+    except (RecursionError, MemoryError, OverflowError, ValueError, TypeError) as error:
+        raise ProtocolViolation(f"unreadable {what} ({type(error).__name__})") from None
     if value.v not in SUPPORTED_VERSIONS:
-        raise ProtocolViolation(f"protocol version {value.v} is not supported")
+        raise ProtocolViolation(f"protocol version {value.v} is not supported (this side speaks {PROTOCOL_VERSION})",
+                                getattr(value, "req", None))
     return value
+
+
+def read_head(data: Any) -> Head:
+    """The head of one message, typed (bounded first by ``scan`` where the bytes come from outside)."""
+    head: Head = read_as(_head, data, "message head")
+    return head
 
 
 def decode(data: bytes | memoryview, direction: str, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
     """Decode one message read by ``direction`` ("client": what a client sends, "server": what it receives,
     "worker"/"coordinator" likewise inside the job). Raises ``ProtocolViolation`` naming the problem, and nothing
     else: the size, the nesting depth and item count (a list nested 2000 deep is a few kilobytes and would exhaust
-    the decoder's recursion), and that it is one msgpack map are checked before it is decoded."""
+    the decoder's recursion), and that it is one msgpack map are checked before it is decoded; then its head (type,
+    version, request id, session: ``Head``) is read typed, and only then its body, so no field of any type reaches
+    code that assumes another."""
     if len(data) > max_bytes:
         raise ProtocolViolation(f"message of {len(data)} bytes exceeds the limit of {max_bytes} bytes")
     keys = scan(data, max_items=MAX_ITEMS if direction == "client" else MAX_INTERNAL_ITEMS)
+    head = read_head(data)
     if direction == "client" and "v" not in keys:
-        try:
-            req = _request_id(_raw.decode(data))
-        except msgspec.DecodeError:
-            req = None
-        raise ProtocolViolation("message has no protocol version field 'v'", req)
+        raise ProtocolViolation("message has no protocol version field 'v'", head.req)
     try:
-        message = _decoders[direction].decode(data)
+        return _decoders[direction].decode(data)
     except msgspec.DecodeError as error:
-        raise _explain(data, error) from None
+        raise _explain(head, error) from None
     except (RecursionError, MemoryError, OverflowError, ValueError, TypeError) as error:  # never out of decode
-        raise ProtocolViolation(f"message could not be decoded ({type(error).__name__})") from None
-    if message.v not in SUPPORTED_VERSIONS:
-        raise ProtocolViolation(f"protocol version {message.v} is not supported (server speaks {PROTOCOL_VERSION})",
-                                getattr(message, "req", None))
-    return message
+        raise ProtocolViolation(f"message could not be decoded ({type(error).__name__})", head.req) from None
 
 
 _FIXED = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2,
@@ -942,26 +958,11 @@ def scan(data: bytes | memoryview, max_depth: int = MAX_DEPTH, max_items: int = 
     return keys
 
 
-def _request_id(raw: object) -> int | None:
-    req = raw.get("req") if isinstance(raw, dict) else None
-    return req if isinstance(req, int) and not isinstance(req, bool) else None
-
-
-def _explain(data: bytes, error: msgspec.DecodeError) -> ProtocolViolation:
-    try:
-        raw = _raw.decode(data)
-    except msgspec.DecodeError:
-        return ProtocolViolation("not a msgpack message")
-    if not isinstance(raw, dict):
-        return ProtocolViolation(f"a message must be a msgpack map, got {type(raw).__name__}")
-    req = _request_id(raw)
-    version = raw.get("v", PROTOCOL_VERSION)
-    if version not in SUPPORTED_VERSIONS:
-        return ProtocolViolation(f"protocol version {version!r} is not supported (this server speaks "
-                                 f"{PROTOCOL_VERSION})", req)
-    if "type" not in raw:
-        return ProtocolViolation("message has no 'type' field", req)
+def _explain(head: Head, error: msgspec.DecodeError) -> ProtocolViolation:
+    """The body's decode error in words, with the request id the (already checked) head carries."""
+    if head.type is None:
+        return ProtocolViolation("message has no 'type' field", head.req)
     text = str(error)
     if "Invalid value" in text and "$.type" in text:
-        return ProtocolViolation(f"unknown message type {raw['type']!r}", req)
-    return ProtocolViolation(f"invalid {raw['type']!r} message: {text}", req)
+        return ProtocolViolation(f"unknown message type {head.type!r}", head.req)
+    return ProtocolViolation(f"invalid {head.type!r} message: {text}", head.req)

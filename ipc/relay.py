@@ -15,12 +15,10 @@ import msgspec
 from ipc import protocol
 
 
-class Head(msgspec.Struct, frozen=True):
-    """The routing fields of any message (unknown fields are skipped, not rejected)."""
+class Head(protocol.Head, frozen=True):
+    """A message's head and its session: what the router routes by (typed like every head)."""
 
-    type: str = ""
     session: str | None = None
-    v: int = protocol.PROTOCOL_VERSION
 
 
 _head = msgspec.msgpack.Decoder(Head)

@@ -39,18 +39,15 @@ def decode(data: bytes | memoryview, direction: str, max_bytes: int = protocol.D
             raise
         try:
             protocol.scan(data, max_items=protocol.MAX_INTERNAL_ITEMS)  # bounded before the raw decode below
+            head = protocol.read_head(data)  # typed: a version or type of the wrong type is the strict error
             raw = _raw.decode(data)
         except (protocol.ProtocolViolation, msgspec.DecodeError):
             raise strict from None
-        schema = _schema(direction)
-        if not isinstance(raw, dict) or raw.get("v") not in protocol.SUPPORTED_VERSIONS:
-            raise
-        kind = raw.get("type")
-        if isinstance(kind, str) and kind not in _tags(direction):
-            return Unknown(kind)
+        if head.type is not None and head.type not in _tags(direction):
+            return Unknown(head.type)
         try:
-            return msgspec.convert(_prune(raw, schema), READERS[direction])
-        except (msgspec.ValidationError, ValueError, TypeError):
+            return msgspec.convert(_prune(raw, _schema(direction)), READERS[direction])
+        except (msgspec.ValidationError, RecursionError, MemoryError, OverflowError, ValueError, TypeError):
             raise strict from None
 
 
@@ -67,7 +64,7 @@ def _type_info(kind: type) -> mi.Type:
 
 @cache
 def _tags(direction: str) -> frozenset[Any]:
-    return frozenset(t.tag for t in _structs(_schema(direction)))
+    return frozenset(t.tag for t in struct_types(_schema(direction)))
 
 
 @cache
@@ -75,16 +72,16 @@ def _schema(direction: str) -> mi.Type:
     return mi.type_info(READERS[direction])
 
 
-def _structs(t: mi.Type) -> list[mi.StructType]:
-    t = _bare(t)
+def struct_types(t: mi.Type) -> list[mi.StructType]:
+    t = bare_type(t)
     if isinstance(t, mi.StructType):
         return [t]
     if isinstance(t, mi.UnionType):
-        return [s for member in t.types for s in _structs(member)]
+        return [s for member in t.types for s in struct_types(member)]
     return []
 
 
-def _bare(t: mi.Type) -> mi.Type:
+def bare_type(t: mi.Type) -> mi.Type:
     while isinstance(t, mi.Metadata):
         t = t.type
     return t
@@ -92,14 +89,14 @@ def _bare(t: mi.Type) -> mi.Type:
 
 def _prune(value: Any, t: mi.Type) -> Any:
     """``value`` (msgpack builtins) without the map keys and trailing array items ``t`` has no field for."""
-    t = _bare(t)
+    t = bare_type(t)
     if isinstance(t, mi.UnionType):
-        structs = _structs(t)
+        structs = struct_types(t)
         if isinstance(value, dict) and structs:
             match = [s for s in structs if s.tag_field is None or value.get(s.tag_field) == s.tag]
             return _prune(value, match[0]) if len(match) == 1 else value
         for member in t.types:
-            member = _bare(member)
+            member = bare_type(member)
             if isinstance(value, list) and isinstance(member, mi.StructType | mi.ListType | mi.TupleType
                                                       | mi.VarTupleType | mi.SetType | mi.FrozenSetType):
                 return _prune(value, member)
