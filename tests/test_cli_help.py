@@ -118,3 +118,26 @@ def test_the_help_lines_show_the_structs_defaults() -> None:
     defaults = msgspec.to_builtins(config_mod.Config())
     assert f"    port = {defaults['server']['port']}" in text
     assert f"    dir = \"{defaults['snapshots']['dir']}\"" in text
+
+
+def options_without_help(help_text: str) -> list[str]:
+    """The options of an argparse ``--help`` that have no help text (an entry line with nothing after the option
+    and no indented description below it)."""
+    lines = help_text.split("options:", 1)[1].split("\n\n", 1)[0].splitlines()
+    bare = []
+    for number, line in enumerate(lines):
+        if not line.startswith("  -"):
+            continue
+        described = "  " in line.strip()
+        below = lines[number + 1] if number + 1 < len(lines) else ""
+        if not described and not (below.startswith(" " * 8) and not below.strip().startswith("-")):
+            bare.append(line.strip())
+    return bare
+
+
+@pytest.mark.parametrize("command", [["scripts/client.py"], ["-m", "ranks.router"], ["launch.py"]])
+def test_every_option_of_the_client_the_router_and_launch_has_help_text(command: list[str]) -> None:
+    done = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert options_without_help(done.stdout) == []
