@@ -143,7 +143,9 @@ def test_the_readme_router_quick_start_runs_as_written(tmp_path: Path) -> None:
     router, replica_a, replica_b, client = ROUTER
     ports = {port: free_port() for port in (5555, 5556, 5560, 5561)}
     with ExitStack() as stack:
-        stack.enter_context(serving(localised(router, ports), tmp_path, "router"))
+        # the router's ports come from its config file (5560, 5561): swapped by overrides, as the others'
+        swapped = [f"--router.port={ports[5560]}", f"--router.register_bind=tcp://127.0.0.1:{ports[5561]}"]
+        stack.enter_context(serving([*localised(router, ports), *swapped], tmp_path, "router"))
         stack.enter_context(serving(localised(replica_a, ports), tmp_path, "a"))
         stack.enter_context(serving(localised(replica_b, ports), tmp_path, "b"))
         with Client(f"tcp://127.0.0.1:{ports[5560]}") as probe:
