@@ -95,7 +95,7 @@ class StreamConfig(_Section):
     fps: float = 16.0  # media frame rate, used for the real-time factor and the mp4
     # "fixed": every session is height x width (the start image is resized to it); "image": each session streams at
     # the allowed size (``sizes``) nearest to its start image's aspect ratio (``runtime.sizes``). Every allowed size
-    # is warmed up on every rank before the port opens, so no unseen size reaches cuDNN mid-serving.
+    # is warmed up on every rank before the server answers clients, so no unseen size reaches cuDNN mid-serving.
     size: Literal["fixed", "image"] = "fixed"
     # the allowed [height, width] sizes of size="image" (multiples of 16); empty: height x width, its transpose, then
     # 1:1, 3:4 and 4:3 at max_area pixels (480x832: 480x832, 832x480, 624x624, 544x720, 720x544)
