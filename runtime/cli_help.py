@@ -125,9 +125,18 @@ Without torchrun or srun around it, it starts a local torchrun with the layout's
 SIGTERM stops every rank cleanly."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """Builds the long epilog (every config loaded, the structs' source read) only when help is shown, not at each
+    rank's start."""
+
+    def format_help(self) -> str:
+        self.epilog = epilog()
+        return super().format_help()
+
+
 def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="launch.py", description=description, epilog=epilog(),
+    parser = _Parser(
+        prog="launch.py", description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="python launch.py --config NAME_OR_FILE [--section.key=value ...] [--print-config | --check]\n"
               "       torchrun --nproc-per-node N launch.py --config NAME_OR_FILE [--section.key=value ...]")
