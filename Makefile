@@ -1,7 +1,7 @@
-# Two commands for a new user: `make demo` and `make test` (and `make play` to play in a browser). Both create .venv if missing and install what is
-# needed first. torch is pinned and installed before anything else, so a CPU machine gets the CPU wheel and
-# never pulls a multi-GB CUDA build through an open version range; on GPU nodes pip's index serves the CUDA
-# build of the same version.
+# Two commands for a new user: `make demo` and `make test` (and `make play` to play in a browser). Both create .venv if
+# missing and install what is needed first. torch is pinned and installed before anything else, from pip's default
+# index: on Linux that is the CUDA build (several GB), with or without a GPU. For the CPU wheel, install it into
+# .venv first (pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu): make keeps it.
 
 PYTHON ?= python3
 VENV := .venv

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ranks.processes import die_with_parent
+from runtime import cli_help
 from runtime import config as config_mod
 
 if TYPE_CHECKING:  # torch and zmq load only in the ranks, not in the self-launching parent
@@ -41,9 +42,8 @@ EXIT_START_FAILED = 1  # a rank did not build its stages within timeouts.startup
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="a TOML file, or a name from configs/ (cpu-tiny, ...)")
-    parser.add_argument("--log-level", default=os.environ.get("WORLDSTREAM_LOG", "INFO"))
+    """The options (``runtime.cli_help``: its ``--help`` lists the configs, sections and keys) and the overrides."""
+    parser = cli_help.build_parser()
     args, overrides = parser.parse_known_args(argv)
     return args, overrides
 
@@ -256,6 +256,8 @@ def run_coordinator(ctx: RankContext, coordinator: Coordinator, port: int) -> in
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.print_config or args.check:
+        return cli_help.run_offline(args, overrides)
     env = distributed_env()
     rank = env[0] if env else None
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

@@ -328,9 +328,13 @@ def _payload(message: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="worldstream router: many replicas behind one client endpoint")
+    parser = argparse.ArgumentParser(
+        prog="python -m ranks.router", description="worldstream router: many replicas behind one client endpoint",
+        epilog="Any [router] key can be overridden after the config as --router.key=value (the value read as TOML, "
+               "e.g. --router.port=6000); the keys are listed in docs/configuration.md.")
     parser.add_argument("--config", required=True, help="a router TOML file, or a name from configs/router/ (router)")
-    parser.add_argument("--log-level", default=os.environ.get("WORLDSTREAM_LOG", "INFO"))
+    parser.add_argument("--log-level", default=os.environ.get("WORLDSTREAM_LOG", "INFO"),
+                        help="DEBUG, INFO, WARNING or ERROR (default: $WORLDSTREAM_LOG, else INFO)")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s router %(levelname)s %(name)s: %(message)s")

@@ -8,8 +8,11 @@ overrides are applied before validation, with the value parsed as TOML (``--serv
 
 from __future__ import annotations
 
+import json
 import math
 import sys
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -40,8 +43,8 @@ class LayoutConfig(_Section):
     """Which rank holds which role (the coordinator, and the stage each rank runs: condition, denoise, decode). Roles
     may share a rank; every rank must hold at least one role."""
 
-    name: str = "cpu-tiny"
-    world_size: int = 7
+    name: str = "cpu-tiny"  # a label, shown in stats, logs and to a router
+    world_size: int = 7  # ranks in the job: what torchrun --nproc-per-node or srun --ntasks must start
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL when CUDA is available, else gloo
     coordinator: int = 0  # the ZeroMQ server, sessions and scheduler (rank 0 by convention)
     condition: int = 0  # text encode + VAE encode of the condition chunks
@@ -92,7 +95,7 @@ class StreamConfig(_Section):
     fps: float = 16.0  # media frame rate, used for the real-time factor and the mp4
     # "fixed": every session is height x width (the start image is resized to it); "image": each session streams at
     # the allowed size (``sizes``) nearest to its start image's aspect ratio (``runtime.sizes``). Every allowed size
-    # is warmed up on every rank before the port opens, so no unseen size reaches cuDNN mid-serving.
+    # is warmed up on every rank before the server answers clients, so no unseen size reaches cuDNN mid-serving.
     size: Literal["fixed", "image"] = "fixed"
     # the allowed [height, width] sizes of size="image" (multiples of 16); empty: height x width, its transpose, then
     # 1:1, 3:4 and 4:3 at max_area pixels (480x832: 480x832, 832x480, 624x624, 544x720, 720x544)
@@ -128,8 +131,8 @@ class SyntheticConfig(_Section):
     """Stage costs of the synthetic backend (seconds per chunk)."""
 
     encode_s: float = 0.025  # the condition stage
-    denoise_s: float = 0.06
-    decode_s: float = 0.03
+    denoise_s: float = 0.06  # the denoise stage at 4 steps (fewer steps cost in proportion to the passes)
+    decode_s: float = 0.03  # the decode stage
     # extra seconds of the first chunk each stage runs at a frame size it has not seen: a GPU's first use of a shape
     # (cuDNN autotuning, module loads), which the start-up warm-up absorbs; 0: none
     cold_s: float = 0.0
@@ -146,7 +149,7 @@ class ModelConfig(_Section):
     dit_subdir: str = ""  # the DiT folder under checkpoint_dir; empty: lingbot_world_fast/, transformers/ or the one
     components_dir: str = ""  # where the VAE, umT5 and tokenizer are when checkpoint_dir does not hold them
     vae_file: str = "Wan2.1_VAE.pth"  # relative: looked up in checkpoint_dir, then components_dir
-    t5_file: str = "models_t5_umt5-xxl-enc-bf16.pth"
+    t5_file: str = "models_t5_umt5-xxl-enc-bf16.pth"  # the umT5 text encoder, looked up as vae_file
     tokenizer_dir: str = "google/umt5-xxl"  # tokenizer.json (or spiece.model)
     # auto: on CUDA every fused SDPA kernel (and Sage, if installed) is timed at the DiT's shapes at start and the
     # fastest pinned for the process; sdpa: PyTorch's own kernel order; flash/cudnn/efficient: that kernel first
@@ -184,6 +187,8 @@ class TimeoutsConfig(_Section):
 
 
 class MetricsConfig(_Section):
+    """Session statistics and the optional Prometheus exporter."""
+
     warmup_chunks: int = 2  # first chunks of a session excluded from compute FPS (reported separately)
     prometheus_port: int = 0  # >0: serve counters on 127.0.0.1:PORT if prometheus-client is installed
 
@@ -269,7 +274,24 @@ def _explain(error: msgspec.ValidationError, where: str) -> ConfigError:
             message += f" (valid keys of [{section}]: {', '.join(_SECTIONS[section].__struct_fields__)})"
     elif "unknown field" in text:
         message += f" (valid sections: {', '.join(_SECTIONS)})"
+    elif "Invalid enum value" in text and "$." in text:
+        section, _, key = text.rsplit("$.", 1)[1].strip("`").partition(".")
+        valid = _literal_values(_SECTIONS[section], key) if section in _SECTIONS else []
+        if valid:
+            message += f" (valid values of {section}.{key}: {', '.join(valid)})"
     return ConfigError(message)
+
+
+def _literal_values(section: type[_Section], key: str) -> list[str]:
+    """The values a ``Literal`` key accepts (an ``int | Literal[...]`` key also says it takes a number)."""
+    hint = typing.get_type_hints(section).get(key)
+    values: list[str] = []
+    for part in typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,):
+        if typing.get_origin(part) is Literal:
+            values += [json.dumps(v) for v in typing.get_args(part)]
+        elif part is int:
+            values.append("a whole number")
+    return values
 
 
 def validate(config: Config, where: str) -> Config:

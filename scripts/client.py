@@ -403,10 +403,14 @@ def report(played: Played, summary: SessionSummary) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--endpoint", default="tcp://127.0.0.1:5555")
-    parser.add_argument("--image", type=Path, required=True)
-    parser.add_argument("--trace", type=Path, help="indexed control trace to play")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Give one of --trace, --live or --replay. The trace, timeline and "
+                                            "recording formats: this script's docstring and docs/protocol.md.")
+    parser.add_argument("--endpoint", default="tcp://127.0.0.1:5555",
+                        help="the server's (or a router's) ZeroMQ client endpoint (default: %(default)s)")
+    parser.add_argument("--image", type=Path, required=True,
+                        help="the start image, PNG or JPEG (the session's first frame; assets/start.png is one)")
+    parser.add_argument("--trace", type=Path, help="indexed control trace to play (assets/demo_trace.json is one)")
     parser.add_argument("--live", action="store_true", help="play an input timeline as a live session")
     parser.add_argument("--timeline", type=Path, help="live input timeline (default: a built-in one)")
     parser.add_argument("--record", type=Path, help="live: write the recording (states, applied snapshots, hashes)")
