@@ -14,7 +14,7 @@ TORCH := torch==2.13.0
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[video,plot,dev,web,browser]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[server,video,plot,dev,web,browser]"
 	touch $(STAMP)
 
 # First what a newcomer should see: the synthetic backend, whose frames follow the camera keys (out/demo.mp4). Then,
