@@ -3,6 +3,7 @@ never taken for a client that stopped reading (``ipc.client_lines``)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -11,6 +12,7 @@ import pytest
 import zmq
 
 from ipc import protocol
+from ipc.aio_client import AsyncClient
 from ipc.client import Client, ServerError, input_state
 from scripts.local_server import ROOT, LocalServer
 
@@ -97,3 +99,26 @@ def test_32_threads_of_one_client_each_get_their_answer_and_the_session_survives
         client.control_state(info.id, input_state("w", 1))
         client.next_chunk(info.id, 30)  # the session streams on
         assert client.close(info.id, 30) is not None
+
+
+def test_32_tasks_of_one_async_client_each_get_their_answer_and_the_session_survives(server: LocalServer) -> None:
+    async def scenario() -> list[object]:
+        async with AsyncClient(server.endpoint, timeout_s=60) as client:
+            info = await client.open(IMAGE, num_chunks=None, live=True)
+
+            async def ask(i: int) -> object:
+                try:
+                    return await (client.set_prompt(info.id, f"prompt {i}") if i % 2 else client.stats())
+                except (ServerError, TimeoutError) as error:
+                    return error
+
+            answers = await asyncio.gather(*(ask(i) for i in range(THREADS)))
+            client.control_state(info.id, input_state("w", 1))
+            await client.next_chunk(info.id, 30)  # the session streams on
+            assert await client.close(info.id, 30) is not None
+            return answers
+
+    answers = asyncio.run(scenario())
+    timeouts = [a for a in answers if isinstance(a, TimeoutError)]
+    assert not timeouts, f"{len(timeouts)} of {THREADS} calls got no answer"
+    assert {a.code for a in answers if isinstance(a, ServerError)} <= {"prompt_backpressure"}
