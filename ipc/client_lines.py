@@ -27,14 +27,16 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ipc import protocol
 
 log = logging.getLogger(__name__)
 
 Why = Literal["gone", "full"]
-Send = Callable[[bytes, bytes], "str | None"]  # (identity, data) -> None when queued, else "gone" or "full"
+# (identity, data) -> None when queued, else "gone" or "full"; data: bytes, or a zmq.Frame forwarded as received
+Send = Callable[[bytes, Any], "str | None"]
+MAX_WAITING = 1024  # messages waiting per client (``server.max_waiting``; the router's too)
 NOT_READING = "not_reading"  # the error code of a client dropped because it stopped reading
 
 
@@ -49,7 +51,7 @@ class Lost:
 
 @dataclass
 class _Waiting:
-    data: bytes
+    data: Any  # bytes, or a zmq.Frame forwarded as received (the router)
     session: str | None
     chunk: bool
 
@@ -57,7 +59,7 @@ class _Waiting:
 class ClientLines:
     """Per-client lines of messages that met a full queue (see the module docstring)."""
 
-    def __init__(self, send: Send, max_waiting: int) -> None:
+    def __init__(self, send: Send, max_waiting: int = MAX_WAITING) -> None:
         self._send = send
         self.max_waiting = max_waiting
         self._lines: dict[bytes, deque[_Waiting]] = {}
@@ -67,7 +69,7 @@ class ClientLines:
         line = self._lines.get(who)
         return 0 if line is None else len(line)
 
-    def send(self, who: bytes, data: bytes, session: str | None, chunk: bool = False) -> list[Lost]:
+    def send(self, who: bytes, data: Any, session: str | None, chunk: bool = False) -> list[Lost]:
         """Send to ``who`` now, or queue it behind what already waits for it. Returns the sessions lost by it."""
         line = self._lines.get(who)
         if line is None:
