@@ -144,7 +144,7 @@ class ServerGone(ServerError):
 class OutboxFull(ServerError):
     """Found by the client itself: ``max_outbox`` messages already wait to leave its socket (the server does not take
     them: down, unreachable, or slower than the caller). Nothing was sent and nothing queued; send again later (live
-    input: the next change sends the whole state again)."""
+    input is never refused: its newest state waits in one slot per session)."""
 
     codes = ("outbox_full",)
 
@@ -685,8 +685,7 @@ class Client:
         self._errors: queue.Queue[ServerError] = queue.Queue(maxsize=256)  # errors tied to no waiting request
         self._core: ClientCore[queue.Queue[Any], Future[Any]] = ClientCore(
             queue.Queue, self._put_error, close_orphan=self._close_orphan)
-        # callers' messages beyond max_outbox are refused; the client's own (an orphan's close) are not, and are
-        # bounded by the callers' opens; live states take one slot per session (``ipc.outgoing``)
+        # callers' messages beyond max_outbox are refused (not its own); live states: one slot a session (ipc.outgoing)
         self._outbox = Outgoing(max_outbox, lambda waiting: outbox_room(waiting, max_outbox, endpoint))
         self._in_flight = InFlight(max_in_flight)  # many threads of this client cannot overrun the server
         self._stop = threading.Event()
@@ -885,12 +884,9 @@ class Client:
     # ------------------------------------------------------------------------------------------ plumbing
 
     def _ask(self, message: Any) -> Future[Any]:
-        """Send a request whose reply is waited for (once fewer than ``max_in_flight`` wait): the future it
-        resolves, which frees its slot once done (answered, failed, or cancelled by a caller that gave up)."""
+        """Send a request once fewer than ``max_in_flight`` wait: the future its reply resolves (its slot frees)."""
         req = message.req
-        if not self._in_flight.enter(req, self.timeout_s):
-            raise TimeoutError(f"{self._in_flight.limit} requests to {self.endpoint} waited {self.timeout_s:.1f} s "
-                               "for their answers: this one was not sent")
+        self._in_flight.enter(req, self.timeout_s)
         future: Future[Any] = self._core.expect(req, Future())
         future.add_done_callback(lambda _: self._in_flight.leave(req))
         try:

@@ -93,13 +93,13 @@ class InFlight:
         self._held: set[int] = set()
         self._free = threading.Condition()
 
-    def enter(self, req: int, timeout_s: float) -> bool:
-        """Take a slot for request ``req``; False when none freed within ``timeout_s``."""
+    def enter(self, req: int, timeout_s: float) -> None:
+        """Take a slot for request ``req``; ``TimeoutError`` when none freed within ``timeout_s`` (nothing sent)."""
         with self._free:
             if not self._free.wait_for(lambda: len(self._held) < self.limit, timeout_s):
-                return False
+                raise TimeoutError(f"{self.limit} requests of this client waited {timeout_s:.1f} s for their "
+                                   "answers: this one was not sent")
             self._held.add(req)
-            return True
 
     def leave(self, req: int) -> None:
         with self._free:

@@ -65,10 +65,12 @@ def test_states_are_never_refused_but_other_messages_are_at_the_limit() -> None:
 
 def test_in_flight_requests_are_bounded_and_a_slot_frees_when_one_leaves() -> None:
     window = InFlight(limit=2)
-    assert window.enter(1, 0) and window.enter(2, 0)
-    assert not window.enter(3, 0.01)
+    window.enter(1, 0)
+    window.enter(2, 0)
+    with pytest.raises(TimeoutError, match="2 requests of this client waited"):
+        window.enter(3, 0.01)
     threading.Timer(0.05, window.leave, args=(1,)).start()
-    assert window.enter(3, 5.0)
+    window.enter(3, 5.0)
     window.leave(2)
     window.leave(2)  # idempotent: a request answered and then forgotten frees one slot
     assert len(window) == 1
