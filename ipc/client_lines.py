@@ -1,4 +1,4 @@
-"""What the coordinator sends its clients, when their ZeroMQ queue is full: each client's line, in order.
+"""What a server (the coordinator, the router) sends its clients when their ZeroMQ queue is full: a line each.
 
 A ROUTER's send queue per client (``server.send_hwm`` messages) bounds what a client that does not read costs (a
 480x832 chunk is 14 MB). But a burst of requests is answered within one loop turn, faster than ZeroMQ moves the
@@ -17,8 +17,8 @@ session as if its client had stopped reading. The rules here:
   if it reads again (it may: a debugger, a frozen tab).
 - **Gone** (disconnected): its line is dropped; the sessions named in it are reported ``gone`` (they may resume).
 
-Owned by the coordinator's loop thread. The socket is behind ``send`` (``ipc.transport.send_or_why``): tests play the
-client's queue with a plain function.
+Owned by the loop thread that owns the client socket. The socket is behind ``send`` (``ipc.transport.send_or_why``
+on rank 0, the router's own): tests play the client's queue with a plain function.
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ class ClientLines:
         self._send = send
         self.max_waiting = max_waiting
         self._lines: dict[bytes, deque[_Waiting]] = {}
-        self.waited = 0  # messages that had to wait in a line since the start (for a test, and a log line)
 
     def waiting(self, who: bytes) -> int:
         line = self._lines.get(who)
@@ -82,7 +81,6 @@ class ClientLines:
         elif len(line) >= self.max_waiting or (chunk and any(w.chunk for w in line)):  # a chunk waits: not read
             return self._drop(who, line, session)
         line.append(_Waiting(data, session, chunk))
-        self.waited += 1
         return []
 
     def flush(self) -> list[Lost]:
