@@ -52,6 +52,7 @@ from ipc.client import (
     snapshot_of,
 )
 from ipc.metrics_types import ServerStats, SessionSummary
+from ipc.outgoing import MAX_IN_FLIGHT, Outgoing
 
 
 class AsyncClient:
@@ -59,7 +60,7 @@ class AsyncClient:
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", identity: bytes | None = None,
                  timeout_s: float = 60.0, heartbeat_s: float = 1.0, server_silent_s: float = 5.0,
-                 max_outbox: int = MAX_OUTBOX) -> None:  # fmt: skip
+                 max_outbox: int = MAX_OUTBOX, max_in_flight: int = MAX_IN_FLIGHT) -> None:  # fmt: skip
         self.endpoint = endpoint
         self.identity = identity or f"aclient-{uuid.uuid4().hex[:10]}".encode()
         self.timeout_s = timeout_s
@@ -70,7 +71,11 @@ class AsyncClient:
         self._errors: asyncio.Queue[ServerError] = asyncio.Queue(maxsize=256)
         self._core: ClientCore[asyncio.Queue[Any], asyncio.Future[Any]] = ClientCore(
             asyncio.Queue, self._put_error, close_orphan=self._close_orphan)
-        self._outbox: asyncio.Queue[tuple[bytes, tuple[str, int] | None]] = asyncio.Queue()
+        self._outbox = Outgoing(max_outbox, lambda waiting: outbox_room(waiting, max_outbox, endpoint))
+        self._ready = asyncio.Event()  # set when something is queued: wakes the writer
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self._in_flight = asyncio.Semaphore(max_in_flight)  # many tasks of this client cannot overrun the server
         self._context = zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -145,8 +150,13 @@ class AsyncClient:
                 await asyncio.sleep(error.retry_after_s or 0.002)
 
     def control_state(self, session: str, state: protocol.InputState, steps: int | None = None) -> None:
-        """Live mode, fire and forget (call it from the loop's thread); see ``Client.control_state``."""
-        self._send_quiet(self._requests.control_state(session, state, steps), stamp=(session, state.revision))
+        """Live mode, fire and forget (call it from the loop's thread); never refused: a state not sent yet is
+        replaced by this newer one. See ``Client.control_state``."""
+        self._started()
+        message = self._requests.control_state(session, state, steps)
+        self._core.quiet(message.req)
+        self._outbox.put_state(session, protocol.encode(message), (session, state.revision))
+        self._ready.set()
 
     def live(self, session: str, first_revision: int = 1) -> LiveInput:
         return LiveInput(self, session, first_revision)
@@ -272,13 +282,22 @@ class AsyncClient:
         return future
 
     async def _request(self, message: Any, timeout_s: float | None = None) -> Any:
-        future = self._ask(message)
+        """Send a request once fewer than ``max_in_flight`` wait for answers, and wait for its own."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        try:  # a free slot is taken without yielding: a full outbox still refuses at once
+            await (self._in_flight.acquire() if not self._in_flight.locked() else
+                   asyncio.wait_for(self._in_flight.acquire(), timeout))
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"requests to {self.endpoint} waited {timeout:.1f} s for their answers: this one was "
+                               "not sent") from None
         try:
-            return await asyncio.wait_for(future, timeout)
+            future = self._ask(message)
+            return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             raise TimeoutError(f"no reply from {self.endpoint} within {timeout:.1f} s") from None
         finally:
+            self._in_flight.release()
             self._core.forget(message.req)
 
     def _send_quiet(self, message: Any, stamp: tuple[str, int] | None = None, own: bool = False) -> None:
@@ -291,11 +310,13 @@ class AsyncClient:
 
     def _put(self, data: bytes, stamp: tuple[str, int] | None = None, own: bool = False) -> None:
         """Queue a message for the writer; a caller's (not ``own``) is refused beyond ``max_outbox``."""
+        self._started()
+        self._outbox.put(data, stamp, own)
+        self._ready.set()
+
+    def _started(self) -> None:
         if self._sock is None:
             raise RuntimeError("the client is not started (use `async with AsyncClient(...)` or `await start()`)")
-        if not own:
-            outbox_room(self._outbox.qsize(), self.max_outbox, self.endpoint)
-        self._outbox.put_nowait((data, stamp))
 
     def _session(self, session: str) -> SessionState[asyncio.Queue[Any]]:
         return self._core.session(session)
@@ -303,15 +324,19 @@ class AsyncClient:
     async def _writer(self) -> None:
         assert self._sock is not None
         while True:
-            data, stamp = await self._outbox.get()
-            await self._sock.send(data)
-            self._core.sent(stamp)  # the input-to-photon clock of a live revision starts as it leaves
+            self._ready.clear()  # before looking: anything queued from here on sets it again
+            while (item := self._outbox.peek()) is not None:
+                await self._sock.send(item[0])
+                self._outbox.sent(item)
+                self._core.sent(item[1])  # the input-to-photon clock of a live revision starts as it leaves
+            await self._ready.wait()
 
     async def _heartbeats(self) -> None:
         beat = protocol.encode(protocol.Heartbeat())
         while True:
-            if self._outbox.qsize() < self.max_outbox:  # else the writer is stuck on a full socket: never pile up
-                self._outbox.put_nowait((beat, None))
+            if len(self._outbox) < self.max_outbox:  # else the writer is stuck on a full socket: never pile up
+                self._outbox.put(beat, None, own=True)
+                self._ready.set()
             await asyncio.sleep(self.heartbeat_s)
             self._core.check_server(self.server_silent_s)
 

@@ -51,6 +51,7 @@ import zmq
 
 from ipc import protocol, tolerant
 from ipc.metrics_types import ServerStats, SessionSummary
+from ipc.outgoing import MAX_IN_FLIGHT, InFlight, Outgoing
 
 KEEP_REVISIONS = 1024  # sent-but-not-yet-shown revisions remembered per session for input-to-photon (bounded)
 KEEP_QUIET_REQS = 4096  # fire-and-forget request ids remembered, so their errors do not end a chunk stream
@@ -145,7 +146,7 @@ class ServerGone(ServerError):
 class OutboxFull(ServerError):
     """Found by the client itself: ``max_outbox`` messages already wait to leave its socket (the server does not take
     them: down, unreachable, or slower than the caller). Nothing was sent and nothing queued; send again later (live
-    input: the next change sends the whole state again)."""
+    input is never refused: its newest state waits in one slot per session)."""
 
     codes = ("outbox_full",)
 
@@ -706,7 +707,7 @@ class Client:
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", identity: bytes | None = None,
                  timeout_s: float = 60.0, heartbeat_s: float = 1.0, server_silent_s: float = 5.0,
-                 max_outbox: int = MAX_OUTBOX) -> None:  # fmt: skip
+                 max_outbox: int = MAX_OUTBOX, max_in_flight: int = MAX_IN_FLIGHT) -> None:  # fmt: skip
         self.endpoint = endpoint
         self.identity = identity or f"client-{uuid.uuid4().hex[:10]}".encode()
         self.timeout_s = timeout_s
@@ -717,10 +718,9 @@ class Client:
         self._errors: queue.Queue[ServerError] = queue.Queue(maxsize=256)  # errors tied to no waiting request
         self._core: ClientCore[queue.Queue[Any], Future[Any]] = ClientCore(
             queue.Queue, self._put_error, close_orphan=self._close_orphan)
-        # callers' messages are counted against max_outbox before they are queued; the client's own (an orphan's
-        # close) are not refused, and are bounded by the callers' opens
-        self._outbox: queue.Queue[tuple[bytes, tuple[str, int] | None]] = queue.Queue()
-        self._unsent: tuple[bytes, tuple[str, int] | None] | None = None  # met a full socket: sent first next turn
+        # callers' messages beyond max_outbox are refused (not its own); live states: one slot a session (ipc.outgoing)
+        self._outbox = Outgoing(max_outbox, lambda waiting: outbox_room(waiting, max_outbox, endpoint))
+        self._in_flight = InFlight(max_in_flight)  # many threads of this client cannot overrun the server
         self._stop = threading.Event()
         self._context = zmq.Context.instance()
         # Any thread wakes the I/O thread through a pipe (os.write is thread-safe; a ZeroMQ socket is not).
@@ -786,10 +786,12 @@ class Client:
     def control_state(self, session: str, state: protocol.InputState, steps: int | None = None) -> None:
         """Live mode: the whole held-key state (``input_state(keys, revision, ...)``), sent whenever input changes
         (fire and forget: a rejection, e.g. ``StaleRevision``, arrives through ``error()`` and does not interrupt the
-        chunk stream). The moment it leaves the socket starts the input-to-photon clock of its revision.
-        ``OutboxFull`` when the server does not take messages: nothing is sent (a ``LiveInput`` sends the whole
-        state again with the next change)."""
-        self._send_quiet(self._requests.control_state(session, state, steps), stamp=(session, state.revision))
+        chunk stream). The moment it leaves the socket starts the input-to-photon clock of its revision. Never
+        refused: a state not sent yet is replaced by this newer one (live input is a state, not a queue)."""
+        message = self._requests.control_state(session, state, steps)
+        self._core.quiet(message.req)
+        self._outbox.put_state(session, protocol.encode(message), (session, state.revision))
+        self._wake()
 
     def live(self, session: str, first_revision: int = 1) -> LiveInput:
         """A ``LiveInput`` bound to this client and a live session."""
@@ -810,7 +812,7 @@ class Client:
         try:
             return self.wait_closed(session, timeout_s, refused=self._ask(message))
         finally:
-            self._core.forget(message.req)
+            self._forget(message.req)
 
     def stats(self) -> ServerStats:
         return self._wait(self._ask(self._requests.stats()), self.timeout_s).stats
@@ -833,7 +835,7 @@ class Client:
         try:
             return self.wait_closed(session, timeout_s, refused=self._ask(message))
         finally:
-            self._core.forget(message.req)
+            self._forget(message.req)
 
     def resume(self, session: str) -> None:
         """Re-attach to a session this client identity owns (after a reconnect): its chunks come here from now
@@ -915,14 +917,21 @@ class Client:
     # ------------------------------------------------------------------------------------------ plumbing
 
     def _ask(self, message: Any) -> Future[Any]:
-        """Send a request whose reply is waited for: the future it resolves."""
-        future: Future[Any] = self._core.expect(message.req, Future(), type(message))
+        """Send a request once fewer than ``max_in_flight`` wait: the future its reply resolves (its slot frees)."""
+        req = message.req
+        self._in_flight.enter(req, self.timeout_s)
+        future: Future[Any] = self._core.expect(req, Future(), type(message))
+        future.add_done_callback(lambda _: self._in_flight.leave(req))
         try:
             self._put(protocol.encode(message))
         except OutboxFull:
-            self._core.forget(message.req)
+            self._forget(req)
             raise
         return future
+
+    def _forget(self, req: int) -> None:
+        self._core.forget(req)
+        self._in_flight.leave(req)
 
     def _wait(self, future: Future[Any], timeout_s: float) -> Any:
         try:
@@ -935,11 +944,8 @@ class Client:
         return self._core.session(session)
 
     def _put(self, data: bytes, stamp: tuple[str, int] | None = None, own: bool = False) -> None:
-        """Queue a message for the I/O thread; a caller's (not ``own``) is refused beyond ``max_outbox``. Callers on
-        several threads may pass the check together: the queue holds at most ``max_outbox`` plus one per thread."""
-        if not own:
-            outbox_room(self._outbox.qsize(), self.max_outbox, self.endpoint)
-        self._outbox.put((data, stamp))
+        """Queue a message for the I/O thread; a caller's (not ``own``) is refused beyond ``max_outbox``."""
+        self._outbox.put(data, stamp, own)
         self._wake()
 
     def _send_quiet(self, message: Any, stamp: tuple[str, int] | None = None, own: bool = False) -> None:
@@ -987,19 +993,13 @@ class Client:
     def _flush(self, sock: zmq.Socket) -> None:
         """Send what is queued, in order, until the socket's own queue is full (no server, or one that does not
         read): the rest waits in the outbox, and the loop keeps receiving and watching the server meanwhile."""
-        while True:
-            if self._unsent is None:
-                try:
-                    self._unsent = self._outbox.get_nowait()
-                except queue.Empty:
-                    return
-            data, stamp = self._unsent
+        while (item := self._outbox.peek()) is not None:
             try:
-                sock.send(data, zmq.NOBLOCK)
+                sock.send(item[0], zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._unsent = None
-            self._core.sent(stamp)  # the input-to-photon clock of a live revision starts as it leaves
+            self._outbox.sent(item)
+            self._core.sent(item[1])  # the input-to-photon clock of a live revision starts as it leaves
 
     def _put_error(self, error: ServerError) -> None:
         with contextlib.suppress(queue.Full):  # an unread error queue must not grow without bound

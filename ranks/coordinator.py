@@ -18,6 +18,7 @@ import zmq
 
 from ipc import protocol
 from ipc import tensor_plane as tp
+from ipc.client_lines import ClientLines, Lost
 from ipc.transport import send_or_why, send_to
 from models import memory
 from ranks import prometheus
@@ -69,6 +70,9 @@ class Coordinator:
         self.warm_start = WarmStart(self.where, served_sizes(config.stream))  # from the hellos too
         # each watcher's outbox of chunks (``runtime.watchers``): emission never waits for a watcher
         self.feeds = Feeds(config.server.watch_queue, config.server.client_timeout_s)
+        # replies and chunks that met a client's full queue wait in its line (``ipc.client_lines``), never vanish
+        self.lines = ClientLines(lambda who, data: send_or_why(self.clients, who, data, copy=False),
+                                 config.server.max_waiting)
 
     def run(self, port: int) -> int:
         """Serve until shutdown or a lost rank; returns the process exit code. A failed job ends the other ranks on
@@ -245,8 +249,10 @@ class Coordinator:
             elif isinstance(output, ct.DropSnapshotFiles):
                 self._drop_snapshot_files(output.snapshot, output.expired)
             elif isinstance(output, ct.Stop):
+                self._lost(self.lines.flush(), unreachable)  # what the clients can still take before the end
                 self._flush_feeds()  # what the watchers can still take (their closed) before the end
                 return output.code
+        self._lost(self.lines.flush(), unreachable)  # every turn: a client whose queue was full may have read since
         self._flush_feeds()  # every turn: a watcher whose queue was full may have read since
         return None
 
@@ -268,11 +274,15 @@ class Coordinator:
         self.carried.extend(ct.ClientUnreachable(who, sid, "gone") for who, sid in gone)
 
     def _to_client(self, identity: bytes, message: object, session: str | None,
-                   unreachable: set[tuple[bytes, str]]) -> None:
-        why = send_or_why(self.clients, identity, message)
-        if why is not None and session is not None and (identity, session) not in unreachable:
-            unreachable.add((identity, session))  # reported once per turn
-            self.carried.append(ct.ClientUnreachable(identity, session, why))  # type: ignore[arg-type]
+                   unreachable: set[tuple[bytes, str]], chunk: bool = False) -> None:
+        data = message if isinstance(message, bytes) else protocol.encode(message)
+        self._lost(self.lines.send(identity, data, session, chunk), unreachable)
+
+    def _lost(self, lost: list[Lost], unreachable: set[tuple[bytes, str]]) -> None:
+        for event in lost:
+            if (event.identity, event.session) not in unreachable:
+                unreachable.add((event.identity, event.session))  # reported once per turn
+                self.carried.append(ct.ClientUnreachable(event.identity, event.session, event.why))
 
     def _emit(self, output: ct.EmitChunk, unreachable: set[tuple[bytes, str]]) -> None:
         index = output.facts.index
@@ -286,7 +296,7 @@ class Coordinator:
         data = protocol.encode(protocol.Chunk(session=output.session, frames=frames.numpy().tobytes(),
                                               shape=tuple(frames.shape), facts=output.facts))  # once for all
         if output.to is not None:
-            self._to_client(output.to, data, output.session, unreachable)
+            self._to_client(output.to, data, output.session, unreachable, chunk=True)
         for who in output.watchers:
             self.feeds.put(who, output.session, data)
 

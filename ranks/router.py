@@ -28,6 +28,7 @@ from typing import Any
 import zmq
 
 from ipc import protocol, relay, tolerant, transport
+from ipc.client_lines import MAX_WAITING, ClientLines, Lost
 from runtime import replicas
 from runtime import router_types as rt
 from runtime.config import ConfigError
@@ -84,6 +85,8 @@ class RouterShell:
         self.stopping = False  # set by a signal handler
         # each watcher's outbox (``runtime.watchers``): a chunk's frame is queued for every watcher, never copied
         self.feeds = Feeds(self.section.watch_queue, self.section.client_timeout_s)
+        # replies and chunks that met a client's full queue wait in its line (``ipc.client_lines``), never vanish
+        self.lines = ClientLines(self._to_watcher, MAX_WAITING)
         self.core = RouterCore(self.section, config.replicas, time.monotonic(), router_id=f"router-{self.me}")
         self.file_remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-remove")
 
@@ -214,8 +217,10 @@ class RouterShell:
             elif isinstance(output, rt.DropSnapshot):
                 self._drop_snapshot(output.snapshot)
             elif isinstance(output, rt.Stop):
+                self._lost(self.lines.flush())
                 self._flush_feeds()
                 return output.code
+        self._lost(self.lines.flush())  # every turn: a client whose queue was full may have read since
         self._flush_feeds()  # every turn (a tick at least): a watcher whose queue was full may have read since
         return None
 
@@ -250,17 +255,14 @@ class RouterShell:
             log.exception("could not encode a %s for a client", type(output.message).__name__)
             payload = protocol.encode(protocol.Error(code="internal",
                                                      message=f"internal error: {type(error).__name__}"))
-        try:
-            self.clients.send_multipart([output.identity, payload], flags=zmq.NOBLOCK, copy=False)
-            read_at = self.read_at.pop(id(payload), None)
-            if read_at is not None:
-                self.hold.add(time.perf_counter() - read_at)
-        except zmq.ZMQError as error:
-            why = {zmq.EHOSTUNREACH: "gone", zmq.EAGAIN: "full"}.get(error.errno)
-            if why is None:
-                raise
-            if output.session is not None:
-                self.carried.append(rt.ClientUnreachable(output.identity, output.session, why))  # type: ignore[arg-type]
+        chunk = isinstance(output.message, bytes | zmq.Frame) and _is_chunk(payload)  # the router makes none
+        self._lost(self.lines.send(output.identity, payload, output.session, chunk))
+        read_at = self.read_at.pop(id(payload), None)  # handed on (sent, or waiting in the client's line)
+        if read_at is not None:
+            self.hold.add(time.perf_counter() - read_at)
+
+    def _lost(self, lost: list[Lost]) -> None:
+        self.carried.extend(rt.ClientUnreachable(event.identity, event.session, event.why) for event in lost)
 
     def _to_replica(self, output: rt.ToReplica) -> None:
         link = self.links.get(output.replica)
@@ -320,6 +322,14 @@ class RouterShell:
         self.clients.close()
         if self.registry is not None:
             self.registry.close()
+
+
+def _is_chunk(payload: Any) -> bool:
+    """A payload forwarded as received is a chunk (only an unread stream drops a client, ``ipc.client_lines``)."""
+    try:
+        return relay.peek(payload.buffer if isinstance(payload, zmq.Frame) else payload).type == "chunk"
+    except protocol.ProtocolViolation:
+        return False
 
 
 def _payload(message: Any) -> Any:

@@ -81,6 +81,9 @@ class ServerConfig(_Section):
     max_chunks: int = 100_000  # maximum session length in chunks
     client_timeout_s: float = 10.0  # a session whose client sent nothing (not even a heartbeat) this long is closed
     send_hwm: int = 8  # messages queued per client (a 480x832 chunk is 14 MB); one that does not read is dropped
+    # replies and notices waiting for one client beyond its send_hwm queue (a burst of requests is answered in full);
+    # a client with more waiting has stopped reading: it is dropped and told (``not_reading``)
+    max_waiting: int = 1024
     max_watchers: int = 8  # spectators per session (``watch``); one more is refused busy; 0: no spectators
     # chunks waiting for one watcher beyond its send_hwm queue: a slower watcher drops the oldest (never the player)
     watch_queue: int = 2
@@ -346,6 +349,8 @@ def validate(config: Config, where: str) -> Config:
         raise ConfigError(f"{where}: stream.sizes: {why}")
     if st.chunk_latent_frames < 1:
         raise ConfigError(f"{where}: stream.chunk_latent_frames must be >= 1")
+    if config.server.max_waiting < 1:
+        raise ConfigError(f"{where}: server.max_waiting must be >= 1, got {config.server.max_waiting}")
     if config.server.max_watchers < 0 or config.server.watch_queue < 1:
         raise ConfigError(f"{where}: server.max_watchers must be >= 0 and server.watch_queue >= 1, got "
                           f"{config.server.max_watchers} and {config.server.watch_queue}")

@@ -339,7 +339,7 @@ def test_the_blocking_clients_outbox_is_bounded_and_a_full_one_refuses_with_outb
         accepted, refused, until = 0, None, time.monotonic() + 1.0
         while time.monotonic() < until:  # a caller that keeps sending to a server that is not there
             try:
-                client.control_state("s", input_state("w", accepted + 1))
+                client.control("s", accepted, keys="w", wait=False)
                 accepted += 1
             except OutboxFull as error:
                 refused = error
@@ -360,8 +360,8 @@ def test_the_async_clients_outbox_is_bounded_and_a_full_one_refuses_with_outbox_
         async with AsyncClient(unanswered_endpoint(), timeout_s=5, heartbeat_s=0.05, max_outbox=8) as client:
             sent = 0
             with pytest.raises(OutboxFull):
-                for revision in range(1, 100):
-                    client.control_state("s", input_state("w", revision))
+                for index in range(100):
+                    await client.control("s", index, keys="w", wait=False)
                     sent += 1
             with pytest.raises(OutboxFull) as refused:
                 await client.stats()

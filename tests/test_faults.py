@@ -235,6 +235,10 @@ def test_a_client_that_stops_reading_is_dropped_not_buffered(server: LocalServer
         assert wait_logged(server, f"session {opened.session}: client stopped reading", 60, beat=sock)
         MEASURED["client stops reading (send_hwm 4): dropped after"] = {"to_error_s": time.monotonic() - began}
         assert wait_logged(server, f"session {opened.session} closed (disconnect)", 10)
+        told = None  # it is told why, once it reads again: after what its queue held (ipc.client_lines)
+        while not isinstance(told, protocol.Error):
+            told = reply(sock, timeout_s=10)
+        assert (told.code, told.session) == ("not_reading", opened.session), told
     finally:
         sock.close()
 

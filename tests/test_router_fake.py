@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import zmq
 
+from ipc import protocol
 from ipc.client import Busy, Client
 from ipc.metrics_types import ReplicaView
 from ranks.registration import server_id
@@ -144,3 +145,22 @@ def test_a_replica_registers_the_id_its_server_answers_heartbeats_with(fake: Fak
     assert server_id(fake.endpoint, zmq.Context.instance(), stop, 0.1) == "server-a"  # what the router sees there
     stop.set()
     assert server_id("tcp://127.0.0.1:9", zmq.Context.instance(), stop, 0.1) is None  # stopped: no registration
+
+
+def test_a_burst_of_64_requests_to_the_router_on_one_socket_gets_64_answers(fake: FakeReplica) -> None:
+    with LocalRouter([("a", fake.endpoint, 2)], FAST) as router, Client(router.endpoint, timeout_s=10) as client:
+        wait_for("a up", lambda: replicas(client)["a"].state == "up", 10)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(router.endpoint)
+        try:  # 8 times the router's send_hwm, back to back: the replies beyond it used to vanish
+            for req in range(1, 65):
+                sock.send(protocol.encode(protocol.Stats(req=req)))
+            answered: set[int] = set()
+            while len(answered) < 64 and sock.poll(10_000):
+                reply = protocol.decode(sock.recv(), "server", max_bytes=1 << 30)
+                assert isinstance(reply, protocol.StatsReply), reply
+                answered.add(reply.req)  # type: ignore[arg-type]
+            assert answered == set(range(1, 65)), f"{64 - len(answered)} of 64 requests unanswered"
+        finally:
+            sock.close()

@@ -117,6 +117,32 @@ def test_huge_revisions_get_an_error_naming_the_field_and_the_stream_plays_on(se
         stop_promptly(gw)
 
 
+FLOOD = 3000  # live states sent back to back by one tab (issue 33, 9)
+
+
+def test_a_flood_of_live_states_applies_the_newest_and_refuses_none(server: LocalServer) -> None:
+    gw = gateway(server, "--max-sessions", "2")
+
+    async def scenario() -> None:
+        async with connect(gw.port) as tab:
+            assert (await tab.open())["type"] == "opened"
+            # written at once, as a page's ws.send does: the gateway reads them in one batch
+            await asyncio.gather(*(tab.state(revision, keys="d" if revision == FLOOD else "w" * (revision % 2))
+                                   for revision in range(1, FLOOD + 1)))  # the newest holds d, the others w or none
+            while (chunk := await tab.next("chunk", timeout_s=30))["revision"] != FLOOD:
+                assert chunk["revision"] < FLOOD
+            assert chunk["keys"] == ["d"]  # the newest state applied
+            errors = [t for t in tab.texts if t["type"] == "error"]
+            assert not errors, errors  # was: 69 outbox_full, and the newest state never applied
+            assert (await tab.close_session())["reason"] == "client"
+        await settled(gw, server, within_s=10)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop_promptly(gw)
+
+
 def test_huge_open_numbers_are_refused_by_name_and_hold_no_slot(server: LocalServer) -> None:
     gw = gateway(server, "--max-sessions", "2")
 

@@ -31,7 +31,6 @@ from aiohttp import WSMsgType, web
 
 from ipc.aio_client import AsyncClient
 from ipc.client import (
-    OutboxFull,
     ServerError,
     SessionClosed,
     SessionInfo,
@@ -270,10 +269,9 @@ class Bridge:
             self.error("watch_only", "this tab watches another tab's session: only its player steers it",
                        session=self.session.id)
             return
-        try:  # a stale revision is rank 0's to refuse: its error comes back through the error pump
-            self.client.control_state(self.session.id, state)
-        except OutboxFull as error:  # the server is not taking input: the page hears it, its next state goes again
-            self.error(error.code, error.message, session=self.session.id)
+        # Never refused, never queued: the SDK keeps the newest unsent state of the session (a flood of input costs
+        # one message); a stale revision is rank 0's to refuse, its error comes back through the error pump.
+        self.client.control_state(self.session.id, state)
 
     async def _on_prompt(self, request: pp.PromptRequest) -> None:
         info, client = self.session, self.client
