@@ -97,6 +97,7 @@ from runtime.core_types import (
     WatchDropped,
     WorkerSent,
 )
+from runtime.late_writes import LateWrites
 from runtime.memory_admission import Cost, MemoryAdmission
 from runtime.metrics import MetricsObserver, Observers, ServerMetrics, SessionMetrics
 from runtime.placement import (
@@ -148,6 +149,7 @@ BACKPRESSURE_RETRY_MIN_S = 0.002
 BACKPRESSURE_RETRY_MAX_S = 0.1
 BACKPRESSURE_RETRY_COLD_S = 0.02  # before the session's second chunk (the cold start: nothing moves for a while)
 BUSY_RETRY_S = 5.0  # hint to clients refused at the session limit
+LATE_WRITE_WAITS = 3  # a failed save's writer may be 2 writes behind (``MAX_WAITING_WRITES``): stage_s each
 STORED_STALE_S = 10.0  # a stats reply lists the snapshot folder again when its last listing is older
 
 
@@ -213,8 +215,8 @@ class CoordinatorCore:
         self.identity = Identity(model=model, layout=layout.name, world_size=layout.world_size,
                                  condition=layout.condition, decode=layout.decode, dit=tuple(layout.dit))
         self.saves: dict[str, PendingSave] = {}  # by session: one save at a time each
-        # recent failed saves, whose files a rank may still report (its writer was behind): deleted when they do
-        self.failed_saves: deque[str] = deque(maxlen=64)
+        # failed saves whose writers may still write: each folder is deleted once the last is done with it
+        self.late_writes = LateWrites(LATE_WRITE_WAITS * timeouts.stage_s)
         # the folder's complete snapshots as last listed (``stats``, the budget) and when; listed again after a save
         self.stored: list[Stored] | None = None
         self.stored_at = 0.0
@@ -261,9 +263,7 @@ class CoordinatorCore:
             case WorkerSent(message=protocol.SaveCaptured() | protocol.SaveWritten() as saved):
                 self._guarded(saved.session, lambda: self._save_progress(saved, now), now)
             case WorkerSent(message=protocol.TaskFailed(phase=Phase.SAVE) as failed):
-                save = self.saves.get(failed.session)
-                if save is not None:
-                    self._save_failed(save, f"rank {failed.rank} {failed.role}: {failed.error}", now)
+                self._save_refused(failed, now)
             case WorkerSent(message=done):
                 self._guarded(done.session, lambda: self._completion(done, now), now)  # type: ignore[arg-type]
             case ClientUnreachable():
@@ -770,6 +770,8 @@ class CoordinatorCore:
         for save in list(self.saves.values()):
             if now - save.asked > self.timeouts.stage_s:  # a save never holds a stream, nor its slot, for ever
                 self._save_failed(save, f"the ranks did not save the state within {self.timeouts.stage_s:.0f} s", now)
+        for snapshot in self.late_writes.expired(now):  # a writer that never answered: its folder goes anyway
+            self._emit(DropSnapshotFiles(snapshot))
         for session in self.clients.silent(now):
             if self._live(session.id):
                 log.info("session %s: client silent for over %.1f s, closing", session.id, self.clients.timeout_s)
@@ -836,14 +838,15 @@ class CoordinatorCore:
 
     def _save_progress(self, message: protocol.SaveCaptured | protocol.SaveWritten, now: float) -> None:
         save = self.saves.get(message.session)
-        if save is None or save.id != message.snapshot:  # a late answer to a save that failed
-            if isinstance(message, protocol.SaveWritten) and message.snapshot in self.failed_saves:
-                self._emit(DropSnapshotFiles(message.snapshot))  # its file came after the failure: gone too
-            return
         part = (message.rank, message.stage.value)
+        if save is None or save.id != message.snapshot:  # a late answer to a save that failed
+            if isinstance(message, protocol.SaveWritten) and self.late_writes.answered(message.snapshot, part):
+                self._emit(DropSnapshotFiles(message.snapshot))  # its last writer is done: nothing writes there now
+            return
         if isinstance(message, protocol.SaveCaptured):
             save.on_captured(part, now, sum(span.end - span.start for span in message.spans))
         elif message.error:
+            save.ended.add(part)
             self._save_failed(save, message.error, now)
             return
         else:
@@ -926,13 +929,25 @@ class CoordinatorCore:
         if not save.fail(error):
             return
         self.saves.pop(save.session, None)
-        self.failed_saves.append(save.id)
-        self._emit(DropSnapshotFiles(save.id))  # what its ranks wrote already: never restorable, never kept
+        # what its ranks wrote is never restorable, never kept: deleted once no writer writes there any more
+        for snapshot in self.late_writes.failed(save.id, save.session, save.outstanding(), now):
+            self._emit(DropSnapshotFiles(snapshot))
         log.warning("session %s: save %s failed: %s", save.session, save.id, error)
         if holding and save.session in self.sessions and self._live(save.session):
             self._run(self.scheduler.hold(save.session, False, now), now)
         self._answer_save(save, protocol.Error(req=save.req, session=save.session, code="save_failed",
                                                message=clip(f"save of session {save.session} failed: {error}")))
+
+    def _save_refused(self, failed: protocol.TaskFailed, now: float) -> None:
+        """A worker refused a save task (before its copy: it writes nothing): a failed save's, or the current."""
+        part = (failed.rank, failed.role)
+        older, doomed = self.late_writes.refused(failed.session, part)
+        if doomed is not None:
+            self._emit(DropSnapshotFiles(doomed))
+        save = self.saves.get(failed.session)
+        if not older and save is not None and part in save.outstanding():
+            save.ended.add(part)
+            self._save_failed(save, f"rank {failed.rank} {failed.role}: {failed.error}", now)
 
     def _answer_save(self, save: PendingSave, message: Any) -> None:
         session = self.sessions.get(save.session)

@@ -360,6 +360,7 @@ class PendingSave:
     captured_at: float | None = None  # when the last worker's copy was reported
     capture_s: float = 0.0  # the longest copy of any worker: what a stage spent on the save instead of the stream
     error: str | None = None
+    ended: set[Part] = field(default_factory=set)  # parts that will write nothing more: a writer's error, a refusal
     facts: dict[str, object] = field(default_factory=dict)  # what rank 0 keeps of the session, for the manifest
 
     def start(self, now: float) -> None:
@@ -400,6 +401,12 @@ class PendingSave:
             return False
         self.state, self.error = SaveState.FAILED, error
         return True
+
+    def outstanding(self) -> frozenset[Part]:
+        """The parts sent the save task that have not answered for their file yet (a writer may still write)."""
+        if self.sent is None:
+            return frozenset()
+        return self.parts - set(self.files) - self.ended
 
     @property
     def holds(self) -> bool:
