@@ -18,6 +18,7 @@ from ipc import protocol
 from ipc.protocol import Stage
 from ipc.transport import WorkerLink
 from models import snapshot_io
+from ranks import snapshot_checks
 from ranks.worker import RankContext
 from runtime.snapshots import SnapshotError, SnapshotStore
 
@@ -84,8 +85,11 @@ class Saver:
 
 
 def load(ctx: RankContext, snapshot: str, stage: Stage) -> dict[str, torch.Tensor]:
-    """This rank's state of ``stage`` in ``snapshot`` (hash checked); a bad file raises ``SnapshotError``."""
-    return snapshot_io.load(SnapshotStore(ctx.snapshots_dir), snapshot, ctx.rank, stage.value)
+    """This rank's state of ``stage`` in ``snapshot`` (hash checked, every tensor finite); a bad file raises
+    ``SnapshotError``."""
+    state = snapshot_io.load(SnapshotStore(ctx.snapshots_dir), snapshot, ctx.rank, stage.value)
+    snapshot_checks.check_finite(state, f"snapshot {snapshot}: rank {ctx.rank} {stage.value}")
+    return state
 
 
 def split_pending(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor]]:

@@ -86,9 +86,11 @@ from runtime.core_types import (
     FramesMissing,
     ImageDecoded,
     JobFailed,
+    ManifestRead,
     MemorySampled,
     Output,
     RankLost,
+    ReadManifest,
     ShutdownRequested,
     Stop,
     Tick,
@@ -114,6 +116,7 @@ from runtime.placement import (
     step_of,
 )
 from runtime.prompts import PromptBackpressure, PromptRevisions
+from runtime.restores import restore_problem, restored_length
 from runtime.session import Join, Session
 from runtime.sizes import served_sizes, snap
 from runtime.snapshots import (
@@ -131,7 +134,6 @@ from runtime.snapshots import (
     geometry_of,
     new_snapshot_id,
     over_budget,
-    refusal,
     wall_clock,
 )
 from runtime.warm_start import WarmStart
@@ -201,6 +203,7 @@ class CoordinatorCore:
         self.watchers = Watchers(server.max_watchers, server.client_timeout_s)  # spectators, beside the owners
         self.watch_dropped = 0  # chunks the shell dropped for slow watchers (``WatchDropped``)
         self.opening: deque[_Opening] = deque()
+        self.reading: dict[int, tuple[bytes, protocol.Open]] = {}  # restores whose manifest is being read
         self.tickets: Iterator[int] = itertools.count()
         self.last_beat = {rank: now for rank in self.where.heartbeat_ranks}
         self.memory: dict[int, dict[str, int]] = {}
@@ -258,6 +261,8 @@ class CoordinatorCore:
                 self._refuse(who, ClientError("bad_message", error), req)
             case ImageDecoded():
                 self._image_decoded(event, now)
+            case ManifestRead():
+                self._restored(event, now)
             case WorkerSent(message=protocol.Beat() as beat):
                 self._beat(beat, now)
             case WorkerSent(message=protocol.SaveCaptured() | protocol.SaveWritten() as saved):
@@ -315,7 +320,7 @@ class CoordinatorCore:
             self.watchers.refuse(who, getattr(message, "session", None), type(message).__struct_config__.tag)
         match message:
             case protocol.Open(restore=str()):
-                self._restore(who, message, now)
+                self._restore(who, message)
             case protocol.Open():
                 self._open(who, message)
             case protocol.Save():
@@ -794,6 +799,10 @@ class CoordinatorCore:
         chunk = self.scheduler.next_denoise_index(sid)
         if session.num_chunks is not None and chunk >= session.num_chunks:
             raise ClientError("bad_request", f"session {sid} has started its last chunk: nothing left to save")
+        wait = self.snapshots.rate.take(session.save_credit, now)  # a disk takes 25 GiB a save at 480x832
+        if wait is not None:
+            raise ClientError("busy", f"session {sid} saved as often as this server allows (snapshots.save_burst, "
+                              f"saves_per_minute); the next save in {wait:.1f} s", retry_after_s=wait)
         where = self.where
         parts = frozenset((rank, STAGES[stage].role) for stage in Stage for rank in where.ranks_of(stage))
         save = PendingSave(new_snapshot_id(), sid, who, message.req, chunk, parts, now)
@@ -953,21 +962,45 @@ class CoordinatorCore:
         session = self.sessions.get(save.session)
         self._emit(ToClient(session.client if session is not None else save.owner, message, save.session))
 
-    def _restore(self, who: bytes, message: protocol.Open, now: float) -> None:
-        """Open a session from a snapshot: checked here against this server (model, layout, DiT degree, frame
-        size, the files present and their sizes); each rank checks its file's hash when its stage loads it."""
+    def _restore(self, who: bytes, message: protocol.Open) -> None:
+        """Open a session from a snapshot: its manifest is read off the loop (``ReadManifest``: a shared folder may
+        hold anything), then ``_restored``."""
         try:
-            manifest = self.snapshots.read(check_id(message.restore or ""))
+            snapshot = check_id(message.restore or "")
         except SnapshotError as error:
             raise ClientError("bad_snapshot", str(error)) from None
+        if len(self.reading) >= self.server.max_sessions:  # reads are quick: more waiting is a flood
+            raise ClientError("busy", "too many restores are being read", retry_after_s=BUSY_RETRY_S)
+        ticket = next(self.tickets)
+        self.reading[ticket] = (who, message)
+        self._emit(ReadManifest(ticket, snapshot))
+
+    def _restored(self, event: ManifestRead, now: float) -> None:
+        """Its manifest read: checked here against this server (model, layout, DiT degree, frame size, length,
+        prompt; the files present and their sizes were checked by the read); each rank checks its file's hash and
+        its tensors when its stage loads it."""
+        who, message = self.reading.pop(event.ticket)
+        try:
+            self._restore_from(who, message, event, now)
+        except ClientError as error:
+            self._refuse(who, error, message.req)
+        except JobFailed:
+            raise
+        except Exception as error:  # a bug costs this request only
+            log.exception("internal error restoring a session")
+            self._contain(None, who, message.req, error, now)
+
+    def _restore_from(self, who: bytes, message: protocol.Open, event: ManifestRead, now: float) -> None:
+        manifest = event.manifest
+        if manifest is None:
+            raise ClientError("bad_snapshot", event.error)
         g = manifest.geometry
         served = (g.height, g.width) in self.sizes
         here = geometry_of(self.geometry.with_size(g.height, g.width)) if served else None
-        why = refusal(manifest, self.identity, here)
-        if why is None and manifest.num_chunks is not None and manifest.num_chunks > self.max_chunks:
-            why = f"a session of {manifest.num_chunks} chunks (this server: at most {self.max_chunks})"
+        why = restore_problem(manifest, self.identity, here, self.max_chunks, self.server.max_prompt_chars)
         if why is not None:
             raise ClientError("bad_snapshot", f"snapshot {manifest.id} cannot be restored here: {why}")
+        num_chunks = restored_length(manifest, message.num_chunks, self.max_chunks)
         if len(self.sessions) + len(self.opening) >= self.server.max_sessions:
             raise ClientError("busy", f"the server is at its limit of {self.server.max_sessions} sessions",
                               retry_after_s=BUSY_RETRY_S)
@@ -975,10 +1008,9 @@ class CoordinatorCore:
         self._check_memory(geometry)
         # its steps setting and floor are the saved session's (the open's may change them, as a control would)
         asked = msgspec.structs.replace(message, steps=message.steps or manifest.want or manifest.steps,
-                                        min_steps=message.min_steps or manifest.floor or None,
-                                        num_chunks=manifest.num_chunks)
+                                        min_steps=message.min_steps or manifest.floor or None, num_chunks=num_chunks)
         sid = self.new_id()
-        left = None if manifest.num_chunks is None else manifest.num_chunks - manifest.chunk  # what it has yet to run
+        left = None if num_chunks is None else num_chunks - manifest.chunk  # what it has yet to run
         self._admit(sid, geometry, msgspec.structs.replace(asked, num_chunks=left))
         self.admission.admit(sid, geometry.height, geometry.width)
         saved_live = manifest.live
@@ -986,7 +1018,6 @@ class CoordinatorCore:
         if saved_live is not None and not message.indexed:
             live = LiveControls.restored(saved_live.held, manifest.chunk, saved_live.pause_when_idle, saved_live.cut)
         metrics = self._open_metrics(sid, now)
-        num_chunks = manifest.num_chunks
         self.clients.add(Session(
             id=sid, client=who, owner=who, open_req=message.req, seed=manifest.seed, prompt=manifest.prompt,
             geometry=geometry, live=live, metrics=metrics, num_chunks=num_chunks, image=None,

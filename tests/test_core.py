@@ -37,9 +37,11 @@ from runtime.core_types import (
     EmitChunk,
     FramesMissing,
     ImageDecoded,
+    ManifestRead,
     MemorySampled,
     Output,
     RankLost,
+    ReadManifest,
     ShutdownRequested,
     Stop,
     Tick,
@@ -50,6 +52,7 @@ from runtime.core_types import (
 from runtime.images import DecodedImage
 from runtime.memory_admission import MemoryAdmission
 from runtime.placement import CONDITION_EDGE, LATENT_RECEIVER
+from runtime.snapshots import read_manifest
 
 A, B = b"client-a", b"client-b"
 STAGE_OF_ROLE = {"condition": p.Stage.CONDITION, "denoise": p.Stage.DENOISE, "decode": p.Stage.DECODE}
@@ -87,6 +90,8 @@ class Job:
         self.log += out
         self.tasks += [(o.identity, o.message) for o in out if isinstance(o, ToWorker)
                        and not isinstance(o.message, p.Ping)]
+        for read in [o for o in out if isinstance(o, ReadManifest)]:  # as the shell does, off its loop
+            out += self.step(ManifestRead(read.ticket, *read_manifest(self.core.snapshots, read.snapshot)), dt=0.0)
         return out
 
     def send(self, who: bytes, message: p.ClientMessage) -> list[Output]:

@@ -156,7 +156,7 @@ def test_stats_show_the_snapshot_folder_and_its_budget_and_a_router_reads_them(t
 def test_the_snapshot_budget_config_is_checked_and_given_in_gib(tmp_path: Path) -> None:
     cfg = load_config("cpu-tiny", ["--snapshots.max_gb=25.5", "--snapshots.max_count=10"])
     assert Budget.of(cfg.snapshots.max_gb, cfg.snapshots.max_count) == Budget(int(25.5 * 2**30), 10)
-    assert load_config("cpu-tiny", []).snapshots.max_gb == 0.0  # no limit unless asked
+    assert load_config("cpu-tiny", []).snapshots.max_gb == 100.0  # a disk never fills by default (issue 33 point 7)
     for bad in ("--snapshots.max_gb=-1", "--snapshots.max_gb=nan", "--snapshots.max_gb=inf",
                 "--snapshots.max_gb=1e10", "--snapshots.max_count=-2", f"--snapshots.max_count={2**62}"):
         with pytest.raises(ConfigError, match=r"snapshots\.max_gb must be a finite number in \[0, "):
