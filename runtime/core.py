@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ipc import protocol
-from ipc.metrics_types import RankStats, ServerStats, SessionSummary, SnapshotFolder
+from ipc.metrics_types import RankStats, ServerStats, SessionSummary
 from ipc.protocol import QUALITY_STEPS, ChunkFacts, Phase, Stage, clip
 from models.controls import OFFICIAL_INTRINSICS
 from models.geometry import frame_size, intrinsics_at
@@ -119,21 +119,20 @@ from runtime.prompts import PromptBackpressure, PromptRevisions
 from runtime.restores import restore_problem, restored_length
 from runtime.session import Join, Session
 from runtime.sizes import served_sizes, snap
+from runtime.snapshot_folder import FolderBudget
 from runtime.snapshots import (
     FORMAT,
     FileEntry,
     Identity,
-    LiveState,
     Manifest,
     PendingSave,
     SaveState,
     SnapshotError,
     SnapshotStore,
-    Stored,
     check_id,
     geometry_of,
+    live_state,
     new_snapshot_id,
-    over_budget,
     wall_clock,
 )
 from runtime.warm_start import WarmStart
@@ -152,7 +151,6 @@ BACKPRESSURE_RETRY_MAX_S = 0.1
 BACKPRESSURE_RETRY_COLD_S = 0.02  # before the session's second chunk (the cold start: nothing moves for a while)
 BUSY_RETRY_S = 5.0  # hint to clients refused at the session limit
 LATE_WRITE_WAITS = 3  # a failed save's writer may be 2 writes behind (``MAX_WAITING_WRITES``): stage_s each
-STORED_STALE_S = 10.0  # a stats reply lists the snapshot folder again when its last listing is older
 
 
 def _new_id() -> str:
@@ -220,10 +218,7 @@ class CoordinatorCore:
         self.saves: dict[str, PendingSave] = {}  # by session: one save at a time each
         # failed saves whose writers may still write: each folder is deleted once the last is done with it
         self.late_writes = LateWrites(LATE_WRITE_WAITS * timeouts.stage_s)
-        # the folder's complete snapshots as last listed (``stats``, the budget) and when; listed again after a save
-        self.stored: list[Stored] | None = None
-        self.stored_at = 0.0
-        self.budget_warned = False  # the budget is smaller than one snapshot: said once
+        self.folder = FolderBudget()  # the folder's complete snapshots as last listed (``stats``, the budget)
 
     @property
     def sessions(self) -> Mapping[str, Session]:
@@ -409,15 +404,20 @@ class CoordinatorCore:
                 opening.result = event
         while self.opening and self.opening[0].result is not None:
             opening = self.opening.popleft()
-            try:
-                self._create(opening, now)
-            except ClientError as error:
-                self._refuse(opening.identity, error, opening.message.req)
-            except JobFailed:
-                raise
-            except Exception as error:  # a bug costs this request only
-                log.exception("internal error opening a session")
-                self._contain(None, opening.identity, opening.message.req, error, now)
+            self._opening(opening.identity, opening.message.req, lambda o=opening: self._create(o, now), now)
+
+    def _opening(self, who: bytes, req: int, work: Callable[[], None], now: float) -> None:
+        """Open a session whose off-loop part is done (its image decoded, its manifest read): a refusal or a bug
+        costs this request only."""
+        try:
+            work()
+        except ClientError as error:
+            self._refuse(who, error, req)
+        except JobFailed:
+            raise
+        except Exception as error:
+            log.exception("internal error opening a session")
+            self._contain(None, who, req, error, now)
 
     def _frame_size(self, height: int, width: int) -> tuple[int, int]:
         if self.stream.size == "fixed":
@@ -827,23 +827,13 @@ class CoordinatorCore:
                 # the boundary chunk keeps the text in force now: the one the condition rank's file holds
                 session = self.sessions[save.session]
                 revision, text = session.prompts.pin(save.chunk)
-                save.facts.update(prompt=text, prompt_revision=revision, live=self._live_state(session, save.chunk))
+                live = live_state(session.live, session.controls, save.chunk)
+                save.facts.update(prompt=text, prompt_revision=revision, live=live)
                 task = protocol.SaveState(session=save.session, snapshot=save.id, chunk=save.chunk,
                                           prompt_revision=revision)
                 for rank, role in sorted(save.parts):
                     self._emit(ToWorker(identity(rank, role), task))
                 self._run(self.scheduler.hold(save.session, False, now), now)  # queued behind the save tasks
-
-    @staticmethod
-    def _live_state(session: Session, chunk: int) -> LiveState | None:
-        """A live session's input at the boundary ``chunk``: its held keys and the snapshots it already cut for
-        chunks from ``chunk`` on (accepted, not yet dispatched: the boundary chunk's denoise is held)."""
-        live = session.live
-        if live is None:
-            return None
-        cut = tuple(session.controls[i] for i in range(chunk, live.next_index) if i in session.controls)
-        return LiveState(held=tuple(sorted(live.held)), revision=live.revision, pause_when_idle=live.pause_when_idle,
-                         cut=cut)
 
     def _save_progress(self, message: protocol.SaveCaptured | protocol.SaveWritten, now: float) -> None:
         save = self.saves.get(message.session)
@@ -889,7 +879,8 @@ class CoordinatorCore:
         session = self.sessions.get(save.session)
         if session is not None:
             session.latest_snapshot = save.id
-        self._keep_budget(save.id, now)
+        for snapshot in self.folder.after_save(self.snapshots, save.id, self._snapshots_in_use(), now):
+            self._emit(DropSnapshotFiles(snapshot, expired=True))
 
     def _snapshots_in_use(self) -> set[str]:
         """The snapshots the budget keeps for sessions here: the one a restore still reads (its ranks load their
@@ -897,41 +888,6 @@ class CoordinatorCore:
         (a router moves the session with it if its replica dies; a paused session makes no newer one)."""
         restoring = {s.restore for s in self.sessions.values() if s.restore and not s.opened}
         return restoring | {s.latest_snapshot for s in self.sessions.values() if s.latest_snapshot}
-
-    def _keep_budget(self, written: str, now: float) -> None:
-        """After a save: delete the oldest complete snapshots of the folder until it is within the budget, never
-        ``written`` nor one in use here (the shell deletes them: ``DropSnapshotFiles(expired=True)``). Without a
-        budget nothing is read: the folder may be large, and rank 0's loop serves every stream."""
-        budget = self.snapshots.budget
-        if not budget.limited:
-            return
-        stored = self._list_snapshots(now)
-        if stored is None:
-            return
-        doomed = over_budget(stored, budget, {written, *self._snapshots_in_use()})  # oldest first
-        for snapshot in doomed:
-            self._emit(DropSnapshotFiles(snapshot, expired=True))
-        gone = set(doomed)
-        self.stored = [s for s in stored if s.id not in gone]
-        if doomed:
-            log.info("snapshot budget: deleted %d snapshots (%s); %d left, %d bytes", len(doomed), ", ".join(doomed),
-                     len(self.stored), sum(s.bytes for s in self.stored))
-        size = next((s.bytes for s in stored if s.id == written), 0)
-        if budget.max_bytes and size > budget.max_bytes and not self.budget_warned:
-            self.budget_warned = True
-            log.warning("snapshots.max_gb = %.3f GiB is smaller than one snapshot (%s: %.3f GiB): each save keeps only "
-                        "itself; raise the budget", budget.max_bytes / 2**30, written, size / 2**30)
-
-    def _list_snapshots(self, now: float) -> list[Stored] | None:
-        """The folder's complete snapshots (the store reads their manifests: a little I/O, as ``write`` does); None
-        when it cannot be listed (a save that succeeded, or a stats request, never fails for it)."""
-        try:
-            listed = self.snapshots.listing()
-        except Exception:
-            log.exception("the snapshot folder %s could not be listed", self.snapshots.root)
-            return None
-        self.stored, self.stored_at = listed, now
-        return listed
 
     def _save_failed(self, save: PendingSave, error: str, now: float) -> None:
         holding = save.holds
@@ -980,15 +936,7 @@ class CoordinatorCore:
         prompt; the files present and their sizes were checked by the read); each rank checks its file's hash and
         its tensors when its stage loads it."""
         who, message = self.reading.pop(event.ticket)
-        try:
-            self._restore_from(who, message, event, now)
-        except ClientError as error:
-            self._refuse(who, error, message.req)
-        except JobFailed:
-            raise
-        except Exception as error:  # a bug costs this request only
-            log.exception("internal error restoring a session")
-            self._contain(None, who, message.req, error, now)
+        self._opening(who, message.req, lambda: self._restore_from(who, message, event, now), now)
 
     def _restore_from(self, who: bytes, message: protocol.Open, event: ManifestRead, now: float) -> None:
         manifest = event.manifest
@@ -1107,20 +1055,8 @@ class CoordinatorCore:
             warm_up=self.warm_start.stages(),
             sizes=[tuple(size) for size in self.sizes],
             capacity=self.capacity.stats(visible),  # real-time factors, headroom, the ladder's steps
-            snapshots=self._folder_stats(now),
+            snapshots=self.folder.stats(self.snapshots, now),
         )
-
-    def _folder_stats(self, now: float) -> SnapshotFolder:
-        """The snapshot folder as last listed; listed again when that is older than ``STORED_STALE_S`` (replicas
-        sharing it save too, and a ``stats`` a second must not read every manifest each time)."""
-        budget = self.snapshots.budget
-        if not budget.limited:
-            return SnapshotFolder(count=None, bytes=None)
-        if self.stored is None or now - self.stored_at > STORED_STALE_S:
-            self._list_snapshots(now)
-        stored = self.stored or []
-        return SnapshotFolder(count=len(stored), bytes=sum(s.bytes for s in stored), max_bytes=budget.max_bytes,
-                              max_count=budget.max_count)
 
 
 def backpressure_retry_s(period: float | None) -> float:

@@ -35,15 +35,19 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from ipc.protocol import ChunkControl, intrinsics_problem, steps_problem
 from runtime.save_rate import SaveRate
+
+if TYPE_CHECKING:
+    from runtime.control_service import LiveControls
 
 FORMAT = 1  # the snapshot format; a manifest of another format is refused
 MANIFEST = "manifest.json"
@@ -100,6 +104,17 @@ class LiveState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the snapshots already cut for chunks from the boundary on (prefetched): the restored session applies them as
     # they were (taps and motion included), then cuts from its own client's input
     cut: tuple[ChunkControl, ...] = ()
+
+
+def live_state(live: LiveControls | None, controls: Mapping[int, ChunkControl], chunk: int) -> LiveState | None:
+    """A live session's input at the boundary ``chunk`` (``live``: its ``LiveControls``; ``controls``: the
+    snapshots it cut, by chunk): its held keys and the snapshots it already cut for chunks from ``chunk`` on
+    (accepted, not yet dispatched: the boundary chunk's denoise is held)."""
+    if live is None:
+        return None
+    cut = tuple(controls[i] for i in range(chunk, live.next_index) if i in controls)
+    return LiveState(held=tuple(sorted(live.held)), revision=live.revision, pause_when_idle=live.pause_when_idle,
+                     cut=cut)
 
 
 class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
