@@ -812,6 +812,7 @@ _decoders = {
     "router": msgspec.msgpack.Decoder(Registered),  # what a router answers a replica
 }
 _raw = msgspec.msgpack.Decoder()
+_req_only = msgspec.msgpack.Decoder(msgspec.defstruct("_ReqOnly", [("req", Any, None)]))  # other fields: skipped
 
 
 def encode(message: _Msg | ControlState) -> bytes:
@@ -950,8 +951,14 @@ def _request_id(raw: object) -> int | None:
 def _explain(data: bytes, error: msgspec.DecodeError) -> ProtocolViolation:
     try:
         raw = _raw.decode(data)
-    except msgspec.DecodeError:
-        return ProtocolViolation("not a msgpack message")
+    except msgspec.DecodeError as unreadable:
+        if "UTF-8" not in str(unreadable):
+            return ProtocolViolation("not a msgpack message")
+        try:  # its request id, read past the bad string (a skipped field is never decoded)
+            req = _request_id({"req": _req_only.decode(data).req})
+        except msgspec.DecodeError:
+            req = None
+        return ProtocolViolation("a string in the message is not valid UTF-8", req)
     if not isinstance(raw, dict):
         return ProtocolViolation(f"a message must be a msgpack map, got {type(raw).__name__}")
     req = _request_id(raw)

@@ -18,7 +18,7 @@ from ipc import protocol as p
 from models.synthetic import synthetic_geometry
 from ranks.snapshot_checks import check_condition, check_finite
 from runtime.config import Config, ConfigError, load
-from runtime.core_types import ClientSent, ManifestRead, ReadManifest
+from runtime.core_types import ClientSent, ClientUnreadable, ManifestRead, ReadManifest
 from runtime.save_rate import SaveCredit, SaveRate
 from runtime.snapshots import MANIFEST, SnapshotError, SnapshotStore, new_snapshot_id, read_manifest
 from tests.test_core import A, Job
@@ -160,3 +160,16 @@ def test_a_session_that_saves_too_often_is_refused_busy_with_when_to_retry(tmp_p
     assert busy.code == "busy" and busy.retry_after_s == pytest.approx(60.0, abs=1.0)
     job.step(ClientSent(A, p.Save(req=22, session=sid)), dt=busy.retry_after_s)
     assert not [e for e in job.to(A, p.Error) if e.req == 22] and sid in job.core.saves
+
+
+def test_a_prompt_of_invalid_utf8_is_refused_naming_it_with_the_request_id() -> None:
+    data = msgspec.msgpack.encode({"v": p.PROTOCOL_VERSION, "type": "open", "req": 5, "image": b"", "prompt": "x"})
+    data = data.replace(b"\xa1x", b"\xa1\xff")  # the one-byte string "x" becomes the invalid UTF-8 byte 0xff
+    with pytest.raises(p.ProtocolViolation, match="a string in the message is not valid UTF-8") as refused:
+        p.decode(data, "client")
+    job = Job()  # what the shell makes of it (``ClientUnreadable``) reaches the client with its request id
+    job.step(ClientUnreadable(A, str(refused.value), refused.value.req))
+    (error,) = job.to(A, p.Error)
+    assert (error.req, error.code) == (5, "bad_message") and "not valid UTF-8" in error.message
+    with pytest.raises(p.ProtocolViolation, match="not a msgpack message"):  # bytes that are no msgpack at all
+        p.decode(b"\x84\xc1", "client")
