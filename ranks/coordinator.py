@@ -183,7 +183,10 @@ class Coordinator:
             events.append(ct.ImageDecoded(ticket, None, str(error)) if error is not None  # BadImage says why
                           else ct.ImageDecoded(ticket, future.result()))  # type: ignore[arg-type]
         for ticket in [t for t, future in self.reading.items() if future.done()]:
-            events.append(ct.ManifestRead(ticket, *self.reading.pop(ticket).result()))  # type: ignore[arg-type]
+            read = self.reading.pop(ticket)
+            error = read.exception()  # a bug in the read costs this restore, never the loop
+            events.append(ct.ManifestRead(ticket, None, f"the snapshot cannot be read ({type(error).__name__})")
+                          if error is not None else ct.ManifestRead(ticket, *read.result()))  # type: ignore[arg-type]
         if now >= self.next_memory:  # rank 0 has no heartbeat thread of its own
             self.next_memory = now + self.timeouts.heartbeat_s
             events.append(ct.MemorySampled(self.ctx.rank, *memory_facts(), held=held_bytes(self.ctx.backend)))
