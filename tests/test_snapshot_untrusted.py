@@ -75,9 +75,11 @@ def test_a_condition_file_whose_context_or_pending_condition_has_another_shape_i
 
 def test_a_file_holding_a_nan_or_an_infinity_is_refused() -> None:
     check_finite({"kv": torch.ones(3), "noise": torch.zeros(4, dtype=torch.uint8)}, "f")
-    for bad in (math.nan, math.inf):
-        with pytest.raises(SnapshotError, match="'kv' holds values that are not finite"):
-            check_finite({"kv": torch.tensor([1.0, bad]).to(torch.bfloat16)}, "f")
+    check_finite({"kv": torch.full((100_000,), 60_000.0, dtype=torch.float16)}, "f")  # its sum is past fp16's max
+    for bad in (math.nan, math.inf, -math.inf):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            with pytest.raises(SnapshotError, match="'kv' holds values that are not finite"):
+                check_finite({"kv": torch.tensor([1.0, bad, -math.inf if bad == math.inf else 2.0]).to(dtype)}, "f")
 
 
 # ---- point 7: a manifest held to this server's limits, refusals without paths
