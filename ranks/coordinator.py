@@ -59,6 +59,7 @@ class Coordinator:
         self.decoding: dict[int, Future[object]] = {}  # start images being decoded, by ticket
         self.image_decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="image-decode")
         self.reading: dict[int, Future[tuple[object, str]]] = {}  # restores' manifests being read, by ticket
+        self.listing: list[tuple[str, Future[list[object]]]] = []  # the folder listed for the budget, after a save
         self.manifest_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest-read")
         self.file_remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-remove")
         self.carried: list[ct.Event] = []  # learnt while carrying out outputs: events of the next turn
@@ -187,6 +188,12 @@ class Coordinator:
             error = read.exception()  # a bug in the read costs this restore, never the loop
             events.append(ct.ManifestRead(ticket, None, f"the snapshot cannot be read ({type(error).__name__})")
                           if error is not None else ct.ManifestRead(ticket, *read.result()))  # type: ignore[arg-type]
+        while self.listing and self.listing[0][1].done():  # in order: each after its save
+            written, listed = self.listing.pop(0)
+            if listed.exception() is not None:  # a save that succeeded never fails for it: the budget waits
+                log.warning("the snapshot folder could not be listed: %r", listed.exception())
+            stored = None if listed.exception() is not None else tuple(listed.result())
+            events.append(ct.SnapshotsListed(written, stored))  # type: ignore[arg-type]
         if now >= self.next_memory:  # rank 0 has no heartbeat thread of its own
             self.next_memory = now + self.timeouts.heartbeat_s
             events.append(ct.MemorySampled(self.ctx.rank, *memory_facts(), held=held_bytes(self.ctx.backend)))
@@ -254,6 +261,9 @@ class Coordinator:
                 assert self.core is not None
                 self.reading[output.ticket] = self.manifest_reader.submit(read_manifest, self.core.snapshots,
                                                                           output.snapshot)
+            elif isinstance(output, ct.ListSnapshots):  # reads every manifest: never on the loop
+                assert self.core is not None
+                self.listing.append((output.written, self.manifest_reader.submit(self.core.snapshots.listing)))
             elif isinstance(output, ct.DropTensors):
                 self.ctx.frames.drop_session(output.session)
             elif isinstance(output, ct.DropSnapshotFiles):

@@ -86,12 +86,14 @@ from runtime.core_types import (
     FramesMissing,
     ImageDecoded,
     JobFailed,
+    ListSnapshots,
     ManifestRead,
     MemorySampled,
     Output,
     RankLost,
     ReadManifest,
     ShutdownRequested,
+    SnapshotsListed,
     Stop,
     Tick,
     ToClient,
@@ -258,6 +260,10 @@ class CoordinatorCore:
                 self._image_decoded(event, now)
             case ManifestRead():
                 self._restored(event, now)
+            case SnapshotsListed(written=written, stored=stored):
+                listed = None if stored is None else list(stored)
+                for snapshot in self.folder.after_save(self.snapshots, written, listed, self._snapshots_in_use(), now):
+                    self._emit(DropSnapshotFiles(snapshot, expired=True))
             case WorkerSent(message=protocol.Beat() as beat):
                 self._beat(beat, now)
             case WorkerSent(message=protocol.SaveCaptured() | protocol.SaveWritten() as saved):
@@ -879,8 +885,8 @@ class CoordinatorCore:
         session = self.sessions.get(save.session)
         if session is not None:
             session.latest_snapshot = save.id
-        for snapshot in self.folder.after_save(self.snapshots, save.id, self._snapshots_in_use(), now):
-            self._emit(DropSnapshotFiles(snapshot, expired=True))
+        if self.snapshots.budget.limited:  # the folder is listed off the loop, then the budget kept
+            self._emit(ListSnapshots(save.id))
 
     def _snapshots_in_use(self) -> set[str]:
         """The snapshots the budget keeps for sessions here: the one a restore still reads (its ranks load their

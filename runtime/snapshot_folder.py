@@ -26,15 +26,15 @@ class FolderBudget:
         self.stored_at = 0.0
         self.warned = False  # the budget is smaller than one snapshot: said once
 
-    def after_save(self, store: SnapshotStore, written: str, in_use: set[str], now: float) -> list[str]:
-        """The snapshots to delete after ``written`` was saved, oldest first. Without a budget nothing is read: the
-        folder may be large, and rank 0's loop serves every stream."""
+    def after_save(self, store: SnapshotStore, written: str, stored: list[Stored] | None, in_use: set[str],
+                   now: float) -> list[str]:  # fmt: skip
+        """The snapshots to delete after ``written`` was saved, oldest first, from the folder's listing ``stored``
+        (made off the loop: ``ListSnapshots``; None: it could not be listed). Without a budget the folder is never
+        listed: it may be large, and rank 0's loop serves every stream."""
         budget = store.budget
-        if not budget.limited:
+        if stored is None or not budget.limited:
             return []
-        stored = self.list(store, now)
-        if stored is None:
-            return []
+        self.stored_at = now
         doomed = over_budget(stored, budget, {written, *in_use})
         gone = set(doomed)
         self.stored = [s for s in stored if s.id not in gone]

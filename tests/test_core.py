@@ -37,12 +37,14 @@ from runtime.core_types import (
     EmitChunk,
     FramesMissing,
     ImageDecoded,
+    ListSnapshots,
     ManifestRead,
     MemorySampled,
     Output,
     RankLost,
     ReadManifest,
     ShutdownRequested,
+    SnapshotsListed,
     Stop,
     Tick,
     ToClient,
@@ -92,6 +94,8 @@ class Job:
                        and not isinstance(o.message, p.Ping)]
         for read in [o for o in out if isinstance(o, ReadManifest)]:  # as the shell does, off its loop
             out += self.step(ManifestRead(read.ticket, *read_manifest(self.core.snapshots, read.snapshot)), dt=0.0)
+        for listing in [o for o in out if isinstance(o, ListSnapshots)]:
+            out += self.step(SnapshotsListed(listing.written, tuple(self.core.snapshots.listing())), dt=0.0)
         return out
 
     def send(self, who: bytes, message: p.ClientMessage) -> list[Output]:

@@ -18,11 +18,21 @@ from ipc import protocol as p
 from models.synthetic import synthetic_geometry
 from ranks.snapshot_checks import check_condition, check_finite
 from runtime.config import Config, ConfigError, load
-from runtime.core_types import ClientSent, ClientUnreadable, ManifestRead, ReadManifest
+from runtime.core_types import (
+    ClientSent,
+    ClientUnreadable,
+    DropSnapshotFiles,
+    ListSnapshots,
+    ManifestRead,
+    ReadManifest,
+    SnapshotsListed,
+    WorkerSent,
+)
 from runtime.save_rate import SaveCredit, SaveRate
-from runtime.snapshots import MANIFEST, SnapshotError, SnapshotStore, new_snapshot_id, read_manifest
+from runtime.snapshots import MANIFEST, Budget, SnapshotError, SnapshotStore, new_snapshot_id, read_manifest
 from tests.test_core import A, Job
-from tests.test_snapshots import save_job, write_snapshot
+from tests.test_snapshot_budget import running, save
+from tests.test_snapshots import PARTS, save_job, write_snapshot, written
 
 # ---- point 5: the manifest's size, and who reads it
 
@@ -54,6 +64,25 @@ def test_the_core_asks_the_shell_to_read_a_restores_manifest_and_reads_no_file_i
     assert read.snapshot == snapshot and not [o for o in out if isinstance(o, p.Error)]
     out = job.step(ManifestRead(read.ticket, *read_manifest(store, snapshot)))  # what the shell's thread answers
     assert [t.restore for _, t in job.sent(p.InitCondition, out)] == [snapshot]
+
+
+def test_after_a_save_the_folder_is_listed_for_the_budget_by_the_shell_not_on_the_cores_step(tmp_path: Path) -> None:
+    """With a budget (the default now), every save lists the folder: 1.2 s for 1,000 snapshots on a busy CPU."""
+    job, sid = running(tmp_path, Budget(max_count=1))
+    first, _ = save(job, sid)
+    listings: list[float] = []
+    job.core.snapshots.listing = lambda: listings.append(1) or []  # type: ignore[method-assign]
+    job.send(A, p.Save(req=500, session=sid))
+    task = job.sent(p.SaveState)[-1][1]
+    job.answer(p.SaveState)
+    out = []
+    for rank, role in sorted(PARTS):
+        out += job.core.step([WorkerSent(written(job, task, rank, role))], job.now)  # the core alone
+    assert [s.snapshot for s in job.to(A, p.Saved, out)] == [task.snapshot] and not listings
+    (listing,) = [o for o in out if isinstance(o, ListSnapshots)]
+    stored = tuple(SnapshotStore(tmp_path).listing())  # what the shell's thread lists
+    out = job.core.step([SnapshotsListed(listing.written, stored)], job.now)
+    assert [o.snapshot for o in out if isinstance(o, DropSnapshotFiles) and o.expired] == [first]
 
 
 # ---- point 6: the tensors of a file
