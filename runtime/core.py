@@ -783,6 +783,8 @@ class CoordinatorCore:
                 self._save_failed(save, f"the ranks did not save the state within {self.timeouts.stage_s:.0f} s", now)
         for snapshot in self.late_writes.expired(now):  # a writer that never answered: its folder goes anyway
             self._emit(DropSnapshotFiles(snapshot))
+        if self.folder.due(self.snapshots, now):  # for stats: the shell lists the folder off the loop
+            self._emit(ListSnapshots(""))
         for session in self.clients.silent(now):
             if self._live(session.id):
                 log.info("session %s: client silent for over %.1f s, closing", session.id, self.clients.timeout_s)
@@ -1061,7 +1063,7 @@ class CoordinatorCore:
             warm_up=self.warm_start.stages(),
             sizes=[tuple(size) for size in self.sizes],
             capacity=self.capacity.stats(visible),  # real-time factors, headroom, the ladder's steps
-            snapshots=self.folder.stats(self.snapshots, now),
+            snapshots=self.folder.stats(self.snapshots),
         )
 
 

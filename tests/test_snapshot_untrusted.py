@@ -26,6 +26,7 @@ from runtime.core_types import (
     ManifestRead,
     ReadManifest,
     SnapshotsListed,
+    Tick,
     WorkerSent,
 )
 from runtime.save_rate import SaveCredit, SaveRate
@@ -83,6 +84,20 @@ def test_after_a_save_the_folder_is_listed_for_the_budget_by_the_shell_not_on_th
     stored = tuple(SnapshotStore(tmp_path).listing())  # what the shell's thread lists
     out = job.core.step([SnapshotsListed(listing.written, stored)], job.now)
     assert [o.snapshot for o in out if isinstance(o, DropSnapshotFiles) and o.expired] == [first]
+
+
+def test_stats_show_the_folder_as_the_shell_last_listed_it_and_the_core_never_lists_it(tmp_path: Path) -> None:
+    write_snapshot(tmp_path)
+    job, _ = running(tmp_path, Budget(max_count=5))
+    job.core.snapshots.listing = lambda: pytest.fail("the core listed the folder")  # type: ignore[method-assign]
+    out = job.core.step([Tick()], job.now)
+    assert [o.written for o in out if isinstance(o, ListSnapshots)] == [""]  # "": for stats, after no save
+    assert job.core.stats(job.now).snapshots.count is None  # not listed yet
+    assert not [o for o in job.core.step([Tick()], job.now + 1) if isinstance(o, ListSnapshots)]  # one at a time
+    job.core.step([SnapshotsListed("", tuple(SnapshotStore(tmp_path).listing()))], job.now + 2)
+    assert job.core.stats(job.now).snapshots.count == 1
+    assert not [o for o in job.core.step([Tick()], job.now + 5) if isinstance(o, ListSnapshots)]  # fresh
+    assert job.core.folder.due(job.core.snapshots, job.now + 13)  # stale after 10 s: listed again
 
 
 # ---- point 6: the tensors of a file
