@@ -27,36 +27,11 @@ from runtime.client_types import (  # the client side, shared with the router co
 from runtime.images import DecodedImage
 from runtime.snapshots import Manifest, Stored
 
-__all__ = [
-    "EXIT_FAILED",
-    "EXIT_OK",
-    "ClientError",
-    "ClientSent",
-    "ClientUnreachable",
-    "ClientUnreadable",
-    "DecodeImage",
-    "DropTensors",
-    "EmitChunk",
-    "EndWatch",
-    "Event",
-    "FramesMissing",
-    "ImageDecoded",
-    "JobFailed",
-    "ListSnapshots",
-    "ManifestRead",
-    "MemorySampled",
-    "Output",
-    "RankLost",
-    "ReadManifest",
-    "ShutdownRequested",
-    "SnapshotsListed",
-    "Stop",
-    "Tick",
-    "ToClient",
-    "ToWorker",
-    "WatchDropped",
-    "WorkerSent",
-]
+__all__ = ["EXIT_FAILED", "EXIT_OK", "ClientError", "ClientSent", "ClientUnreachable", "ClientUnreadable",
+           "DecodeImage", "DropTensors", "EmitChunk", "EndWatch", "Event", "FramesMissing", "ImageDecoded", "JobFailed",
+           "ListSnapshots", "ManifestRead", "MemorySampled",
+           "Output", "RankLost", "ReadManifest", "ShutdownRequested", "SnapshotsListed", "Stop", "Tick", "ToClient",
+           "ToWorker", "WatchDropped", "WorkerSent"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
