@@ -962,6 +962,8 @@ def _explain(head: Head, error: msgspec.DecodeError) -> ProtocolViolation:
     """The body's decode error in words, with the request id the (already checked) head carries."""
     if head.type is None:
         return ProtocolViolation("message has no 'type' field", head.req)
+    if "UTF-8" in str(error):  # a prompt, say: the head was read past it, so its request id is known
+        return ProtocolViolation("a string in the message is not valid UTF-8", head.req)
     text = str(error)
     if "Invalid value" in text and "$.type" in text:
         return ProtocolViolation(f"unknown message type {head.type!r}", head.req)

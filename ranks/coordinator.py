@@ -31,8 +31,9 @@ from runtime.core import CoordinatorCore
 from runtime.images import decode_image
 from runtime.memory_admission import Cost, gib
 from runtime.placement import placement_of
+from runtime.save_rate import SaveRate
 from runtime.sizes import served_sizes
-from runtime.snapshots import Budget, SnapshotStore, model_identity, remove_files
+from runtime.snapshots import Budget, SnapshotStore, model_identity, read_manifest, remove_files
 from runtime.warm_start import WarmStart
 from runtime.watchers import Feeds
 
@@ -58,6 +59,9 @@ class Coordinator:
         self.fatal: str | None = None  # set from another thread of this rank that cannot go on
         self.decoding: dict[int, Future[object]] = {}  # start images being decoded, by ticket
         self.image_decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="image-decode")
+        self.reading: dict[int, Future[tuple[object, str]]] = {}  # restores' manifests being read, by ticket
+        self.listing: list[tuple[str, Future[list[object]]]] = []  # the folder listed for the budget, after a save
+        self.manifest_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest-read")
         self.file_remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-remove")
         self.carried: list[ct.Event] = []  # learnt while carrying out outputs: events of the next turn
         self.next_memory = 0.0
@@ -93,7 +97,9 @@ class Coordinator:
                                     intrinsics=c.controls.intrinsics, rooms=self.rooms,
                                     session_cost=session_cost, warm_start=self.warm_start, capacity=c.capacity,
                                     snapshots=SnapshotStore(c.snapshots.dir, Budget.of(c.snapshots.max_gb,
-                                                                                         c.snapshots.max_count)),
+                                                                                         c.snapshots.max_count),
+                                                            SaveRate(c.snapshots.saves_per_minute,
+                                                                     c.snapshots.save_burst)),
                                     model=model_identity(c.model.kind, c.model.preset, c.model.checkpoint_dir,
                                                          c.model.weights_seed))
         log.info("warm-up: %s", self.warm_start.describe())
@@ -181,6 +187,17 @@ class Coordinator:
             error = future.exception()
             events.append(ct.ImageDecoded(ticket, None, str(error)) if error is not None  # BadImage says why
                           else ct.ImageDecoded(ticket, future.result()))  # type: ignore[arg-type]
+        for ticket in [t for t, future in self.reading.items() if future.done()]:
+            read = self.reading.pop(ticket)
+            error = read.exception()  # a bug in the read costs this restore, never the loop
+            events.append(ct.ManifestRead(ticket, None, f"the snapshot cannot be read ({type(error).__name__})")
+                          if error is not None else ct.ManifestRead(ticket, *read.result()))  # type: ignore[arg-type]
+        while self.listing and self.listing[0][1].done():  # in order: each after its save
+            written, listed = self.listing.pop(0)
+            if listed.exception() is not None:  # a save that succeeded never fails for it: the budget waits
+                log.warning("the snapshot folder could not be listed: %r", listed.exception())
+            stored = None if listed.exception() is not None else tuple(listed.result())
+            events.append(ct.SnapshotsListed(written, stored))  # type: ignore[arg-type]
         if now >= self.next_memory:  # rank 0 has no heartbeat thread of its own
             self.next_memory = now + self.timeouts.heartbeat_s
             events.append(ct.MemorySampled(self.ctx.rank, *memory_facts(), held=held_bytes(self.ctx.backend)))
@@ -244,6 +261,13 @@ class Coordinator:
                 self.feeds.end(output.identity, output.session, output.closed, output.keep, time.monotonic())
             elif isinstance(output, ct.DecodeImage):
                 self.decoding[output.ticket] = self.image_decoder.submit(decode_image, output.data, output.max_pixels)
+            elif isinstance(output, ct.ReadManifest):  # off the loop: a shared folder may hold anything
+                assert self.core is not None
+                self.reading[output.ticket] = self.manifest_reader.submit(read_manifest, self.core.snapshots,
+                                                                          output.snapshot)
+            elif isinstance(output, ct.ListSnapshots):  # reads every manifest: never on the loop
+                assert self.core is not None
+                self.listing.append((output.written, self.manifest_reader.submit(self.core.snapshots.listing)))
             elif isinstance(output, ct.DropTensors):
                 self.ctx.frames.drop_session(output.session)
             elif isinstance(output, ct.DropSnapshotFiles):
@@ -318,6 +342,7 @@ class Coordinator:
         if waiting:
             log.warning("workers %s did not acknowledge shutdown", sorted(i.decode() for i in waiting))
         self.image_decoder.shutdown(wait=False, cancel_futures=True)
+        self.manifest_reader.shutdown(wait=False, cancel_futures=True)
         self.file_remover.shutdown(wait=True)  # a snapshot's files half removed would be left for ever
         return ct.EXIT_OK if code is None else code
 

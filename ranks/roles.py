@@ -23,7 +23,7 @@ from ipc import tensor_plane as tp
 from ipc.protocol import Stage, TensorSpec
 from models import snapshot_io
 from models.stages import SessionInputError, SessionSpec
-from ranks import snapshot_saver
+from ranks import snapshot_checks, snapshot_saver
 from ranks.worker import Fatal, RankContext, Spans, heartbeat, serve, tensor_plane
 from runtime.placement import CONDITION_EDGE, FRAMES_RECEIVER, HEARTBEAT, LATENT_RECEIVER
 from runtime.prompts import MAX_PENDING
@@ -60,6 +60,8 @@ def condition_worker(ctx: RankContext) -> None:
     def init(task: protocol.InitCondition, spans: Spans) -> None:
         if task.restore:
             state, pending = snapshot_saver.split_pending(snapshot_saver.load(ctx, task.restore, Stage.CONDITION))
+            snapshot_checks.check_condition(state, pending, ctx.backend.geometry.with_size(task.height, task.width),
+                                            f"snapshot {task.restore}: rank {ctx.rank} condition")  # before a broadcast
             with spans.span("condition.init"):
                 context = stage.load_state(SessionSpec(task.session, task.seed, task.prompt, None, task.height,
                                                        task.width), state)

@@ -18,6 +18,7 @@ from ipc import protocol
 from ipc.protocol import Stage
 from ipc.transport import WorkerLink
 from models import snapshot_io
+from ranks import snapshot_checks
 from ranks.worker import RankContext
 from runtime.snapshots import SnapshotError, SnapshotStore
 
@@ -61,24 +62,34 @@ class Saver:
                     task, state = self._queue.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                common = {"rank": ctx.rank, "role": self.stage.value, "session": task.session, "stage": self.stage,
-                          "snapshot": task.snapshot}
-                try:
-                    entry, seconds = snapshot_io.write(self.store.folder(task.snapshot), ctx.rank, self.stage.value,
-                                                       state)
-                except (OSError, SnapshotError, RuntimeError, ValueError) as error:
-                    log.warning("rank %d: snapshot %s not written: %s", ctx.rank, task.snapshot, error)
-                    link.send(protocol.SaveWritten(error=f"rank {ctx.rank} {self.stage.value}: {error}", **common))
-                    continue
-                link.send(protocol.SaveWritten(name=entry.name, bytes=entry.bytes, sha256=entry.sha256,
-                                               seconds=seconds, **common))
+                link.send(self._write(task, state))
         finally:
             link.close()
 
+    def _write(self, task: protocol.SaveState, state: dict[str, torch.Tensor]) -> protocol.SaveWritten:
+        """The answer for one save: its file, or why not. Any error is this save's only (a full disk, its folder
+        gone, safetensors' own ``SafetensorError``): the thread lives on for the next save, and rank 0 deletes the
+        failed save's folder once every writer has answered for it (``runtime.late_writes``)."""
+        ctx = self.ctx
+        common = {"rank": ctx.rank, "role": self.stage.value, "session": task.session, "stage": self.stage,
+                  "snapshot": task.snapshot}
+        try:
+            entry, seconds = snapshot_io.write(self.store.folder(task.snapshot), ctx.rank, self.stage.value, state)
+        except Exception as error:  # one save fails, never the writer thread
+            log.warning("rank %d: snapshot %s not written: %s: %s", ctx.rank, task.snapshot, type(error).__name__,
+                        error)
+            return protocol.SaveWritten(error=f"rank {ctx.rank} {self.stage.value}: {type(error).__name__}: {error}",
+                                        **common)
+        return protocol.SaveWritten(name=entry.name, bytes=entry.bytes, sha256=entry.sha256, seconds=seconds,
+                                    **common)
+
 
 def load(ctx: RankContext, snapshot: str, stage: Stage) -> dict[str, torch.Tensor]:
-    """This rank's state of ``stage`` in ``snapshot`` (hash checked); a bad file raises ``SnapshotError``."""
-    return snapshot_io.load(SnapshotStore(ctx.snapshots_dir), snapshot, ctx.rank, stage.value)
+    """This rank's state of ``stage`` in ``snapshot`` (hash checked, every tensor finite); a bad file raises
+    ``SnapshotError``."""
+    state = snapshot_io.load(SnapshotStore(ctx.snapshots_dir), snapshot, ctx.rank, stage.value)
+    snapshot_checks.check_finite(state, f"snapshot {snapshot}: rank {ctx.rank} {stage.value}")
+    return state
 
 
 def split_pending(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor]]:

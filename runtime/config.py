@@ -225,8 +225,14 @@ class SnapshotsConfig(_Section):
     dir: str = "out/snapshots"  # local disk, or a filesystem every replica that may restore a snapshot shares
     # the retention budget, kept after each save by deleting the oldest complete snapshots (never the one just
     # written, never one a restore here is loading); 0: no limit. Replicas sharing ``dir`` should set the same.
-    max_gb: float = 0.0  # GiB of snapshot files in ``dir`` (a 480x832 snapshot is about 25 GiB)
+    # GiB of snapshot files in ``dir``: 4 snapshots at 480x832 (about 25 GiB each), so a server left with the
+    # defaults never fills a disk; set it to what the disk can spare (0: no limit)
+    max_gb: float = 100.0
     max_count: int = 0  # snapshots in ``dir``
+    # saves one session may make (``runtime.save_rate``): ``save_burst`` at once, then one more every
+    # 60 / ``saves_per_minute`` seconds; a save beyond is refused busy with its retry_after_s. 0: no limit
+    saves_per_minute: float = 10.0
+    save_burst: int = 10
 
 
 class Config(_Section):
@@ -377,6 +383,9 @@ def validate(config: Config, where: str) -> Config:
         raise ConfigError(f"{where}: snapshots.max_gb must be a finite number in [0, {MAX_SNAPSHOT_GB}] and "
                           f"snapshots.max_count in [0, {MAX_SNAPSHOT_COUNT}] (0: no limit), got {snap.max_gb}, "
                           f"{snap.max_count}")
+    if not (math.isfinite(snap.saves_per_minute) and snap.saves_per_minute >= 0) or snap.save_burst < 1:
+        raise ConfigError(f"{where}: snapshots.saves_per_minute must be a finite number >= 0 (0: no limit) and "
+                          f"snapshots.save_burst >= 1, got {snap.saves_per_minute}, {snap.save_burst}")
     return config
 
 

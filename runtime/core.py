@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ipc import protocol
-from ipc.metrics_types import RankStats, ServerStats, SessionSummary, SnapshotFolder
+from ipc.metrics_types import RankStats, ServerStats, SessionSummary
 from ipc.protocol import QUALITY_STEPS, ChunkFacts, Phase, Stage, clip
 from models.controls import OFFICIAL_INTRINSICS
 from models.geometry import frame_size, intrinsics_at
@@ -86,10 +86,14 @@ from runtime.core_types import (
     FramesMissing,
     ImageDecoded,
     JobFailed,
+    ListSnapshots,
+    ManifestRead,
     MemorySampled,
     Output,
     RankLost,
+    ReadManifest,
     ShutdownRequested,
+    SnapshotsListed,
     Stop,
     Tick,
     ToClient,
@@ -97,6 +101,7 @@ from runtime.core_types import (
     WatchDropped,
     WorkerSent,
 )
+from runtime.late_writes import LateWrites
 from runtime.memory_admission import Cost, MemoryAdmission
 from runtime.metrics import MetricsObserver, Observers, ServerMetrics, SessionMetrics
 from runtime.placement import (
@@ -113,24 +118,23 @@ from runtime.placement import (
     step_of,
 )
 from runtime.prompts import PromptBackpressure, PromptRevisions
+from runtime.restores import restore_problem, restored_length
 from runtime.session import Join, Session
 from runtime.sizes import served_sizes, snap
+from runtime.snapshot_folder import FolderBudget
 from runtime.snapshots import (
     FORMAT,
     FileEntry,
     Identity,
-    LiveState,
     Manifest,
     PendingSave,
     SaveState,
     SnapshotError,
     SnapshotStore,
-    Stored,
     check_id,
     geometry_of,
+    live_state,
     new_snapshot_id,
-    over_budget,
-    refusal,
     wall_clock,
 )
 from runtime.warm_start import WarmStart
@@ -148,7 +152,7 @@ BACKPRESSURE_RETRY_MIN_S = 0.002
 BACKPRESSURE_RETRY_MAX_S = 0.1
 BACKPRESSURE_RETRY_COLD_S = 0.02  # before the session's second chunk (the cold start: nothing moves for a while)
 BUSY_RETRY_S = 5.0  # hint to clients refused at the session limit
-STORED_STALE_S = 10.0  # a stats reply lists the snapshot folder again when its last listing is older
+LATE_WRITE_WAITS = 3  # a failed save's writer may be 2 writes behind (``MAX_WAITING_WRITES``): stage_s each
 
 
 def _new_id() -> str:
@@ -199,6 +203,7 @@ class CoordinatorCore:
         self.watchers = Watchers(server.max_watchers, server.client_timeout_s)  # spectators, beside the owners
         self.watch_dropped = 0  # chunks the shell dropped for slow watchers (``WatchDropped``)
         self.opening: deque[_Opening] = deque()
+        self.reading: dict[int, tuple[bytes, protocol.Open]] = {}  # restores whose manifest is being read
         self.tickets: Iterator[int] = itertools.count()
         self.last_beat = {rank: now for rank in self.where.heartbeat_ranks}
         self.memory: dict[int, dict[str, int]] = {}
@@ -213,12 +218,9 @@ class CoordinatorCore:
         self.identity = Identity(model=model, layout=layout.name, world_size=layout.world_size,
                                  condition=layout.condition, decode=layout.decode, dit=tuple(layout.dit))
         self.saves: dict[str, PendingSave] = {}  # by session: one save at a time each
-        # recent failed saves, whose files a rank may still report (its writer was behind): deleted when they do
-        self.failed_saves: deque[str] = deque(maxlen=64)
-        # the folder's complete snapshots as last listed (``stats``, the budget) and when; listed again after a save
-        self.stored: list[Stored] | None = None
-        self.stored_at = 0.0
-        self.budget_warned = False  # the budget is smaller than one snapshot: said once
+        # failed saves whose writers may still write: each folder is deleted once the last is done with it
+        self.late_writes = LateWrites(LATE_WRITE_WAITS * timeouts.stage_s)
+        self.folder = FolderBudget()  # the folder's complete snapshots as last listed (``stats``, the budget)
 
     @property
     def sessions(self) -> Mapping[str, Session]:
@@ -256,14 +258,18 @@ class CoordinatorCore:
                 self._refuse(who, ClientError("bad_message", error), req)
             case ImageDecoded():
                 self._image_decoded(event, now)
+            case ManifestRead():
+                self._restored(event, now)
+            case SnapshotsListed(written=written, stored=stored):
+                listed = None if stored is None else list(stored)
+                for snapshot in self.folder.after_save(self.snapshots, written, listed, self._snapshots_in_use(), now):
+                    self._emit(DropSnapshotFiles(snapshot, expired=True))
             case WorkerSent(message=protocol.Beat() as beat):
                 self._beat(beat, now)
             case WorkerSent(message=protocol.SaveCaptured() | protocol.SaveWritten() as saved):
                 self._guarded(saved.session, lambda: self._save_progress(saved, now), now)
             case WorkerSent(message=protocol.TaskFailed(phase=Phase.SAVE) as failed):
-                save = self.saves.get(failed.session)
-                if save is not None:
-                    self._save_failed(save, f"rank {failed.rank} {failed.role}: {failed.error}", now)
+                self._save_refused(failed, now)
             case WorkerSent(message=done):
                 self._guarded(done.session, lambda: self._completion(done, now), now)  # type: ignore[arg-type]
             case ClientUnreachable():
@@ -315,7 +321,7 @@ class CoordinatorCore:
             self.watchers.refuse(who, getattr(message, "session", None), type(message).__struct_config__.tag)
         match message:
             case protocol.Open(restore=str()):
-                self._restore(who, message, now)
+                self._restore(who, message)
             case protocol.Open():
                 self._open(who, message)
             case protocol.Save():
@@ -404,15 +410,20 @@ class CoordinatorCore:
                 opening.result = event
         while self.opening and self.opening[0].result is not None:
             opening = self.opening.popleft()
-            try:
-                self._create(opening, now)
-            except ClientError as error:
-                self._refuse(opening.identity, error, opening.message.req)
-            except JobFailed:
-                raise
-            except Exception as error:  # a bug costs this request only
-                log.exception("internal error opening a session")
-                self._contain(None, opening.identity, opening.message.req, error, now)
+            self._opening(opening.identity, opening.message.req, lambda o=opening: self._create(o, now), now)
+
+    def _opening(self, who: bytes, req: int, work: Callable[[], None], now: float) -> None:
+        """Open a session whose off-loop part is done (its image decoded, its manifest read): a refusal or a bug
+        costs this request only."""
+        try:
+            work()
+        except ClientError as error:
+            self._refuse(who, error, req)
+        except JobFailed:
+            raise
+        except Exception as error:
+            log.exception("internal error opening a session")
+            self._contain(None, who, req, error, now)
 
     def _frame_size(self, height: int, width: int) -> tuple[int, int]:
         if self.stream.size == "fixed":
@@ -770,6 +781,10 @@ class CoordinatorCore:
         for save in list(self.saves.values()):
             if now - save.asked > self.timeouts.stage_s:  # a save never holds a stream, nor its slot, for ever
                 self._save_failed(save, f"the ranks did not save the state within {self.timeouts.stage_s:.0f} s", now)
+        for snapshot in self.late_writes.expired(now):  # a writer that never answered: its folder goes anyway
+            self._emit(DropSnapshotFiles(snapshot))
+        if self.folder.due(self.snapshots, now):  # for stats: the shell lists the folder off the loop
+            self._emit(ListSnapshots(""))
         for session in self.clients.silent(now):
             if self._live(session.id):
                 log.info("session %s: client silent for over %.1f s, closing", session.id, self.clients.timeout_s)
@@ -792,6 +807,10 @@ class CoordinatorCore:
         chunk = self.scheduler.next_denoise_index(sid)
         if session.num_chunks is not None and chunk >= session.num_chunks:
             raise ClientError("bad_request", f"session {sid} has started its last chunk: nothing left to save")
+        wait = self.snapshots.rate.take(session.save_credit, now)  # a disk takes 25 GiB a save at 480x832
+        if wait is not None:
+            raise ClientError("busy", f"session {sid} saved as often as this server allows (snapshots.save_burst, "
+                              f"saves_per_minute); the next save in {wait:.1f} s", retry_after_s=wait)
         where = self.where
         parts = frozenset((rank, STAGES[stage].role) for stage in Stage for rank in where.ranks_of(stage))
         save = PendingSave(new_snapshot_id(), sid, who, message.req, chunk, parts, now)
@@ -816,34 +835,25 @@ class CoordinatorCore:
                 # the boundary chunk keeps the text in force now: the one the condition rank's file holds
                 session = self.sessions[save.session]
                 revision, text = session.prompts.pin(save.chunk)
-                save.facts.update(prompt=text, prompt_revision=revision, live=self._live_state(session, save.chunk))
+                live = live_state(session.live, session.controls, save.chunk)
+                save.facts.update(prompt=text, prompt_revision=revision, live=live)
                 task = protocol.SaveState(session=save.session, snapshot=save.id, chunk=save.chunk,
                                           prompt_revision=revision)
                 for rank, role in sorted(save.parts):
                     self._emit(ToWorker(identity(rank, role), task))
                 self._run(self.scheduler.hold(save.session, False, now), now)  # queued behind the save tasks
 
-    @staticmethod
-    def _live_state(session: Session, chunk: int) -> LiveState | None:
-        """A live session's input at the boundary ``chunk``: its held keys and the snapshots it already cut for
-        chunks from ``chunk`` on (accepted, not yet dispatched: the boundary chunk's denoise is held)."""
-        live = session.live
-        if live is None:
-            return None
-        cut = tuple(session.controls[i] for i in range(chunk, live.next_index) if i in session.controls)
-        return LiveState(held=tuple(sorted(live.held)), revision=live.revision, pause_when_idle=live.pause_when_idle,
-                         cut=cut)
-
     def _save_progress(self, message: protocol.SaveCaptured | protocol.SaveWritten, now: float) -> None:
         save = self.saves.get(message.session)
-        if save is None or save.id != message.snapshot:  # a late answer to a save that failed
-            if isinstance(message, protocol.SaveWritten) and message.snapshot in self.failed_saves:
-                self._emit(DropSnapshotFiles(message.snapshot))  # its file came after the failure: gone too
-            return
         part = (message.rank, message.stage.value)
+        if save is None or save.id != message.snapshot:  # a late answer to a save that failed
+            if isinstance(message, protocol.SaveWritten) and self.late_writes.answered(message.snapshot, part):
+                self._emit(DropSnapshotFiles(message.snapshot))  # its last writer is done: nothing writes there now
+            return
         if isinstance(message, protocol.SaveCaptured):
             save.on_captured(part, now, sum(span.end - span.start for span in message.spans))
         elif message.error:
+            save.ended.add(part)
             self._save_failed(save, message.error, now)
             return
         else:
@@ -877,7 +887,8 @@ class CoordinatorCore:
         session = self.sessions.get(save.session)
         if session is not None:
             session.latest_snapshot = save.id
-        self._keep_budget(save.id, now)
+        if self.snapshots.budget.limited:  # the folder is listed off the loop, then the budget kept
+            self._emit(ListSnapshots(save.id))
 
     def _snapshots_in_use(self) -> set[str]:
         """The snapshots the budget keeps for sessions here: the one a restore still reads (its ranks load their
@@ -886,73 +897,66 @@ class CoordinatorCore:
         restoring = {s.restore for s in self.sessions.values() if s.restore and not s.opened}
         return restoring | {s.latest_snapshot for s in self.sessions.values() if s.latest_snapshot}
 
-    def _keep_budget(self, written: str, now: float) -> None:
-        """After a save: delete the oldest complete snapshots of the folder until it is within the budget, never
-        ``written`` nor one in use here (the shell deletes them: ``DropSnapshotFiles(expired=True)``). Without a
-        budget nothing is read: the folder may be large, and rank 0's loop serves every stream."""
-        budget = self.snapshots.budget
-        if not budget.limited:
-            return
-        stored = self._list_snapshots(now)
-        if stored is None:
-            return
-        doomed = over_budget(stored, budget, {written, *self._snapshots_in_use()})  # oldest first
-        for snapshot in doomed:
-            self._emit(DropSnapshotFiles(snapshot, expired=True))
-        gone = set(doomed)
-        self.stored = [s for s in stored if s.id not in gone]
-        if doomed:
-            log.info("snapshot budget: deleted %d snapshots (%s); %d left, %d bytes", len(doomed), ", ".join(doomed),
-                     len(self.stored), sum(s.bytes for s in self.stored))
-        size = next((s.bytes for s in stored if s.id == written), 0)
-        if budget.max_bytes and size > budget.max_bytes and not self.budget_warned:
-            self.budget_warned = True
-            log.warning("snapshots.max_gb = %.3f GiB is smaller than one snapshot (%s: %.3f GiB): each save keeps only "
-                        "itself; raise the budget", budget.max_bytes / 2**30, written, size / 2**30)
-
-    def _list_snapshots(self, now: float) -> list[Stored] | None:
-        """The folder's complete snapshots (the store reads their manifests: a little I/O, as ``write`` does); None
-        when it cannot be listed (a save that succeeded, or a stats request, never fails for it)."""
-        try:
-            listed = self.snapshots.listing()
-        except Exception:
-            log.exception("the snapshot folder %s could not be listed", self.snapshots.root)
-            return None
-        self.stored, self.stored_at = listed, now
-        return listed
-
     def _save_failed(self, save: PendingSave, error: str, now: float) -> None:
         holding = save.holds
         if not save.fail(error):
             return
         self.saves.pop(save.session, None)
-        self.failed_saves.append(save.id)
-        self._emit(DropSnapshotFiles(save.id))  # what its ranks wrote already: never restorable, never kept
+        # what its ranks wrote is never restorable, never kept: deleted once no writer writes there any more
+        for snapshot in self.late_writes.failed(save.id, save.session, save.outstanding(), now):
+            self._emit(DropSnapshotFiles(snapshot))
         log.warning("session %s: save %s failed: %s", save.session, save.id, error)
         if holding and save.session in self.sessions and self._live(save.session):
             self._run(self.scheduler.hold(save.session, False, now), now)
         self._answer_save(save, protocol.Error(req=save.req, session=save.session, code="save_failed",
                                                message=clip(f"save of session {save.session} failed: {error}")))
 
+    def _save_refused(self, failed: protocol.TaskFailed, now: float) -> None:
+        """A worker refused a save task (before its copy: it writes nothing): a failed save's, or the current."""
+        part = (failed.rank, failed.role)
+        older, doomed = self.late_writes.refused(failed.session, part)
+        if doomed is not None:
+            self._emit(DropSnapshotFiles(doomed))
+        save = self.saves.get(failed.session)
+        if not older and save is not None and part in save.outstanding():
+            save.ended.add(part)
+            self._save_failed(save, f"rank {failed.rank} {failed.role}: {failed.error}", now)
+
     def _answer_save(self, save: PendingSave, message: Any) -> None:
         session = self.sessions.get(save.session)
         self._emit(ToClient(session.client if session is not None else save.owner, message, save.session))
 
-    def _restore(self, who: bytes, message: protocol.Open, now: float) -> None:
-        """Open a session from a snapshot: checked here against this server (model, layout, DiT degree, frame
-        size, the files present and their sizes); each rank checks its file's hash when its stage loads it."""
+    def _restore(self, who: bytes, message: protocol.Open) -> None:
+        """Open a session from a snapshot: its manifest is read off the loop (``ReadManifest``: a shared folder may
+        hold anything), then ``_restored``."""
         try:
-            manifest = self.snapshots.read(check_id(message.restore or ""))
+            snapshot = check_id(message.restore or "")
         except SnapshotError as error:
             raise ClientError("bad_snapshot", str(error)) from None
+        if len(self.reading) >= self.server.max_sessions:  # reads are quick: more waiting is a flood
+            raise ClientError("busy", "too many restores are being read", retry_after_s=BUSY_RETRY_S)
+        ticket = next(self.tickets)
+        self.reading[ticket] = (who, message)
+        self._emit(ReadManifest(ticket, snapshot))
+
+    def _restored(self, event: ManifestRead, now: float) -> None:
+        """Its manifest read: checked here against this server (model, layout, DiT degree, frame size, length,
+        prompt; the files present and their sizes were checked by the read); each rank checks its file's hash and
+        its tensors when its stage loads it."""
+        who, message = self.reading.pop(event.ticket)
+        self._opening(who, message.req, lambda: self._restore_from(who, message, event, now), now)
+
+    def _restore_from(self, who: bytes, message: protocol.Open, event: ManifestRead, now: float) -> None:
+        manifest = event.manifest
+        if manifest is None:
+            raise ClientError("bad_snapshot", event.error)
         g = manifest.geometry
         served = (g.height, g.width) in self.sizes
         here = geometry_of(self.geometry.with_size(g.height, g.width)) if served else None
-        why = refusal(manifest, self.identity, here)
-        if why is None and manifest.num_chunks is not None and manifest.num_chunks > self.max_chunks:
-            why = f"a session of {manifest.num_chunks} chunks (this server: at most {self.max_chunks})"
+        why = restore_problem(manifest, self.identity, here, self.max_chunks, self.server.max_prompt_chars)
         if why is not None:
             raise ClientError("bad_snapshot", f"snapshot {manifest.id} cannot be restored here: {why}")
+        num_chunks = restored_length(manifest, message.num_chunks, self.max_chunks)
         if len(self.sessions) + len(self.opening) >= self.server.max_sessions:
             raise ClientError("busy", f"the server is at its limit of {self.server.max_sessions} sessions",
                               retry_after_s=BUSY_RETRY_S)
@@ -960,10 +964,9 @@ class CoordinatorCore:
         self._check_memory(geometry)
         # its steps setting and floor are the saved session's (the open's may change them, as a control would)
         asked = msgspec.structs.replace(message, steps=message.steps or manifest.want or manifest.steps,
-                                        min_steps=message.min_steps or manifest.floor or None,
-                                        num_chunks=manifest.num_chunks)
+                                        min_steps=message.min_steps or manifest.floor or None, num_chunks=num_chunks)
         sid = self.new_id()
-        left = None if manifest.num_chunks is None else manifest.num_chunks - manifest.chunk  # what it has yet to run
+        left = None if num_chunks is None else num_chunks - manifest.chunk  # what it has yet to run
         self._admit(sid, geometry, msgspec.structs.replace(asked, num_chunks=left))
         self.admission.admit(sid, geometry.height, geometry.width)
         saved_live = manifest.live
@@ -971,7 +974,6 @@ class CoordinatorCore:
         if saved_live is not None and not message.indexed:
             live = LiveControls.restored(saved_live.held, manifest.chunk, saved_live.pause_when_idle, saved_live.cut)
         metrics = self._open_metrics(sid, now)
-        num_chunks = manifest.num_chunks
         self.clients.add(Session(
             id=sid, client=who, owner=who, open_req=message.req, seed=manifest.seed, prompt=manifest.prompt,
             geometry=geometry, live=live, metrics=metrics, num_chunks=num_chunks, image=None,
@@ -1061,20 +1063,8 @@ class CoordinatorCore:
             warm_up=self.warm_start.stages(),
             sizes=[tuple(size) for size in self.sizes],
             capacity=self.capacity.stats(visible),  # real-time factors, headroom, the ladder's steps
-            snapshots=self._folder_stats(now),
+            snapshots=self.folder.stats(self.snapshots),
         )
-
-    def _folder_stats(self, now: float) -> SnapshotFolder:
-        """The snapshot folder as last listed; listed again when that is older than ``STORED_STALE_S`` (replicas
-        sharing it save too, and a ``stats`` a second must not read every manifest each time)."""
-        budget = self.snapshots.budget
-        if not budget.limited:
-            return SnapshotFolder(count=None, bytes=None)
-        if self.stored is None or now - self.stored_at > STORED_STALE_S:
-            self._list_snapshots(now)
-        stored = self.stored or []
-        return SnapshotFolder(count=len(stored), bytes=sum(s.bytes for s in stored), max_bytes=budget.max_bytes,
-                              max_count=budget.max_count)
 
 
 def backpressure_retry_s(period: float | None) -> float:

@@ -17,6 +17,7 @@ from runtime.images import DecodedImage
 from runtime.metrics import SessionMetrics
 from runtime.placement import JoinKey, Part, SessionFacts
 from runtime.prompts import PromptRevisions
+from runtime.save_rate import SaveCredit
 
 if TYPE_CHECKING:
     from models.geometry import StreamGeometry
@@ -61,6 +62,7 @@ class Session:
     restore: str = ""  # the snapshot it was opened from ("": a fresh session); its caches load it at init
     first_chunk: int = 0  # its first chunk (a restored session's snapshot chunk)
     latest_snapshot: str = ""  # its latest save here: what a router moves it with, kept by the folder's budget
+    save_credit: SaveCredit = field(default_factory=SaveCredit)  # its saves in hand (``runtime.save_rate``)
 
     def __post_init__(self) -> None:
         self.prompts.texts.setdefault(self.prompts.announced, self.prompt)  # the text of its first revision

@@ -35,14 +35,19 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from ipc.protocol import ChunkControl, steps_problem
+from ipc.protocol import ChunkControl, intrinsics_problem, steps_problem
+from runtime.save_rate import SaveRate
+
+if TYPE_CHECKING:
+    from runtime.control_service import LiveControls
 
 FORMAT = 1  # the snapshot format; a manifest of another format is refused
 MANIFEST = "manifest.json"
@@ -101,6 +106,17 @@ class LiveState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cut: tuple[ChunkControl, ...] = ()
 
 
+def live_state(live: LiveControls | None, controls: Mapping[int, ChunkControl], chunk: int) -> LiveState | None:
+    """A live session's input at the boundary ``chunk`` (``live``: its ``LiveControls``; ``controls``: the
+    snapshots it cut, by chunk): its held keys and the snapshots it already cut for chunks from ``chunk`` on
+    (accepted, not yet dispatched: the boundary chunk's denoise is held)."""
+    if live is None:
+        return None
+    cut = tuple(controls[i] for i in range(chunk, live.next_index) if i in controls)
+    return LiveState(held=tuple(sorted(live.held)), revision=live.revision, pause_when_idle=live.pause_when_idle,
+                     cut=cut)
+
+
 class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rank: int
     role: str  # the stage whose state it holds
@@ -140,7 +156,8 @@ MAX_REVISION = 2**31 - 1  # a prompt revision, as a live input's (the frame head
 
 def numbers_problem(manifest: Manifest) -> str | None:
     """Why a manifest's numbers cannot start a session here (a hand-made or corrupt one), or None: the chunk and
-    length in range and in order, the steps a quality preset, the prompt revision in range."""
+    length in range and in order, the steps a quality preset, the prompt revision in range, the camera one a
+    client could give."""
     if not 0 <= manifest.chunk <= MAX_CHUNK:
         return f"chunk {manifest.chunk} is not in 0..{MAX_CHUNK}"
     if manifest.num_chunks is not None and not manifest.chunk < manifest.num_chunks <= MAX_CHUNK:
@@ -149,6 +166,10 @@ def numbers_problem(manifest: Manifest) -> str | None:
         return f"seed {manifest.seed} is not a 64-bit number"
     if not 0 <= manifest.prompt_revision <= MAX_REVISION:
         return f"prompt revision {manifest.prompt_revision} is not in 0..{MAX_REVISION}"
+    if manifest.intrinsics is not None:  # a camera the model can take, as a client's open must give
+        why = intrinsics_problem(manifest.intrinsics)
+        if why is not None:
+            return why
     for name, steps in (("steps", manifest.steps), ("want", manifest.want or None), ("floor", manifest.floor or None)):
         why = steps_problem(steps)
         if why is not None:
@@ -251,9 +272,10 @@ def remove_files(folder: Path) -> None:
 class SnapshotStore:
     """The folder of snapshots as rank 0 sees it: it writes and reads manifests, never the tensors."""
 
-    def __init__(self, root: str | Path, budget: Budget | None = None) -> None:
+    def __init__(self, root: str | Path, budget: Budget | None = None, rate: SaveRate | None = None) -> None:
         self.root = Path(root)
         self.budget = budget or Budget()
+        self.rate = rate or SaveRate(0.0, 1)  # how often a session may save (``runtime.save_rate``); none: no limit
 
     def listing(self) -> list[Stored]:
         """The folder's complete snapshots of this format. A folder not named like an id, without a manifest (a
@@ -305,11 +327,16 @@ class SnapshotStore:
         refused here; their hashes are checked by the ranks that load them)."""
         folder = self.folder(snapshot)
         path = folder / MANIFEST
-        if not path.is_file():
-            raise SnapshotError(f"no snapshot {snapshot} in {self.root} (or its save did not finish)")
-        data = path.read_bytes()
+        if not path.is_file():  # the folder's path is the server's business, never named to a client
+            raise SnapshotError(f"no snapshot {snapshot} (or its save did not finish)")
+        size = path.stat().st_size  # before a byte is read: a hand-made manifest may be gigabytes
+        if size > MAX_MANIFEST_BYTES:
+            raise SnapshotError(f"the manifest of snapshot {snapshot} is {size} bytes: not one of ours")
+        with open(path, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)  # it may have grown since: never more than the limit
         if len(data) > MAX_MANIFEST_BYTES:
-            raise SnapshotError(f"the manifest of snapshot {snapshot} is {len(data)} bytes: not one of ours")
+            raise SnapshotError(f"the manifest of snapshot {snapshot} is over {MAX_MANIFEST_BYTES} bytes: not one "
+                                "of ours")
         try:
             manifest = msgspec.json.decode(data, type=Manifest)
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
@@ -360,6 +387,7 @@ class PendingSave:
     captured_at: float | None = None  # when the last worker's copy was reported
     capture_s: float = 0.0  # the longest copy of any worker: what a stage spent on the save instead of the stream
     error: str | None = None
+    ended: set[Part] = field(default_factory=set)  # parts that will write nothing more: a writer's error, a refusal
     facts: dict[str, object] = field(default_factory=dict)  # what rank 0 keeps of the session, for the manifest
 
     def start(self, now: float) -> None:
@@ -401,6 +429,12 @@ class PendingSave:
         self.state, self.error = SaveState.FAILED, error
         return True
 
+    def outstanding(self) -> frozenset[Part]:
+        """The parts sent the save task that have not answered for their file yet (a writer may still write)."""
+        if self.sent is None:
+            return frozenset()
+        return self.parts - set(self.files) - self.ended
+
     @property
     def holds(self) -> bool:
         """Whether the boundary chunk's denoise must still wait."""
@@ -430,6 +464,15 @@ class PendingSave:
     def _known(self, part: Part) -> None:
         if part not in self.parts:
             raise SnapshotError(f"save {self.id}: rank {part[0]} {part[1]} is not one of its stage workers")
+
+
+def read_manifest(store: SnapshotStore, snapshot: str) -> tuple[Manifest | None, str]:
+    """The shell's ``ReadManifest``, on a thread off rank 0's loop: (the manifest, "") or (None, why not)."""
+    try:
+        return store.read(snapshot), ""
+    except (SnapshotError, OSError, ValueError) as error:  # OSError: EACCES, ESTALE on a shared filesystem
+        return None, str(error) if isinstance(error, SnapshotError) else f"snapshot {snapshot} cannot be read " \
+            f"({type(error).__name__})"
 
 
 def wall_clock() -> float:

@@ -37,10 +37,14 @@ from runtime.core_types import (
     EmitChunk,
     FramesMissing,
     ImageDecoded,
+    ListSnapshots,
+    ManifestRead,
     MemorySampled,
     Output,
     RankLost,
+    ReadManifest,
     ShutdownRequested,
+    SnapshotsListed,
     Stop,
     Tick,
     ToClient,
@@ -50,6 +54,7 @@ from runtime.core_types import (
 from runtime.images import DecodedImage
 from runtime.memory_admission import MemoryAdmission
 from runtime.placement import CONDITION_EDGE, LATENT_RECEIVER
+from runtime.snapshots import read_manifest
 
 A, B = b"client-a", b"client-b"
 STAGE_OF_ROLE = {"condition": p.Stage.CONDITION, "denoise": p.Stage.DENOISE, "decode": p.Stage.DECODE}
@@ -87,6 +92,10 @@ class Job:
         self.log += out
         self.tasks += [(o.identity, o.message) for o in out if isinstance(o, ToWorker)
                        and not isinstance(o.message, p.Ping)]
+        for read in [o for o in out if isinstance(o, ReadManifest)]:  # as the shell does, off its loop
+            out += self.step(ManifestRead(read.ticket, *read_manifest(self.core.snapshots, read.snapshot)), dt=0.0)
+        for listing in [o for o in out if isinstance(o, ListSnapshots)]:
+            out += self.step(SnapshotsListed(listing.written, tuple(self.core.snapshots.listing())), dt=0.0)
         return out
 
     def send(self, who: bytes, message: p.ClientMessage) -> list[Output]:

@@ -14,7 +14,7 @@ from ipc import protocol as p
 from ipc.metrics_types import ServerStats, SnapshotFolder
 from runtime.config import ConfigError
 from runtime.config import load as load_config
-from runtime.core_types import DropSnapshotFiles, WorkerSent
+from runtime.core_types import DropSnapshotFiles, Tick, WorkerSent
 from runtime.replicas import read_stats
 from runtime.snapshots import MANIFEST, Budget, SnapshotStore, Stored, new_snapshot_id, over_budget
 from tests.test_core import A, Job, control
@@ -140,6 +140,7 @@ def test_stats_show_the_snapshot_folder_and_its_budget_and_a_router_reads_them(t
     old_snapshot(tmp_path, 1.0)
     old_snapshot(tmp_path, 2.0)
     job, sid = running(tmp_path, Budget(max_bytes=3 << 30, max_count=5))
+    job.step(Tick())  # the core asks the shell to list the folder (off the loop); stats show the last listing
     (reply,) = job.to(A, p.StatsReply, job.send(A, p.Stats(req=90)))
     assert reply.stats.snapshots == SnapshotFolder(count=2, bytes=14, max_bytes=3 << 30, max_count=5)
     save(job, sid)
@@ -156,7 +157,7 @@ def test_stats_show_the_snapshot_folder_and_its_budget_and_a_router_reads_them(t
 def test_the_snapshot_budget_config_is_checked_and_given_in_gib(tmp_path: Path) -> None:
     cfg = load_config("cpu-tiny", ["--snapshots.max_gb=25.5", "--snapshots.max_count=10"])
     assert Budget.of(cfg.snapshots.max_gb, cfg.snapshots.max_count) == Budget(int(25.5 * 2**30), 10)
-    assert load_config("cpu-tiny", []).snapshots.max_gb == 0.0  # no limit unless asked
+    assert load_config("cpu-tiny", []).snapshots.max_gb == 100.0  # a disk never fills by default (issue 33 point 7)
     for bad in ("--snapshots.max_gb=-1", "--snapshots.max_gb=nan", "--snapshots.max_gb=inf",
                 "--snapshots.max_gb=1e10", "--snapshots.max_count=-2", f"--snapshots.max_count={2**62}"):
         with pytest.raises(ConfigError, match=r"snapshots\.max_gb must be a finite number in \[0, "):
@@ -201,6 +202,7 @@ def test_a_manifest_whose_total_is_not_its_files_is_not_counted_and_stats_stay_i
     store.write(msgspec.structs.replace(store.read(forged), bytes=-(2**62)))
     assert [s.id for s in store.listing()] == [honest]
     job, _ = running(tmp_path, Budget(max_count=5))
+    job.step(Tick())  # listed by the shell
     stats = job.core.stats(job.now)
     assert stats.snapshots == SnapshotFolder(count=1, bytes=7, max_bytes=0, max_count=5)
     read_stats(msgspec.to_builtins(stats))  # a router takes it
