@@ -219,6 +219,7 @@ class CoordinatorCore:
         self.stored: list[Stored] | None = None
         self.stored_at = 0.0
         self.budget_warned = False  # the budget is smaller than one snapshot: said once
+        self.restored = 0  # sessions restored from a snapshot so far (``/metrics``)
 
     @property
     def sessions(self) -> Mapping[str, Session]:
@@ -979,6 +980,7 @@ class CoordinatorCore:
             last_steps=manifest.steps,  # its first chunk's steps_changed compares with the saved session's last
             prompts=PromptRevisions.starting(manifest.prompt_revision, manifest.prompt)), now)
         log.info("session %s: restoring snapshot %s at chunk %d", sid, manifest.id, manifest.chunk)
+        self.restored += 1  # the probes' migrations: a router's move lands here as a restore
         self._guarded(sid, lambda: self._run(self.scheduler.open(sid, num_chunks or self.max_chunks, now,
                                                                  start=manifest.chunk), now), now)
 
