@@ -55,6 +55,7 @@ class Coordinator:
         self.config = config  # handed out section by section to the core, once every worker reported in
         self.core: CoordinatorCore | None = None
         self.stopping = False  # set by a signal handler
+        self.draining = False  # for the drain to set (issue 32): /ready answers 503 while it holds; never set yet
         self.fatal: str | None = None  # set from another thread of this rank that cannot go on
         self.decoding: dict[int, Future[object]] = {}  # start images being decoded, by ticket
         self.image_decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="image-decode")
@@ -67,7 +68,8 @@ class Coordinator:
         self.exporter = prometheus.start(config.metrics.prometheus_port)
         # up before warm-up ends: /health answers and /ready says why not while the ranks warm
         self.probes = probe_server.start(config.metrics.prometheus_host, config.metrics.prometheus_port, "rank0",
-                                         None if self.exporter is None else self.exporter.registry)
+                                         None if self.exporter is None else self.exporter.registry,
+                                         what="metrics.prometheus_host/_port")
         self.watch = RankWatch()  # the rank processes on this host, from the workers' hellos
         self.rooms: dict[int, int] = {}  # rank -> bytes it can give to sessions, from the workers' hellos
         self.warm_start = WarmStart(self.where, served_sizes(config.stream))  # from the hellos too
@@ -174,7 +176,8 @@ class Coordinator:
         core, world = self.core, self.config.layout.world_size
         self.probes.publish(rank0_snapshot(
             world_size=world, ranks_in=len(self.rooms), warm=self.warm_start.warm, serving=core is not None,
-            stopping=self.stopping, rooms=None if core is None else {r: core.admission.stats(r) for r in range(world)},
+            draining=self.draining, stopping=self.stopping,
+            rooms=None if core is None else {r: core.admission.stats(r) for r in range(world)},
             open_sessions=0 if core is None else len(core.sessions), restored=0 if core is None else core.restored))
 
     # ---------------------------------------------------------------------------------------------- inputs

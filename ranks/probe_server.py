@@ -123,8 +123,13 @@ class ProbeServer:
         self.httpd.server_close()
 
 
-def start(host: str, port: int, role: str, registry: Any | None = None) -> ProbeServer | None:
-    """The probe server on ``host:port``, or None when ``port`` is 0 (off, the default)."""
+def start(host: str, port: int, role: str, registry: Any | None = None, what: str = "the probe server"
+          ) -> ProbeServer | None:
+    """The probe server on ``host:port``, or None when ``port`` is 0 (off, the default). A port it cannot bind
+    raises ``OSError`` naming ``what`` (the config keys): a probe that silently is not there would read as down."""
     if port <= 0:
         return None
-    return ProbeServer(host, port, role, registry)
+    try:
+        return ProbeServer(host, port, role, registry)
+    except OSError as error:
+        raise OSError(error.errno, f"cannot serve the probes on {host}:{port} ({what}): {error.strerror}") from error

@@ -89,7 +89,8 @@ class RouterShell:
         self.core = RouterCore(self.section, config.replicas, time.monotonic(), router_id=f"router-{self.me}")
         self.file_remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-remove")
         self.forwarded_bytes = 0  # bytes of replicas' messages sent on to clients and watchers (``/metrics``)
-        self.probes = probe_server.start(self.section.metrics_host, self.section.metrics_port, "router")
+        self.probes = probe_server.start(self.section.metrics_host, self.section.metrics_port, "router",
+                                         what="router.metrics_host/_port")
 
     @property
     def endpoint(self) -> str:
@@ -334,6 +335,8 @@ class RouterShell:
 
     def _close(self) -> None:
         self.file_remover.shutdown(wait=True)  # a snapshot's files half removed would be left for ever
+        if self.probes is not None:
+            self.probes.close()
         for link in list(self.links.values()):
             link.sock.close()
         self.links.clear()
