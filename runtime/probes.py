@@ -101,7 +101,8 @@ def router_snapshot(*, replicas: Mapping[str, bool], placements: int, migrations
                "Sessions restored on another replica after theirs went down", migrations),
         Sample("worldstream_router_open_sessions", "gauge", "The router's sessions open now", open_sessions),
         Sample("worldstream_router_chunks_forwarded", "counter", "Chunks forwarded to clients", chunks_forwarded),
-        Sample("worldstream_router_forwarded_bytes", "counter", "Bytes of chunks forwarded to clients and watchers",
+        Sample("worldstream_router_forwarded_bytes", "counter",
+               "Bytes of replica messages sent on as received (chunks, mostly) to clients and watchers",
                forwarded_bytes),
         Sample("worldstream_ready", "gauge", "1 when /ready answers 200", float(not why)),
     ]
