@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ranks.processes import die_with_parent
-from runtime import cli_help
+from runtime import cli_help, logs
 from runtime import config as config_mod
 
 if TYPE_CHECKING:  # torch and zmq load only in the ranks, not in the self-launching parent
@@ -89,7 +89,8 @@ def self_launch(args: argparse.Namespace, overrides: list[str]) -> int:
         env = {**os.environ, "WORLDSTREAM_PIDFILE": str(pid_file)}
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={cfg.layout.world_size}", "--monitor-interval=0.2",
-                   str(Path(__file__).resolve()), "--config", args.config, "--log-level", args.log_level, *overrides]
+                   str(Path(__file__).resolve()), "--config", args.config, "--log-level", args.log_level,
+                   "--log-format", args.log_format, *overrides]
         # torchrun dies with this launcher (and every rank with torchrun): a killed launcher leaves no orphans
         child = subprocess.Popen(command, env=env, start_new_session=True,
                                  preexec_fn=lambda: die_with_parent(signal.SIGTERM))
@@ -128,6 +129,8 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     from runtime.sizes import served_sizes
 
     cfg = config_mod.load(args.config, overrides)
+    if cfg.replica.name:  # each line names the replica from now on
+        logs.configure("rank", args.log_level, args.log_format, rank=rank, replica=cfg.replica.name)
     lay = cfg.layout
     # No rank outlives its launcher (torchrun's agent, srun's step): rank 0 shuts down cleanly, the others go at once.
     die_with_parent(signal.SIGTERM if rank == lay.coordinator else signal.SIGKILL)
@@ -260,9 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         return cli_help.run_offline(args, overrides)
     env = distributed_env()
     rank = env[0] if env else None
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s {'launcher' if rank is None else f'rank{rank}'} %(levelname)s "
-                               "%(name)s: %(message)s")
+    logs.configure("launcher" if rank is None else "rank", args.log_level, args.log_format, rank=rank)
     # before torch initialises CUDA, in the ranks and in torchrun's environment; a user's choice said by one process
     rank_environment(os.environ, say=rank is None or rank == 0)
     try:

@@ -21,7 +21,7 @@ from ipc import tensor_plane as tp
 from ipc.client_lines import ClientLines, Lost
 from ipc.transport import send_or_why, send_to
 from models import memory
-from ranks import prometheus
+from ranks import probe_server, prometheus
 from ranks.memory import held_bytes
 from ranks.processes import DeathHold, RankWatch
 from ranks.worker import RankContext, memory_facts
@@ -31,6 +31,7 @@ from runtime.core import CoordinatorCore
 from runtime.images import decode_image
 from runtime.memory_admission import Cost, gib
 from runtime.placement import placement_of
+from runtime.probes import rank0_snapshot
 from runtime.save_rate import SaveRate
 from runtime.sizes import served_sizes
 from runtime.snapshots import Budget, SnapshotStore, model_identity, read_manifest, remove_files
@@ -56,6 +57,7 @@ class Coordinator:
         self.config = config  # handed out section by section to the core, once every worker reported in
         self.core: CoordinatorCore | None = None
         self.stopping = False  # set by a signal handler
+        self.draining = False  # for the drain to set (issue 32): /ready answers 503 while it holds; never set yet
         self.fatal: str | None = None  # set from another thread of this rank that cannot go on
         self.decoding: dict[int, Future[object]] = {}  # start images being decoded, by ticket
         self.image_decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="image-decode")
@@ -69,6 +71,10 @@ class Coordinator:
         self.hold = DeathHold(FATAL_HOLD_S)
         self.fatal_reported = False
         self.exporter = prometheus.start(config.metrics.prometheus_port)
+        # up before warm-up ends: /health answers and /ready says why not while the ranks warm
+        self.probes = probe_server.start(config.metrics.prometheus_host, config.metrics.prometheus_port, "rank0",
+                                         None if self.exporter is None else self.exporter.registry,
+                                         what="metrics.prometheus_host/_port")
         self.watch = RankWatch()  # the rank processes on this host, from the workers' hellos
         self.rooms: dict[int, int] = {}  # rank -> bytes it can give to sessions, from the workers' hellos
         self.warm_start = WarmStart(self.where, served_sizes(config.stream))  # from the hellos too
@@ -77,6 +83,7 @@ class Coordinator:
         # replies and chunks that met a client's full queue wait in its line (``ipc.client_lines``), never vanish
         self.lines = ClientLines(lambda who, data: send_or_why(self.clients, who, data, copy=False),
                                  config.server.max_waiting)
+        self._publish()  # no rank in yet
 
     def run(self, port: int) -> int:
         """Serve until shutdown or a lost rank; returns the process exit code. A failed job ends the other ranks on
@@ -103,6 +110,7 @@ class Coordinator:
                                     model=model_identity(c.model.kind, c.model.preset, c.model.checkpoint_dir,
                                                          c.model.weights_seed))
         log.info("warm-up: %s", self.warm_start.describe())
+        self._publish()
         self.core.admission.unservable_sizes.update(self.warm_start.failures())  # a rank out of memory at a size
         for reason in self.core.admission.unservable(served_sizes(c.stream)):
             log.warning("%s", reason)
@@ -118,6 +126,7 @@ class Coordinator:
         poller.register(self.workers, zmq.POLLIN)
         while True:
             if self.stopping:
+                self._publish()  # not ready from now on
                 dead = self._dead_ranks()  # under torchrun a rank's death reaches rank 0 as a SIGTERM: name it
                 if dead:
                     code = self._carry_out(self.core.step(dead, time.monotonic()))
@@ -148,6 +157,7 @@ class Coordinator:
                     self.watch.add(hello.rank, hello.pid, hello.host)
                     self.rooms[hello.rank] = hello.room
                     self.warm_start.add(hello.rank, hello.warm_up)
+                    self._publish()
         return True
 
     def _session_cost(self) -> Cost | None:
@@ -168,6 +178,17 @@ class Coordinator:
             return known if known is not None else memory.session_costs(config, height, width, device)
 
         return cost
+
+    def _publish(self) -> None:
+        """What the probe server answers from until the next call: built here, on the loop, from the loop's state."""
+        if self.probes is None:
+            return
+        core, world = self.core, self.config.layout.world_size
+        self.probes.publish(rank0_snapshot(
+            world_size=world, ranks_in=len(self.rooms), warm=self.warm_start.warm, serving=core is not None,
+            draining=self.draining, stopping=self.stopping,
+            rooms=None if core is None else {r: core.admission.stats(r) for r in range(world)},
+            open_sessions=0 if core is None else len(core.sessions), restored=0 if core is None else core.restored))
 
     # ---------------------------------------------------------------------------------------------- inputs
 
@@ -202,6 +223,7 @@ class Coordinator:
             self.next_memory = now + self.timeouts.heartbeat_s
             events.append(ct.MemorySampled(self.ctx.rank, *memory_facts(), held=held_bytes(self.ctx.backend)))
             events.append(ct.WatchDropped(self.feeds.dropped))
+            self._publish()
         if now >= self.next_probe:  # often: a dead rank is named before the launcher tears the others down
             self.next_probe = now + PROBE_S
             events.extend(self._dead_ranks())

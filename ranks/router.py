@@ -29,10 +29,12 @@ import zmq
 
 from ipc import protocol, relay, tolerant, transport
 from ipc.client_lines import MAX_WAITING, ClientLines, Lost
-from runtime import replicas
+from ranks import probe_server
+from runtime import logs, replicas
 from runtime import router_types as rt
 from runtime.config import ConfigError
 from runtime.metrics import StreamStat
+from runtime.probes import router_snapshot
 from runtime.router import RouterCore
 from runtime.router_config import RouterConfig, load, replica_queue
 from runtime.snapshots import SnapshotError, SnapshotStore, remove_files
@@ -89,6 +91,9 @@ class RouterShell:
         self.lines = ClientLines(self._to_watcher, MAX_WAITING)
         self.core = RouterCore(self.section, config.replicas, time.monotonic(), router_id=f"router-{self.me}")
         self.file_remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-remove")
+        self.forwarded_bytes = 0  # bytes of replicas' messages sent on to clients and watchers (``/metrics``)
+        self.probes = probe_server.start(self.section.metrics_host, self.section.metrics_port, "router",
+                                         what="router.metrics_host/_port")
 
     @property
     def endpoint(self) -> str:
@@ -107,6 +112,7 @@ class RouterShell:
         next_tick = next_times = time.monotonic() + TICK_S
         while code is None:
             if self.stopping:
+                self._publish()  # not ready from now on
                 return self._shutdown()
             now = time.monotonic()
             wait = 0 if self.carried else max(0.0, next_tick - now)
@@ -121,6 +127,7 @@ class RouterShell:
             if now >= next_tick:
                 next_tick = now + TICK_S
                 events.append(rt.Tick())
+                self._publish()
             if now >= next_times:  # its percentiles cost a little: once a second is fresh enough for stats
                 next_times = now + TIMES_S
                 events.append(rt.ShellTimes(self.hold.distribution(), self.feeds.dropped))
@@ -130,6 +137,16 @@ class RouterShell:
                 code = self._carry_out(self.core.step(list(self._drain_clients()), time.monotonic()))
         self._close()
         return code
+
+    def _publish(self) -> None:
+        """What the probe server answers from until the next tick: built here, on the loop."""
+        if self.probes is None:
+            return
+        core = self.core
+        self.probes.publish(router_snapshot(
+            replicas={name: r.state is replicas.State.UP for name, r in core.replicas.items()},
+            placements=core.sessions_total, migrations=core.migrations, open_sessions=len(core.sessions),
+            chunks_forwarded=core.chunks_forwarded, forwarded_bytes=self.forwarded_bytes, stopping=self.stopping))
 
     # ---------------------------------------------------------------------------------------------- inputs
 
@@ -241,6 +258,8 @@ class RouterShell:
         """A non-blocking send to a watcher: None when queued, else "gone" or "full" (the feed keeps it)."""
         try:
             self.clients.send_multipart([identity, _payload(item)], flags=zmq.NOBLOCK, copy=False)
+            if isinstance(item, zmq.Frame):
+                self.forwarded_bytes += len(item)
             return None
         except zmq.ZMQError as error:
             why = {zmq.EHOSTUNREACH: "gone", zmq.EAGAIN: "full"}.get(error.errno)
@@ -256,6 +275,8 @@ class RouterShell:
             payload = protocol.encode(protocol.Error(code="internal",
                                                      message=f"internal error: {type(error).__name__}"))
         chunk = isinstance(output.message, bytes | zmq.Frame) and _is_chunk(payload)  # the router makes none
+        if isinstance(payload, zmq.Frame):  # received from a replica, sent on as it came
+            self.forwarded_bytes += len(payload)
         self._lost(self.lines.send(output.identity, payload, output.session, chunk))
         read_at = self.read_at.pop(id(payload), None)  # handed on (sent, or waiting in the client's line)
         if read_at is not None:
@@ -316,6 +337,8 @@ class RouterShell:
 
     def _close(self) -> None:
         self.file_remover.shutdown(wait=True)  # a snapshot's files half removed would be left for ever
+        if self.probes is not None:
+            self.probes.close()
         for link in list(self.links.values()):
             link.sock.close()
         self.links.clear()
@@ -345,9 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="a router TOML file, or a name from configs/router/ (router)")
     parser.add_argument("--log-level", default=os.environ.get("WORLDSTREAM_LOG", "INFO"),
                         help="DEBUG, INFO, WARNING or ERROR (default: $WORLDSTREAM_LOG, else INFO)")
+    parser.add_argument("--log-format", choices=logs.FORMATS, default=logs.default_format(),
+                        help="text lines, or one JSON object a line (default: $WORLDSTREAM_LOG_FORMAT, else text)")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
+    logs.configure("router", args.log_level, args.log_format)
     try:
         config = load(args.config, overrides)
     except ConfigError as error:

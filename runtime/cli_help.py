@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from runtime import config as config_mod
+from runtime import logs
 
 OVERRIDES = """\
 overrides:
@@ -144,6 +145,8 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                         help="a config name from configs/ (cpu-tiny, split7-h100, ...) or a path to a TOML file")
     parser.add_argument("--log-level", default=os.environ.get("WORLDSTREAM_LOG", "INFO"),
                         help="DEBUG, INFO, WARNING or ERROR (default: $WORLDSTREAM_LOG, else INFO)")
+    parser.add_argument("--log-format", choices=logs.FORMATS, default=logs.default_format(),
+                        help="text lines, or one JSON object a line (default: $WORLDSTREAM_LOG_FORMAT, else text)")
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--print-config", action="store_true",
                       help="print the effective configuration (the file with its overrides applied, every key) as "

@@ -190,10 +190,11 @@ class TimeoutsConfig(_Section):
 
 
 class MetricsConfig(_Section):
-    """Session statistics and the optional Prometheus exporter."""
+    """Session statistics and rank 0's optional probe server (health, readiness, Prometheus metrics over HTTP)."""
 
     warmup_chunks: int = 2  # first chunks of a session excluded from compute FPS (reported separately)
-    prometheus_port: int = 0  # >0: serve counters on 127.0.0.1:PORT if prometheus-client is installed
+    prometheus_port: int = 0  # >0: rank 0's probe server (/health, /ready, /metrics) on prometheus_host:PORT
+    prometheus_host: str = "127.0.0.1"  # the probe server's address: loopback unless the scraper is elsewhere
 
 
 class MemoryConfig(_Section):

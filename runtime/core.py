@@ -221,6 +221,7 @@ class CoordinatorCore:
         # failed saves whose writers may still write: each folder is deleted once the last is done with it
         self.late_writes = LateWrites(LATE_WRITE_WAITS * timeouts.stage_s)
         self.folder = FolderBudget()  # the folder's complete snapshots as last listed (``stats``, the budget)
+        self.restored = 0  # sessions restored from a snapshot so far (``/metrics``)
 
     @property
     def sessions(self) -> Mapping[str, Session]:
@@ -981,6 +982,7 @@ class CoordinatorCore:
             last_steps=manifest.steps,  # its first chunk's steps_changed compares with the saved session's last
             prompts=PromptRevisions.starting(manifest.prompt_revision, manifest.prompt)), now)
         log.info("session %s: restoring snapshot %s at chunk %d", sid, manifest.id, manifest.chunk)
+        self.restored += 1  # the probes' migrations: a router's move lands here as a restore
         self._guarded(sid, lambda: self._run(self.scheduler.open(sid, num_chunks or self.max_chunks, now,
                                                                  start=manifest.chunk), now), now)
 

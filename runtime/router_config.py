@@ -58,6 +58,8 @@ class RouterSection(_Section):
     # the replicas' snapshots.dir as the router's host sees it: when set, a snapshot the router asked for is deleted
     # once a newer one of its session is written or the session ends (a client's own never are). Empty: kept
     snapshots_dir: str = ""
+    metrics_port: int = 0  # >0: the router's probe server (/health, /ready, /metrics) on metrics_host:PORT; 0: off
+    metrics_host: str = "127.0.0.1"  # the probe server's address: loopback unless the scraper is elsewhere
 
 
 class ReplicaEntry(_Section):

@@ -84,21 +84,19 @@ def test_unknown_fields_in_a_stats_reply_and_a_summary_are_dropped_not_refused()
 
 
 def test_the_prometheus_exporter_derives_each_sessions_chunk_period_from_the_core_events() -> None:
-    exporter = Exporter(0)  # any free port
-    try:
-        job = Job(observers=(exporter,))
-        sids = {A: job.open(A, num_chunks=3), B: job.open(B, num_chunks=3)}
-        job.play(sids, chunks=3)
-        sample = exporter.registry.get_sample_value
-        assert sample("worldstream_sessions_opened_total") == 2
-        assert sample("worldstream_chunks_emitted_total") == 6
-        emitted = {sid: [e.facts.times.emitted for e in job.emitted(sid)] for sid in sids.values()}
-        periods = [b - a for times in emitted.values() for a, b in itertools.pairwise(times)]
-        assert sample("worldstream_chunk_period_seconds_count") == len(periods) == 4  # within a session only
-        assert sample("worldstream_chunk_period_seconds_sum") == pytest.approx(sum(periods))
-        assert not exporter.last_emitted  # closed sessions are forgotten
-    finally:
-        exporter.close()
+    exporter = Exporter()
+    job = Job(observers=(exporter,))
+    sids = {A: job.open(A, num_chunks=3), B: job.open(B, num_chunks=3)}
+    job.play(sids, chunks=3)
+    sample = exporter.registry.get_sample_value
+    assert sample("worldstream_sessions_opened_total") == 2
+    assert sample("worldstream_chunks_emitted_total") == 6
+    emitted = {sid: [e.facts.times.emitted for e in job.emitted(sid)] for sid in sids.values()}
+    periods = [b - a for times in emitted.values() for a, b in itertools.pairwise(times)]
+    assert sample("worldstream_chunk_period_seconds_count") == len(periods) == 4  # within a session only
+    assert sample("worldstream_chunk_period_seconds_sum") == pytest.approx(sum(periods))
+    assert sample("worldstream_time_to_first_frame_seconds_count") == 2  # one first frame per session
+    assert not exporter.last_emitted and not exporter.opened_at  # closed sessions are forgotten
 
 
 def test_a_partial_summary_says_only_what_its_sender_knows_and_the_page_shows_no_zeros() -> None:

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from aiohttp import web
 
 from ipc.aio_client import AsyncClient
+from runtime import logs
 from web import page_protocol as pp
 from web.bridge import BridgeSettings
 from web.gateway import GatewaySettings, make_app
@@ -51,6 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port-file", type=Path, help="write the bound port here once serving (for scripts)")
     parser.add_argument("--check-timeout", type=float, default=10.0,
                         help="seconds to wait at start for the server to answer (0: do not check)")
+    parser.add_argument("--health-timeout", type=float, default=2.0,
+                        help="seconds /healthz waits for the server's stats before answering 503")
+    parser.add_argument("--log-level", default=os.environ.get("WORLDSTREAM_LOG", "INFO"),
+                        help="DEBUG, INFO, WARNING or ERROR (default: $WORLDSTREAM_LOG, else INFO)")
+    parser.add_argument("--log-format", choices=logs.FORMATS, default=logs.default_format(),
+                        help="text lines, or one JSON object a line (default: $WORLDSTREAM_LOG_FORMAT, else text)")
     args = parser.parse_args(argv)
     if not 1 <= args.quality <= 100:
         parser.error(f"--quality must be in 1..100, got {args.quality}")
@@ -59,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"0 would lift the WebSocket message limit), got {args.max_upload_mb:g}")
     if args.max_sessions < 1:
         parser.error(f"--max-sessions must be >= 1, got {args.max_sessions}")
+    if not args.health_timeout > 0:
+        parser.error(f"--health-timeout must be > 0, got {args.health_timeout}")
     return args
 
 
@@ -67,7 +76,8 @@ def settings_of(args: argparse.Namespace) -> GatewaySettings:
                             limits=pp.Limits(max_upload_bytes=int(args.max_upload_mb * 2**20)))
     return GatewaySettings(bridge=bridge, host=args.host, max_sessions=args.max_sessions, token=args.token or None,
                            allow_hosts=frozenset(h.lower() for h in args.allow_host),
-                           allow_origins=frozenset(o.rstrip("/") for o in args.allow_origin))
+                           allow_origins=frozenset(o.rstrip("/") for o in args.allow_origin),
+                           health_timeout_s=args.health_timeout)
 
 
 async def check_server(endpoint: str, timeout_s: float) -> str | None:
@@ -103,6 +113,8 @@ async def serve(args: argparse.Namespace) -> int:
     shown = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{shown}:{port}/" + (f"?token={settings.token}" if settings.token else "")
     print(f"worldstream web gateway: {url}  (server {args.server}; Ctrl-C to stop)", flush=True)
+    # the log line leaves the token out (the printed URL is for the person who started it)
+    logging.getLogger("worldstream.web").info("gateway on http://%s:%d/ for server %s", shown, port, args.server)
     if args.port_file:
         args.port_file.write_text(str(port))
     stop = asyncio.Event()
@@ -118,8 +130,9 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return asyncio.run(serve(parse_args(argv)))
+    args = parse_args(argv)
+    logs.configure("gateway", args.log_level, args.log_format)
+    return asyncio.run(serve(args))
 
 
 if __name__ == "__main__":

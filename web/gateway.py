@@ -25,7 +25,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from aiohttp import web
+from msgspec import UNSET
 
+from ipc.aio_client import AsyncClient
+from ipc.client import ServerError
 from web.bridge import Bridge, BridgeSettings, SessionSlots
 
 log = logging.getLogger("worldstream.web")
@@ -52,6 +55,7 @@ class GatewaySettings:
     token: str | None = None
     allow_hosts: frozenset[str] = field(default_factory=frozenset)  # extra Host names (beyond loopback)
     allow_origins: frozenset[str] = field(default_factory=frozenset)  # extra WebSocket origins, "scheme://host:port"
+    health_timeout_s: float = 2.0  # /healthz waits this long for its server's stats before saying it is down
 
 
 def is_loopback(host: str) -> bool:
@@ -144,11 +148,31 @@ async def _sample(request: web.Request) -> web.StreamResponse:
     return web.FileResponse(SAMPLE_IMAGE)
 
 
+async def server_ready(endpoint: str, timeout_s: float) -> str | None:
+    """``None`` when the server (or router) behind the gateway can take a session now, else why not: it answers
+    ``stats`` within ``timeout_s``, says it is warm, and (a router) has a replica up."""
+    async with AsyncClient(endpoint, timeout_s=timeout_s, heartbeat_s=0) as client:
+        try:
+            stats = await client.stats()
+        except (TimeoutError, ServerError) as error:
+            return f"the server at {endpoint} does not answer ({type(error).__name__})"
+    if stats.warm is False:
+        return "the server is not warm"
+    if stats.total is not UNSET and stats.total.replicas_up == 0:
+        return "the router has no replica up"
+    return None
+
+
 async def _health(request: web.Request) -> web.StreamResponse:
+    """200 with ``ok: true`` while the server behind the gateway is ready; 503 with ``ok: false`` and why not."""
     _check_token(request)
     settings, slots = request.app[KEY_SETTINGS], request.app[KEY_SLOTS]
-    return web.json_response({"ok": True, "server": settings.bridge.server, "sessions": slots.used,
-                              "max_sessions": slots.limit, "tabs": len(request.app[KEY_SOCKETS])})
+    problem = await server_ready(settings.bridge.server, settings.health_timeout_s)
+    body = {"ok": problem is None, "server": settings.bridge.server, "sessions": slots.used,
+            "max_sessions": slots.limit, "tabs": len(request.app[KEY_SOCKETS])}
+    if problem is not None:
+        body["why_not"] = problem
+    return web.json_response(body, status=200 if problem is None else 503)
 
 
 async def _websocket(request: web.Request) -> web.StreamResponse:
