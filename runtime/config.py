@@ -230,10 +230,10 @@ class SnapshotsConfig(_Section):
     # defaults never fills a disk; set it to what the disk can spare (0: no limit)
     max_gb: float = 100.0
     max_count: int = 0  # snapshots in ``dir``
-    # saves one session may make (``runtime.save_rate``): ``save_burst`` at once, then one more every
-    # 60 / ``saves_per_minute`` seconds; a save beyond is refused busy with its retry_after_s. 0: no limit
+    # how fast a session earns saves back (``runtime.save_rate``): after its burst, one more every
+    # 60 / saves_per_minute seconds; a save beyond is refused busy with its retry_after_s. 0: no limit
     saves_per_minute: float = 10.0
-    save_burst: int = 10
+    save_burst: int = 10  # saves one session may make at once before the rate applies (at least 1)
 
 
 class Config(_Section):
