@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="recorded controls (and the seed)")
     parser.add_argument("--json", type=Path, default=out_path("bench.json"))
     parser.add_argument("--png", type=Path, default=out_path("bench_timeline.png"))
-    args = parse_args(parser, argv, {"unit": 0.02, "chunks": 4, "warmup": 1})
+    args = parse_args(parser, argv, {"unit": 0.02, "chunks": 4, "warmup": 1, "config": "cpu-mini"})
     return overhead(args) if args.overhead else ab(args)
 
 

@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 dead = trial["replica"]
                 servers[dead].wait(timeout_s=30)
+                if n == args.trials - 1:
+                    break  # restarted for a next trial only
                 servers[dead] = replica(dead)
                 started.append(servers[dead])
                 servers[dead].start()

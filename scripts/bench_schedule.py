@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", type=Path, default=DEFAULT_IMAGE)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--json", type=Path, default=out_path("bench_schedule.json"))
-    args = parse_args(parser, argv, {"unit": 0.02, "chunks": 4, "warmup": 1})
+    args = parse_args(parser, argv, {"unit": 0.02, "chunks": 4, "warmup": 1, "config": "cpu-mini"})
     costs = Costs.from_unit(args.unit)
     result = measure(args, costs)
     result["verdicts"] = verdicts(result["summaries"], costs)

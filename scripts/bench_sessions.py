@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=24)
     parser.add_argument("--config", default="cpu-tiny")
     parser.add_argument("--json", type=Path, default=out_path("bench_sessions.json"))
-    args = parse_args(parser, argv, {"unit": 0.02, "chunks": 8})
+    args = parse_args(parser, argv, {"unit": 0.02, "chunks": 8, "config": "cpu-mini"})
     e, d, v = 0.25 * args.unit, 0.60 * args.unit, 0.30 * args.unit
     costs = [f"--synthetic.encode_s={e}", f"--synthetic.denoise_s={d}", f"--synthetic.decode_s={v}"]
     trace = load_trace(ROOT / "assets" / "demo_trace.json")

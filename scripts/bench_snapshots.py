@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=out_path("bench_snapshots.json"))
-    args = parse_args(parser, argv, {"before": 2, "after": 2, "repeats": 1})  # after 2: not a save of the last chunk
+    # (after 2: the save is not of the last chunk, which the server refuses)
+    args = parse_args(parser, argv, {"before": 2, "after": 2, "repeats": 1, "config": "cpu-mini"})
     with tempfile.TemporaryDirectory() as folder, \
             LocalServer(args.config, [f"--snapshots.dir={folder}"]) as server, Client(server.endpoint) as client:
         runs = [one(client, args.before, args.after) for _ in range(args.repeats)]
