@@ -50,7 +50,9 @@ import numpy as np
 import zmq
 
 from ipc import protocol, tolerant
+from ipc.client_bounds import MAX_CODE_CHARS, MAX_SESSION_ID_CHARS, Strays, clipped
 from ipc.metrics_types import ServerStats, SessionSummary
+from ipc.newer_peer import PeerReader
 from ipc.outgoing import MAX_IN_FLIGHT, InFlight, Outgoing
 
 KEEP_REVISIONS = 1024  # sent-but-not-yet-shown revisions remembered per session for input-to-photon (bounded)
@@ -84,7 +86,8 @@ class ServerError(Exception):
 
     @staticmethod
     def from_wire(error: protocol.Error) -> ServerError:
-        return ServerError.of(error.code, error.message, error.session, error.retry_after_s, error.req)
+        return ServerError.of(clipped(error.code, MAX_CODE_CHARS), clipped(error.message), error.session,
+                              error.retry_after_s, error.req)
 
 
 class Busy(ServerError):
@@ -556,12 +559,27 @@ class ClientCore(Generic[Q, F]):
         self._replies: dict[int, tuple[type, ...]] = {}  # req -> the kinds of reply its request takes
         self._quiet: OrderedDict[int, None] = OrderedDict()  # fire-and-forget reqs (bounded)
         self._sessions: dict[str, SessionState[Q]] = {}
+        self._strays = Strays()  # the sessions only the server named (bounded: ``ipc.client_bounds``)
+        self._reader = PeerReader("server", max_bytes=1 << 31)  # read by ``route`` only (the I/O side)
 
     def session(self, session: str) -> SessionState[Q]:
+        """The state of a session the caller asks for (made when new; the caller's from now on)."""
+        with self._lock:
+            self._strays.adopt(session)
+            state = self._sessions.get(session)
+            if state is None:
+                state = self._sessions[session] = SessionState(self._new_events())
+            return state
+
+    def _named(self, session: str) -> SessionState[Q]:
+        """The state of a session a server message names: a new one is a stray, the oldest past the bound
+        dropped."""
         with self._lock:
             state = self._sessions.get(session)
             if state is None:
                 state = self._sessions[session] = SessionState(self._new_events())
+                if (given_up := self._strays.add(session)) is not None:
+                    del self._sessions[given_up]
             return state
 
     def expect(self, req: int, future: F, request: type | None = None) -> F:
@@ -632,11 +650,15 @@ class ClientCore(Generic[Q, F]):
         self._heard = self._clock()
         self._gone = False  # answering again (a restart is told apart by its id below)
         try:
-            message = tolerant.decode(data, "server", max_bytes=1 << 31)  # a newer server's additions are skipped
+            message = self._reader.decode(data)  # a newer server's additions are skipped (at no extra cost)
         except protocol.ProtocolViolation as error:
             self._put_error(ServerError.of("bad_reply", str(error)))
             return
         if isinstance(message, tolerant.Unknown):
+            return
+        if len(getattr(message, "session", None) or "") > MAX_SESSION_ID_CHARS:  # names no session of ours
+            self._put_error(ServerError.of("bad_reply", f"a {type(message).__name__} names a session id of "
+                                           f"{len(message.session)} characters"))
             return
         if isinstance(message, protocol.HeartbeatAck) and message.server:
             if self._server_id and message.server != self._server_id:
@@ -646,7 +668,7 @@ class ClientCore(Generic[Q, F]):
             self._server_id = message.server
         if isinstance(message, protocol.Chunk):
             received = self._clock()
-            state = self.session(message.session)
+            state = self._named(message.session)
             facts = message.facts
             photon = state.photon.shown(facts.control.revision, received)
             frames = np.frombuffer(message.frames, dtype=np.uint8).reshape(message.shape)
@@ -656,15 +678,15 @@ class ClientCore(Generic[Q, F]):
                                                 received, photon, missed, migrated))
             return
         if isinstance(message, protocol.Migrated):  # the session goes on: its stream says where from
-            state = self.session(message.session)
+            state = self._named(message.session)
             state.migrated = message
             state.events.put_nowait(SessionMigrated.of_notice(message))
             return
         if isinstance(message, protocol.Missed):
-            self.session(message.session).missed += message.chunks
+            self._named(message.session).missed += message.chunks
             return
         if isinstance(message, protocol.Closed):
-            state = self.session(message.session)
+            state = self._named(message.session)
             state.closed = message
             state.events.put_nowait(message)
             return
@@ -684,7 +706,7 @@ class ClientCore(Generic[Q, F]):
                 future.set_exception(error)
             elif message.session is not None and not quiet:
                 # the session's own failure (or the server's end): it ends the session's chunk stream
-                self.session(message.session).events.put_nowait(error)
+                self._named(message.session).events.put_nowait(error)
                 self._put_error(error)
             else:
                 self._put_error(error)
@@ -693,6 +715,8 @@ class ClientCore(Generic[Q, F]):
             future.set_exception(ServerError.of("bad_reply", f"a {_tag(type(message))!r} answered request {req}, "
                                                 f"which takes {' or '.join(repr(_tag(r)) for r in replies)}"))
         elif future is not None:
+            if isinstance(message, protocol.Opened):  # its chunks follow at once: the caller's before it reads
+                self.session(message.session)
             future.set_result(message)
         elif isinstance(message, protocol.Opened) and self._close_orphan is not None:
             self._close_orphan(message.session)  # its open timed out or failed here: close it, never leak it

@@ -27,7 +27,7 @@ one session alone at its floor (``hopeless``: the real model on a CPU).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Literal
@@ -107,12 +107,28 @@ class CapacityModel:
         self.times = StageTimes(config.alpha)
         self.seats: dict[str, Seat] = {}
         self._order = 0
+        # the seats as the period sees them, ``(seats per (steps, size), least media seconds)``: kept between
+        # changes of the seats or their steps (``_changed``), so the per-chunk check costs the distinct settings
+        # served, not the sessions (every chunk of every session checks: O(sessions^2) a round otherwise)
+        self._mix: tuple[Counter[tuple[int, Size]], float] | None = None
+
+    def _changed(self) -> None:
+        """A seat came, went or changed its steps: the mix is computed again when next needed."""
+        self._mix = None
+
+    def _current_mix(self) -> tuple[Counter[tuple[int, Size]], float]:
+        if self._mix is None:
+            self._mix = (Counter((seat.steps, seat.size) for seat in self.seats.values()),
+                         min((seat.media_s for seat in self.seats.values()), default=0.0))
+        return self._mix
 
     # ------------------------------------------------------------------------------------------ prediction
 
     def period(self, plan: dict[str, int] | None = None, seats: list[Seat] | None = None) -> float | None:
         """The chunk period every session gets when ``seats`` (default: all) run ``plan``'s steps (default: their
         own); None when some stage time is unknown or there is no session."""
+        if plan is None and seats is None:
+            return self._current_period()
         seats = list(self.seats.values()) if seats is None else seats
         if not seats:
             return None
@@ -125,6 +141,22 @@ class CapacityModel:
                 if t is None:
                     return None
                 total += t
+            busiest = max(busiest, total)
+        return busiest
+
+    def _current_period(self) -> float | None:
+        """``period()`` of the seats as they run now, from their mix (the same sums, grouped by setting)."""
+        mix, _ = self._current_mix()
+        if not mix:
+            return None
+        busiest = 0.0
+        for stage in STAGES:
+            total = 0.0
+            for (steps, size), count in mix.items():
+                t = self.times.get(stage, steps, size)
+                if t is None:
+                    return None
+                total += count * t
             busiest = max(busiest, total)
         return busiest
 
@@ -174,12 +206,14 @@ class CapacityModel:
         self._order += 1
         self.seats[sid] = seat
         seat.steps = plan[sid]
+        self._changed()
         return Admission(True, {sid: seat.steps, **self._apply(plan, skip=sid)})
 
     def remove(self, sid: str) -> dict[str, int]:
         """A session is gone: the others climb back as far as real time allows. Returns the changes."""
         if self.seats.pop(sid, None) is None:
             return {}
+        self._changed()
         self._restart_periods()
         return self.rebalance(force=True)
 
@@ -195,11 +229,11 @@ class CapacityModel:
     def rebalance(self, force: bool = False, asked: str | None = None) -> dict[str, int]:
         """Recompute the steps (``force``), or only when the current steps are predicted to miss real time (the
         measurements moved). Returns the sessions whose steps changed."""
-        seats = list(self.seats.values())
-        if not force:
+        if not force:  # every chunk: no work per session here (``_mix``)
             period = self.period()
-            if period is None or all(s.media_s >= period for s in seats):
+            if period is None or self._current_mix()[1] >= period:
                 return {}
+        seats = list(self.seats.values())
         plan, fits = self.assign(seats)
         if fits is None:
             if asked is not None and asked in plan:  # cannot predict: the asking session gets what it asked
@@ -216,6 +250,7 @@ class CapacityModel:
             seat.why = "client" if sid == asked else "ladder_down" if steps < seat.steps else "ladder_up"
             seat.steps = steps
             changed[sid] = steps
+            self._changed()
         if changed or skip is not None:
             self._restart_periods()
         return changed

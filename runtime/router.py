@@ -72,6 +72,7 @@ import msgspec
 
 from ipc import protocol
 from ipc.metrics_types import Distribution, PartialSummary, RouterCounters, RouterTotals, ServerStats, SessionCounts
+from runtime.chunk_claims import migration_problem, open_problem, save_problem
 from runtime.clients import Clients
 from runtime.core_types import EXIT_OK, ClientError
 from runtime.migration import renamed
@@ -158,6 +159,8 @@ class RoutedSession:
     autosave: int | None = None  # the router's own save in flight (its request id): its answer is the router's
     snapshot: str | None = None  # the latest snapshot of it (the router's or its client's): where it resumes from
     snapshot_chunk: int = 0  # that snapshot's boundary chunk
+    first: int = 0  # the index of its stream's first chunk on its replica (a restore's boundary, else 0)
+    forwarded: int = 0  # chunks forwarded since (what a replica's save boundary is checked against)
     resume: int = 0  # the lowest control index it takes: after a migration, its snapshot's chunk
     migrating: bool = False  # its replica went down and its restore on another one is not answered yet
     own_snapshot: str | None = None  # the latest snapshot the router asked for (deleted when superseded or it ends)
@@ -518,7 +521,7 @@ class RouterCore:
         owner there: the router is the replica's client). One at a time: a save slower than K chunks delays the
         next."""
         every = self.config.snapshot_every
-        session.chunks += 1
+        session.chunks, session.forwarded = session.chunks + 1, session.forwarded + 1
         if not every or session.chunks < every or session.autosave is not None or session.closing:
             return
         # a negative request id: the replica echoes it, and no answer to the client's own requests (the SDK counts
@@ -541,9 +544,11 @@ class RouterCore:
         session.autosave = None
         if isinstance(message, protocol.Saved):
             self.autosaves += 1
-            self._snapshotted(replica, message)
-            self._drop_own(session)
-            session.own_snapshot = message.snapshot
+            if self._snapshotted(replica, message):
+                self._drop_own(session)
+                session.own_snapshot = message.snapshot
+            elif self.config.snapshots_dir:  # no place to resume from: not kept
+                self._emit(DropSnapshot(message.snapshot))
         else:  # e.g. the client's own save runs (busy): the next comes K chunks later
             log.info("session %s: the save on replica %s failed: %s: %s", session.id, replica.name, message.code,
                      message.message[:200])
@@ -555,10 +560,19 @@ class RouterCore:
             self._emit(DropSnapshot(session.own_snapshot))
         session.own_snapshot = None
 
-    def _snapshotted(self, replica: Replica, saved: protocol.Saved) -> None:
+    def _snapshotted(self, replica: Replica, saved: protocol.Saved) -> bool:
+        """Record ``saved`` as where its session resumes from; False when its boundary cannot be right
+        (``runtime.chunk_claims``). The latest answered is the newest: a replica saves a session one at a time."""
         session = self.sessions.get(saved.session)
-        if session is not None and session.replica == replica.name and saved.chunk >= session.snapshot_chunk:
-            session.snapshot, session.snapshot_chunk = saved.snapshot, saved.chunk
+        if session is None or session.replica != replica.name:
+            return False
+        num_chunks = session.opened.num_chunks if session.opened is not None else None
+        if (why := save_problem(saved.chunk, session.first, session.forwarded, num_chunks)) is not None:
+            log.warning("session %s: replica %s's snapshot %s is not kept: %s", session.id, replica.name,
+                        saved.snapshot[:64], why)
+            return False
+        session.snapshot, session.snapshot_chunk = saved.snapshot, saved.chunk
+        return True
 
     def _migrate(self, session: RoutedSession, down: Replica, text: str, now: float) -> bool:
         """Restore ``session`` (its replica ``down`` is going down) from its latest snapshot on another replica
@@ -591,14 +605,16 @@ class RouterCore:
         session = self.sessions.get(pending.migrating or "")
         taken = (message.session != pending.migrating and message.session in self.sessions) or \
             (replica.name, message.session) in self.aliases
-        if session is None or not session.migrating or taken:
+        wrong = None if session is None else migration_problem(message.first_chunk, session.snapshot_chunk)
+        if session is None or not session.migrating or taken or wrong:
             self._emit(ToReplica(replica.name, replica.generation,
                                  protocol.Close(req=self.new_req(), session=message.session)))
             if session is not None and session.migrating:  # its new id is in use here (random 48 bits: rare)
-                self._end_migrating(session, "failed", f"session {session.id} could not be restored: the id "
-                                    f"{message.session} is in use; open a new one")
+                self._end_migrating(session, "failed", f"session {session.id} could not be restored: " + (
+                    wrong or f"the id {message.session} is in use") + "; open a new one")
             return
         session.replica, session.migrating, session.resume, session.chunks = replica.name, False, message.first_chunk, 0
+        session.first, session.forwarded = message.first_chunk, 0
         session.upstream = "" if message.session == session.id else message.session
         if session.upstream:
             self.aliases[(replica.name, session.upstream)] = session.id
@@ -683,6 +699,8 @@ class RouterCore:
         why = None
         if message.session in self.sessions:  # another replica's session has this id (random 48 bits: rare)
             why = f"session id {message.session} is in use on another replica; open again"
+        elif (wrong := open_problem(message.first_chunk, message.num_chunks, pending.message.restore is not None)):
+            why = f"replica {replica.name} answered the open wrongly: {wrong}"
         elif (size := 3 * message.height * message.width * max(message.frames_first_chunk,
                                                                 message.frames_per_chunk)) > chunk_limit(self.config):
             why = (f"a chunk of this session ({message.height}x{message.width}) is {size / 2**20:.0f} MiB, more than "
@@ -697,7 +715,7 @@ class RouterCore:
         token = self.watchers.grant(message.session, message.watch_token or None)
         message = msgspec.structs.replace(message, req=pending.message.req, watch_token=token)
         self._add_session(RoutedSession(message.session, replica.name, pending.client, pending.client,
-                                        opened=message), now)
+                                        opened=message, first=message.first_chunk), now)
         self._emit(ToClient(pending.client, message, message.session))
 
     def _open_failed(self, replica: Replica, error: protocol.Error, now: float) -> None:

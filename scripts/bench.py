@@ -7,14 +7,13 @@
 
 Prints one table (chunk period mean/p90/p99, compute FPS, first-frame latency, control-to-output p50/p90, DiT
 idle fraction, peak RSS) with the ratio of the second column to the first, checks that both sides produced
-bit-identical frames (exit code 2 and a loud message if not), and writes ``out/bench.json`` and a timeline of
-the first 8 chunks per rank and role for both sides (``out/bench_timeline.png``).
+bit-identical frames (exit code 2 and a loud message if not), and writes ``$OUT/bench.json`` and a timeline of
+the first 8 chunks per rank and role for both sides (``$OUT/bench_timeline.png``; ``out/`` without ``$OUT``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,25 +21,23 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ipc.protocol import to_builtins
 from runtime.config import ConfigError, load, resolve_path
 from scripts.bench_common import (
     DEFAULT_IMAGE,
     DEFAULT_TRACE,
     EXIT_FRAMES_DIFFER,
-    OUT_DIR,
     Costs,
     Play,
     Run,
     compare_frames,
     fmt,
-    now_stamp,
     plot_timeline,
     ratio,
     serve_and_play,
     summarize,
     table,
 )
+from scripts.bench_json import out_path, parse_args, write_json
 
 MODEL_CONFIG = "cpu-tiny-model"
 
@@ -118,7 +115,8 @@ def ab(args: argparse.Namespace) -> int:
     print("\n" + text)
     plot_timeline(runs, args.png, chunks=8, title=header)
     write_json(args.json, {"kind": f"ab-{what}", "costs": vars(costs) if costs else None, "table": text,
-                           "summaries": summaries, "frames_differ": differ, "runs": runs_json(runs)})
+                           "summaries": summaries, "frames_differ": differ, "runs": runs_json(runs)},
+               smoke=args.smoke)
     print(f"wrote {args.json} and {args.png}")
     strict = not args.layout or all(load(r.config).model.kind == "synthetic" for r in runs)
     if differ and strict:  # real-model layouts with other DiT degrees may legitimately differ in the last bits
@@ -154,7 +152,8 @@ def overhead(args: argparse.Namespace) -> int:
     plot_timeline(runs, png, chunks=8, title=f"{args.config}, zero-cost stages")
     write_json(args.json.with_name("bench_overhead.json"), {"kind": "overhead", "table": text,
                                                             "payload_bytes": payloads, "summaries": summaries,
-                                                            "frames_differ": differ, "runs": runs_json(runs)})
+                                                            "frames_differ": differ, "runs": runs_json(runs)},
+               smoke=args.smoke)
     print(f"wrote {args.json.with_name('bench_overhead.json')} and {png}")
     if differ:  # the schedule must never change what is computed
         print(f"FAIL: serial and prefetch frames are not bit-identical (chunks {differ})", file=sys.stderr)
@@ -203,11 +202,6 @@ def runs_json(runs: list[Run]) -> dict[str, Any]:
     return {r.label: {"config": r.config, "mode": r.mode, "summary": r.summary, "chunks": r.chunks} for r in runs}
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"when": now_stamp(), **payload}, indent=1, default=to_builtins))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     what = parser.add_mutually_exclusive_group()
@@ -221,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="chunks left out of the steady statistics")
     parser.add_argument("--image", type=Path, default=DEFAULT_IMAGE)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="recorded controls (and the seed)")
-    parser.add_argument("--json", type=Path, default=OUT_DIR / "bench.json")
-    parser.add_argument("--png", type=Path, default=OUT_DIR / "bench_timeline.png")
-    args = parser.parse_args(argv)
+    parser.add_argument("--json", type=Path, default=out_path("bench.json"))
+    parser.add_argument("--png", type=Path, default=out_path("bench_timeline.png"))
+    args = parse_args(parser, argv, {"unit": 0.02, "chunks": 4, "warmup": 1, "config": "cpu-mini"})
     return overhead(args) if args.overhead else ab(args)
 
 

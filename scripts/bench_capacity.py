@@ -18,14 +18,13 @@ Each phase (n sessions present) records the server's predicted chunk period and 
   put n + 1 sessions at their lowest steps beyond real time with the margin;
 - the predicted period is within 10 % of the measured one at p50 over every session of every phase.
 
-Saves everything to out/bench_capacity.json.
+Saves everything to $OUT/bench_capacity.json (``scripts.bench_json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import json
 import sys
 import threading
 import time
@@ -41,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ipc.client import Busy, ChunkResult, Client, ServerError
 from ipc.metrics_types import CapacityStats, SeatStats
 from scripts.bench_common import fmt, table
-from scripts.local_server import ROOT, LocalServer
+from scripts.bench_json import out_path, parse_args, write_json
+from scripts.local_server import LocalServer
 
 CONFIG = "cpu-capacity"
 MEDIA_S = 12 / 16  # a steady chunk of the config: 12 frames at 16 fps
@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=int, default=4, help="chunks per session after each change before measuring")
     parser.add_argument("--hold", type=int, default=8, help="chunks per session measured in the final phase")
     parser.add_argument("--max-sessions", type=int, default=8)
-    parser.add_argument("--json", type=Path, default=ROOT / "out" / "bench_capacity.json")
-    args = parser.parse_args(argv)
+    parser.add_argument("--json", type=Path, default=out_path("bench_capacity.json"))
+    args = parse_args(parser, argv, {"settle": 1, "hold": 2, "max_sessions": 2})
     on = run("newest", args.settle, args.hold, args.max_sessions)
     off = run("off", args.settle, args.hold, args.max_sessions)
     rows = [("phase", "sessions", "steps", "predicted period", "measured p50", "predicted RTF", "measured RTF p10")]
@@ -242,10 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in (on, off):
         if r["refusal"]:
             print(f"ladder {r['ladder']}: refused session {r['refusal']['sessions'] + 1}: {r['refusal']['message']}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"config": CONFIG, "media_s": MEDIA_S, "ladder_on": on, "ladder_off": off,
-                                     "verdicts": [{"name": n, "value": v, "target": t, "pass": ok}
-                                                  for n, v, t, ok in checks]}, indent=1))
+    write_json(args.json, {"config": CONFIG, "media_s": MEDIA_S, "ladder_on": on, "ladder_off": off,
+                           "verdicts": [{"name": n, "value": v, "target": t, "pass": ok} for n, v, t, ok in checks]},
+               smoke=args.smoke)
     print(f"saved {args.json}")
     return 0 if all(ok for *_, ok in checks) and on["exit_code"] == 0 == off["exit_code"] else 1
 

@@ -33,13 +33,14 @@ from ipc.client import ChunkResult, Client
 from ipc.metrics_types import ServerStats, SessionSummary
 from ipc.protocol import ChunkFacts, Span
 from runtime.metrics import stage_extent
+from scripts.bench_json import out_dir
 from scripts.client import Played, load_trace, play
 from scripts.local_server import ROOT, LocalServer
 
 RATIO = (0.25, 0.60, 0.30)  # E:D:V of the design note
 DEFAULT_IMAGE = ROOT / "assets" / "start.png"
 DEFAULT_TRACE = ROOT / "assets" / "demo_trace.json"
-OUT_DIR = ROOT / "out"
+OUT_DIR = out_dir()  # $OUT, else out/ (``scripts.bench_json``)
 EXIT_FRAMES_DIFFER = 2  # every benchmark's exit code when its frames are not what they must be
 STAGE_COLOURS = {
     "condition": "#4c9be8",

@@ -1,6 +1,6 @@
 """Benchmark of the DiT on CPU: per-pass and per-chunk time, SP=1 vs SP=5 (5 gloo processes), FLOPs.
 
-Usage: ``python scripts/bench_dit.py [--chunks 3] [--out out/bench_dit.json]``. Absolute CPU times are noise
+Usage: ``python scripts/bench_dit.py [--chunks 3] [--out $OUT/bench_dit.json]``. Absolute CPU times are noise
 on a shared machine; the ratios printed at the end (SP=5 / SP=1, small / tiny) are measured in one run. The
 FLOP count per chunk comes from the config (``models.dit.chunk_flops``), so GPU runs can report utilisation;
 the full v1 model at 480x832 with an 18-frame window is printed for comparison with DESIGN.md (~1.15 PFLOP).
@@ -28,6 +28,7 @@ from models.dit import DiTConfig, WanModelFast, apply_sequence_parallel, chunk_f
 from models.kv_cache import new_kv_cache
 from models.lingbot_denoise import NoiseSource, denoise_chunk
 from models.schedule import FlowMatchSchedule
+from scripts.bench_json import out_path, parse_args, write_json
 
 # (preset, latent height, latent width): the tiny fixture grid and a small 64x96-pixel stream.
 CASES = [("tiny", 4, 6), ("small", 8, 12)]
@@ -74,12 +75,12 @@ def _barrier(group: dist.ProcessGroup | None) -> None:
         dist.barrier(group)
 
 
-def _worker(rank: int, port: int, chunks: int, out_dir: str) -> None:
+def _worker(rank: int, port: int, chunks: int, out_dir: str, cases: list[tuple[str, int, int]]) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=SP_RANKS)
     try:
-        results = {f"{p}_{h}x{w}": measure(p, h, w, chunks, dist.group.WORLD) for p, h, w in CASES}
+        results = {f"{p}_{h}x{w}": measure(p, h, w, chunks, dist.group.WORLD) for p, h, w in cases}
         if rank == 0:
             (Path(out_dir) / "sp.json").write_text(json.dumps(results))
         dist.barrier()
@@ -87,28 +88,29 @@ def _worker(rank: int, port: int, chunks: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=3, help="measured chunks after one warm-up chunk")
-    parser.add_argument("--out", type=Path, default=Path("out/bench_dit.json"))
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=out_path("bench_dit.json"))
+    parser.add_argument("--presets", default="tiny,small", help="comma-separated subset of the presets measured")
+    args = parse_args(parser, argv, {"chunks": 1, "presets": "tiny"})
+    cases = [case for case in CASES if case[0] in args.presets.split(",")]
     torch.set_num_threads(1)
-    sp1 = {f"{p}_{h}x{w}": measure(p, h, w, args.chunks, None) for p, h, w in CASES}
+    sp1 = {f"{p}_{h}x{w}": measure(p, h, w, args.chunks, None) for p, h, w in cases}
     with tempfile.TemporaryDirectory() as tmp:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_worker, args=(port, args.chunks, tmp), nprocs=SP_RANKS, join=True)
+        mp.spawn(_worker, args=(port, args.chunks, tmp, cases), nprocs=SP_RANKS, join=True)
         sp5 = json.loads((Path(tmp) / "sp.json").read_text())
-    flops = {f"{p}_{h}x{w}": chunk_flops(DiTConfig.from_name(p), h, w) for p, h, w in CASES}
+    flops = {f"{p}_{h}x{w}": chunk_flops(DiTConfig.from_name(p), h, w) for p, h, w in cases}
     for name, (lh, lw) in {
         "lingbot-world-fast-v1_480x832": (60, 104),
         "lingbot-world-fast-v2_480x832": (60, 104),
     }.items():
         flops[name] = chunk_flops(DiTConfig.from_name(name.rsplit("_", 1)[0]), lh, lw)
     result = {"sp1": sp1, f"sp{SP_RANKS}": sp5, "flops": flops, "threads_per_rank": 1, "chunks": args.chunks}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result, smoke=args.smoke)
     for case in sp1:
         a, b = sp1[case], sp5[case]
         gflop = flops[case]["per_chunk"] / 1e9
@@ -118,13 +120,15 @@ def main() -> None:
             f"  | SP{SP_RANKS}/SP1 chunk {b['chunk_ms'] / a['chunk_ms']:.2f}x  | {gflop:.4f} GFLOP/chunk"
             f" ({gflop / (a['chunk_ms'] / 1e3):.2f} GFLOP/s at SP1)"
         )
-    small, tiny = sp1["small_8x12"], sp1["tiny_4x6"]
-    print(f"small/tiny chunk time at SP1: {small['chunk_ms'] / tiny['chunk_ms']:.2f}x")
+    if {"small_8x12", "tiny_4x6"} <= set(sp1):
+        small, tiny = sp1["small_8x12"], sp1["tiny_4x6"]
+        print(f"small/tiny chunk time at SP1: {small['chunk_ms'] / tiny['chunk_ms']:.2f}x")
     for name in ("lingbot-world-fast-v1_480x832", "lingbot-world-fast-v2_480x832"):
         f = flops[name]
         print(f"{name}: {f['per_chunk'] / 1e15:.3f} PFLOP/chunk ({f['per_pass'] / 1e15:.3f} per pass)")
     print(f"full results: {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

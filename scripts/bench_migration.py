@@ -12,7 +12,7 @@ Then ``--trials`` times: a session through the K router is stepped one chunk at 
 arrived) until the router has saved it, rank 1 of the replica holding it is SIGKILLed, and we time kill -> the
 client's ``migrated`` notice and kill -> the first frame on the survivor (the client sends the control of the resume
 chunk when told). The killed replica is restarted at its endpoint before the next trial. Saves
-``out/bench_migration.json``.
+``$OUT/bench_migration.json`` (``scripts.bench_json``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import Client, SessionMigrated
+from scripts.bench_json import out_path, parse_args, write_json
 from scripts.local_router import LocalRouter
 from scripts.local_server import ROOT, LocalServer
 from tests.test_router import free_port, replica_of, wait_for
@@ -80,13 +81,14 @@ def migration(router: LocalRouter, servers: dict[str, LocalServer]) -> dict[str,
             "streamed": index, "again": index - resume}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--chunks", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--trials", type=int, default=2)
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, default=out_path("bench_migration.json"))
+    args = parse_args(parser, argv, {"every": 2, "chunks": 6, "rounds": 1, "trials": 1})
     folder = tempfile.TemporaryDirectory(prefix="bench-migration-")
     ports = {"a": free_port(), "b": free_port()}
 
@@ -125,6 +127,8 @@ def main() -> int:
                       flush=True)
                 dead = trial["replica"]
                 servers[dead].wait(timeout_s=30)
+                if n == args.trials - 1:
+                    break  # restarted for a next trial only
                 servers[dead] = replica(dead)
                 started.append(servers[dead])
                 servers[dead].start()
@@ -138,9 +142,7 @@ def main() -> int:
     result["period_on_s"] = statistics.median(r["on"] for r in rounds)
     result["ratio"] = statistics.median(r["ratio"] for r in rounds)
     print(json.dumps({k: v for k, v in result.items() if k not in ("rounds", "migrations")}))
-    out = ROOT / "out" / "bench_migration.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_json(args.json, result, smoke=args.smoke)
     return 0
 
 

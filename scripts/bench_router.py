@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 import zmq
 
@@ -53,13 +54,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import Busy, Client
 from ipc.metrics_types import RouterCounters
-from scripts.bench_common import distribution, fmt, table
+from scripts.bench_common import distribution, fmt, ratio, table
+from scripts.bench_json import out_path, parse_args, write_json
 from scripts.client import Played, load_trace, play
 from scripts.local_router import LocalRouter, Streamer
 from scripts.local_server import ROOT, LocalServer
 
 WARMUP = 2
-IDLE_S = 5.0
+IDLE_S = 5.0  # the router's idle CPU is measured this long (``--idle-s``)
 
 
 def free_port() -> int:
@@ -253,8 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paced-chunks", type=int, default=20)
     parser.add_argument("--no-failover", action="store_true")
     parser.add_argument("--size", default="160x256", help="frame height x width of the replicas' streams")
-    parser.add_argument("--json", type=Path, default=ROOT / "out" / "bench_router.json")
-    args = parser.parse_args(argv)
+    parser.add_argument("--idle-s", type=float, default=IDLE_S, help="seconds the router's idle CPU is measured")
+    parser.add_argument("--json", type=Path, default=out_path("bench_router.json"))
+    args = parse_args(parser, argv, {"sessions": 2, "chunks": 6, "rounds": 1, "pace": 0.05, "paced_chunks": 4,
+                                     "no_failover": True, "idle_s": 0.5})
     k = args.sessions
     if k < 2 or k % 2:
         parser.error("--sessions must be even and >= 2")
@@ -269,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     replica = [f"--server.max_sessions={2 * k}", "--server.send_hwm=512",  # the mixed phase holds 3K/2
                f"--stream.height={height}", f"--stream.width={width}"]
     overrides = {n: [*replica, f"--server.port={p}"] for n, p in ports.items()}
-    log_dir = ROOT / "out"
-    log_dir.mkdir(exist_ok=True)
+    log_dir = args.json.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
     a = LocalServer("cpu-mini", overrides["a"], log_path=log_dir / "bench-router-a.log")
     b = LocalServer("cpu-mini", overrides["b"], log_path=log_dir / "bench-router-b.log")
     router = LocalRouter([(n, f"tcp://127.0.0.1:{p}", 2 * k) for n, p in ports.items()],
@@ -297,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"two cpu-mini replicas and the router up; {k} sessions x {args.chunks} chunks, {args.rounds} rounds",
               flush=True)
         cpu0, began = cpu_seconds(router.process.pid), time.monotonic()
-        time.sleep(IDLE_S)  # its heartbeats, stats reads and timer turns with no session: subtracted below
+        time.sleep(args.idle_s)  # its heartbeats, stats reads and timer turns with no session: subtracted below
         idle_cores = (cpu_seconds(router.process.pid) - cpu0) / (time.monotonic() - began)
         modes = ("direct", "routed", "mixed", "player")
         direct_ends = [a.endpoint] * (k // 2) + [b.endpoint] * (k // 2)
@@ -322,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                 servers.append(b)
                 timings = {key: round(v, 3) for key, v in failovers[label].items() if key != "error"}
                 print(f"  failover {label}: {json.dumps(timings)}", flush=True)
-        hold = router_counters(router).chunk_hold_s
+        hold = msgspec.to_builtins(router_counters(router).chunk_hold_s)  # a typed Distribution: read as a dict
     finally:
         for forwarder in forwarders:
             if forwarder.is_alive():
@@ -367,13 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         "delivery_latency_routed_eager_s": pooled("routed", "latencies"),
         "cost_player": cost("player"), "cost_eager": cost("routed"), "router_chunk_hold_s": hold,
         "aggregate_rate_direct_per_s": direct_rate, "aggregate_rate_routed_per_s": routed_rate,
-        "rate_ratio": sum(routed_rate) / sum(direct_rate),
-        "rate_ratio_by_round": [r / d for d, r in zip(direct_rate, routed_rate)],
+        "rate_ratio": ratio(sum(routed_rate), sum(direct_rate)),  # None: no window where all sessions streamed
+        "rate_ratio_by_round": [ratio(r, d) for d, r in zip(direct_rate, routed_rate)],
         "every_chunk_in_order": all(r["in_order"] for rs in phases.values() for r in rs),
         "failover": failovers,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(facts, indent=1))
+    write_json(args.json, facts, smoke=args.smoke)
     eager, routed_eager = pooled("direct", "latencies"), pooled("routed", "latencies")
     rows = [
         ["mixed (players): delivery p50", fmt(mixed_direct["p50"]), fmt(mixed_routed["p50"]),
@@ -387,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         ["eager phases: delivery p50", fmt(eager["p50"]), fmt(routed_eager["p50"]),
          fmt(routed_eager["p50"] - eager["p50"])],
         ["aggregate chunk rate (eager, chunks/s)", f"{sum(direct_rate) / len(direct_rate):.2f}",
-         f"{sum(routed_rate) / len(routed_rate):.2f}", f"ratio {facts['rate_ratio']:.3f}"],
+         f"{sum(routed_rate) / len(routed_rate):.2f}", f"ratio {fmt(facts['rate_ratio'], 'x')}"],
     ]
     print(table(["", "direct", "routed", "router adds"], rows))
     def us(value: float | None) -> str:

@@ -10,7 +10,7 @@ with unit 0.2 (D = 120 ms) that fixed cost is 7% of D and the period and busy ta
 
 One run starts the serial server, plays the trace eagerly (every control sent as soon as the rules admit it),
 then the prefetch server, which plays it eagerly and then reactively (control[i] only after frames[i-1]
-arrived). Prints one table with a verdict per target and writes everything to ``out/bench_schedule.json``.
+arrived). Prints one table with a verdict per target and writes everything to ``$OUT/bench_schedule.json``.
 
 Targets for the prefetch pipeline, eager client: steady chunk period within 5% of D; DiT busy >= 95% of the
 steady window; serial/prefetch period ratio >= 1.8 (ideal (E+D+V)/D = 1.92). Reactive client: ideal period
@@ -20,28 +20,25 @@ D + V with control-to-output at its floor D + V (reported, no verdict).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ipc.protocol import to_builtins
 from scripts.bench_common import (
     DEFAULT_IMAGE,
     DEFAULT_TRACE,
-    OUT_DIR,
     Costs,
     Play,
     compare_frames,
     fmt,
-    now_stamp,
     ratio,
     serve_and_play,
     summarize,
     table,
 )
+from scripts.bench_json import out_path, parse_args, write_json
 
 PERIOD_TOLERANCE = 0.05
 BUSY_TARGET = 0.95
@@ -136,20 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="cpu-tiny")
     parser.add_argument("--image", type=Path, default=DEFAULT_IMAGE)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    parser.add_argument("--json", type=Path, default=OUT_DIR / "bench_schedule.json")
-    args = parser.parse_args(argv)
+    parser.add_argument("--json", type=Path, default=out_path("bench_schedule.json"))
+    args = parse_args(parser, argv, {"unit": 0.02, "chunks": 4, "warmup": 1, "config": "cpu-mini"})
     costs = Costs.from_unit(args.unit)
     result = measure(args, costs)
     result["verdicts"] = verdicts(result["summaries"], costs)
     text = report(result, costs, args)
     print("\n" + text)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
-        "when": now_stamp(), "config": args.config, "chunks": args.chunks, "warmup": args.warmup, "unit_s": args.unit,
+    write_json(args.json, {
+        "config": args.config, "chunks": args.chunks, "warmup": args.warmup, "unit_s": args.unit,
         "costs": vars(costs), "verdicts": result["verdicts"],
         "summaries": result["summaries"], "frames_differ": result["frames_differ"], "table": text,
         "runs": {k: {"summary": r.summary, "chunks": r.chunks} for k, r in result["runs"].items()},
-    }, indent=1, default=to_builtins))
+    }, smoke=args.smoke)
     print(f"wrote {args.json}")
     return 0 if all(v["ok"] for v in result["verdicts"]) and not any(result["frames_differ"].values()) else 1
 

@@ -7,7 +7,7 @@ Synthetic backend, prefetch schedule, stage costs E:D:V = 0.25:0.60:0.30 x unit.
 chunks eagerly; once A has emitted 4 chunks, session B opens and streams half as many. Reported: B's time to
 first frame next to A's (alone), when B's first frame came relative to A's last, both sessions' chunk periods
 while they overlap (ideal: 2 D each, the DiT alternating), the combined emission rate during the overlap against
-the DiT's 1 / D, and the longest wait between two chunks of B (no starvation). Saves out/bench_sessions.json.
+the DiT's 1 / D, and the longest wait between two chunks of B (no starvation). Saves $OUT/bench_sessions.json.
 
 Correctness: B plays the first half of A's controls with A's image and seed, so B's frames must equal A's first
 chunks bit for bit (sharing the ranks changes nothing a session computes); exit code 2 when they do not.
@@ -16,7 +16,6 @@ chunks bit for bit (sharing the ranks changes nothing a session computes); exit 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import Client
 from scripts.bench_common import EXIT_FRAMES_DIFFER, frame_digest
+from scripts.bench_json import out_path, parse_args, write_json
 from scripts.client import Played, load_trace, play
 from scripts.local_server import ROOT, LocalServer
 
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unit", type=float, default=0.2)
     parser.add_argument("--chunks", type=int, default=24)
     parser.add_argument("--config", default="cpu-tiny")
-    parser.add_argument("--json", type=Path, default=ROOT / "out" / "bench_sessions.json")
-    args = parser.parse_args(argv)
+    parser.add_argument("--json", type=Path, default=out_path("bench_sessions.json"))
+    args = parse_args(parser, argv, {"unit": 0.02, "chunks": 8, "config": "cpu-mini"})
     e, d, v = 0.25 * args.unit, 0.60 * args.unit, 0.30 * args.unit
     costs = [f"--synthetic.encode_s={e}", f"--synthetic.denoise_s={d}", f"--synthetic.decode_s={v}"]
     trace = load_trace(ROOT / "assets" / "demo_trace.json")
@@ -82,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     a_digests, b_digests = [frame_digest(c) for c in a.chunks], [frame_digest(c) for c in b.chunks]
     differ = [i for i in range(args.chunks // 2) if i >= len(b_digests) or b_digests[i] != a_digests[i]]
     facts["frames_differ"] = differ
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(facts, indent=1))
+    write_json(args.json, facts, smoke=args.smoke)
     print(f"two sessions, synthetic E/D/V = {e * 1e3:.0f}/{d * 1e3:.0f}/{v * 1e3:.0f} ms, prefetch")
     for key, value in facts.items():
         print(f"  {key:32s} {value:.3f}" if isinstance(value, float) else f"  {key:32s} {value}")

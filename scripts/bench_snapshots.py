@@ -8,7 +8,7 @@ and runs its remaining chunks. Prints per repeat and the medians: the snapshot's
 DiT (``pause_s``: from the boundary to every rank's copy; ``wait_s``: from the request to the boundary), the
 slowest rank's write and hash (``write_s``), the save round trip seen by the client, the time from
 ``open(restore=...)`` to its ``opened`` and to its first chunk, against a fresh ``open`` of the same session.
-Saves everything to out/bench_snapshots_<config>.json.
+Saves everything to $OUT/bench_snapshots.json (``--json``: elsewhere; ``scripts.bench_json``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import Client
+from scripts.bench_json import out_path, parse_args, write_json
 from scripts.local_server import ROOT, LocalServer
 
 IMAGE = (ROOT / "assets" / "start.png").read_bytes()
@@ -57,13 +58,15 @@ def one(client: Client, before: int, after: int) -> dict[str, Any]:
             "restore_first_chunk_s": restore_first_chunk_s}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="cpu-tiny")
     parser.add_argument("--before", type=int, default=4)
     parser.add_argument("--after", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, default=out_path("bench_snapshots.json"))
+    # (after 2: the save is not of the last chunk, which the server refuses)
+    args = parse_args(parser, argv, {"before": 2, "after": 2, "repeats": 1, "config": "cpu-mini"})
     with tempfile.TemporaryDirectory() as folder, \
             LocalServer(args.config, [f"--snapshots.dir={folder}"]) as server, Client(server.endpoint) as client:
         runs = [one(client, args.before, args.after) for _ in range(args.repeats)]
@@ -71,9 +74,7 @@ def main() -> int:
     for run in runs:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in run.items()}))
     print("median", json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in medians.items()}))
-    out = ROOT / "out" / f"bench_snapshots_{args.config}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"config": args.config, "runs": runs, "median": medians}, indent=1))
+    write_json(args.json, {"config": args.config, "runs": runs, "median": medians}, smoke=args.smoke)
     return 0
 
 

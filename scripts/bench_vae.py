@@ -8,23 +8,26 @@ For the ``tiny`` and ``small`` presets (random weights, CPU, one thread by defau
 - whole-clip decode of K*cs latent frames vs the streaming decoder chunk by chunk.
 
 It also counts the FLOPs per chunk of the full-size ``wan2.1`` preset at 480x832 (meta device, no compute), for
-the first chunk and a steady-state chunk. Results go to ``out/bench_vae.json``; ratios are printed.
+the first chunk and a steady-state chunk. Results go to ``$OUT/bench_vae.json``; ratios are printed.
 
-Usage: ``python -m scripts.bench_vae [--chunk-size 3] [--chunks 3] [--threads 1] [--out out/bench_vae.json]``
+Usage: ``python -m scripts.bench_vae [--chunk-size 3] [--chunks 3] [--threads 1] [--out FILE] [--smoke]``
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file too, not only with -m
+
 from models.vae import VAEConfig, WanVAE, decode_flops, encode_flops
 from models.vae_stream import ConditionEncoder, FrameDecoder
+from scripts.bench_json import out_path, parse_args, write_json
 
 SIZES = {"tiny": (64, 96), "small": (32, 48)}  # CPU-friendly frame sizes per preset (H, W)
 
@@ -103,14 +106,14 @@ def flops_at_480p(cs: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--chunk-size", type=int, default=3)
     parser.add_argument("--chunks", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--presets", default="tiny,small")
-    parser.add_argument("--out", type=Path, default=Path("out/bench_vae.json"))
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=out_path("bench_vae.json"))
+    args = parse_args(parser, argv, {"chunks": 2, "chunk_size": 1, "presets": "tiny"})
     torch.set_num_threads(args.threads)
     results = [bench_preset(p, args.chunk_size, args.chunks) for p in args.presets.split(",")]
     flops = {f"cs{cs}": flops_at_480p(cs) for cs in sorted({3, 4, args.chunk_size})}
@@ -124,10 +127,10 @@ def main() -> None:
               f"(chunks {', '.join(f'{t * 1e3:.0f}' for t in r['decode_stream_chunk_s'])} ms)")  # fmt: skip
     for key, f in flops.items():
         print(f"wan2.1 480x832 {key}: " + ", ".join(f"{k} {v / 1e12:.2f} TFLOP" for k, v in f.items()))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"threads": args.threads, "presets": results, "flops_480x832": flops}, indent=1))
+    write_json(args.out, {"threads": args.threads, "presets": results, "flops_480x832": flops}, smoke=args.smoke)
     print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

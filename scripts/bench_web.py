@@ -1,7 +1,7 @@
 """The web gateway measured side by side: input-to-photon in the page against ``scripts/client.py --live``, the
 gateway's CPU per stream, and the bytes per second a stream costs at 160x256 and 480x832 (height x width).
 
-    python scripts/bench_web.py [--rounds 3] [--seconds 8] [--json out/bench_web.json]
+    python scripts/bench_web.py [--rounds 3] [--seconds 8] [--sizes 160x256,480x832] [--no-page] [--json FILE]
 
 1. One ``cpu-tiny`` server (the config's stage costs) and a gateway. Each round plays the same input timeline (the
    built-in one of ``scripts/client.py --live``) twice, alternating: once by keys and mouse in headless Chromium on
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import Client
 from scripts import client as tool
+from scripts.bench_json import out_path, parse_args, write_json
 from scripts.browser import CHROMIUM, launch, wait_until
 from scripts.local_gateway import LocalGateway
 from scripts.local_server import ROOT, LocalServer
@@ -188,12 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--json", type=Path, default=ROOT / "out" / "bench_web.json")
-    args = parser.parse_args(argv)
+    parser.add_argument("--sizes", default="160x256,480x832", help="frame sizes (height x width) of step 3")
+    parser.add_argument("--no-page", action="store_true", help="skip step 1 (the page in Chromium)")
+    parser.add_argument("--json", type=Path, default=out_path("bench_web.json"))
+    args = parse_args(parser, argv, {"rounds": 1, "seconds": 1.0, "sizes": "160x256", "no_page": True})
     results: dict[str, Any] = {}
     try:
         import playwright  # noqa: F401
-        browser = CHROMIUM.exists()
+        browser = CHROMIUM.exists() and not args.no_page
     except ImportError:
         browser = False
     if browser:
@@ -212,11 +214,11 @@ def main(argv: list[str] | None = None) -> int:
               f"client.py sessions {c2o_client['p50']:.0f} ms; gateway CPU while a page plays "
               f"{photon['gateway_cpu_cores_while_a_page_plays']:.3f} cores")
     else:
-        print("(no /usr/bin/chromium or no playwright: the page's input-to-photon is not measured)")
+        print("(--no-page, or no /usr/bin/chromium or no playwright: the page's input-to-photon is not measured)")
     print("bytes and gateway CPU per stream:", flush=True)
-    results["streams"] = bytes_and_cpu((160, 256), args.seconds) + bytes_and_cpu((480, 832), args.seconds)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=1))
+    sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
+    results["streams"] = [row for height, width in sizes for row in bytes_and_cpu((height, width), args.seconds)]
+    write_json(args.json, results, smoke=args.smoke)
     print(f"wrote {args.json}")
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ipc.protocol import ChunkControl, ChunkFacts, ChunkTimes, Span
-from runtime.capacity import CapacityModel, stage_busy
+from runtime.capacity import CapacityModel, StageTimes, stage_busy
 from runtime.config import CapacityConfig
 
 SIZE = (160, 256)
@@ -179,3 +179,32 @@ def test_a_session_alone_runs_the_steps_it_asked_for_even_when_they_miss_real_ti
         m.on_chunk("a", facts(i, 4, float(i), {**COSTS, "denoise": 0.8}), warm=False)
     assert m.rebalance() == {} and m.seats["a"].steps == 4
     assert m.admit("b", SIZE, MEDIA, 4, 1).changed == {"a": 1, "b": 1}  # sharing: the ladder makes room
+
+
+class CountedTimes(StageTimes):
+    """The model's stage times, counting the lookups (how much work a chunk costs the model)."""
+
+    lookups = 0
+
+    def get(self, stage: str, steps: int, size: tuple[int, int]) -> float | None:
+        self.lookups += 1
+        return super().get(stage, steps, size)
+
+
+def test_each_chunk_costs_the_model_the_settings_served_not_the_sessions() -> None:
+    """``rebalance()`` runs on every emitted chunk: its period was summed over every session (O(sessions^2) a
+    round); now over the distinct (steps, size) settings, summed again only when a seat or its steps change."""
+    m = model(admission="count", margin=0.0)
+    m.times = CountedTimes(1.0)
+    sessions = [f"s{n}" for n in range(200)]
+    for n, sid in enumerate(sessions):
+        m.admit(sid, SIZE if n % 2 else (320, 512), 1e9, 4, 4)  # a huge media time: always in real time
+    for sid in sessions[:2]:
+        measured(m, sid)
+    m.times.lookups = 0
+    for i, sid in enumerate(sessions):  # one round: a chunk of every session
+        m.on_chunk(sid, facts(4 + i, 4, 4.0 + i), warm=False)
+        assert m.rebalance() == {}
+    assert m.times.lookups <= len(sessions) * 3 * 2, m.times.lookups  # per chunk: 3 stages x 2 settings
+    seats = list(m.seats.values())  # the same period as summed seat by seat
+    assert m.period() == pytest.approx(m.period({s.sid: s.steps for s in seats}, seats))
