@@ -31,6 +31,7 @@ CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "squeue")
 NODE_CPUS = 256  # claimed, not real: every recipe's --cpus-per-task fits, twice over
 NODE_GPUS = 16  # fake devices: two 7-GPU replicas and a spare
 UP_TIMEOUT_S = 60.0
+CRED_EXPIRE_S = 10
 
 
 def missing() -> list[str]:
@@ -49,7 +50,9 @@ def free_port() -> int:
 
 
 def slurm_conf(folder: Path, node: str, ctld_port: int, slurmd_port: int) -> str:
-    munge = f"socket={folder / 'munge' / 'munge.socket'}"
+    # cred_expire: a requeued batch job waits this long (+1 s) before it may start again; Slurm's 120 s default
+    # would be most of the tests' time. Still ample for a step's launch credential on a loaded machine.
+    munge = f"socket={folder / 'munge' / 'munge.socket'},cred_expire={CRED_EXPIRE_S}"
     return "\n".join([
         "ClusterName=worldstream-test",
         f"SlurmctldHost={node}(127.0.0.1)",
