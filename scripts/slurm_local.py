@@ -28,8 +28,8 @@ from types import TracebackType
 
 DAEMONS = {"munged": "/usr/sbin/munged", "slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd"}
 CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "squeue")
-NODE_CPUS = 256  # claimed, not real: every recipe's --cpus-per-task fits, twice over
-NODE_GPUS = 16  # fake devices: two 7-GPU replicas and a spare
+NODE_CPUS = 1024  # claimed, not real: every recipe's --cpus-per-task fits, for several jobs at once
+NODE_GPUS = 64  # fake devices: the tests run a handful of 7-GPU jobs side by side
 UP_TIMEOUT_S = 60.0
 CRED_EXPIRE_S = 10
 
@@ -196,9 +196,12 @@ class LocalSlurm:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        for pid in self.job_processes():  # re-parented leftovers linuxproc never reaped
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while (left := self.job_processes()) and time.monotonic() < deadline:
+            for pid in left:  # re-parented leftovers linuxproc never reaped
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)  # a killed process stays listed until the kernel has torn it down
 
     def __enter__(self) -> LocalSlurm:
         try:
