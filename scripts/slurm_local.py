@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 
 DAEMONS = {"munged": "/usr/sbin/munged", "slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd"}
-CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "squeue")
+CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "sinfo")
 NODE_CPUS = 1024  # claimed, not real: every recipe's --cpus-per-task fits, for several jobs at once
 NODE_GPUS = 64  # fake devices: the tests run a handful of 7-GPU jobs side by side
 UP_TIMEOUT_S = 60.0
