@@ -278,6 +278,15 @@ def test_a_replica_without_a_router_endpoint_fails_at_once_saying_so(cluster: Cl
         assert not cluster.processes(job)
 
 
+def test_a_replica_with_a_configuration_error_fails_once_and_is_not_requeued(cluster: Cluster) -> None:
+    env = {**REPLICA_ENV, "ROUTER": "tcp://127.0.0.1:1"}
+    task = f"{cluster.submit('replicas-array.sbatch', env, '--array=0', args=('--server.no_such_key=1',))}_0"
+    info = cluster.ended(task, timeout_s=120)
+    log = cluster.log(task)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "2:0", "0"), log
+    assert "no_such_key" in log and "a configuration error): not requeued" in log, log
+
+
 def test_split7_torchrun_serves_is_requeued_when_a_rank_dies_and_a_stop_ends_it_completed(
         cluster: Cluster, early: dict[str, Serving]) -> None:
     torchrun = early["torchrun"]
