@@ -10,7 +10,8 @@ waits for every rank to have built (``timeouts.startup_s``), then starts its rol
 its stage up at every served frame size (``ranks.warmup``) on its own stream before its hello tells rank 0 it is
 ready, and the rank's room is measured once all of them have. The ranks load CUDA modules eagerly
 (``CUDA_MODULE_LOADING=EAGER``) and the allocator uses expandable segments, unless the user set them. Exit codes: 0
-after a clean shutdown, non-zero when any rank died or hung (so Slurm can requeue).
+after a clean shutdown (a requested stop included), non-zero when any rank died or hung (the recipes in scripts/slurm/
+requeue the job on it).
 """
 
 from __future__ import annotations
