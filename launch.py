@@ -1,15 +1,17 @@
 """Entry point: ``torchrun --nproc-per-node N launch.py --config configs/X.toml [--section.key=value ...]``.
 
 Run without a torchrun (or ``srun``) environment, ``python launch.py --config X`` starts a local torchrun with
-the layout's world size itself and forwards SIGINT/SIGTERM to rank 0, which shuts every rank down cleanly.
-Under torchrun, each rank reads RANK/WORLD_SIZE/LOCAL_RANK (or SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID for a
-direct ``srun`` launch), joins the process group (NCCL with CUDA, bound to its device, else gloo), creates every
-process group in a fixed order and makes each group's communicator at once (``handshake``), builds its stages, waits
-for every rank to have built (``timeouts.startup_s``), then starts its role threads: each stage thread warms its stage
-up at every served frame size (``ranks.warmup``) on its own stream before its hello tells rank 0 it is ready, and the
-rank's room is measured once all of them have. The ranks load CUDA modules eagerly (``CUDA_MODULE_LOADING=EAGER``)
-and the allocator uses expandable segments, unless the user set them. Exit codes: 0 after a clean shutdown,
-non-zero when any rank died or hung (so Slurm can requeue).
+the layout's world size itself and forwards SIGINT/SIGTERM to rank 0, which shuts every rank down cleanly; a stop
+asked that way exits 0 (in an ``sbatch`` script, ``salloc`` or ``srun --pty`` too: see ``distributed_env``).
+Under torchrun, each rank reads RANK/WORLD_SIZE/LOCAL_RANK (or SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID for a direct
+``srun -n <world size>`` launch), joins the process group (NCCL with CUDA, bound to its device, else gloo), creates
+every process group in a fixed order and makes each group's communicator at once (``handshake``), builds its stages,
+waits for every rank to have built (``timeouts.startup_s``), then starts its role threads: each stage thread warms
+its stage up at every served frame size (``ranks.warmup``) on its own stream before its hello tells rank 0 it is
+ready, and the rank's room is measured once all of them have. The ranks load CUDA modules eagerly
+(``CUDA_MODULE_LOADING=EAGER``) and the allocator uses expandable segments, unless the user set them. Exit codes: 0
+after a clean shutdown (a requested stop included), non-zero when any rank died or hung (the recipes in scripts/slurm/
+requeue the job on it).
 """
 
 from __future__ import annotations
@@ -48,16 +50,31 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, overrides
 
 
-def distributed_env() -> tuple[int, int, int] | None:
-    """(rank, world size, local rank) from torchrun, or from Slurm for a direct ``srun``; None when neither."""
-    env = os.environ
+NOT_A_STEP = 0xFFFFFFF0  # Slurm's batch, extern and interactive "steps" carry ids from here up: not an srun launch
+
+
+def distributed_env(world_size: int, env: MutableMapping[str, str] | None = None
+                    ) -> tuple[tuple[int, int, int] | None, str]:
+    """(rank, world size, local rank) from torchrun, or from Slurm for a direct ``srun``; None to self-launch; and
+    why, for the log. An ``sbatch`` script, ``salloc`` or ``srun --pty`` also sets SLURM_PROCID=0 and SLURM_NTASKS
+    (the batch script has no SLURM_STEP_ID, an interactive step has one task): only an srun step with as many tasks
+    as the layout has ranks is a rank launch; anything else starts a local torchrun, the one path whose requested
+    stop exits 0."""
+    env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return (int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))), "torchrun"
+    if "SLURM_PROCID" not in env and "SLURM_JOB_ID" not in env:
+        return None, "no torchrun or Slurm environment: starting torchrun here"
+    step = env.get("SLURM_STEP_ID", "")
+    tasks = env.get("SLURM_NTASKS", "")
+    if step.isdigit() and int(step) < NOT_A_STEP and tasks == str(world_size) and "SLURM_PROCID" in env:
         env.setdefault("MASTER_ADDR", "127.0.0.1")  # the batch file sets the first node of the allocation
         env.setdefault("MASTER_PORT", "29512")
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0"))
-    return None
+        return ((int(env["SLURM_PROCID"]), world_size, int(env.get("SLURM_LOCALID", "0"))),
+                f"srun step {env.get('SLURM_JOB_ID', '?')}.{step} of {tasks} tasks")
+    where = f"step {step}" if step else "the batch script or allocation (no SLURM_STEP_ID)"
+    return None, (f"inside Slurm job {env.get('SLURM_JOB_ID', '?')}, {where} with SLURM_NTASKS={tasks or 'unset'}, "
+                  f"not an srun step of the layout's {world_size} tasks: starting torchrun here")
 
 
 # What the ranks' CUDA runtime and allocator are told, unless the user set the variable (then it is logged: an
@@ -81,14 +98,15 @@ def rank_environment(env: MutableMapping[str, str], say: bool = True) -> None:
             log.warning("%s=%s is set in the environment: kept (worldstream would set %s)", name, env[name], value)
 
 
-def self_launch(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Start a local torchrun with the layout's world size; forward SIGINT/SIGTERM to rank 0."""
-    cfg = config_mod.load(args.config, overrides)
+def self_launch(args: argparse.Namespace, overrides: list[str], world_size: int) -> int:
+    """Start a local torchrun with the layout's world size; forward SIGINT/SIGTERM to rank 0. A requested stop exits
+    0 when rank 0 shut down cleanly, whatever torchrun says: under Slurm the stop signal reaches every process of
+    the step (``proctrack`` signals them all), torchrun's own handler then exits 1 though every rank ended well."""
     with tempfile.TemporaryDirectory(prefix="worldstream-") as run_dir:
         pid_file = Path(run_dir) / "rank0.pid"
         env = {**os.environ, "WORLDSTREAM_PIDFILE": str(pid_file)}
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={cfg.layout.world_size}", "--monitor-interval=0.2",
+                   f"--nproc-per-node={world_size}", "--monitor-interval=0.2",
                    str(Path(__file__).resolve()), "--config", args.config, "--log-level", args.log_level,
                    "--log-format", args.log_format, *overrides]
         # torchrun dies with this launcher (and every rank with torchrun): a killed launcher leaves no orphans
@@ -108,8 +126,28 @@ def self_launch(args: argparse.Namespace, overrides: list[str]) -> int:
         signal.signal(signal.SIGTERM, forward)
         code = child.wait()
         if stop_requested and code != 0:
-            log.warning("torchrun exited with %d after the stop request", code)
+            return stopped_code(code, exit_file(pid_file))
         return code
+
+
+def exit_file(pid_file: Path | str) -> Path:
+    """Where rank 0 writes its exit code, beside its pid file: how a launcher tells a clean stop from a failure."""
+    return Path(f"{pid_file}.exit")
+
+
+def stopped_code(torchrun_code: int, rank0_exit: Path) -> int:
+    """The exit code of a launcher asked to stop: 0 when rank 0 shut down cleanly (or never started serving, so there
+    was nothing to lose); torchrun's code when rank 0 itself failed."""
+    try:
+        rank0 = int(rank0_exit.read_text())
+    except (OSError, ValueError):
+        log.warning("stopped before rank 0 served (torchrun exited %d): exit 0", torchrun_code)
+        return 0
+    if rank0 == 0:
+        log.info("stopped: rank 0 shut down cleanly (torchrun exited %d after the stop): exit 0", torchrun_code)
+        return 0
+    log.warning("rank 0 exited %d while stopping: exit %d", rank0, torchrun_code)
+    return torchrun_code
 
 
 def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: int, local_rank: int) -> int:
@@ -254,22 +292,45 @@ def run_coordinator(ctx: RankContext, coordinator: Coordinator, port: int) -> in
     code = coordinator.run(port)
     ctx.stop.set()
     time.sleep(0.2)  # let the last messages to clients leave
+    if pid_file:  # the launcher (launch.py, a recipe's trap) tells a clean stop from a failure by it
+        exit_file(pid_file).write_text(str(code))
     return code
+
+
+def refuse_elastic_restarts(env: MutableMapping[str, str]) -> None:
+    """``torchrun --max-restarts``: on torch 2.13 a restarted rank cannot re-join through the agent's shared TCP
+    store (its gloo groups time out at re-init), unless the agent does not share it. Refused here, before any rank
+    joins, rather than hang at the first restart."""
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        raise config_mod.ConfigError(
+            f"torchrun --max-restarts={restarts} needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+            "environment (restarted ranks cannot re-join its shared store on torch 2.13); set it, or run with "
+            "--max-restarts=0 and let Slurm requeue the job (scripts/slurm/, docs/slurm.md)")
 
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     if args.print_config or args.check:
         return cli_help.run_offline(args, overrides)
-    env = distributed_env()
-    rank = env[0] if env else None
-    logs.configure("launcher" if rank is None else "rank", args.log_level, args.log_format, rank=rank)
-    # before torch initialises CUDA, in the ranks and in torchrun's environment; a user's choice said by one process
-    rank_environment(os.environ, say=rank is None or rank == 0)
+    logs.configure("launcher", args.log_level, args.log_format)
     try:
+        cfg = config_mod.load(args.config, overrides)
+        env, why = distributed_env(cfg.layout.world_size)
+        if env is not None:  # a rank: its own name in every line
+            logs.configure("rank", args.log_level, args.log_format, rank=env[0])
+        # before torch initialises CUDA, in the ranks and in torchrun's environment; a user's choice said once
+        rank_environment(os.environ, say=env is None or env[0] == 0)
         if env is None:
-            return self_launch(args, overrides)
-        code = run_rank(args, overrides, *env)
+            log.info("%s", why)
+            return self_launch(args, overrides, cfg.layout.world_size)
+        if env[0] == 0:
+            log.info("launched by %s", why)
+        refuse_elastic_restarts(os.environ)
+        # @record: an exception on a rank reaches torchrun's failure summary with its traceback
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        code = record(run_rank)(args, overrides, *env)
     except config_mod.ConfigError as error:
         log.error("%s", error)
         return 2

@@ -214,6 +214,9 @@ class ReplicaConfig(_Section):
     advertise_host: str = ""  # the host the router connects to; "": server.host, or this node's name for 0.0.0.0
     heartbeat_s: float = 1.0  # the registration is re-sent this often
     token: str = ""  # the router's register_token, when it requires one
+    # a file holding the token (read at start, surrounding whitespace dropped): off the command line, where every
+    # user of the node reads it in `ps` (the Slurm recipes pass the router job's token file)
+    token_file: str = ""
 
 
 MAX_SNAPSHOT_GB = 1e6  # a petabyte
@@ -462,7 +465,24 @@ def load(name: str | Path, overrides: Sequence[str] = ()) -> Config:
         config = msgspec.convert(tree, Config)
     except msgspec.ValidationError as error:
         raise _explain(error, where) from None
+    replica = config.replica
+    if replica.token_file:
+        if replica.token:
+            raise ConfigError(f"{where}: set replica.token or replica.token_file, not both")
+        token = read_token(replica.token_file, f"{where}: replica.token_file")
+        config = msgspec.structs.replace(config, replica=msgspec.structs.replace(replica, token=token))
     return validate(config, where)
+
+
+def read_token(path: str, what: str) -> str:
+    """A secret from a file (a token kept out of argv); a missing or empty file is a config error naming it."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as error:
+        raise ConfigError(f"{what}: cannot read {path}: {error.strerror}") from None
+    if not token:
+        raise ConfigError(f"{what}: {path} is empty")
+    return token
 
 
 def to_dict(config: Config) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from runtime.config import CONFIG_DIR, ConfigError, read_tree, resolve_path
+from runtime.config import CONFIG_DIR, ConfigError, read_token, read_tree, resolve_path
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 MAX_NAME_CHARS = 128
@@ -42,6 +42,9 @@ class RouterSection(_Section):
     register_bind: str = ""
     # a registration must carry it (replica.token); required when register_bind is beyond loopback
     register_token: str = ""
+    # a file holding register_token (read at start, surrounding whitespace dropped): keeps the secret off the
+    # command line, where every user of the node reads it in `ps`
+    register_token_file: str = ""
     heartbeat_s: float = 0.5  # each replica is pinged (a client heartbeat) this often, up or down
     replica_dead_s: float = 5.0  # an up replica silent this long is down: its sessions end with rank_failed
     stats_interval_s: float = 1.0  # each up replica's stats are read this often (load, chunk period, totals)
@@ -172,4 +175,10 @@ def load(name: str | Path, overrides: Sequence[str] = ()) -> RouterConfig:
             message += (f" (valid keys of [router]: {', '.join(RouterSection.__struct_fields__)}; of [[replicas]]: "
                         f"{', '.join(ReplicaEntry.__struct_fields__)})")
         raise ConfigError(message) from None
+    section = config.router
+    if section.register_token_file:
+        if section.register_token:
+            raise ConfigError(f"{where}: set router.register_token or router.register_token_file, not both")
+        token = read_token(section.register_token_file, f"{where}: router.register_token_file")
+        config = msgspec.structs.replace(config, router=msgspec.structs.replace(section, register_token=token))
     return validate(config, where)
