@@ -16,7 +16,7 @@ import zmq
 from ipc import protocol
 from ipc.client import Busy, Client
 from ipc.metrics_types import ReplicaView
-from ranks.registration import server_id
+from router.registration import server_id
 from scripts.local_router import LocalRouter
 from tests.fake_replica import FakeReplica, register, sane_stats
 from tests.test_router import free_port, wait_for
