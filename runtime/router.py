@@ -17,18 +17,9 @@ Rules that live here and nowhere else:
   migrated session, below). The
   router holds each id once: an ``opened`` whose id another replica's session already has is closed on its replica
   and the client told to open again. An ``opened`` nobody waits for any more is closed on its replica at once.
-- **Sessions outlive their replica** (``router.snapshot_every = K``). Every K chunks forwarded, the router asks a
-  session's replica to ``save`` it (it owns the session there), one save at a time, under a negative request id so
-  no answer to a client's request is taken for it; its ``saved`` is the router's own. A client's own ``saved`` is
-  forwarded and counts as a snapshot too. When the replica goes down, each of its sessions with a snapshot is
-  opened on another replica from the latest (``open(restore=...)``, placed as any open) instead of ending; the
-  client keeps its session id (``aliases`` maps the new replica's id to it: small messages are re-encoded, a chunk's
-  head rewritten, ``runtime.migration``) and gets ``migrated`` (the resume chunk, the new replica). Controls below
-  the resume chunk are refused here; input during the restore waits (live) or gets a backpressure answer. The
-  latest prompt its replica scheduled (``prompt_scheduled``: its text kept from the forwarded ``set_prompt``) whose
-  chunk is after the snapshot's is not in the snapshot: once the restore opened the router sets it again there
-  (its own ``set_prompt``, a negative request id: its answer is the router's). With
-  ``router.snapshots_dir`` the router's own snapshots are deleted once superseded or their session ended.
+- **Sessions outlive their replica** (``router.snapshot_every = K``): autosave, migration and prompt replay are
+  the migration part's (``runtime.router_migration``, each session's ``RoutedSession.migration``). The core places
+  a restore as any open and moves the session to its new replica; the part answers the rest.
 - **Membership** (``runtime.replicas``): replicas from the config file and replicas that register (``register``,
   re-sent as a heartbeat, naming the server id of the job as its ``incarnation``). Every replica is pinged every
   ``router.heartbeat_s`` on its connection; anything it sends proves it alive, and each heartbeat ack names the
@@ -72,10 +63,9 @@ import msgspec
 
 from ipc import protocol
 from ipc.metrics_types import Distribution, PartialSummary, RouterCounters, RouterTotals, ServerStats, SessionCounts
-from runtime.chunk_claims import migration_problem, open_problem, save_problem
+from runtime.chunk_claims import migration_problem, open_problem
 from runtime.clients import Clients
 from runtime.core_types import EXIT_OK, ClientError
-from runtime.migration import renamed
 from runtime.replicas import (
     MAX_SESSIONS_PER_REPLICA,
     Replica,
@@ -87,6 +77,7 @@ from runtime.replicas import (
     summary,
 )
 from runtime.router_config import ReplicaEntry, RouterSection, check_endpoint, check_name, chunk_limit
+from runtime.router_migration import NOT_NOW, SESSION_RETRY_S, Migration, Moves
 from runtime.router_types import (
     ChunkHead,
     ClientSent,
@@ -94,7 +85,6 @@ from runtime.router_types import (
     ClientUnreadable,
     Connect,
     Disconnect,
-    DropSnapshot,
     EndWatch,
     Event,
     OpenOrigin,
@@ -121,25 +111,7 @@ from runtime.watchers import Watchers
 log = logging.getLogger(__name__)
 
 MAX_REASONS = 32  # distinct reject codes counted; more count as "other"
-SESSION_RETRY_S = 0.01  # hint when a control met a full replica connection (a server's control_backpressure)
-MAX_ASKED = 256  # unanswered requests remembered per session (a replica answers each at once; more is a flood)
-MAX_PROMPTS_ASKED = 4  # set_prompt texts remembered per session until answered (a server refuses more waiting)
-ANSWERED = ("control", "set_prompt", "save")  # the forwarded kinds a replica answers by request id
-# what a server answers a request it cannot take now, by kind: the client sends it again (after a migration: to the
-# new replica)
-NOT_NOW = {"set_prompt": "prompt_backpressure", "save": "busy"}
 ENDING_CODES = frozenset({"rank_failed", "shutdown"})  # a replica says its whole job is ending
-
-
-@dataclass
-class ScheduledPrompt:
-    """A prompt a session's replica scheduled (``prompt_scheduled``): a snapshot of chunk k holds it when ``chunk``
-    <= k. ``chunk`` None: the router sent it again to the session's new replica and no answer named its chunk yet
-    (it is in no snapshot)."""
-
-    text: str
-    chunk: int | None
-    revision: int
 
 
 @dataclass
@@ -154,29 +126,12 @@ class RoutedSession:
     close_due: float = 0.0  # when the close is sent (again) unless the replica said ``closed``
     state: protocol.ControlState | None = None  # live input that met a full link: folded, sent when it drains
     opened: protocol.Opened | None = None  # its replica's answer: the geometry a watcher is told
-    upstream: str = ""  # its id on its replica when that is not ``id`` (it migrated: restored under a new id)
-    chunks: int = 0  # chunks forwarded since the router last asked its replica to save it (``snapshot_every``)
-    autosave: int | None = None  # the router's own save in flight (its request id): its answer is the router's
-    snapshot: str | None = None  # the latest snapshot of it (the router's or its client's): where it resumes from
-    snapshot_chunk: int = 0  # that snapshot's boundary chunk
-    first: int = 0  # the index of its stream's first chunk on its replica (a restore's boundary, else 0)
-    forwarded: int = 0  # chunks forwarded since (what a replica's save boundary is checked against)
-    resume: int = 0  # the lowest control index it takes: after a migration, its snapshot's chunk
-    migrating: bool = False  # its replica went down and its restore on another one is not answered yet
-    own_snapshot: str | None = None  # the latest snapshot the router asked for (deleted when superseded or it ends)
-    # requests forwarded and not answered yet (request id -> kind): a replica that goes down answers none of them,
-    # so a migration answers them itself (bounded: the oldest are forgotten past MAX_ASKED)
-    asked: dict[int, str] = field(default_factory=dict)
-    # the texts of its set_prompts forwarded and not answered yet (request id -> text; the oldest forgotten past
-    # MAX_PROMPTS_ASKED): a ``prompt_scheduled`` names its request, not its text
-    prompts_asked: dict[int, str] = field(default_factory=dict)
-    prompt: ScheduledPrompt | None = None  # the latest prompt its replica answered ``prompt_scheduled`` (one text)
-    replay: int | None = None  # the router's own set_prompt of ``prompt`` in flight on its new replica (its req)
+    migration: Moves = field(default_factory=Moves)  # the migration part's (``runtime.router_migration``)
 
     @property
     def rid(self) -> str:
         """Its id on its replica."""
-        return self.upstream or self.id
+        return self.migration.upstream or self.id
 
 
 @dataclass
@@ -210,9 +165,7 @@ class RouterCore:
         self.hold_s = Distribution()  # the shell's measure of a chunk's stay in the router (``ShellTimes``)
         self.watch_dropped = 0  # chunks the shell dropped for slow watchers (``ShellTimes``)
         self.rejects: dict[str, int] = {}
-        self.aliases: dict[tuple[str, str], str] = {}  # (replica, id there) -> the id a migrated one's client knows
-        self.autosaves = 0  # the router's own saves answered (``snapshot_every``)
-        self.migrations = 0  # sessions restored on another replica after theirs went down
+        self.migration = Migration(config, self.new_req)  # autosave, migration, prompt replay: a part
         self.stopped = False
         self._out: list[Output] = []
         for entry in listed:
@@ -284,16 +237,14 @@ class RouterCore:
         match message:
             case protocol.Open():
                 self._open(who, message, now)
-            case protocol.Control() | protocol.ControlState() | protocol.SetPrompt() | protocol.Save() \
-                    if self.clients.owned(who, message.session).migrating:
-                self._while_migrating(self.sessions[message.session], message)
-            case protocol.Close() if self.clients.owned(who, message.session).migrating:
+            case protocol.ControlState() if self.clients.owned(who, message.session).migration.migrating:
+                session = self.sessions[message.session]  # live input waits for its restore, folded
+                session.state = message if session.state is None else fold(session.state, message)
+            case protocol.Control() | protocol.SetPrompt() | protocol.Save() \
+                    if self.clients.owned(who, message.session).migration.migrating:
+                raise self.migration.not_now(self.sessions[message.session], str(type(message).__struct_config__.tag))
+            case protocol.Close() if self.clients.owned(who, message.session).migration.migrating:
                 self._end_migrating(self.sessions[message.session], "client", None)
-            case protocol.Control() if message.index < self.clients.owned(who, message.session).resume:
-                session = self.sessions[message.session]
-                raise ClientError("rejected_control", f"session {session.id} resumed from its snapshot at chunk "
-                                  f"{session.resume} on replica {session.replica} (its replica went down): its "
-                                  f"controls go on from index {session.resume}, not {message.index}")
             case protocol.ControlState() if self.clients.owned(who, message.session).state is not None:
                 session = self.sessions[message.session]  # earlier input waits for a full link: this goes after
                 session.state = fold(session.state, message)  # type: ignore[arg-type]
@@ -301,21 +252,13 @@ class RouterCore:
             case (protocol.Control() | protocol.ControlState() | protocol.Close() | protocol.SetPrompt()
                   | protocol.Save()):
                 session = self.clients.owned(who, message.session)
+                if isinstance(message, protocol.Control):
+                    self.migration.check_control(session, message.index)
                 replica = self.replicas[session.replica]
                 kind = type(message).__struct_config__.tag
                 state = message if isinstance(message, protocol.ControlState) else None
-                upstream = raw if not session.upstream else msgspec.structs.replace(message, session=session.upstream)
-                if kind in ANSWERED:
-                    session.asked[message.req] = str(kind)
-                    if len(session.asked) > MAX_ASKED:
-                        del session.asked[next(iter(session.asked))]
-                if isinstance(message, protocol.SetPrompt):  # its answer names the request: the text is kept till then
-                    session.prompts_asked[message.req] = message.prompt
-                    pending = session.prompt
-                    if pending is not None and pending.chunk is None and session.replay is None:
-                        session.prompt = None  # a replay not sent yet (a full link) must never follow the newer
-                    if len(session.prompts_asked) > MAX_PROMPTS_ASKED:
-                        del session.prompts_asked[next(iter(session.prompts_asked))]
+                upstream = raw if session.rid == session.id else msgspec.structs.replace(message, session=session.rid)
+                self.migration.forwarding(session, message, str(kind))
                 self._emit(ToReplica(replica.name, replica.generation, upstream,
                                      SessionOrigin(who, message.req, session.id, str(kind), state)))
             case protocol.Stats():
@@ -336,18 +279,6 @@ class RouterCore:
                 self.watchers.unwatch(who, message.session)
                 self._emit(EndWatch(who, message.session, protocol.Closed(session=message.session, reason="unwatched"),
                                     keep=False))
-
-    def _while_migrating(self, session: RoutedSession, message: protocol.ClientMessage) -> None:
-        """A session message while its restore is on its way: live input waits (folded), the rest is refused with
-        what a server answers when it cannot take it now."""
-        if isinstance(message, protocol.ControlState):
-            session.state = message if session.state is None else fold(session.state, message)
-            return
-        code = {"control": "control_backpressure", "set_prompt": "prompt_backpressure"}.get(
-            str(type(message).__struct_config__.tag), "busy")
-        raise ClientError(code, f"session {session.id} is being restored from its snapshot at chunk "
-                          f"{session.snapshot_chunk} (its replica {session.replica} went down): send it again",
-                          retry_after_s=self.config.heartbeat_s)
 
     def _end_migrating(self, session: RoutedSession, reason: str, error: str | None) -> None:
         """A session whose restore is on its way ends here (its client closed it, or no replica could restore it);
@@ -394,7 +325,7 @@ class RouterCore:
         session = self.sessions.get(pending.migrating or "")
         if pending.migrating is None:
             self._refuse(pending.client, error, pending.message.req)
-        elif session is not None and session.migrating:
+        elif session is not None and session.migration.migrating:
             self._end_migrating(session, "failed", f"its replica {session.replica} went down and its restore "
                                 f"failed ({error.code}: {error}); its session is lost: open a new one")
 
@@ -417,7 +348,7 @@ class RouterCore:
             self._close_on_replica(session, now)
 
     def _close_on_replica(self, session: RoutedSession, now: float) -> None:
-        if session.migrating:  # no replica holds it yet: it ends here (the restore is closed when it answers)
+        if session.migration.migrating:  # no replica holds it yet: it ends here (the restore is closed when it answers)
             self._end_migrating(session, "disconnect", None)
             return
         session.closing, session.close_due = True, now + self.config.replica_dead_s
@@ -427,7 +358,7 @@ class RouterCore:
 
     def _send_state(self, session: RoutedSession) -> None:
         """Send a session's folded live input (it met a full link); a refusal folds it again (``_refused``)."""
-        if session.migrating:
+        if session.migration.migrating:
             return  # sent once its restore is answered
         state, session.state = session.state, None
         if state is not None:
@@ -442,9 +373,8 @@ class RouterCore:
         self.sessions_total += 1
 
     def _remove_session(self, session: RoutedSession) -> None:
-        self._drop_own(session)
+        self._out += self.migration.ended(session)
         self.clients.remove(session.id)
-        self.aliases.pop((session.replica, session.rid), None)
         replica = self.replicas.get(session.replica)
         if replica is not None:
             replica.sessions.discard(session.id)
@@ -456,16 +386,8 @@ class RouterCore:
         if replica is None or event.generation != replica.generation:
             return  # from a connection closed since: its job is gone for the router
         replica.last_heard = now  # alive; it is up only once a heartbeat ack said which process it is
-        message = event.message
-        raw = event.raw
-        sid = getattr(message, "session", None)
-        if sid is not None and (alias := self.aliases.get((replica.name, sid))) is not None:
-            # a migrated session: its client knows it by its first id
-            if isinstance(message, ChunkHead):
-                raw, message = renamed(raw, sid, alias), ChunkHead(alias)
-            else:
-                message = msgspec.structs.replace(message, session=alias)
-                raw = message
+        # a migrated session's messages go on under the id its client knows
+        message, raw = self.migration.renamed(replica.name, event.message, event.raw)
         match message:
             case ChunkHead(session=sid):
                 if self._to_session(replica, sid, raw):
@@ -473,33 +395,33 @@ class RouterCore:
                     watchers = self.watchers.of(sid)
                     if watchers:  # the same frame, never copied: each watcher's feed in the shell
                         self._emit(ToWatchers(sid, watchers, raw))
-                    self._maybe_autosave(self.sessions[sid])
+                    self._out += self.migration.forwarded(self.sessions[sid], replica)
             case protocol.Opened():
                 self._opened(replica, message, now)
             case protocol.Error(code=code) if code in ENDING_CODES:
                 self._down(replica, f"is ending: {message.message}", now, code)
             case protocol.Error(session=None):
                 self._open_failed(replica, message, now)
-            case protocol.Saved(session=sid) | protocol.Error(session=sid) if self._autosaved(replica, message):
+            case protocol.Saved(session=sid) | protocol.Error(session=sid) if self._took(self.migration.autosaved(
+                    self.sessions.get(sid or ""), replica.name, message)):
                 pass  # the router's own save: answered to the router alone
             case protocol.PromptScheduled(session=sid) | protocol.Error(session=sid) \
-                    if self._replayed(replica, message):
+                    if self.migration.replayed(self.sessions.get(sid or ""), replica.name, message):
                 pass  # the router's own set_prompt after a migration: answered to the router alone
             case protocol.Closed(session=sid):
                 session = self.sessions.get(sid)
-                if session is not None and session.replica == replica.name and not session.migrating:
+                if session is not None and session.replica == replica.name and not session.migration.migrating:
                     self._remove_session(session)
                     if not session.gone:
                         self._emit(ToClient(session.client, raw, sid))
                     self._end_watchers(sid, message.reason, message.error, keep=True)
             case (protocol.Accepted(session=sid) | protocol.Error(session=sid) | protocol.PromptScheduled(session=sid)
                   | protocol.Saved(session=sid)):
-                if isinstance(message, protocol.Saved):
-                    self._snapshotted(replica, message)  # a client's own save is a place to resume from too
-                if sid in self.sessions and message.req is not None and self.sessions[sid].replica == replica.name:
-                    self.sessions[sid].asked.pop(message.req, None)
-                    if isinstance(message, protocol.PromptScheduled | protocol.Error):
-                        self._prompt_answered(self.sessions[sid], message)
+                session = self.sessions.get(sid or "")
+                if isinstance(message, protocol.Saved):  # a client's own save is a place to resume from too
+                    self.migration.snapshotted(session, replica.name, message)
+                if session is not None and session.replica == replica.name:
+                    self.migration.answered(session, message)
                 self._to_session(replica, sid, raw)  # type: ignore[arg-type]
             case ReplicaStatsReply():
                 self._stats_reply(replica, message, now)
@@ -508,7 +430,7 @@ class RouterCore:
 
     def _to_session(self, replica: Replica, sid: str, raw: Payload | protocol.ServerMessage) -> bool:
         session = self.sessions.get(sid)
-        if session is None or session.replica != replica.name or session.migrating:
+        if session is None or session.replica != replica.name or session.migration.migrating:
             return False  # a late message of a session that ended here
         if not session.gone:
             self._emit(ToClient(session.client, raw, sid))
@@ -516,179 +438,59 @@ class RouterCore:
 
     # ---------------------------------------------------------------------------------------------- migration
 
-    def _maybe_autosave(self, session: RoutedSession) -> None:
-        """Every ``snapshot_every`` chunks forwarded, the router asks the session's replica to save it (as its
-        owner there: the router is the replica's client). One at a time: a save slower than K chunks delays the
-        next."""
-        every = self.config.snapshot_every
-        session.chunks, session.forwarded = session.chunks + 1, session.forwarded + 1
-        if not every or session.chunks < every or session.autosave is not None or session.closing:
-            return
-        # a negative request id: the replica echoes it, and no answer to the client's own requests (the SDK counts
-        # from 1) is taken for the router's
-        session.chunks, session.autosave = 0, -self.new_req()
-        replica = self.replicas[session.replica]
-        self._emit(ToReplica(replica.name, replica.generation, protocol.Save(req=session.autosave, session=session.rid),
-                             SessionOrigin(session.client, session.autosave, session.id, "autosave")))
-
-    def _autosaved(self, replica: Replica, message: protocol.Saved | protocol.Error) -> bool:
-        """Whether ``message`` answers the router's own save (then it is the router's alone: recorded or logged)."""
-        session = self.sessions.get(message.session or "")
-        if message.req is not None and message.req < 0 and (session is None or session.replica != replica.name):
-            if isinstance(message, protocol.Saved) and self.config.snapshots_dir:  # its session ended meanwhile
-                self._emit(DropSnapshot(message.snapshot))
-            return True  # the router's own (negative request ids), of a session that ended here
-        if session is None or session.replica != replica.name or message.req is None \
-                or message.req != session.autosave:
+    def _took(self, outputs: list[Output] | None) -> bool:
+        """Whether a part took a message (``outputs`` not None): then its outputs are the core's."""
+        if outputs is None:
             return False
-        session.autosave = None
-        if isinstance(message, protocol.Saved):
-            self.autosaves += 1
-            if self._snapshotted(replica, message):
-                self._drop_own(session)
-                session.own_snapshot = message.snapshot
-            elif self.config.snapshots_dir:  # no place to resume from: not kept
-                self._emit(DropSnapshot(message.snapshot))
-        else:  # e.g. the client's own save runs (busy): the next comes K chunks later
-            log.info("session %s: the save on replica %s failed: %s: %s", session.id, replica.name, message.code,
-                     message.message[:200])
-        return True
-
-    def _drop_own(self, session: RoutedSession) -> None:
-        """The router's latest snapshot of ``session`` is not needed any more (a newer one, or the session ended)."""
-        if session.own_snapshot is not None and self.config.snapshots_dir:
-            self._emit(DropSnapshot(session.own_snapshot))
-        session.own_snapshot = None
-
-    def _snapshotted(self, replica: Replica, saved: protocol.Saved) -> bool:
-        """Record ``saved`` as where its session resumes from; False when its boundary cannot be right
-        (``runtime.chunk_claims``). The latest answered is the newest: a replica saves a session one at a time."""
-        session = self.sessions.get(saved.session)
-        if session is None or session.replica != replica.name:
-            return False
-        num_chunks = session.opened.num_chunks if session.opened is not None else None
-        if (why := save_problem(saved.chunk, session.first, session.forwarded, num_chunks)) is not None:
-            log.warning("session %s: replica %s's snapshot %s is not kept: %s", session.id, replica.name,
-                        saved.snapshot[:64], why)
-            return False
-        session.snapshot, session.snapshot_chunk = saved.snapshot, saved.chunk
+        self._out += outputs
         return True
 
     def _migrate(self, session: RoutedSession, down: Replica, text: str, now: float) -> bool:
         """Restore ``session`` (its replica ``down`` is going down) from its latest snapshot on another replica
         chosen as for an open; False when it has none or no replica has room (it ends as before)."""
-        if session.snapshot is None or session.closing or self.stopped:
+        message = self.migration.restore_open(session)
+        if message is None or self.stopped:
             return False
-        message = protocol.Open(req=0, image=b"", restore=session.snapshot)
         try:
             self._open(session.client, message, now, {down.name}, migrating=session.id)
         except ClientError as error:
             log.warning("session %s cannot move off replica %s: %s", session.id, down.name, error)
             return False
-        self.aliases.pop((down.name, session.rid), None)
         down.sessions.discard(session.id)
-        session.migrating, session.autosave, session.closing = True, None, False
-        for req, kind in session.asked.items():  # the dead replica answers none of them: they are sent again
-            self._refuse(session.client, ClientError(NOT_NOW.get(kind, "control_backpressure"),
-                                                     f"session {session.id} is moving off replica {down.name} "
-                                                     f"(it {text}); send it again", retry_after_s=SESSION_RETRY_S),
-                         req, session.id)
-        session.asked.clear()
-        session.prompts_asked.clear()  # (their clients were told to send them again)
-        session.replay = None
-        log.warning("session %s: replica %s %s; restoring it from its snapshot at chunk %d", session.id, down.name,
-                    text, session.snapshot_chunk)
+        for req, error in self.migration.moving(session, down.name, text):
+            self._refuse(session.client, error, req, session.id)
         return True
 
-    def _migrated(self, replica: Replica, pending: PendingOpen, message: protocol.Opened, now: float) -> None:
+    def _migrated(self, replica: Replica, pending: PendingOpen, message: protocol.Opened) -> None:
         """The restore of a session whose replica went down is open on ``replica``: its client is told."""
         session = self.sessions.get(pending.migrating or "")
         taken = (message.session != pending.migrating and message.session in self.sessions) or \
-            (replica.name, message.session) in self.aliases
-        wrong = None if session is None else migration_problem(message.first_chunk, session.snapshot_chunk)
-        if session is None or not session.migrating or taken or wrong:
+            self.migration.taken(replica.name, message.session)
+        moving = session is not None and session.migration.migrating
+        wrong = None if session is None else migration_problem(message.first_chunk, session.migration.snapshot_chunk)
+        if session is None or not moving or taken or wrong:
             self._emit(ToReplica(replica.name, replica.generation,
                                  protocol.Close(req=self.new_req(), session=message.session)))
-            if session is not None and session.migrating:  # its new id is in use here (random 48 bits: rare)
+            if session is not None and moving:  # its new id is in use here (random 48 bits: rare)
                 self._end_migrating(session, "failed", f"session {session.id} could not be restored: " + (
                     wrong or f"the id {message.session} is in use") + "; open a new one")
             return
-        session.replica, session.migrating, session.resume, session.chunks = replica.name, False, message.first_chunk, 0
-        session.first, session.forwarded = message.first_chunk, 0
-        session.upstream = "" if message.session == session.id else message.session
-        if session.upstream:
-            self.aliases[(replica.name, session.upstream)] = session.id
+        session.replica = replica.name
+        notice = self.migration.restored(session, replica.name, message)
         replica.sessions.add(session.id)
-        self.migrations += 1
-        notice = protocol.Migrated(session=session.id, chunk=message.first_chunk, replica=replica.name)
         if not session.gone:
             self._emit(ToClient(session.client, notice, session.id))
         watchers = self.watchers.of(session.id)
         if watchers:  # their chunks come again from the resume chunk too
             self._emit(ToWatchers(session.id, watchers, notice))
-        prompt = session.prompt
-        if prompt is not None and (prompt.chunk is None or prompt.chunk > session.snapshot_chunk):
-            # the snapshot holds the prompt in force at its chunk: one scheduled after it is set again here, and
-            # is in no snapshot until the new replica's answer names its chunk
-            since = "not yet in force" if prompt.chunk is None else f"in force from chunk {prompt.chunk}"
-            log.info("session %s: its prompt of revision %d (%s, after its snapshot at chunk %d) is sent again to "
-                     "replica %s", session.id, prompt.revision, since, session.snapshot_chunk, replica.name)
-            session.prompt = ScheduledPrompt(prompt.text, None, prompt.revision)
-            self._replay_prompt(session)
+        self._out += self.migration.replay(session, replica)  # its prompt that is in no snapshot
         self._send_state(session)  # live input that came meanwhile
-
-    def _replay_prompt(self, session: RoutedSession) -> None:
-        """Send the session's prompt that is in no snapshot (``ScheduledPrompt.chunk`` None) to its replica, as
-        the router's own ``set_prompt`` (a negative request id, as its saves: no client's answer is taken for it)."""
-        prompt = session.prompt
-        if prompt is None or prompt.chunk is not None or session.replay is not None or session.migrating \
-                or session.closing:
-            return
-        session.replay = -self.new_req()
-        replica = self.replicas[session.replica]
-        self._emit(ToReplica(replica.name, replica.generation,
-                             protocol.SetPrompt(req=session.replay, session=session.rid, prompt=prompt.text),
-                             SessionOrigin(session.client, session.replay, session.id, "replay_prompt")))
-
-    def _replayed(self, replica: Replica, message: protocol.PromptScheduled | protocol.Error) -> bool:
-        """Whether ``message`` answers the router's own ``set_prompt`` (``_replay_prompt``): then it is the
-        router's alone. Scheduled: the prompt is known in force from its chunk (on the new replica's revisions);
-        refused: the session goes on with its snapshot's prompt (logged: the client may send it again)."""
-        session = self.sessions.get(message.session or "")
-        if session is None or session.replica != replica.name or session.replay is None \
-                or message.req != session.replay:
-            return False
-        session.replay = None
-        pending = session.prompt if session.prompt is not None and session.prompt.chunk is None else None
-        if isinstance(message, protocol.PromptScheduled):
-            log.info("session %s: its prompt is in force again on replica %s from chunk %d (revision %d)",
-                     session.id, replica.name, message.chunk, message.revision)
-            if pending is not None:  # (unless a client's newer prompt was answered meanwhile)
-                session.prompt = ScheduledPrompt(pending.text, message.chunk, message.revision)
-        elif message.code == NOT_NOW["set_prompt"]:  # not now (prompts wait there): sent again on the next turn
-            log.info("session %s: replica %s is not taking its prompt now (%s); it is sent again", session.id,
-                     replica.name, message.code)
-        else:
-            log.warning("session %s: replica %s refused its prompt sent again (%s: %s); it goes on with its "
-                        "snapshot's", session.id, replica.name, message.code, message.message[:200])
-            if pending is not None:
-                session.prompt = None
-        return True
-
-    def _prompt_answered(self, session: RoutedSession, message: protocol.PromptScheduled | protocol.Error) -> None:
-        """A client's ``set_prompt`` answered: a scheduled one is the latest prompt of the session (a replica
-        answers them in revision order). One whose text was forgotten (MAX_PROMPTS_ASKED) leaves none known:
-        an older text must never be set again in its place."""
-        assert message.req is not None
-        text = session.prompts_asked.pop(message.req, None)
-        if isinstance(message, protocol.PromptScheduled):
-            session.prompt = None if text is None else ScheduledPrompt(text, message.chunk, message.revision)
 
     def _opened(self, replica: Replica, message: protocol.Opened, now: float) -> None:
         pending = self.opens.get(message.req)
         if pending is not None and pending.replica == replica.name and pending.migrating is not None:
             self._drop_open(pending)
-            self._migrated(replica, pending, message, now)
+            self._migrated(replica, pending, message)
             return
         if pending is None or pending.replica != replica.name:
             log.info("replica %s opened %s for an open nobody waits for: closing it", replica.name, message.session)
@@ -715,7 +517,7 @@ class RouterCore:
         token = self.watchers.grant(message.session, message.watch_token or None)
         message = msgspec.structs.replace(message, req=pending.message.req, watch_token=token)
         self._add_session(RoutedSession(message.session, replica.name, pending.client, pending.client,
-                                        opened=message, first=message.first_chunk), now)
+                                        opened=message, migration=Moves(first=message.first_chunk)), now)
         self._emit(ToClient(pending.client, message, message.session))
 
     def _open_failed(self, replica: Replica, error: protocol.Error, now: float) -> None:
@@ -741,19 +543,13 @@ class RouterCore:
         session = self.sessions.get(origin.session)
         if session is None or session.replica != event.replica:
             return  # it ended meanwhile: its client was told
-        if origin.kind == "autosave":  # the router's own save: tried again at the next chunk
-            session.autosave, session.chunks = None, self.config.snapshot_every - 1
-        elif origin.kind == "replay_prompt":  # the router's own prompt after a migration: tried again next turn
-            session.replay = None
-        elif origin.kind == "close":  # a server never refuses a close: the router sends it again on the next turn
+        if origin.kind == "close":  # a server never refuses a close: the router sends it again on the next turn
             session.closing, session.close_due = True, now
         elif origin.kind == "control_state":  # nor valid live input: it is folded and sent when the link drains
             if origin.state is not None:
                 session.state = origin.state if session.state is None else fold(origin.state, session.state)
-        else:  # what a server answers a control, a new prompt or a save it cannot take now
-            if origin.req is not None:
-                session.asked.pop(origin.req, None)
-                session.prompts_asked.pop(origin.req, None)
+        elif not self.migration.not_sent(session, origin.kind, origin.req):  # (the router's own: tried again)
+            # what a server answers a control, a new prompt or a save it cannot take now
             code = NOT_NOW.get(origin.kind, "control_backpressure")
             self._refuse(origin.identity, ClientError(code, f"the connection to replica "
                                                       f"{event.replica} is full; send it again",
@@ -961,13 +757,13 @@ class RouterCore:
             else:
                 if session.state is not None:
                     self._send_state(session)  # live input that met a full link, folded: the link may have drained
-                if session.prompt is not None and session.prompt.chunk is None:
-                    self._replay_prompt(session)  # the prompt sent again after a migration met a full link
+                # the prompt sent again after a migration that met a full link
+                self._out += self.migration.replay(session, self.replicas.get(session.replica))
 
     def _shutdown(self, now: float) -> None:
         message = "the router is shutting down"
         for session in list(self.sessions.values()):
-            if not session.migrating:  # (a restore on its way is closed by its replica's client timeout)
+            if not session.migration.migrating:  # (a restore on its way is closed by its replica's client timeout)
                 self._close_on_replica(session, now)  # its replica releases its caches now, not after a client timeout
         self._out += self.clients.notices("shutdown", message, lambda session: protocol.Closed(
             session=session.id, reason="shutdown", error=message))
@@ -1019,8 +815,8 @@ class RouterCore:
             router=RouterCounters(
                 chunks_forwarded=self.chunks_forwarded, client_messages=self.client_messages,
                 watchers=self.watchers.count(), watch_dropped=self.watch_dropped, opening=len(self.opens),
-                sessions_total=self.sessions_total, chunk_hold_s=self.hold_s, autosaves=self.autosaves,
-                migrations=self.migrations),
+                sessions_total=self.sessions_total, chunk_hold_s=self.hold_s,
+                autosaves=self.migration.autosaves, migrations=self.migration.migrations),
             replicas={name: r.describe(now) for name, r in sorted(self.replicas.items())},
             per_session=mine,
         )
