@@ -20,20 +20,9 @@ Rules that live here and nowhere else:
 - **Sessions outlive their replica** (``router.snapshot_every = K``): autosave, migration and prompt replay are
   the migration part's (``runtime.router_migration``, each session's ``RoutedSession.migration``). The core places
   a restore as any open and moves the session to its new replica; the part answers the rest.
-- **Membership** (``runtime.replicas``): replicas from the config file and replicas that register (``register``,
-  re-sent as a heartbeat, naming the server id of the job as its ``incarnation``). Every replica is pinged every
-  ``router.heartbeat_s`` on its connection; anything it sends proves it alive, and each heartbeat ack names the
-  process that answers (its server id). An up replica silent for ``router.replica_dead_s``, one that says it is
-  ending (``rank_failed``/``shutdown``), one that answers as another server id (a restarted job; whatever
-  registrations say and however long anything took) or whose stats uptime goes back, and one whose stats are not
-  a server's (``runtime.replicas.read_stats``: held down a while, with the reason) goes down: each of its sessions
-  ends with that error naming the replica and a ``closed``, its unanswered opens are placed elsewhere, and the router
-  opens a fresh connection (nothing queued for the old job reaches a new one). A replica is up again once it
-  answered as a known process (a listed one: any id; a registered one: the id it registered, so a requeued job
-  takes sessions only once its registration arrived) and its stats were read. A registration never ends sessions:
-  at the replica's endpoint it is refused when that endpoint answers as another live server; at another endpoint it
-  is refused while the replica answers (a rival under its name) and moves it once it stopped. An endpoint that
-  answers with the router's own id is the router itself: never up, and registrations naming it are refused.
+- **Membership** (``runtime.replicas``: register, identify, up/down, reincarnation): the core carries out what a
+  replica's record decides. A replica that goes down costs its sessions (each ends with an error naming the replica
+  and a ``closed``, unless it migrates), its unanswered opens are placed elsewhere, and its connection is fresh.
 - **Clients** (``runtime.clients``, the front door shared with the coordinator core): sessions of a client silent
   for ``router.client_timeout_s`` are closed on their replicas (the router keeps its replica connections alive with
   its own heartbeats, so this rule must live here; their client counts as gone: the replica's ``closed`` names the
@@ -53,7 +42,6 @@ Rules that live here and nowhere else:
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -67,16 +55,16 @@ from runtime.chunk_claims import migration_problem, open_problem
 from runtime.clients import Clients
 from runtime.core_types import EXIT_OK, ClientError
 from runtime.replicas import (
-    MAX_SESSIONS_PER_REPLICA,
     Replica,
     ReplicaStatsReply,
     State,
     UnusableStats,
     choose,
     read_stats,
+    registration_problem,
     summary,
 )
-from runtime.router_config import ReplicaEntry, RouterSection, check_endpoint, check_name, chunk_limit
+from runtime.router_config import ReplicaEntry, RouterSection, chunk_limit
 from runtime.router_migration import NOT_NOW, SESSION_RETRY_S, Migration, Moves
 from runtime.router_types import (
     ChunkHead,
@@ -574,31 +562,12 @@ class RouterCore:
             self._up(replica, now)  # it answered as a known process and its load is read: it takes sessions
 
     def _identify(self, replica: Replica, server: str, now: float) -> None:
-        """A heartbeat ack says which process answers at the replica's endpoint: the router itself (a loop: held
-        down for good), a new one (the old one's sessions are gone: down, a fresh connection), or the known one
-        (up, unless it is held down or, registered, its registration is not known yet)."""
-        if server and server == self.id:
-            replica.is_router = True
-            replica.down_reason = (f"is this router itself ({replica.endpoint} answers with the router's id): a "
-                                   "replica must be a worldstream server")
-            if replica.state is State.UP:
-                self._down(replica, replica.down_reason, now)
-            return
-        if server and replica.server and server != replica.server:
-            before, replica.server = replica.server, server
-            if replica.state is State.UP:
-                self._down(replica, f"restarted (it answers as server {server}, was {before})", now)
-                return
-        replica.server = server or replica.server
-        if replica.state is State.UP or replica.is_router or now < replica.held_until:
-            return
-        if replica.known:  # its load is read before it takes sessions: up once its stats arrive
-            replica.down_reason = f"answers as server {replica.server or '(no id)'}; reading its stats"
-            if replica.stats_req is None or now - replica.stats_sent > self.config.replica_dead_s:
-                self._poll_stats(replica, now)
-        else:
-            replica.down_reason = (f"answers as server {replica.server or '(no id)'}, registered as "
-                                   f"{replica.incarnation or '(nothing)'}: waiting for its registration")
+        """A heartbeat ack named the process at the replica's endpoint (``Replica.identify`` decides)."""
+        down, read = replica.identify(server, self.id, now, self.config.replica_dead_s)
+        if down is not None:
+            self._down(replica, down, now)
+        elif read:
+            self._poll_stats(replica, now)
 
     def _poll_stats(self, replica: Replica, now: float) -> None:
         replica.stats_req, replica.stats_sent = self.new_req(), now
@@ -653,63 +622,26 @@ class RouterCore:
     # ---------------------------------------------------------------------------------------------- membership
 
     def _register(self, peer: bytes, message: protocol.Register, now: float) -> None:
-        token = self.config.register_token
-        why = None
-        if token and not hmac.compare_digest(message.token.encode(), token.encode()):
-            why = "wrong or missing token: replica.token must equal the router's register_token"
-        else:
-            why = check_name(message.name) or check_endpoint(message.endpoint)
-            if why is None and not 1 <= message.max_sessions <= MAX_SESSIONS_PER_REPLICA:
-                why = f"max_sessions must be in 1..{MAX_SESSIONS_PER_REPLICA}, got {message.max_sessions}"
-        replica = self.replicas.get(message.name)
-        if why is None and replica is None and len(self.replicas) >= self.config.max_replicas:
-            why = f"the router is at its limit of {self.config.max_replicas} replicas"
-        loop = next((r for r in self.replicas.values() if r.endpoint == message.endpoint and r.is_router), None)
-        if why is None and loop is not None:
-            why = loop.down_reason
+        why = registration_problem(message, self.replicas, self.config)
         if why is not None:
             log.warning("registration refused: %s", why)
             self._emit(ToRegistrant(peer, protocol.Registered(ok=False, message=why)))
             return
+        replica = self.replicas.get(message.name)
         if replica is None:
             log.info("replica %s registered at %s", message.name, message.endpoint)
             replica = self._add(message.name, message.endpoint, message.max_sessions, False, now)
         elif message.endpoint != replica.endpoint:
-            why = self._moved(replica, message, now)
+            if (why := replica.move_to(message.endpoint)) is None:
+                self._connect(replica, now)
         elif message.incarnation != replica.incarnation:
-            why = self._reincarnated(replica, message)
+            why = replica.reincarnation_problem(message.incarnation)
         if why is not None:
             log.warning("registration of %s at %s refused: %s", message.name, message.endpoint, why)
             self._emit(ToRegistrant(peer, protocol.Registered(ok=False, message=why)))
             return
-        replica.incarnation = message.incarnation
-        replica.max_sessions, replica.layout, replica.registered_at = message.max_sessions, message.layout, now
+        replica.registered(message, now)
         self._emit(ToRegistrant(peer, protocol.Registered(ok=True)))
-
-    def _moved(self, replica: Replica, message: protocol.Register, now: float) -> str | None:
-        """A registration of a known name at another endpoint: a requeued job on another node takes its name once
-        the old job stopped answering (it is down); while it answers, the name is held (a second array submitted
-        with the same names, a stranger: they must not end its sessions). A listed replica never moves."""
-        if replica.listed:
-            return f"{replica.name} is a listed replica at {replica.endpoint}; registrations cannot move it"
-        if replica.state is State.UP:
-            return (f"the name {replica.name} is held by a live replica at {replica.endpoint} (answering as server "
-                    f"{replica.server}); choose another replica.name")
-        log.info("replica %s moves from %s to %s", replica.name, replica.endpoint, message.endpoint)
-        replica.endpoint, replica.server, replica.held_until, replica.is_router = message.endpoint, "", 0.0, False
-        replica.down_reason = "not answering yet"
-        self._connect(replica, now)
-        return None
-
-    def _reincarnated(self, replica: Replica, message: protocol.Register) -> str | None:
-        """A registration at the replica's endpoint under a new incarnation. Only the id its endpoint answers with
-        decides what process is there (``_identify``): a registration never ends sessions. It is refused when the
-        endpoint answers as a live process of another id; otherwise it is recorded (a restarted registered
-        replica takes sessions once its endpoint answers with that id)."""
-        if replica.state is State.UP and replica.server and message.incarnation != replica.server:
-            return (f"{replica.endpoint} answers as server {replica.server}, not {message.incarnation}: the "
-                    f"replica {replica.name} there is alive")
-        return None
 
     # ---------------------------------------------------------------------------------------------- timers
 
