@@ -54,13 +54,13 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from msgspec import UNSET
 
 from ipc import protocol, tolerant
-from ipc.metrics_types import MAX_SESSIONS, CapacityStats, ReplicaView, ServerStats
+from ipc.metrics_types import MAX_SESSIONS, CapacityStats, ReplicaView, RouterTotals, ServerStats
 from runtime.router_config import RouterSection, check_endpoint, check_name
 
 log = logging.getLogger("runtime.router")  # (the core's logger: membership lines read as the router's)
@@ -145,6 +145,15 @@ TRANSITIONS = {State.DOWN: {State.UP}, State.UP: {State.DOWN}}
 
 class IllegalTransition(RuntimeError):
     pass
+
+
+class Due(NamedTuple):
+    """What a timer turn does for one replica (``Replica.due``)."""
+
+    ping: bool  # a heartbeat goes (every router.heartbeat_s)
+    dead: str | None  # why it goes down now (up and silent past router.replica_dead_s)
+    poll: bool  # its stats are read (every router.stats_interval_s)
+    forget: bool  # registered and down past router.forget_after_s: it is forgotten
 
 
 @dataclass
@@ -236,6 +245,23 @@ class Replica:
         self.fresh = False
         self._sample = None
 
+    def stats_due(self, now: float, dead_s: float) -> bool:
+        """Whether a stats request may go: none is in flight, or the one in flight was lost."""
+        return self.stats_req is None or now - self.stats_sent > dead_s
+
+    def due(self, now: float, config: RouterSection) -> Due:
+        """Its deadlines at ``now``: a ping (its next one is set), going down, a stats read, being forgotten."""
+        ping = now >= self.next_ping
+        if ping:
+            self.next_ping = now + config.heartbeat_s
+        if self.state is State.UP:
+            silent = now - self.last_heard
+            if silent > config.replica_dead_s:
+                return Due(ping, f"stopped answering (silent for {silent:.1f} s)", False, False)
+            return Due(ping, None, now >= self.next_stats and self.stats_due(now, config.replica_dead_s), False)
+        down_for = min(now - self.since, now - (self.registered_at or 0.0))
+        return Due(ping, None, False, not self.listed and down_for > config.forget_after_s)
+
     def registered(self, message: protocol.Register, now: float) -> None:
         """Its registration was accepted: what it says of itself is recorded."""
         self.incarnation, self.max_sessions = message.incarnation, message.max_sessions
@@ -288,7 +314,7 @@ class Replica:
                                 f"{self.incarnation or '(nothing)'}: waiting for its registration")
             return None, False
         self.down_reason = f"answers as server {self.server or '(no id)'}; reading its stats"
-        return None, self.stats_req is None or now - self.stats_sent > dead_s  # its load is read before it is up
+        return None, self.stats_due(now, dead_s)  # its load is read before it is up
 
     def describe(self, now: float) -> ReplicaView:
         """This replica in the router's stats (its own stats without any session's entry: their owners' only)."""
@@ -318,6 +344,27 @@ def choose(replicas: Iterable[Replica], now: float, exclude: Iterable[str] = ())
     return min(candidates, key=lambda r: (-(room[r.name] or 0.0) if by_headroom else 0.0,
                                           (r.load + 1) / r.max_sessions,
                                           r.period_s if r.period_s is not None else 0.0, r.name))
+
+
+def totals(replicas: Iterable[Replica], rejects: dict[str, int]) -> RouterTotals:
+    """The sums over the up replicas of the counters a server has (the router's own ``rejects`` added)."""
+    every = list(replicas)
+    up = [r for r in every if r.state is State.UP]
+    read = [r.stats for r in up if r.stats is not None]  # typed and in range (``read_stats``): sums fit uint64
+
+    def merged(counts: Iterable[dict[str, int]], start: dict[str, int]) -> dict[str, int]:
+        out = dict(start)
+        for each in counts:
+            for name, n in each.items():
+                out[name] = out.get(name, 0) + n
+        return out
+
+    return RouterTotals(
+        replicas_up=len(up), replicas=len(every), max_sessions=sum(r.max_sessions for r in up),
+        open_sessions=sum(len(r.sessions) + r.external for r in up), sessions_total=sum(s.sessions.total for s in read),
+        chunks_emitted=sum(s.chunks_emitted for s in read), frames_emitted=sum(s.frames_emitted for s in read),
+        rejects=merged((s.rejects for s in read), rejects),
+        errors=merged((s.errors for s in read if isinstance(s.errors, dict)), {}))
 
 
 def summary(replicas: Iterable[Replica]) -> str:

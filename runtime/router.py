@@ -14,9 +14,9 @@ Rules that live here and nowhere else:
   replica exactly as they came, and so do the replies naming the session (``chunk``, ``accepted``, ``closed``,
   its errors): a chunk's frames are never decoded, copied or re-encoded.
 - **Session ids are the replicas' own** (random, 12 hex digits), so nothing on the chunk path is rewritten (but for a
-  migrated session, below). The
-  router holds each id once: an ``opened`` whose id another replica's session already has is closed on its replica
-  and the client told to open again. An ``opened`` nobody waits for any more is closed on its replica at once.
+  migrated session, below). The router holds each id once: an ``opened`` whose id another replica's session already
+  has is closed on its replica and the client told to open again. An ``opened`` nobody waits for any more is closed
+  on its replica at once.
 - **Sessions outlive their replica** (``router.snapshot_every = K``): autosave, migration and prompt replay are
   the migration part's (``runtime.router_migration``, each session's ``RoutedSession.migration``). The core places
   a restore as any open and moves the session to its new replica; the part answers the rest.
@@ -45,12 +45,11 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import msgspec
 
 from ipc import protocol
-from ipc.metrics_types import Distribution, PartialSummary, RouterCounters, RouterTotals, ServerStats, SessionCounts
+from ipc.metrics_types import Distribution, PartialSummary, RouterCounters, ServerStats, SessionCounts
 from runtime.chunk_claims import migration_problem, open_problem
 from runtime.clients import Clients
 from runtime.core_types import EXIT_OK, ClientError
@@ -63,9 +62,11 @@ from runtime.replicas import (
     read_stats,
     registration_problem,
     summary,
+    totals,
 )
 from runtime.router_config import ReplicaEntry, RouterSection, chunk_limit
 from runtime.router_migration import NOT_NOW, SESSION_RETRY_S, Migration, Moves
+from runtime.router_sessions import PendingOpen, RoutedSession, fold
 from runtime.router_types import (
     ChunkHead,
     ClientSent,
@@ -100,37 +101,6 @@ log = logging.getLogger(__name__)
 
 MAX_REASONS = 32  # distinct reject codes counted; more count as "other"
 ENDING_CODES = frozenset({"rank_failed", "shutdown"})  # a replica says its whole job is ending
-
-
-@dataclass
-class RoutedSession:
-    id: str  # the replica's id, unchanged
-    replica: str
-    client: bytes  # the identity its messages go to
-    owner: bytes  # the identity that opened it (a reconnect with it may resume)
-    gone: bool = False  # the client disconnected: its messages are dropped until it resumes
-    closing: bool = False  # the router asked the replica to close it (client silent, not reading, or a close
-    # that met a full link: the router sends it again by itself, as a server never refuses a close)
-    close_due: float = 0.0  # when the close is sent (again) unless the replica said ``closed``
-    state: protocol.ControlState | None = None  # live input that met a full link: folded, sent when it drains
-    opened: protocol.Opened | None = None  # its replica's answer: the geometry a watcher is told
-    migration: Moves = field(default_factory=Moves)  # the migration part's (``runtime.router_migration``)
-
-    @property
-    def rid(self) -> str:
-        """Its id on its replica."""
-        return self.migration.upstream or self.id
-
-
-@dataclass
-class PendingOpen:
-    req: int  # the router's request id on the replica
-    client: bytes
-    message: protocol.Open  # as the client sent it (with its own request id)
-    replica: str
-    sent: float
-    tried: set[str] = field(default_factory=set)  # replicas asked already (busy or unreachable)
-    migrating: str | None = None  # the restore of this (client-facing) session after its replica went down
 
 
 class RouterCore:
@@ -282,8 +252,7 @@ class RouterCore:
             self._emit(ToClient(session.client, closed, session.id))
 
     def _end_watchers(self, sid: str, reason: str, error: str | None, keep: bool) -> None:
-        """The session ended here: each of its watchers gets a ``closed`` of its own (the owner's summary is not
-        theirs)."""
+        """The session ended here: each of its watchers gets a ``closed`` of its own (not the owner's summary)."""
         for who in self.watchers.end(sid):
             self._emit(EndWatch(who, sid, protocol.Closed(session=sid, reason=reason, error=error), keep))
 
@@ -428,10 +397,9 @@ class RouterCore:
 
     def _took(self, outputs: list[Output] | None) -> bool:
         """Whether a part took a message (``outputs`` not None): then its outputs are the core's."""
-        if outputs is None:
-            return False
-        self._out += outputs
-        return True
+        if outputs is not None:
+            self._out += outputs
+        return outputs is not None
 
     def _migrate(self, session: RoutedSession, down: Replica, text: str, now: float) -> bool:
         """Restore ``session`` (its replica ``down`` is going down) from its latest snapshot on another replica
@@ -559,7 +527,9 @@ class RouterCore:
             for pending in [p for p in self.opens.values() if p.replica == replica.name]:
                 self._retry_open(pending, now)
         if replica.state is State.DOWN and replica.known and not replica.is_router and now >= replica.held_until:
-            self._up(replica, now)  # it answered as a known process and its load is read: it takes sessions
+            replica.move(State.UP, now)  # it answered as a known process and its load is read: it takes sessions
+            log.info("replica %s is up at %s", replica.name, replica.endpoint)
+            self._emit(ReplicaUp(replica.name, replica.endpoint))
 
     def _identify(self, replica: Replica, server: str, now: float) -> None:
         """A heartbeat ack named the process at the replica's endpoint (``Replica.identify`` decides)."""
@@ -573,11 +543,6 @@ class RouterCore:
         replica.stats_req, replica.stats_sent = self.new_req(), now
         replica.next_stats = now + self.config.stats_interval_s
         self._emit(ToReplica(replica.name, replica.generation, protocol.Stats(req=replica.stats_req)))
-
-    def _up(self, replica: Replica, now: float) -> None:
-        replica.move(State.UP, now)
-        log.info("replica %s is up at %s", replica.name, replica.endpoint)
-        self._emit(ReplicaUp(replica.name, replica.endpoint))
 
     def _down(self, replica: Replica, reason: str, now: float, code: str = "rank_failed") -> None:
         if replica.state is State.DOWN:
@@ -648,18 +613,14 @@ class RouterCore:
     def _timers(self, now: float) -> None:
         config = self.config
         for replica in list(self.replicas.values()):
-            if now >= replica.next_ping:
-                replica.next_ping = now + config.heartbeat_s
+            due = replica.due(now, config)
+            if due.ping:
                 self._emit(ToReplica(replica.name, replica.generation, protocol.Heartbeat(req=self.new_req())))
-            if replica.state is State.UP:
-                silent = now - replica.last_heard
-                if silent > config.replica_dead_s:
-                    self._down(replica, f"stopped answering (silent for {silent:.1f} s)", now)
-                elif now >= replica.next_stats and (replica.stats_req is None
-                                                    or now - replica.stats_sent > config.replica_dead_s):
-                    self._poll_stats(replica, now)
-            elif not replica.listed and min(now - replica.since, now - (replica.registered_at or 0.0)) > \
-                    config.forget_after_s:
+            if due.dead is not None:
+                self._down(replica, due.dead, now)
+            elif due.poll:
+                self._poll_stats(replica, now)
+            elif due.forget:
                 log.info("replica %s forgotten (down for %.0f s)", replica.name, now - replica.since)
                 del self.replicas[replica.name]
                 self._emit(Disconnect(replica.name))
@@ -714,36 +675,21 @@ class RouterCore:
         """The router's stats for client ``who``: totals over the up replicas (the counters a server has, summed), the
         router's own counters, every replica (its state, load and its own latest stats without per-session
         entries) and ``per_session`` for ``who``'s sessions only (with the replica each is on)."""
-        up = [r for r in self.replicas.values() if r.state is State.UP]
-        read = [r.stats for r in up if r.stats is not None]  # typed and in range (``read_stats``): sums fit uint64
-
-        def merged(counts: Iterable[dict[str, int]], start: dict[str, int]) -> dict[str, int]:
-            out = dict(start)
-            for each in counts:
-                for name, n in each.items():
-                    out[name] = out.get(name, 0) + n
-            return out
-
         mine = {}
         for session in sorted(self.clients.of(who), key=lambda s: s.id):
             stats = self.replicas[session.replica].stats
             own = stats.per_session.get(session.rid) if stats else None
             mine[session.id] = msgspec.structs.replace(own or PartialSummary(), replica=session.replica)
-        chunks, frames = sum(s.chunks_emitted for s in read), sum(s.frames_emitted for s in read)
-        open_sessions = sum(len(r.sessions) + r.external for r in up)
+        total = totals(self.replicas.values(), self.rejects)
         return ServerStats(
             layout="router",
             uptime_s=now - self.started,
-            open_sessions=open_sessions,
+            open_sessions=total.open_sessions,
             sessions=SessionCounts(open=len(self.sessions), total=self.sessions_total),
-            chunks_emitted=chunks,
-            frames_emitted=frames,
+            chunks_emitted=total.chunks_emitted,
+            frames_emitted=total.frames_emitted,
             rejects=dict(self.rejects),
-            total=RouterTotals(
-                replicas_up=len(up), replicas=len(self.replicas), max_sessions=sum(r.max_sessions for r in up),
-                open_sessions=open_sessions, sessions_total=sum(s.sessions.total for s in read),
-                chunks_emitted=chunks, frames_emitted=frames, rejects=merged((s.rejects for s in read), self.rejects),
-                errors=merged((s.errors for s in read if isinstance(s.errors, dict)), {})),
+            total=total,
             router=RouterCounters(
                 chunks_forwarded=self.chunks_forwarded, client_messages=self.client_messages,
                 watchers=self.watchers.count(), watch_dropped=self.watch_dropped, opening=len(self.opens),
@@ -752,16 +698,3 @@ class RouterCore:
             replicas={name: r.describe(now) for name, r in sorted(self.replicas.items())},
             per_session=mine,
         )
-
-
-def fold(a: protocol.ControlState, b: protocol.ControlState) -> protocol.ControlState:
-    """Two live inputs of a session as one, as the server folds them: the later one's held keys and revision (and
-    request id), the mouse motion of both (held to one state's limit, as the server clamps a cut's turn: a fold
-    must not make two valid states one the server refuses), the taps of both, the later steps request given."""
-    older, newer = (a, b) if a.revision <= b.revision else (b, a)
-    taps = list(dict.fromkeys([*older.taps, *newer.taps]))[:16]
-    limit = protocol.MAX_MOUSE_DEGREES
-    mouse = (max(-limit, min(limit, older.mouse[0] + newer.mouse[0])),
-             max(-limit, min(limit, older.mouse[1] + newer.mouse[1])))
-    steps = newer.steps if newer.steps is not None else older.steps
-    return msgspec.structs.replace(newer, mouse=mouse, taps=taps, steps=steps)
