@@ -218,9 +218,10 @@ class Migration:
         logged); None when it is not one."""
         mine = session is not None and session.replica == replica
         if message.req is not None and message.req < 0 and not mine:
-            # the router's own (negative request ids), of a session that ended here
-            ended = isinstance(message, protocol.Saved) and self.config.snapshots_dir
-            return [DropSnapshot(message.snapshot)] if ended else []  # type: ignore[union-attr]
+            # the router's own (negative request ids), of a session that ended here: its snapshot is not kept
+            if isinstance(message, protocol.Saved) and self.config.snapshots_dir:
+                return [DropSnapshot(message.snapshot)]
+            return []
         if session is None or not mine or message.req is None or message.req != session.migration.autosave:
             return None
         moves = session.migration
