@@ -233,7 +233,7 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
         coordinator = Coordinator(ctx, cfg, clients, workers)
         ctx.on_fatal = lambda message: setattr(coordinator, "fatal", message)
         if cfg.replica.router:  # a replica of a router: register this job's client endpoint there (and beat)
-            from ranks.registration import start_registration
+            from router.registration import start_registration
 
             start_registration(cfg.replica, cfg.server, port, lay.name, context, ctx.stop)
     threads = []

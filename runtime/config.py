@@ -436,7 +436,7 @@ def model_heads(model: ModelConfig) -> int | None:
 def resolve_path(name: str | Path, directory: Path = CONFIG_DIR) -> Path:
     """A config given by path, or by bare name from ``directory`` (``cpu-tiny`` -> ``configs/cpu-tiny.toml``)."""
     path = Path(name)
-    if path.exists():
+    if path.is_file():  # (a folder of that name, e.g. the ``router/`` package at the repository root, is no config)
         return path
     candidate = directory / (path.name if path.suffix == ".toml" else f"{path.name}.toml")
     if candidate.exists():

@@ -1,5 +1,5 @@
-"""What the router knows of each replica, and the placement rule. Pure: the router core (runtime/router.py) alone
-mutates these records, with times given in.
+"""What the router knows of each replica, its membership and the placement rule. Pure: the router core
+(runtime/router.py) alone mutates these records, through their methods, with times given in.
 
 A replica is **up** once its current connection answered a heartbeat as a known process, and **down** before that
 and after it stopped answering, said it is ending (``rank_failed``/``shutdown``), restarted, or said nonsense. Its
@@ -8,6 +8,20 @@ and after it stopped answering, said it is ending (``rank_failed``/``shutdown``)
 known by any id it answers with; a registered one only by the id it registered (``incarnation``), so a restarted job
 takes sessions only once its registration arrived. The legal transitions are in ``TRANSITIONS``; the core moves a
 replica only through ``Replica.move``.
+
+**Membership**: replicas from the config file and replicas that register (``register``, re-sent as a heartbeat,
+naming the server id of the job as its ``incarnation``). Every replica is pinged every ``router.heartbeat_s`` on its
+connection; anything it sends proves it alive, and each heartbeat ack names the process that answers
+(``Replica.identify``). An up replica silent for ``router.replica_dead_s``, one that says it is ending
+(``rank_failed``/``shutdown``), one that answers as another server id (a restarted job; whatever registrations say
+and however long anything took) or whose stats uptime goes back, and one whose stats are not a server's (held down a
+while, with the reason) goes down: the core ends or moves each of its sessions, places its unanswered opens
+elsewhere and opens a fresh connection (nothing queued for the old job reaches a new one). It is up again once it
+answered as a known process and its stats were read. A registration never ends sessions (``registration_problem``,
+``Replica.move_to``, ``Replica.reincarnation_problem``): at the replica's endpoint it is refused when that endpoint
+answers as another live server; at another endpoint it is refused while the replica answers (a rival under its
+name) and moves it once it stopped. An endpoint that answers with the router's own id is the router itself: never
+up, and registrations naming it are refused.
 
 **Stats** are read as typed values with ranges (``read_stats``): a reply that is not one (a count beyond 2^53, a
 float that is not a finite duration, a wrong type, nesting beyond ``MAX_STATS_DEPTH``) is ``UnusableStats``, and
@@ -35,16 +49,21 @@ last stats interval; None while it emits nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hmac
+import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from msgspec import UNSET
 
 from ipc import protocol, tolerant
-from ipc.metrics_types import MAX_SESSIONS, CapacityStats, ReplicaView, ServerStats
+from ipc.metrics_types import MAX_SESSIONS, CapacityStats, ReplicaView, RouterTotals, ServerStats
+from runtime.router_config import RouterSection, check_endpoint, check_name
+
+log = logging.getLogger("runtime.router")  # (the core's logger: membership lines read as the router's)
 
 MAX_SESSIONS_PER_REPLICA = MAX_SESSIONS  # a registration or stats reply claiming more is refused
 # nesting of a replica's stats (a server's is 7 deep): a client reads 16 levels (``protocol.MAX_DEPTH``), and the
@@ -126,6 +145,15 @@ TRANSITIONS = {State.DOWN: {State.UP}, State.UP: {State.DOWN}}
 
 class IllegalTransition(RuntimeError):
     pass
+
+
+class Due(NamedTuple):
+    """What a timer turn does for one replica (``Replica.due``)."""
+
+    ping: bool  # a heartbeat goes (every router.heartbeat_s)
+    dead: str | None  # why it goes down now (up and silent past router.replica_dead_s)
+    poll: bool  # its stats are read (every router.stats_interval_s)
+    forget: bool  # registered and down past router.forget_after_s: it is forgotten
 
 
 @dataclass
@@ -217,6 +245,77 @@ class Replica:
         self.fresh = False
         self._sample = None
 
+    def stats_due(self, now: float, dead_s: float) -> bool:
+        """Whether a stats request may go: none is in flight, or the one in flight was lost."""
+        return self.stats_req is None or now - self.stats_sent > dead_s
+
+    def due(self, now: float, config: RouterSection) -> Due:
+        """Its deadlines at ``now``: a ping (its next one is set), going down, a stats read, being forgotten."""
+        ping = now >= self.next_ping
+        if ping:
+            self.next_ping = now + config.heartbeat_s
+        if self.state is State.UP:
+            silent = now - self.last_heard
+            if silent > config.replica_dead_s:
+                return Due(ping, f"stopped answering (silent for {silent:.1f} s)", False, False)
+            return Due(ping, None, now >= self.next_stats and self.stats_due(now, config.replica_dead_s), False)
+        down_for = min(now - self.since, now - (self.registered_at or 0.0))
+        return Due(ping, None, False, not self.listed and down_for > config.forget_after_s)
+
+    def registered(self, message: protocol.Register, now: float) -> None:
+        """Its registration was accepted: what it says of itself is recorded."""
+        self.incarnation, self.max_sessions = message.incarnation, message.max_sessions
+        self.layout, self.registered_at = message.layout, now
+
+    def move_to(self, endpoint: str) -> str | None:
+        """A registration of its name at another endpoint: a requeued job on another node takes its name once the old
+        job stopped answering (it is down; the core then connects to the new endpoint); while it answers, the name is
+        held (a second array submitted with the same names, a stranger: they must not end its sessions). A listed
+        replica never moves. Returns why not, or None once moved."""
+        if self.listed:
+            return f"{self.name} is a listed replica at {self.endpoint}; registrations cannot move it"
+        if self.state is State.UP:
+            return (f"the name {self.name} is held by a live replica at {self.endpoint} (answering as server "
+                    f"{self.server}); choose another replica.name")
+        log.info("replica %s moves from %s to %s", self.name, self.endpoint, endpoint)
+        self.endpoint, self.server, self.held_until, self.is_router = endpoint, "", 0.0, False
+        self.down_reason = "not answering yet"
+        return None
+
+    def reincarnation_problem(self, incarnation: str) -> str | None:
+        """A registration at its endpoint under a new incarnation. Only the id its endpoint answers with decides what
+        process is there (``identify``): a registration never ends sessions. It is refused when the endpoint answers
+        as a live process of another id; otherwise it is recorded (a restarted registered replica takes sessions
+        once its endpoint answers with that id)."""
+        if self.state is State.UP and self.server and incarnation != self.server:
+            return (f"{self.endpoint} answers as server {self.server}, not {incarnation}: the replica {self.name} "
+                    "there is alive")
+        return None
+
+    def identify(self, server: str, router_id: str, now: float, dead_s: float) -> tuple[str | None, bool]:
+        """A heartbeat ack says which process answers at its endpoint: the router itself (a loop: held down for
+        good), a new one (the old one's sessions are gone: down, a fresh connection), or the known one (up, unless
+        it is held down or, registered, its registration is not known yet). Returns why it goes down now (None: it
+        does not) and whether its stats are to be read (it is up once they are)."""
+        if server and server == router_id:
+            self.is_router = True
+            self.down_reason = (f"is this router itself ({self.endpoint} answers with the router's id): a replica "
+                                "must be a worldstream server")
+            return (self.down_reason if self.state is State.UP else None), False
+        if server and self.server and server != self.server:
+            before, self.server = self.server, server
+            if self.state is State.UP:
+                return f"restarted (it answers as server {server}, was {before})", False
+        self.server = server or self.server
+        if self.state is State.UP or self.is_router or now < self.held_until:
+            return None, False
+        if not self.known:
+            self.down_reason = (f"answers as server {self.server or '(no id)'}, registered as "
+                                f"{self.incarnation or '(nothing)'}: waiting for its registration")
+            return None, False
+        self.down_reason = f"answers as server {self.server or '(no id)'}; reading its stats"
+        return None, self.stats_due(now, dead_s)  # its load is read before it is up
+
     def describe(self, now: float) -> ReplicaView:
         """This replica in the router's stats (its own stats without any session's entry: their owners' only)."""
         own = None
@@ -247,8 +346,47 @@ def choose(replicas: Iterable[Replica], now: float, exclude: Iterable[str] = ())
                                           r.period_s if r.period_s is not None else 0.0, r.name))
 
 
+def totals(replicas: Iterable[Replica], rejects: dict[str, int]) -> RouterTotals:
+    """The sums over the up replicas of the counters a server has (the router's own ``rejects`` added)."""
+    every = list(replicas)
+    up = [r for r in every if r.state is State.UP]
+    read = [r.stats for r in up if r.stats is not None]  # typed and in range (``read_stats``): sums fit uint64
+
+    def merged(counts: Iterable[dict[str, int]], start: dict[str, int]) -> dict[str, int]:
+        out = dict(start)
+        for each in counts:
+            for name, n in each.items():
+                out[name] = out.get(name, 0) + n
+        return out
+
+    return RouterTotals(
+        replicas_up=len(up), replicas=len(every), max_sessions=sum(r.max_sessions for r in up),
+        open_sessions=sum(len(r.sessions) + r.external for r in up), sessions_total=sum(s.sessions.total for s in read),
+        chunks_emitted=sum(s.chunks_emitted for s in read), frames_emitted=sum(s.frames_emitted for s in read),
+        rejects=merged((s.rejects for s in read), rejects),
+        errors=merged((s.errors for s in read if isinstance(s.errors, dict)), {}))
+
+
 def summary(replicas: Iterable[Replica]) -> str:
     """Each replica's load for a busy answer: ``a 2/2, b down``."""
     return ", ".join(f"{r.name} {r.load}/{r.max_sessions}" if r.state is State.UP else f"{r.name} down"
                      for r in replicas) or "no replica known"
 
+
+
+def registration_problem(message: protocol.Register, replicas: Mapping[str, Replica],
+                         config: RouterSection) -> str | None:
+    """Why a registration is refused before it touches any replica (a token, a name, an endpoint or a size that is
+    wrong, the router's replica limit, an endpoint that is the router itself), or None."""
+    token = config.register_token
+    if token and not hmac.compare_digest(message.token.encode(), token.encode()):
+        return "wrong or missing token: replica.token must equal the router's register_token"
+    why = check_name(message.name) or check_endpoint(message.endpoint)
+    if why is None and not 1 <= message.max_sessions <= MAX_SESSIONS_PER_REPLICA:
+        why = f"max_sessions must be in 1..{MAX_SESSIONS_PER_REPLICA}, got {message.max_sessions}"
+    if why is None and message.name not in replicas and len(replicas) >= config.max_replicas:
+        why = f"the router is at its limit of {config.max_replicas} replicas"
+    loop = next((r for r in replicas.values() if r.endpoint == message.endpoint and r.is_router), None)
+    if why is None and loop is not None:
+        why = loop.down_reason
+    return why

@@ -14,35 +14,15 @@ Rules that live here and nowhere else:
   replica exactly as they came, and so do the replies naming the session (``chunk``, ``accepted``, ``closed``,
   its errors): a chunk's frames are never decoded, copied or re-encoded.
 - **Session ids are the replicas' own** (random, 12 hex digits), so nothing on the chunk path is rewritten (but for a
-  migrated session, below). The
-  router holds each id once: an ``opened`` whose id another replica's session already has is closed on its replica
-  and the client told to open again. An ``opened`` nobody waits for any more is closed on its replica at once.
-- **Sessions outlive their replica** (``router.snapshot_every = K``). Every K chunks forwarded, the router asks a
-  session's replica to ``save`` it (it owns the session there), one save at a time, under a negative request id so
-  no answer to a client's request is taken for it; its ``saved`` is the router's own. A client's own ``saved`` is
-  forwarded and counts as a snapshot too. When the replica goes down, each of its sessions with a snapshot is
-  opened on another replica from the latest (``open(restore=...)``, placed as any open) instead of ending; the
-  client keeps its session id (``aliases`` maps the new replica's id to it: small messages are re-encoded, a chunk's
-  head rewritten, ``runtime.migration``) and gets ``migrated`` (the resume chunk, the new replica). Controls below
-  the resume chunk are refused here; input during the restore waits (live) or gets a backpressure answer. The
-  latest prompt its replica scheduled (``prompt_scheduled``: its text kept from the forwarded ``set_prompt``) whose
-  chunk is after the snapshot's is not in the snapshot: once the restore opened the router sets it again there
-  (its own ``set_prompt``, a negative request id: its answer is the router's). With
-  ``router.snapshots_dir`` the router's own snapshots are deleted once superseded or their session ended.
-- **Membership** (``runtime.replicas``): replicas from the config file and replicas that register (``register``,
-  re-sent as a heartbeat, naming the server id of the job as its ``incarnation``). Every replica is pinged every
-  ``router.heartbeat_s`` on its connection; anything it sends proves it alive, and each heartbeat ack names the
-  process that answers (its server id). An up replica silent for ``router.replica_dead_s``, one that says it is
-  ending (``rank_failed``/``shutdown``), one that answers as another server id (a restarted job; whatever
-  registrations say and however long anything took) or whose stats uptime goes back, and one whose stats are not
-  a server's (``runtime.replicas.read_stats``: held down a while, with the reason) goes down: each of its sessions
-  ends with that error naming the replica and a ``closed``, its unanswered opens are placed elsewhere, and the router
-  opens a fresh connection (nothing queued for the old job reaches a new one). A replica is up again once it
-  answered as a known process (a listed one: any id; a registered one: the id it registered, so a requeued job
-  takes sessions only once its registration arrived) and its stats were read. A registration never ends sessions:
-  at the replica's endpoint it is refused when that endpoint answers as another live server; at another endpoint it
-  is refused while the replica answers (a rival under its name) and moves it once it stopped. An endpoint that
-  answers with the router's own id is the router itself: never up, and registrations naming it are refused.
+  migrated session, below). The router holds each id once: an ``opened`` whose id another replica's session already
+  has is closed on its replica and the client told to open again. An ``opened`` nobody waits for any more is closed
+  on its replica at once.
+- **Sessions outlive their replica** (``router.snapshot_every = K``): autosave, migration and prompt replay are
+  the migration part's (``runtime.router_migration``, each session's ``RoutedSession.migration``). The core places
+  a restore as any open and moves the session to its new replica; the part answers the rest.
+- **Membership** (``runtime.replicas``: register, identify, up/down, reincarnation): the core carries out what a
+  replica's record decides. A replica that goes down costs its sessions (each ends with an error naming the replica
+  and a ``closed``, unless it migrates), its unanswered opens are placed elsewhere, and its connection is fresh.
 - **Clients** (``runtime.clients``, the front door shared with the coordinator core): sessions of a client silent
   for ``router.client_timeout_s`` are closed on their replicas (the router keeps its replica connections alive with
   its own heartbeats, so this rule must live here; their client counts as gone: the replica's ``closed`` names the
@@ -62,31 +42,31 @@ Rules that live here and nowhere else:
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import msgspec
 
 from ipc import protocol
-from ipc.metrics_types import Distribution, PartialSummary, RouterCounters, RouterTotals, ServerStats, SessionCounts
-from runtime.chunk_claims import migration_problem, open_problem, save_problem
+from ipc.metrics_types import Distribution, PartialSummary, RouterCounters, ServerStats, SessionCounts
+from runtime.chunk_claims import migration_problem, open_problem
 from runtime.clients import Clients
 from runtime.core_types import EXIT_OK, ClientError
-from runtime.migration import renamed
 from runtime.replicas import (
-    MAX_SESSIONS_PER_REPLICA,
     Replica,
     ReplicaStatsReply,
     State,
     UnusableStats,
     choose,
     read_stats,
+    registration_problem,
     summary,
+    totals,
 )
-from runtime.router_config import ReplicaEntry, RouterSection, check_endpoint, check_name, chunk_limit
+from runtime.router_config import ReplicaEntry, RouterSection, chunk_limit
+from runtime.router_migration import NOT_NOW, SESSION_RETRY_S, Migration, Moves
+from runtime.router_sessions import PendingOpen, RoutedSession, fold
 from runtime.router_types import (
     ChunkHead,
     ClientSent,
@@ -94,7 +74,6 @@ from runtime.router_types import (
     ClientUnreadable,
     Connect,
     Disconnect,
-    DropSnapshot,
     EndWatch,
     Event,
     OpenOrigin,
@@ -121,73 +100,7 @@ from runtime.watchers import Watchers
 log = logging.getLogger(__name__)
 
 MAX_REASONS = 32  # distinct reject codes counted; more count as "other"
-SESSION_RETRY_S = 0.01  # hint when a control met a full replica connection (a server's control_backpressure)
-MAX_ASKED = 256  # unanswered requests remembered per session (a replica answers each at once; more is a flood)
-MAX_PROMPTS_ASKED = 4  # set_prompt texts remembered per session until answered (a server refuses more waiting)
-ANSWERED = ("control", "set_prompt", "save")  # the forwarded kinds a replica answers by request id
-# what a server answers a request it cannot take now, by kind: the client sends it again (after a migration: to the
-# new replica)
-NOT_NOW = {"set_prompt": "prompt_backpressure", "save": "busy"}
 ENDING_CODES = frozenset({"rank_failed", "shutdown"})  # a replica says its whole job is ending
-
-
-@dataclass
-class ScheduledPrompt:
-    """A prompt a session's replica scheduled (``prompt_scheduled``): a snapshot of chunk k holds it when ``chunk``
-    <= k. ``chunk`` None: the router sent it again to the session's new replica and no answer named its chunk yet
-    (it is in no snapshot)."""
-
-    text: str
-    chunk: int | None
-    revision: int
-
-
-@dataclass
-class RoutedSession:
-    id: str  # the replica's id, unchanged
-    replica: str
-    client: bytes  # the identity its messages go to
-    owner: bytes  # the identity that opened it (a reconnect with it may resume)
-    gone: bool = False  # the client disconnected: its messages are dropped until it resumes
-    closing: bool = False  # the router asked the replica to close it (client silent, not reading, or a close
-    # that met a full link: the router sends it again by itself, as a server never refuses a close)
-    close_due: float = 0.0  # when the close is sent (again) unless the replica said ``closed``
-    state: protocol.ControlState | None = None  # live input that met a full link: folded, sent when it drains
-    opened: protocol.Opened | None = None  # its replica's answer: the geometry a watcher is told
-    upstream: str = ""  # its id on its replica when that is not ``id`` (it migrated: restored under a new id)
-    chunks: int = 0  # chunks forwarded since the router last asked its replica to save it (``snapshot_every``)
-    autosave: int | None = None  # the router's own save in flight (its request id): its answer is the router's
-    snapshot: str | None = None  # the latest snapshot of it (the router's or its client's): where it resumes from
-    snapshot_chunk: int = 0  # that snapshot's boundary chunk
-    first: int = 0  # the index of its stream's first chunk on its replica (a restore's boundary, else 0)
-    forwarded: int = 0  # chunks forwarded since (what a replica's save boundary is checked against)
-    resume: int = 0  # the lowest control index it takes: after a migration, its snapshot's chunk
-    migrating: bool = False  # its replica went down and its restore on another one is not answered yet
-    own_snapshot: str | None = None  # the latest snapshot the router asked for (deleted when superseded or it ends)
-    # requests forwarded and not answered yet (request id -> kind): a replica that goes down answers none of them,
-    # so a migration answers them itself (bounded: the oldest are forgotten past MAX_ASKED)
-    asked: dict[int, str] = field(default_factory=dict)
-    # the texts of its set_prompts forwarded and not answered yet (request id -> text; the oldest forgotten past
-    # MAX_PROMPTS_ASKED): a ``prompt_scheduled`` names its request, not its text
-    prompts_asked: dict[int, str] = field(default_factory=dict)
-    prompt: ScheduledPrompt | None = None  # the latest prompt its replica answered ``prompt_scheduled`` (one text)
-    replay: int | None = None  # the router's own set_prompt of ``prompt`` in flight on its new replica (its req)
-
-    @property
-    def rid(self) -> str:
-        """Its id on its replica."""
-        return self.upstream or self.id
-
-
-@dataclass
-class PendingOpen:
-    req: int  # the router's request id on the replica
-    client: bytes
-    message: protocol.Open  # as the client sent it (with its own request id)
-    replica: str
-    sent: float
-    tried: set[str] = field(default_factory=set)  # replicas asked already (busy or unreachable)
-    migrating: str | None = None  # the restore of this (client-facing) session after its replica went down
 
 
 class RouterCore:
@@ -210,9 +123,7 @@ class RouterCore:
         self.hold_s = Distribution()  # the shell's measure of a chunk's stay in the router (``ShellTimes``)
         self.watch_dropped = 0  # chunks the shell dropped for slow watchers (``ShellTimes``)
         self.rejects: dict[str, int] = {}
-        self.aliases: dict[tuple[str, str], str] = {}  # (replica, id there) -> the id a migrated one's client knows
-        self.autosaves = 0  # the router's own saves answered (``snapshot_every``)
-        self.migrations = 0  # sessions restored on another replica after theirs went down
+        self.migration = Migration(config, self.new_req)  # autosave, migration, prompt replay: a part
         self.stopped = False
         self._out: list[Output] = []
         for entry in listed:
@@ -284,16 +195,14 @@ class RouterCore:
         match message:
             case protocol.Open():
                 self._open(who, message, now)
-            case protocol.Control() | protocol.ControlState() | protocol.SetPrompt() | protocol.Save() \
-                    if self.clients.owned(who, message.session).migrating:
-                self._while_migrating(self.sessions[message.session], message)
-            case protocol.Close() if self.clients.owned(who, message.session).migrating:
+            case protocol.ControlState() if self.clients.owned(who, message.session).migration.migrating:
+                session = self.sessions[message.session]  # live input waits for its restore, folded
+                session.state = message if session.state is None else fold(session.state, message)
+            case protocol.Control() | protocol.SetPrompt() | protocol.Save() \
+                    if self.clients.owned(who, message.session).migration.migrating:
+                raise self.migration.not_now(self.sessions[message.session], str(type(message).__struct_config__.tag))
+            case protocol.Close() if self.clients.owned(who, message.session).migration.migrating:
                 self._end_migrating(self.sessions[message.session], "client", None)
-            case protocol.Control() if message.index < self.clients.owned(who, message.session).resume:
-                session = self.sessions[message.session]
-                raise ClientError("rejected_control", f"session {session.id} resumed from its snapshot at chunk "
-                                  f"{session.resume} on replica {session.replica} (its replica went down): its "
-                                  f"controls go on from index {session.resume}, not {message.index}")
             case protocol.ControlState() if self.clients.owned(who, message.session).state is not None:
                 session = self.sessions[message.session]  # earlier input waits for a full link: this goes after
                 session.state = fold(session.state, message)  # type: ignore[arg-type]
@@ -301,21 +210,13 @@ class RouterCore:
             case (protocol.Control() | protocol.ControlState() | protocol.Close() | protocol.SetPrompt()
                   | protocol.Save()):
                 session = self.clients.owned(who, message.session)
+                if isinstance(message, protocol.Control):
+                    self.migration.check_control(session, message.index)
                 replica = self.replicas[session.replica]
                 kind = type(message).__struct_config__.tag
                 state = message if isinstance(message, protocol.ControlState) else None
-                upstream = raw if not session.upstream else msgspec.structs.replace(message, session=session.upstream)
-                if kind in ANSWERED:
-                    session.asked[message.req] = str(kind)
-                    if len(session.asked) > MAX_ASKED:
-                        del session.asked[next(iter(session.asked))]
-                if isinstance(message, protocol.SetPrompt):  # its answer names the request: the text is kept till then
-                    session.prompts_asked[message.req] = message.prompt
-                    pending = session.prompt
-                    if pending is not None and pending.chunk is None and session.replay is None:
-                        session.prompt = None  # a replay not sent yet (a full link) must never follow the newer
-                    if len(session.prompts_asked) > MAX_PROMPTS_ASKED:
-                        del session.prompts_asked[next(iter(session.prompts_asked))]
+                upstream = raw if session.rid == session.id else msgspec.structs.replace(message, session=session.rid)
+                self.migration.forwarding(session, message, str(kind))
                 self._emit(ToReplica(replica.name, replica.generation, upstream,
                                      SessionOrigin(who, message.req, session.id, str(kind), state)))
             case protocol.Stats():
@@ -337,18 +238,6 @@ class RouterCore:
                 self._emit(EndWatch(who, message.session, protocol.Closed(session=message.session, reason="unwatched"),
                                     keep=False))
 
-    def _while_migrating(self, session: RoutedSession, message: protocol.ClientMessage) -> None:
-        """A session message while its restore is on its way: live input waits (folded), the rest is refused with
-        what a server answers when it cannot take it now."""
-        if isinstance(message, protocol.ControlState):
-            session.state = message if session.state is None else fold(session.state, message)
-            return
-        code = {"control": "control_backpressure", "set_prompt": "prompt_backpressure"}.get(
-            str(type(message).__struct_config__.tag), "busy")
-        raise ClientError(code, f"session {session.id} is being restored from its snapshot at chunk "
-                          f"{session.snapshot_chunk} (its replica {session.replica} went down): send it again",
-                          retry_after_s=self.config.heartbeat_s)
-
     def _end_migrating(self, session: RoutedSession, reason: str, error: str | None) -> None:
         """A session whose restore is on its way ends here (its client closed it, or no replica could restore it);
         a restore answered later is closed on its replica (nobody waits for it)."""
@@ -363,8 +252,7 @@ class RouterCore:
             self._emit(ToClient(session.client, closed, session.id))
 
     def _end_watchers(self, sid: str, reason: str, error: str | None, keep: bool) -> None:
-        """The session ended here: each of its watchers gets a ``closed`` of its own (the owner's summary is not
-        theirs)."""
+        """The session ended here: each of its watchers gets a ``closed`` of its own (not the owner's summary)."""
         for who in self.watchers.end(sid):
             self._emit(EndWatch(who, sid, protocol.Closed(session=sid, reason=reason, error=error), keep))
 
@@ -394,7 +282,7 @@ class RouterCore:
         session = self.sessions.get(pending.migrating or "")
         if pending.migrating is None:
             self._refuse(pending.client, error, pending.message.req)
-        elif session is not None and session.migrating:
+        elif session is not None and session.migration.migrating:
             self._end_migrating(session, "failed", f"its replica {session.replica} went down and its restore "
                                 f"failed ({error.code}: {error}); its session is lost: open a new one")
 
@@ -417,7 +305,7 @@ class RouterCore:
             self._close_on_replica(session, now)
 
     def _close_on_replica(self, session: RoutedSession, now: float) -> None:
-        if session.migrating:  # no replica holds it yet: it ends here (the restore is closed when it answers)
+        if session.migration.migrating:  # no replica holds it yet: it ends here (the restore is closed when it answers)
             self._end_migrating(session, "disconnect", None)
             return
         session.closing, session.close_due = True, now + self.config.replica_dead_s
@@ -427,7 +315,7 @@ class RouterCore:
 
     def _send_state(self, session: RoutedSession) -> None:
         """Send a session's folded live input (it met a full link); a refusal folds it again (``_refused``)."""
-        if session.migrating:
+        if session.migration.migrating:
             return  # sent once its restore is answered
         state, session.state = session.state, None
         if state is not None:
@@ -442,9 +330,8 @@ class RouterCore:
         self.sessions_total += 1
 
     def _remove_session(self, session: RoutedSession) -> None:
-        self._drop_own(session)
+        self._out += self.migration.ended(session)
         self.clients.remove(session.id)
-        self.aliases.pop((session.replica, session.rid), None)
         replica = self.replicas.get(session.replica)
         if replica is not None:
             replica.sessions.discard(session.id)
@@ -456,16 +343,8 @@ class RouterCore:
         if replica is None or event.generation != replica.generation:
             return  # from a connection closed since: its job is gone for the router
         replica.last_heard = now  # alive; it is up only once a heartbeat ack said which process it is
-        message = event.message
-        raw = event.raw
-        sid = getattr(message, "session", None)
-        if sid is not None and (alias := self.aliases.get((replica.name, sid))) is not None:
-            # a migrated session: its client knows it by its first id
-            if isinstance(message, ChunkHead):
-                raw, message = renamed(raw, sid, alias), ChunkHead(alias)
-            else:
-                message = msgspec.structs.replace(message, session=alias)
-                raw = message
+        # a migrated session's messages go on under the id its client knows
+        message, raw = self.migration.renamed(replica.name, event.message, event.raw)
         match message:
             case ChunkHead(session=sid):
                 if self._to_session(replica, sid, raw):
@@ -473,33 +352,33 @@ class RouterCore:
                     watchers = self.watchers.of(sid)
                     if watchers:  # the same frame, never copied: each watcher's feed in the shell
                         self._emit(ToWatchers(sid, watchers, raw))
-                    self._maybe_autosave(self.sessions[sid])
+                    self._out += self.migration.forwarded(self.sessions[sid], replica)
             case protocol.Opened():
                 self._opened(replica, message, now)
             case protocol.Error(code=code) if code in ENDING_CODES:
                 self._down(replica, f"is ending: {message.message}", now, code)
             case protocol.Error(session=None):
                 self._open_failed(replica, message, now)
-            case protocol.Saved(session=sid) | protocol.Error(session=sid) if self._autosaved(replica, message):
+            case protocol.Saved(session=sid) | protocol.Error(session=sid) if self._took(self.migration.autosaved(
+                    self.sessions.get(sid or ""), replica.name, message)):
                 pass  # the router's own save: answered to the router alone
             case protocol.PromptScheduled(session=sid) | protocol.Error(session=sid) \
-                    if self._replayed(replica, message):
+                    if self.migration.replayed(self.sessions.get(sid or ""), replica.name, message):
                 pass  # the router's own set_prompt after a migration: answered to the router alone
             case protocol.Closed(session=sid):
                 session = self.sessions.get(sid)
-                if session is not None and session.replica == replica.name and not session.migrating:
+                if session is not None and session.replica == replica.name and not session.migration.migrating:
                     self._remove_session(session)
                     if not session.gone:
                         self._emit(ToClient(session.client, raw, sid))
                     self._end_watchers(sid, message.reason, message.error, keep=True)
             case (protocol.Accepted(session=sid) | protocol.Error(session=sid) | protocol.PromptScheduled(session=sid)
                   | protocol.Saved(session=sid)):
-                if isinstance(message, protocol.Saved):
-                    self._snapshotted(replica, message)  # a client's own save is a place to resume from too
-                if sid in self.sessions and message.req is not None and self.sessions[sid].replica == replica.name:
-                    self.sessions[sid].asked.pop(message.req, None)
-                    if isinstance(message, protocol.PromptScheduled | protocol.Error):
-                        self._prompt_answered(self.sessions[sid], message)
+                session = self.sessions.get(sid or "")
+                if isinstance(message, protocol.Saved):  # a client's own save is a place to resume from too
+                    self.migration.snapshotted(session, replica.name, message)
+                if session is not None and session.replica == replica.name:
+                    self.migration.answered(session, message)
                 self._to_session(replica, sid, raw)  # type: ignore[arg-type]
             case ReplicaStatsReply():
                 self._stats_reply(replica, message, now)
@@ -508,7 +387,7 @@ class RouterCore:
 
     def _to_session(self, replica: Replica, sid: str, raw: Payload | protocol.ServerMessage) -> bool:
         session = self.sessions.get(sid)
-        if session is None or session.replica != replica.name or session.migrating:
+        if session is None or session.replica != replica.name or session.migration.migrating:
             return False  # a late message of a session that ended here
         if not session.gone:
             self._emit(ToClient(session.client, raw, sid))
@@ -516,179 +395,58 @@ class RouterCore:
 
     # ---------------------------------------------------------------------------------------------- migration
 
-    def _maybe_autosave(self, session: RoutedSession) -> None:
-        """Every ``snapshot_every`` chunks forwarded, the router asks the session's replica to save it (as its
-        owner there: the router is the replica's client). One at a time: a save slower than K chunks delays the
-        next."""
-        every = self.config.snapshot_every
-        session.chunks, session.forwarded = session.chunks + 1, session.forwarded + 1
-        if not every or session.chunks < every or session.autosave is not None or session.closing:
-            return
-        # a negative request id: the replica echoes it, and no answer to the client's own requests (the SDK counts
-        # from 1) is taken for the router's
-        session.chunks, session.autosave = 0, -self.new_req()
-        replica = self.replicas[session.replica]
-        self._emit(ToReplica(replica.name, replica.generation, protocol.Save(req=session.autosave, session=session.rid),
-                             SessionOrigin(session.client, session.autosave, session.id, "autosave")))
-
-    def _autosaved(self, replica: Replica, message: protocol.Saved | protocol.Error) -> bool:
-        """Whether ``message`` answers the router's own save (then it is the router's alone: recorded or logged)."""
-        session = self.sessions.get(message.session or "")
-        if message.req is not None and message.req < 0 and (session is None or session.replica != replica.name):
-            if isinstance(message, protocol.Saved) and self.config.snapshots_dir:  # its session ended meanwhile
-                self._emit(DropSnapshot(message.snapshot))
-            return True  # the router's own (negative request ids), of a session that ended here
-        if session is None or session.replica != replica.name or message.req is None \
-                or message.req != session.autosave:
-            return False
-        session.autosave = None
-        if isinstance(message, protocol.Saved):
-            self.autosaves += 1
-            if self._snapshotted(replica, message):
-                self._drop_own(session)
-                session.own_snapshot = message.snapshot
-            elif self.config.snapshots_dir:  # no place to resume from: not kept
-                self._emit(DropSnapshot(message.snapshot))
-        else:  # e.g. the client's own save runs (busy): the next comes K chunks later
-            log.info("session %s: the save on replica %s failed: %s: %s", session.id, replica.name, message.code,
-                     message.message[:200])
-        return True
-
-    def _drop_own(self, session: RoutedSession) -> None:
-        """The router's latest snapshot of ``session`` is not needed any more (a newer one, or the session ended)."""
-        if session.own_snapshot is not None and self.config.snapshots_dir:
-            self._emit(DropSnapshot(session.own_snapshot))
-        session.own_snapshot = None
-
-    def _snapshotted(self, replica: Replica, saved: protocol.Saved) -> bool:
-        """Record ``saved`` as where its session resumes from; False when its boundary cannot be right
-        (``runtime.chunk_claims``). The latest answered is the newest: a replica saves a session one at a time."""
-        session = self.sessions.get(saved.session)
-        if session is None or session.replica != replica.name:
-            return False
-        num_chunks = session.opened.num_chunks if session.opened is not None else None
-        if (why := save_problem(saved.chunk, session.first, session.forwarded, num_chunks)) is not None:
-            log.warning("session %s: replica %s's snapshot %s is not kept: %s", session.id, replica.name,
-                        saved.snapshot[:64], why)
-            return False
-        session.snapshot, session.snapshot_chunk = saved.snapshot, saved.chunk
-        return True
+    def _took(self, outputs: list[Output] | None) -> bool:
+        """Whether a part took a message (``outputs`` not None): then its outputs are the core's."""
+        if outputs is not None:
+            self._out += outputs
+        return outputs is not None
 
     def _migrate(self, session: RoutedSession, down: Replica, text: str, now: float) -> bool:
         """Restore ``session`` (its replica ``down`` is going down) from its latest snapshot on another replica
         chosen as for an open; False when it has none or no replica has room (it ends as before)."""
-        if session.snapshot is None or session.closing or self.stopped:
+        message = self.migration.restore_open(session)
+        if message is None or self.stopped:
             return False
-        message = protocol.Open(req=0, image=b"", restore=session.snapshot)
         try:
             self._open(session.client, message, now, {down.name}, migrating=session.id)
         except ClientError as error:
             log.warning("session %s cannot move off replica %s: %s", session.id, down.name, error)
             return False
-        self.aliases.pop((down.name, session.rid), None)
         down.sessions.discard(session.id)
-        session.migrating, session.autosave, session.closing = True, None, False
-        for req, kind in session.asked.items():  # the dead replica answers none of them: they are sent again
-            self._refuse(session.client, ClientError(NOT_NOW.get(kind, "control_backpressure"),
-                                                     f"session {session.id} is moving off replica {down.name} "
-                                                     f"(it {text}); send it again", retry_after_s=SESSION_RETRY_S),
-                         req, session.id)
-        session.asked.clear()
-        session.prompts_asked.clear()  # (their clients were told to send them again)
-        session.replay = None
-        log.warning("session %s: replica %s %s; restoring it from its snapshot at chunk %d", session.id, down.name,
-                    text, session.snapshot_chunk)
+        for req, error in self.migration.moving(session, down.name, text):
+            self._refuse(session.client, error, req, session.id)
         return True
 
-    def _migrated(self, replica: Replica, pending: PendingOpen, message: protocol.Opened, now: float) -> None:
+    def _migrated(self, replica: Replica, pending: PendingOpen, message: protocol.Opened) -> None:
         """The restore of a session whose replica went down is open on ``replica``: its client is told."""
         session = self.sessions.get(pending.migrating or "")
         taken = (message.session != pending.migrating and message.session in self.sessions) or \
-            (replica.name, message.session) in self.aliases
-        wrong = None if session is None else migration_problem(message.first_chunk, session.snapshot_chunk)
-        if session is None or not session.migrating or taken or wrong:
+            self.migration.taken(replica.name, message.session)
+        moving = session is not None and session.migration.migrating
+        wrong = None if session is None else migration_problem(message.first_chunk, session.migration.snapshot_chunk)
+        if session is None or not moving or taken or wrong:
             self._emit(ToReplica(replica.name, replica.generation,
                                  protocol.Close(req=self.new_req(), session=message.session)))
-            if session is not None and session.migrating:  # its new id is in use here (random 48 bits: rare)
+            if session is not None and moving:  # its new id is in use here (random 48 bits: rare)
                 self._end_migrating(session, "failed", f"session {session.id} could not be restored: " + (
                     wrong or f"the id {message.session} is in use") + "; open a new one")
             return
-        session.replica, session.migrating, session.resume, session.chunks = replica.name, False, message.first_chunk, 0
-        session.first, session.forwarded = message.first_chunk, 0
-        session.upstream = "" if message.session == session.id else message.session
-        if session.upstream:
-            self.aliases[(replica.name, session.upstream)] = session.id
+        session.replica = replica.name
+        notice = self.migration.restored(session, replica.name, message)
         replica.sessions.add(session.id)
-        self.migrations += 1
-        notice = protocol.Migrated(session=session.id, chunk=message.first_chunk, replica=replica.name)
         if not session.gone:
             self._emit(ToClient(session.client, notice, session.id))
         watchers = self.watchers.of(session.id)
         if watchers:  # their chunks come again from the resume chunk too
             self._emit(ToWatchers(session.id, watchers, notice))
-        prompt = session.prompt
-        if prompt is not None and (prompt.chunk is None or prompt.chunk > session.snapshot_chunk):
-            # the snapshot holds the prompt in force at its chunk: one scheduled after it is set again here, and
-            # is in no snapshot until the new replica's answer names its chunk
-            since = "not yet in force" if prompt.chunk is None else f"in force from chunk {prompt.chunk}"
-            log.info("session %s: its prompt of revision %d (%s, after its snapshot at chunk %d) is sent again to "
-                     "replica %s", session.id, prompt.revision, since, session.snapshot_chunk, replica.name)
-            session.prompt = ScheduledPrompt(prompt.text, None, prompt.revision)
-            self._replay_prompt(session)
+        self._out += self.migration.replay(session, replica)  # its prompt that is in no snapshot
         self._send_state(session)  # live input that came meanwhile
-
-    def _replay_prompt(self, session: RoutedSession) -> None:
-        """Send the session's prompt that is in no snapshot (``ScheduledPrompt.chunk`` None) to its replica, as
-        the router's own ``set_prompt`` (a negative request id, as its saves: no client's answer is taken for it)."""
-        prompt = session.prompt
-        if prompt is None or prompt.chunk is not None or session.replay is not None or session.migrating \
-                or session.closing:
-            return
-        session.replay = -self.new_req()
-        replica = self.replicas[session.replica]
-        self._emit(ToReplica(replica.name, replica.generation,
-                             protocol.SetPrompt(req=session.replay, session=session.rid, prompt=prompt.text),
-                             SessionOrigin(session.client, session.replay, session.id, "replay_prompt")))
-
-    def _replayed(self, replica: Replica, message: protocol.PromptScheduled | protocol.Error) -> bool:
-        """Whether ``message`` answers the router's own ``set_prompt`` (``_replay_prompt``): then it is the
-        router's alone. Scheduled: the prompt is known in force from its chunk (on the new replica's revisions);
-        refused: the session goes on with its snapshot's prompt (logged: the client may send it again)."""
-        session = self.sessions.get(message.session or "")
-        if session is None or session.replica != replica.name or session.replay is None \
-                or message.req != session.replay:
-            return False
-        session.replay = None
-        pending = session.prompt if session.prompt is not None and session.prompt.chunk is None else None
-        if isinstance(message, protocol.PromptScheduled):
-            log.info("session %s: its prompt is in force again on replica %s from chunk %d (revision %d)",
-                     session.id, replica.name, message.chunk, message.revision)
-            if pending is not None:  # (unless a client's newer prompt was answered meanwhile)
-                session.prompt = ScheduledPrompt(pending.text, message.chunk, message.revision)
-        elif message.code == NOT_NOW["set_prompt"]:  # not now (prompts wait there): sent again on the next turn
-            log.info("session %s: replica %s is not taking its prompt now (%s); it is sent again", session.id,
-                     replica.name, message.code)
-        else:
-            log.warning("session %s: replica %s refused its prompt sent again (%s: %s); it goes on with its "
-                        "snapshot's", session.id, replica.name, message.code, message.message[:200])
-            if pending is not None:
-                session.prompt = None
-        return True
-
-    def _prompt_answered(self, session: RoutedSession, message: protocol.PromptScheduled | protocol.Error) -> None:
-        """A client's ``set_prompt`` answered: a scheduled one is the latest prompt of the session (a replica
-        answers them in revision order). One whose text was forgotten (MAX_PROMPTS_ASKED) leaves none known:
-        an older text must never be set again in its place."""
-        assert message.req is not None
-        text = session.prompts_asked.pop(message.req, None)
-        if isinstance(message, protocol.PromptScheduled):
-            session.prompt = None if text is None else ScheduledPrompt(text, message.chunk, message.revision)
 
     def _opened(self, replica: Replica, message: protocol.Opened, now: float) -> None:
         pending = self.opens.get(message.req)
         if pending is not None and pending.replica == replica.name and pending.migrating is not None:
             self._drop_open(pending)
-            self._migrated(replica, pending, message, now)
+            self._migrated(replica, pending, message)
             return
         if pending is None or pending.replica != replica.name:
             log.info("replica %s opened %s for an open nobody waits for: closing it", replica.name, message.session)
@@ -715,7 +473,7 @@ class RouterCore:
         token = self.watchers.grant(message.session, message.watch_token or None)
         message = msgspec.structs.replace(message, req=pending.message.req, watch_token=token)
         self._add_session(RoutedSession(message.session, replica.name, pending.client, pending.client,
-                                        opened=message, first=message.first_chunk), now)
+                                        opened=message, migration=Moves(first=message.first_chunk)), now)
         self._emit(ToClient(pending.client, message, message.session))
 
     def _open_failed(self, replica: Replica, error: protocol.Error, now: float) -> None:
@@ -741,19 +499,13 @@ class RouterCore:
         session = self.sessions.get(origin.session)
         if session is None or session.replica != event.replica:
             return  # it ended meanwhile: its client was told
-        if origin.kind == "autosave":  # the router's own save: tried again at the next chunk
-            session.autosave, session.chunks = None, self.config.snapshot_every - 1
-        elif origin.kind == "replay_prompt":  # the router's own prompt after a migration: tried again next turn
-            session.replay = None
-        elif origin.kind == "close":  # a server never refuses a close: the router sends it again on the next turn
+        if origin.kind == "close":  # a server never refuses a close: the router sends it again on the next turn
             session.closing, session.close_due = True, now
         elif origin.kind == "control_state":  # nor valid live input: it is folded and sent when the link drains
             if origin.state is not None:
                 session.state = origin.state if session.state is None else fold(origin.state, session.state)
-        else:  # what a server answers a control, a new prompt or a save it cannot take now
-            if origin.req is not None:
-                session.asked.pop(origin.req, None)
-                session.prompts_asked.pop(origin.req, None)
+        elif not self.migration.not_sent(session, origin.kind, origin.req):  # (the router's own: tried again)
+            # what a server answers a control, a new prompt or a save it cannot take now
             code = NOT_NOW.get(origin.kind, "control_backpressure")
             self._refuse(origin.identity, ClientError(code, f"the connection to replica "
                                                       f"{event.replica} is full; send it again",
@@ -775,44 +527,22 @@ class RouterCore:
             for pending in [p for p in self.opens.values() if p.replica == replica.name]:
                 self._retry_open(pending, now)
         if replica.state is State.DOWN and replica.known and not replica.is_router and now >= replica.held_until:
-            self._up(replica, now)  # it answered as a known process and its load is read: it takes sessions
+            replica.move(State.UP, now)  # it answered as a known process and its load is read: it takes sessions
+            log.info("replica %s is up at %s", replica.name, replica.endpoint)
+            self._emit(ReplicaUp(replica.name, replica.endpoint))
 
     def _identify(self, replica: Replica, server: str, now: float) -> None:
-        """A heartbeat ack says which process answers at the replica's endpoint: the router itself (a loop: held
-        down for good), a new one (the old one's sessions are gone: down, a fresh connection), or the known one
-        (up, unless it is held down or, registered, its registration is not known yet)."""
-        if server and server == self.id:
-            replica.is_router = True
-            replica.down_reason = (f"is this router itself ({replica.endpoint} answers with the router's id): a "
-                                   "replica must be a worldstream server")
-            if replica.state is State.UP:
-                self._down(replica, replica.down_reason, now)
-            return
-        if server and replica.server and server != replica.server:
-            before, replica.server = replica.server, server
-            if replica.state is State.UP:
-                self._down(replica, f"restarted (it answers as server {server}, was {before})", now)
-                return
-        replica.server = server or replica.server
-        if replica.state is State.UP or replica.is_router or now < replica.held_until:
-            return
-        if replica.known:  # its load is read before it takes sessions: up once its stats arrive
-            replica.down_reason = f"answers as server {replica.server or '(no id)'}; reading its stats"
-            if replica.stats_req is None or now - replica.stats_sent > self.config.replica_dead_s:
-                self._poll_stats(replica, now)
-        else:
-            replica.down_reason = (f"answers as server {replica.server or '(no id)'}, registered as "
-                                   f"{replica.incarnation or '(nothing)'}: waiting for its registration")
+        """A heartbeat ack named the process at the replica's endpoint (``Replica.identify`` decides)."""
+        down, read = replica.identify(server, self.id, now, self.config.replica_dead_s)
+        if down is not None:
+            self._down(replica, down, now)
+        elif read:
+            self._poll_stats(replica, now)
 
     def _poll_stats(self, replica: Replica, now: float) -> None:
         replica.stats_req, replica.stats_sent = self.new_req(), now
         replica.next_stats = now + self.config.stats_interval_s
         self._emit(ToReplica(replica.name, replica.generation, protocol.Stats(req=replica.stats_req)))
-
-    def _up(self, replica: Replica, now: float) -> None:
-        replica.move(State.UP, now)
-        log.info("replica %s is up at %s", replica.name, replica.endpoint)
-        self._emit(ReplicaUp(replica.name, replica.endpoint))
 
     def _down(self, replica: Replica, reason: str, now: float, code: str = "rank_failed") -> None:
         if replica.state is State.DOWN:
@@ -857,81 +587,40 @@ class RouterCore:
     # ---------------------------------------------------------------------------------------------- membership
 
     def _register(self, peer: bytes, message: protocol.Register, now: float) -> None:
-        token = self.config.register_token
-        why = None
-        if token and not hmac.compare_digest(message.token.encode(), token.encode()):
-            why = "wrong or missing token: replica.token must equal the router's register_token"
-        else:
-            why = check_name(message.name) or check_endpoint(message.endpoint)
-            if why is None and not 1 <= message.max_sessions <= MAX_SESSIONS_PER_REPLICA:
-                why = f"max_sessions must be in 1..{MAX_SESSIONS_PER_REPLICA}, got {message.max_sessions}"
-        replica = self.replicas.get(message.name)
-        if why is None and replica is None and len(self.replicas) >= self.config.max_replicas:
-            why = f"the router is at its limit of {self.config.max_replicas} replicas"
-        loop = next((r for r in self.replicas.values() if r.endpoint == message.endpoint and r.is_router), None)
-        if why is None and loop is not None:
-            why = loop.down_reason
+        why = registration_problem(message, self.replicas, self.config)
         if why is not None:
             log.warning("registration refused: %s", why)
             self._emit(ToRegistrant(peer, protocol.Registered(ok=False, message=why)))
             return
+        replica = self.replicas.get(message.name)
         if replica is None:
             log.info("replica %s registered at %s", message.name, message.endpoint)
             replica = self._add(message.name, message.endpoint, message.max_sessions, False, now)
         elif message.endpoint != replica.endpoint:
-            why = self._moved(replica, message, now)
+            if (why := replica.move_to(message.endpoint)) is None:
+                self._connect(replica, now)
         elif message.incarnation != replica.incarnation:
-            why = self._reincarnated(replica, message)
+            why = replica.reincarnation_problem(message.incarnation)
         if why is not None:
             log.warning("registration of %s at %s refused: %s", message.name, message.endpoint, why)
             self._emit(ToRegistrant(peer, protocol.Registered(ok=False, message=why)))
             return
-        replica.incarnation = message.incarnation
-        replica.max_sessions, replica.layout, replica.registered_at = message.max_sessions, message.layout, now
+        replica.registered(message, now)
         self._emit(ToRegistrant(peer, protocol.Registered(ok=True)))
-
-    def _moved(self, replica: Replica, message: protocol.Register, now: float) -> str | None:
-        """A registration of a known name at another endpoint: a requeued job on another node takes its name once
-        the old job stopped answering (it is down); while it answers, the name is held (a second array submitted
-        with the same names, a stranger: they must not end its sessions). A listed replica never moves."""
-        if replica.listed:
-            return f"{replica.name} is a listed replica at {replica.endpoint}; registrations cannot move it"
-        if replica.state is State.UP:
-            return (f"the name {replica.name} is held by a live replica at {replica.endpoint} (answering as server "
-                    f"{replica.server}); choose another replica.name")
-        log.info("replica %s moves from %s to %s", replica.name, replica.endpoint, message.endpoint)
-        replica.endpoint, replica.server, replica.held_until, replica.is_router = message.endpoint, "", 0.0, False
-        replica.down_reason = "not answering yet"
-        self._connect(replica, now)
-        return None
-
-    def _reincarnated(self, replica: Replica, message: protocol.Register) -> str | None:
-        """A registration at the replica's endpoint under a new incarnation. Only the id its endpoint answers with
-        decides what process is there (``_identify``): a registration never ends sessions. It is refused when the
-        endpoint answers as a live process of another id; otherwise it is recorded (a restarted registered
-        replica takes sessions once its endpoint answers with that id)."""
-        if replica.state is State.UP and replica.server and message.incarnation != replica.server:
-            return (f"{replica.endpoint} answers as server {replica.server}, not {message.incarnation}: the "
-                    f"replica {replica.name} there is alive")
-        return None
 
     # ---------------------------------------------------------------------------------------------- timers
 
     def _timers(self, now: float) -> None:
         config = self.config
         for replica in list(self.replicas.values()):
-            if now >= replica.next_ping:
-                replica.next_ping = now + config.heartbeat_s
+            due = replica.due(now, config)
+            if due.ping:
                 self._emit(ToReplica(replica.name, replica.generation, protocol.Heartbeat(req=self.new_req())))
-            if replica.state is State.UP:
-                silent = now - replica.last_heard
-                if silent > config.replica_dead_s:
-                    self._down(replica, f"stopped answering (silent for {silent:.1f} s)", now)
-                elif now >= replica.next_stats and (replica.stats_req is None
-                                                    or now - replica.stats_sent > config.replica_dead_s):
-                    self._poll_stats(replica, now)
-            elif not replica.listed and min(now - replica.since, now - (replica.registered_at or 0.0)) > \
-                    config.forget_after_s:
+            if due.dead is not None:
+                self._down(replica, due.dead, now)
+            elif due.poll:
+                self._poll_stats(replica, now)
+            elif due.forget:
                 log.info("replica %s forgotten (down for %.0f s)", replica.name, now - replica.since)
                 del self.replicas[replica.name]
                 self._emit(Disconnect(replica.name))
@@ -961,13 +650,13 @@ class RouterCore:
             else:
                 if session.state is not None:
                     self._send_state(session)  # live input that met a full link, folded: the link may have drained
-                if session.prompt is not None and session.prompt.chunk is None:
-                    self._replay_prompt(session)  # the prompt sent again after a migration met a full link
+                # the prompt sent again after a migration that met a full link
+                self._out += self.migration.replay(session, self.replicas.get(session.replica))
 
     def _shutdown(self, now: float) -> None:
         message = "the router is shutting down"
         for session in list(self.sessions.values()):
-            if not session.migrating:  # (a restore on its way is closed by its replica's client timeout)
+            if not session.migration.migrating:  # (a restore on its way is closed by its replica's client timeout)
                 self._close_on_replica(session, now)  # its replica releases its caches now, not after a client timeout
         self._out += self.clients.notices("shutdown", message, lambda session: protocol.Closed(
             session=session.id, reason="shutdown", error=message))
@@ -986,54 +675,26 @@ class RouterCore:
         """The router's stats for client ``who``: totals over the up replicas (the counters a server has, summed), the
         router's own counters, every replica (its state, load and its own latest stats without per-session
         entries) and ``per_session`` for ``who``'s sessions only (with the replica each is on)."""
-        up = [r for r in self.replicas.values() if r.state is State.UP]
-        read = [r.stats for r in up if r.stats is not None]  # typed and in range (``read_stats``): sums fit uint64
-
-        def merged(counts: Iterable[dict[str, int]], start: dict[str, int]) -> dict[str, int]:
-            out = dict(start)
-            for each in counts:
-                for name, n in each.items():
-                    out[name] = out.get(name, 0) + n
-            return out
-
         mine = {}
         for session in sorted(self.clients.of(who), key=lambda s: s.id):
             stats = self.replicas[session.replica].stats
             own = stats.per_session.get(session.rid) if stats else None
             mine[session.id] = msgspec.structs.replace(own or PartialSummary(), replica=session.replica)
-        chunks, frames = sum(s.chunks_emitted for s in read), sum(s.frames_emitted for s in read)
-        open_sessions = sum(len(r.sessions) + r.external for r in up)
+        total = totals(self.replicas.values(), self.rejects)
         return ServerStats(
             layout="router",
             uptime_s=now - self.started,
-            open_sessions=open_sessions,
+            open_sessions=total.open_sessions,
             sessions=SessionCounts(open=len(self.sessions), total=self.sessions_total),
-            chunks_emitted=chunks,
-            frames_emitted=frames,
+            chunks_emitted=total.chunks_emitted,
+            frames_emitted=total.frames_emitted,
             rejects=dict(self.rejects),
-            total=RouterTotals(
-                replicas_up=len(up), replicas=len(self.replicas), max_sessions=sum(r.max_sessions for r in up),
-                open_sessions=open_sessions, sessions_total=sum(s.sessions.total for s in read),
-                chunks_emitted=chunks, frames_emitted=frames, rejects=merged((s.rejects for s in read), self.rejects),
-                errors=merged((s.errors for s in read if isinstance(s.errors, dict)), {})),
+            total=total,
             router=RouterCounters(
                 chunks_forwarded=self.chunks_forwarded, client_messages=self.client_messages,
                 watchers=self.watchers.count(), watch_dropped=self.watch_dropped, opening=len(self.opens),
-                sessions_total=self.sessions_total, chunk_hold_s=self.hold_s, autosaves=self.autosaves,
-                migrations=self.migrations),
+                sessions_total=self.sessions_total, chunk_hold_s=self.hold_s,
+                autosaves=self.migration.autosaves, migrations=self.migration.migrations),
             replicas={name: r.describe(now) for name, r in sorted(self.replicas.items())},
             per_session=mine,
         )
-
-
-def fold(a: protocol.ControlState, b: protocol.ControlState) -> protocol.ControlState:
-    """Two live inputs of a session as one, as the server folds them: the later one's held keys and revision (and
-    request id), the mouse motion of both (held to one state's limit, as the server clamps a cut's turn: a fold
-    must not make two valid states one the server refuses), the taps of both, the later steps request given."""
-    older, newer = (a, b) if a.revision <= b.revision else (b, a)
-    taps = list(dict.fromkeys([*older.taps, *newer.taps]))[:16]
-    limit = protocol.MAX_MOUSE_DEGREES
-    mouse = (max(-limit, min(limit, older.mouse[0] + newer.mouse[0])),
-             max(-limit, min(limit, older.mouse[1] + newer.mouse[1])))
-    steps = newer.steps if newer.steps is not None else older.steps
-    return msgspec.structs.replace(newer, mouse=mouse, taps=taps, steps=steps)

@@ -26,6 +26,7 @@ from ipc.client import BadRequest, Busy, Client, SessionInfo, UnknownSession, in
 from scripts import client as tool
 from scripts.local_server import ROOT, LocalServer
 from tests.shared import CLIENT_TIMEOUT_S, MAX_CHUNKS, MAX_IMAGE_PIXELS, MAX_SESSIONS
+from tests.test_router import wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -253,8 +254,11 @@ def test_a_client_that_drops_mid_stream_resumes_and_keeps_receiving_later_chunks
     info = first.open(IMAGE, num_chunks=None, live=True)
     first.control_state(info.id, input_state(["w"], revision=1))  # held: the world keeps streaming while we are away
     before = [first.next_chunk(info.id, timeout_s=10) for _ in range(2)]
-    first.close_client()
-    time.sleep(0.5)  # chunks are produced meanwhile and dropped (the client is gone, not yet timed out)
+    with Client(server.endpoint) as observer:  # the server's own count: a stranger sees no session of ours
+        emitted = observer.stats().chunks_emitted
+        first.close_client()
+        # chunks are produced meanwhile and dropped (the client is gone, not yet timed out)
+        wait_for("two chunks while it was away", lambda: observer.stats().chunks_emitted >= emitted + 2, 30)
     with Client(server.endpoint, identity=identity) as second:
         second.resume(info.id)
         after = [second.next_chunk(info.id, timeout_s=10) for _ in range(3)]

@@ -192,7 +192,13 @@ def test_router_stats_list_each_replica_and_sum_them(fleet: Fleet) -> None:
         assert set(stats.per_session) == {info.id}  # only this client's sessions
         replica = stats.per_session[info.id].replica
         assert stream(client, info.id, 3) == [0, 1, 2]
-        time.sleep(1.2)  # two stats intervals: every replica's counters are fresh
+        # its replica's stats, as the router last read them, count the session's chunks: the counters are fresh
+
+        def fresh() -> bool:
+            shown = client.stats().replicas[replica].stats
+            return shown is not None and shown["chunks_emitted"] >= 3
+
+        wait_for("the router read its replica's stats since the chunks", fresh, 30)
         stats = client.stats()
     replicas = stats.replicas
     assert set(replicas) == {"a", "b"} and {r.state for r in replicas.values()} == {"up"}

@@ -21,10 +21,10 @@ def test_a_save_boundary_past_what_the_session_streamed_is_not_kept_and_the_next
     session = f.core.sessions[sid]
     chunks(f, name, sid, range(2, 4))
     f.replica(name, saved(saves(f, name)[-1].req, sid, SNAP2, 2**63))  # the router's own save, answered wrongly
-    assert (session.snapshot, session.snapshot_chunk) == (SNAP1, 2)
+    assert (session.migration.snapshot, session.migration.snapshot_chunk) == (SNAP1, 2)
     chunks(f, name, sid, range(4, 6))
     f.replica(name, saved(saves(f, name)[-1].req, sid, SNAP3, 5))  # the next one, right: kept (nothing pinned)
-    assert (session.snapshot, session.snapshot_chunk) == (SNAP3, 5)
+    assert (session.migration.snapshot, session.migration.snapshot_chunk) == (SNAP3, 5)
 
 
 def test_a_clients_own_save_with_a_boundary_far_ahead_or_behind_is_forwarded_but_not_a_place_to_resume() -> None:
@@ -35,10 +35,10 @@ def test_a_clients_own_save_with_a_boundary_far_ahead_or_behind_is_forwarded_but
         f.client(A, p.Save(req=req, session=sid))
         f.replica(name, saved(req, sid, SNAP2, at))
     assert [m.req for m in f.to(A, p.Saved)] == [70, 71]  # the client hears its replica as it answered
-    assert f.core.sessions[sid].snapshot is None
+    assert f.core.sessions[sid].migration.snapshot is None
     f.client(A, p.Save(req=72, session=sid))
     f.replica(name, saved(72, sid, SNAP3, 3 + 2))  # a boundary a few chunks ahead of the stream is normal
-    assert f.core.sessions[sid].snapshot == SNAP3
+    assert f.core.sessions[sid].migration.snapshot == SNAP3
 
 
 def test_a_restore_that_starts_elsewhere_than_its_snapshot_ends_the_migration_and_pins_no_resume_index() -> None:

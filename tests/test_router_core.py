@@ -632,7 +632,7 @@ def test_router_config_rejects_unknown_keys_duplicate_names_and_bad_deadlines(tm
 
 
 def test_a_replica_registers_under_its_name_and_a_reachable_endpoint() -> None:
-    from ranks.registration import advertised
+    from router.registration import advertised
     from runtime.config import ReplicaConfig, ServerConfig
 
     router = "tcp://r:5561"

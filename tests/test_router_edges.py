@@ -311,7 +311,7 @@ def test_the_router_config_requires_a_registration_token_off_loopback(tmp_path: 
 def test_a_replica_link_queues_at_most_router_replica_queue_mb_each_way() -> None:
     import zmq
 
-    from ranks.router import RouterShell
+    from router.shell import RouterShell
     from runtime.router_config import RouterConfig
 
     config = RouterConfig(router=RouterSection(port=0), replicas=[ReplicaEntry(name="a", endpoint="tcp://127.0.0.1:9")])

@@ -1,12 +1,13 @@
 """The router process (``python -m ranks.router``) with fake replicas (``tests.fake_replica``: real ZeroMQ sockets
 speaking the protocol, no ranks) and the Python SDK as its client: what replicas and registrants may say to it
 (issue 21). A loop registration, hostile stats, registrations at a live replica's endpoint and a restarted replica
-answering before it registers must each leave the router serving and every other session untouched."""
+answering before it registers must each leave the router serving and every other session untouched. The timing
+rules behind them (a dead timeout between two registrations, ten stats intervals) are pure tests of the router core
+with time passed in: ``tests/test_router_membership.py``; here each wait is on the event it stands for."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ import zmq
 from ipc import protocol
 from ipc.client import Busy, Client
 from ipc.metrics_types import ReplicaView
-from ranks.registration import server_id
+from router.registration import server_id
 from scripts.local_router import LocalRouter
 from tests.fake_replica import FakeReplica, register, sane_stats
 from tests.test_router import free_port, wait_for
@@ -53,7 +54,8 @@ def test_a_registration_at_the_routers_own_endpoint_is_refused_and_stats_stay_re
         assert register(router.register_endpoint, "loop", router.endpoint, "x").ok  # not known yet to be itself
         wait_for("the loop seen", lambda: "router itself" in (replicas(client).get("loop", ReplicaView()).down_reason
                                                                 or ""), 10)
-        time.sleep(10 * 0.2)  # ten stats intervals: nothing nests, every client still reads its stats
+        asked = fake.stats_asked  # the router keeps reading a's stats meanwhile: nothing nests
+        wait_for("two more stats reads of a", lambda: fake.stats_asked >= asked + 2, 10)
         stats = client.stats()
         assert stats.replicas["loop"].state == "down" and stats.replicas["loop"].stats is None
         answer = register(router.register_endpoint, "loop", router.endpoint, "x")
@@ -82,7 +84,8 @@ def test_hostile_stats_mark_their_replica_down_and_never_kill_the_router(fake: F
             for what, stats in HOSTILE.items():
                 fake.stats, asked = stats, fake.stats_asked
                 wait_for(f"{what} read by the router", lambda asked=asked: fake.stats_asked > asked, 10)
-                time.sleep(5 * 0.2)  # several stats intervals
+                # read again once its hold ends (one replica_dead_s): still down, and never fatal
+                wait_for(f"{what} read again", lambda asked=asked: fake.stats_asked > asked + 1, 10)
                 assert router.process is not None and router.process.poll() is None, (what, router.log())
                 shown = replicas(client)  # every client still reads its stats
                 assert shown["b"].state == "up" and shown["a"].state == "down", what
@@ -102,12 +105,10 @@ def test_registrations_at_a_live_listed_replicas_endpoint_never_end_its_sessions
         wait_for("a up", lambda: replicas(client)["a"].state == "up", 10)
         session = client.open(b"png", num_chunks=4)
         first = register(router.register_endpoint, "a", fake.endpoint, "one")
-        time.sleep(DEAD_S + 0.3)  # one replica_dead_s apart: no timing rule may take the second for a restart
         second = register(router.register_endpoint, "a", fake.endpoint, "two")
         assert alive(client, session.id) and session.id in fake.sessions
         assert not first.ok and not second.ok and "server-a" in second.message  # a answers as server-a: alive
         assert register(router.register_endpoint, "a", fake.endpoint, "server-a").ok  # the replica itself
-        time.sleep(DEAD_S + 0.3)
         assert register(router.register_endpoint, "a", fake.endpoint, "server-a").ok
         assert alive(client, session.id) and session.id in fake.sessions
 
@@ -122,7 +123,8 @@ def test_a_restarted_replica_takes_sessions_only_once_registered_and_its_registr
         new = FakeReplica("server-two", port=old.port)
         try:
             wait_for("the new job answers the router's pings", lambda: new.heartbeats >= 3, 10)
-            time.sleep(DEAD_S + 0.2)  # its registration comes later than a timing rule would wait
+            wait_for("the router waiting for its registration",
+                     lambda: "waiting for its registration" in (replicas(client)["r"].down_reason or ""), 10)
             try:  # before its registration: never placed there (a registration "restarting" it would end it)
                 early = client.open(b"png", num_chunks=4).id
             except Busy:
@@ -130,8 +132,9 @@ def test_a_restarted_replica_takes_sessions_only_once_registered_and_its_registr
             assert register(router.register_endpoint, "r", new.endpoint, "server-two").ok
             wait_for("r up as server-two", lambda: replicas(client)["r"].state == "up", 10)
             later = client.open(b"png", num_chunks=4).id
-            for _ in range(3):
-                time.sleep(0.3)
+            for _ in range(3):  # re-sent as a heartbeat, between the router's pings
+                pings = new.heartbeats
+                wait_for("a ping", lambda pings=pings: new.heartbeats > pings, 10)
                 assert register(router.register_endpoint, "r", new.endpoint, "server-two").ok
             assert alive(client, later) and later in new.sessions
             assert early is None or alive(client, early)

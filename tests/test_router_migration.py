@@ -16,7 +16,7 @@ from ipc import protocol as p
 from ipc.aio_client import AsyncClient
 from ipc.client import Client, ClientCore, ServerError, SessionMigrated
 from runtime.migration import renamed
-from runtime.router import MAX_PROMPTS_ASKED
+from runtime.router_migration import MAX_PROMPTS_ASKED
 from runtime.router_types import (
     ChunkHead,
     DropSnapshot,
@@ -91,7 +91,7 @@ def test_the_router_saves_each_session_every_k_chunks_one_at_a_time_and_keeps_it
     f.clear()
     f.replica(name, saved(save.req, sid, SNAP1, 3))
     assert not f.to(A, p.Saved)  # the router's own: never forwarded
-    assert f.core.sessions[sid].snapshot == SNAP1 and f.core.sessions[sid].snapshot_chunk == 3
+    assert f.core.sessions[sid].migration.snapshot == SNAP1 and f.core.sessions[sid].migration.snapshot_chunk == 3
     chunks(f, name, sid, range(6, 8))
     assert len(saves(f, name)) == 1 and f.core.stats(A, f.now).router.autosaves == 1
 
@@ -103,7 +103,7 @@ def test_a_clients_own_save_is_forwarded_and_answered_to_it() -> None:
     f.replica(name, saved(f.to_replica(name, p.Save)[-1].origin.req, sid, SNAP2, 1))  # type: ignore[union-attr]
     (reply,) = f.to(A, p.Saved)
     assert reply.req == 77 and reply.snapshot == SNAP2
-    assert f.core.sessions[sid].snapshot == SNAP2  # a place to resume from too
+    assert f.core.sessions[sid].migration.snapshot == SNAP2  # a place to resume from too
 
 
 def test_no_save_is_asked_with_snapshot_every_off() -> None:
@@ -119,7 +119,7 @@ def test_a_router_save_that_fails_or_meets_a_full_link_is_the_routers_and_is_tri
     chunks(f, name, sid, range(2))
     (save,) = saves(f, name)
     f.replica(name, p.Error(req=save.req, session=sid, code="busy", message="one save at a time"))
-    assert not f.errors(A) and f.core.sessions[sid].autosave is None
+    assert not f.errors(A) and f.core.sessions[sid].migration.autosave is None
     chunks(f, name, sid, range(2, 4))
     retry = saves(f, name)[-1]
     f.step(ReplicaRefused(name, f.generation[name], SessionOrigin(A, retry.req, sid, "autosave")))
@@ -194,7 +194,7 @@ def test_a_migrated_sessions_messages_are_renamed_both_ways() -> None:
     assert f.to_replica(survivor, p.Close)[-1].message.session == MOVED  # type: ignore[union-attr]
     f.replica(survivor, p.Closed(session=MOVED, reason="client"))
     assert [m.session for m in f.to(A, p.Closed)] == [sid]
-    assert not f.core.sessions and not f.core.aliases
+    assert not f.core.sessions and not f.core.migration.aliases
 
 
 def test_a_control_below_the_resume_chunk_is_refused_clearly() -> None:
@@ -295,11 +295,12 @@ def test_a_prompt_scheduled_after_the_snapshot_is_set_again_on_the_new_replica_o
 
     f.replica(sent.replica, p.PromptScheduled(req=replay.req, session=MOVED, revision=1, chunk=3))
     assert [m.req for m in f.to(A, p.PromptScheduled)] == [] and not f.errors(A)  # the router's own answer
-    assert f.core.sessions[sid].prompt is not None and f.core.sessions[sid].prompt.chunk == 3  # type: ignore[union-attr]
+    prompt = f.core.sessions[sid].migration.prompt
+    assert prompt is not None and prompt.chunk == 3
     f.client(A, p.SetPrompt(req=31, session=sid, prompt="a storm"))  # the client's own still reach it
     f.replica(sent.replica, p.PromptScheduled(req=31, session=MOVED, revision=2, chunk=4))
     assert [(m.req, m.session) for m in f.to(A, p.PromptScheduled)] == [(31, sid)]
-    assert not f.core.sessions[sid].asked and not f.core.sessions[sid].prompts_asked
+    assert not f.core.sessions[sid].migration.asked and not f.core.sessions[sid].migration.prompts_asked
 
 
 def test_a_prompt_scheduled_at_or_before_the_snapshots_chunk_is_in_it_and_not_set_again() -> None:
@@ -327,7 +328,7 @@ def test_the_routers_own_prompt_meeting_a_full_link_is_sent_again_and_its_refusa
     (third,) = prompts_to(f, sent.replica)
     assert third.prompt == "a canyon at dusk"
     f.replica(sent.replica, p.Error(req=third.req, session="0000000000ee", code="prompt_failed", message="encode"))
-    assert not f.errors(A) and f.core.sessions[sid].prompt is None  # it goes on with its snapshot's prompt
+    assert not f.errors(A) and f.core.sessions[sid].migration.prompt is None  # it goes on with its snapshot's prompt
 
 
 def test_a_replay_waiting_for_a_full_link_never_follows_the_clients_newer_prompt() -> None:
@@ -376,7 +377,7 @@ def test_the_clients_answers_are_never_taken_for_the_routers_save_whatever_its_r
     f.replica(name, p.Error(req=abs(save.req), session=sid, code="control_backpressure", message="full"))
     assert [e.code for e in f.errors(A)] == ["control_backpressure"]  # the client's, forwarded
     f.replica(name, saved(save.req, sid, SNAP1, 2))
-    assert not f.to(A, p.Saved) and f.core.sessions[sid].snapshot == SNAP1
+    assert not f.to(A, p.Saved) and f.core.sessions[sid].migration.snapshot == SNAP1
 
 
 def test_a_client_request_with_a_negative_id_is_refused_and_never_reaches_a_replica() -> None:
