@@ -36,7 +36,6 @@ import os
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -46,8 +45,10 @@ import zmq
 from ipc import protocol
 from ipc.client_core import (
     KEEP_QUIET_REQS,
+    MAX_OUTBOX,
     Ask,
     ClientCore,
+    ClientSettings,
     EventQueue,
     Pause,
     PendingReply,
@@ -100,7 +101,7 @@ from ipc.client_results import (
     snapshot_of,
 )
 from ipc.metrics_types import ServerStats, SessionSummary
-from ipc.outgoing import MAX_IN_FLIGHT, InFlight, Outgoing
+from ipc.outgoing import MAX_IN_FLIGHT, InFlight
 
 # the SDK's names, wherever they live now (``from ipc.client import X`` reads them all, as before the split)
 __all__ = [
@@ -113,26 +114,18 @@ __all__ = [
     "session_info", "snapshot_of",
 ]
 
-MAX_OUTBOX = 1024  # a caller's messages waiting to leave the socket; one more is refused with ``OutboxFull``
 
-class Client:
+class Client(ClientSettings):
     """A blocking client; see the module docstring. ``identity`` is the ZeroMQ routing identity: a client that
     reconnects with the identity that opened a session may ``resume`` it while the server still holds it."""
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", identity: bytes | None = None,
                  timeout_s: float = 60.0, heartbeat_s: float = 1.0, server_silent_s: float = 5.0,
                  max_outbox: int = MAX_OUTBOX, max_in_flight: int = MAX_IN_FLIGHT) -> None:  # fmt: skip
-        self.endpoint = endpoint
-        self.identity = identity or f"client-{uuid.uuid4().hex[:10]}".encode()
-        self.timeout_s = timeout_s
-        self.heartbeat_s = heartbeat_s
-        self.server_silent_s = server_silent_s  # no reply this long (heartbeats included): ``ServerGone``
-        self.max_outbox = max_outbox  # messages of callers waiting to leave the socket: more raise ``OutboxFull``
+        super().__init__(endpoint, identity, timeout_s, heartbeat_s, server_silent_s, max_outbox, "client")
         self._errors: queue.Queue[ServerError] = queue.Queue(maxsize=256)  # errors tied to no waiting request
         self._core: ClientCore[queue.Queue[Any], Future[Any]] = ClientCore(
             queue.Queue, self._put_error, close_orphan=self._close_orphan)
-        # callers' messages beyond max_outbox are refused (not its own); live states: one slot a session (ipc.outgoing)
-        self._outbox = Outgoing(max_outbox, lambda waiting: outbox_room(waiting, max_outbox, endpoint))
         self._in_flight = InFlight(max_in_flight)  # many threads of this client cannot overrun the server
         self._stop = threading.Event()
         self._context = zmq.Context.instance()
@@ -224,7 +217,7 @@ class Client:
     def resume(self, session: str) -> None:
         """Re-attach to a session this client identity owns (after a reconnect): its chunks come here from now
         on. Raises ``UnknownSession`` when the server no longer holds it (closed, or its client timed out)."""
-        self._session(session)
+        self._core.session(session)  # its chunks that come before the reply find their queue
         self._wait(self._ask(self._core.requests.resume(session)), self.timeout_s)
 
     def send_raw(self, data: bytes) -> None:
@@ -281,9 +274,6 @@ class Client:
     def _forget(self, req: int) -> None:
         self._core.forget(req)
         self._in_flight.leave(req)
-
-    def _timeout(self, timeout_s: float | None) -> float:
-        return self.timeout_s if timeout_s is None else timeout_s
 
     def _run(self, plan: Plan[T]) -> T:
         """Run a plan of the core (the decisions are its), blocking on each step it asks for."""

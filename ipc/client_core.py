@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
@@ -33,12 +34,15 @@ from ipc.client_errors import (
     SessionClosed,
     SessionMigrated,
     closed_summary,
+    outbox_room,
 )
 from ipc.client_requests import REPLIES, Requests, _tag, chunk_control
 from ipc.client_results import ChunkResult, InputToPhoton, SessionInfo, session_info
 from ipc.metrics_types import SessionSummary
 from ipc.newer_peer import PeerReader
+from ipc.outgoing import Outgoing
 
+MAX_OUTBOX = 1024  # a caller's messages waiting to leave the socket; one more is refused with ``OutboxFull``
 KEEP_QUIET_REQS = 4096  # fire-and-forget request ids remembered, so their errors do not end a chunk stream
 RETRY_PAUSE_S = 0.002  # a backpressured control is sent again after this when the server gave no hint
 CLOSE_POLL_S = 0.05  # waiting for a closed: how often the refusal of its request and the server's silence are read
@@ -448,3 +452,26 @@ class ClientCore(Generic[Q, F]):
             future.set_result(message)
         elif isinstance(message, protocol.Opened) and self._close_orphan is not None:
             self._close_orphan(message.session)  # its open timed out or failed here: close it, never leak it
+
+
+# ------------------------------------------------------------------------------------------------ settings
+
+
+class ClientSettings:
+    """What both transports are configured with, and the one outbox rule (``ipc.outgoing``): a caller's messages
+    beyond ``max_outbox`` are refused with ``OutboxFull`` (never the client's own), live states take one slot a
+    session. ``Client`` and ``AsyncClient`` build on it."""
+
+    def __init__(self, endpoint: str, identity: bytes | None, timeout_s: float, heartbeat_s: float,
+                 server_silent_s: float, max_outbox: int, name: str) -> None:  # fmt: skip
+        self.endpoint = endpoint
+        self.identity = identity or f"{name}-{uuid.uuid4().hex[:10]}".encode()
+        self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.server_silent_s = server_silent_s  # no reply this long (heartbeats included): ``ServerGone``
+        self.max_outbox = max_outbox  # messages of callers waiting to leave the socket: more raise ``OutboxFull``
+        self._outbox = Outgoing(max_outbox, lambda waiting: outbox_room(waiting, max_outbox, endpoint))
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        """A call's timeout: its own, or the client's."""
+        return self.timeout_s if timeout_s is None else timeout_s
