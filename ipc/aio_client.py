@@ -5,7 +5,8 @@ Inside one event loop three tasks share the DEALER socket (pyzmq's asyncio socke
 from tasks of one loop; no other thread touches it): a writer that drains the outbox (requests, live states,
 heartbeats every ``heartbeat_s``), a reader that hands each message to the ``ClientCore`` it shares with ``Client``
 (replies to their request futures by request id, chunks and session events to per-session queues), and the
-heartbeat timer.
+heartbeat timer. Every call's decisions (control's retry, until-closed, wait-closed, what ``chunks`` yields) are
+``ClientCore``'s plans: this client only performs their steps, awaiting each (``_perform``), as ``Client`` blocks.
 
     async with AsyncClient(endpoint) as client:
         info = await client.open(image, live=True, num_chunks=32)

@@ -27,6 +27,11 @@ Through a router with ``snapshot_every``, a session outlives its replica: ``next
 (its ``chunk`` is where it resumes: the session's chunks come again from that index, and its indexed controls go
 on from there; the first chunk after it carries ``chunk.migrated``); ``chunks`` goes on by itself and calls its
 ``on_migrated`` (e.g. to send the controls again from ``chunk``).
+
+The SDK's modules: ``ipc.client_errors`` (``ServerError`` and its subclasses), ``ipc.client_results`` (what calls
+return), ``ipc.client_requests`` (the requests, checked once, and ``LiveInput``), ``ipc.client_core`` (the sans-io
+``ClientCore``: routing and every call's decisions as plans), and the two transports that perform the plans'
+steps, this module's ``Client`` and ``ipc.aio_client.AsyncClient``. Every name is importable from here.
 """
 
 from __future__ import annotations
