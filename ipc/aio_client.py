@@ -29,7 +29,20 @@ import zmq
 import zmq.asyncio
 
 from ipc import protocol
-from ipc.client_core import MAX_OUTBOX, Ask, ClientCore, ClientSettings, Pause, Plan, Running, Start, Step, T, Tell
+from ipc.client_core import (
+    MAX_OUTBOX,
+    Ask,
+    ClientCore,
+    ClientSettings,
+    NextEvent,
+    Pause,
+    Plan,
+    Running,
+    Start,
+    Step,
+    T,
+    Tell,
+)
 from ipc.client_errors import OutboxFull, ServerError, SessionMigrated
 from ipc.client_requests import LiveInput
 from ipc.client_results import ChunkResult, SessionInfo, Snapshot, session_info, snapshot_of
@@ -225,6 +238,7 @@ class AsyncClient(ClientSettings):
                 return self._put(self._core.tell(step.message)), None
             if isinstance(step, Pause):
                 return await asyncio.sleep(step.seconds), None
+            assert isinstance(step, NextEvent)
             try:
                 return await asyncio.wait_for(self._core.session(step.session).events.get(), step.timeout_s), None
             except asyncio.TimeoutError:

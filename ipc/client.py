@@ -55,6 +55,7 @@ from ipc.client_core import (
     ClientCore,
     ClientSettings,
     EventQueue,
+    NextEvent,
     Pause,
     PendingReply,
     Plan,
@@ -289,6 +290,7 @@ class Client(ClientSettings):
             return running.result
 
     def _perform(self, step: Step) -> tuple[Any, BaseException | None]:
+        """Perform one step: its outcome, or the error performing it raised (the plan decides what it means)."""
         try:
             if isinstance(step, Ask):
                 return self._wait(self._ask(step.message), step.timeout_s), None
@@ -298,6 +300,7 @@ class Client(ClientSettings):
                 return self._send_quiet(step.message), None
             if isinstance(step, Pause):
                 return time.sleep(step.seconds), None
+            assert isinstance(step, NextEvent)
             try:
                 return self._core.session(step.session).events.get(timeout=step.timeout_s), None
             except queue.Empty:
