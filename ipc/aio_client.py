@@ -5,7 +5,8 @@ Inside one event loop three tasks share the DEALER socket (pyzmq's asyncio socke
 from tasks of one loop; no other thread touches it): a writer that drains the outbox (requests, live states,
 heartbeats every ``heartbeat_s``), a reader that hands each message to the ``ClientCore`` it shares with ``Client``
 (replies to their request futures by request id, chunks and session events to per-session queues), and the
-heartbeat timer.
+heartbeat timer. Every call's decisions (control's retry, until-closed, wait-closed, what ``chunks`` yields) are
+``ClientCore``'s plans: this client only performs their steps, awaiting each (``_perform``), as ``Client`` blocks.
 
     async with AsyncClient(endpoint) as client:
         info = await client.open(image, live=True, num_chunks=32)
@@ -20,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -29,49 +29,37 @@ import zmq
 import zmq.asyncio
 
 from ipc import protocol
-from ipc.client import (
+from ipc.client_core import (
     MAX_OUTBOX,
-    BadRequest,
-    ChunkResult,
+    Ask,
     ClientCore,
-    ControlBackpressure,
-    LiveInput,
-    OutboxFull,
-    Requests,
-    ServerError,
-    ServerGone,
-    SessionClosed,
-    SessionInfo,
-    SessionMigrated,
-    SessionState,
-    Snapshot,
-    chunk_control,
-    closed_summary,
-    outbox_room,
-    session_info,
-    snapshot_of,
+    ClientSettings,
+    NextEvent,
+    Pause,
+    Plan,
+    Running,
+    Start,
+    Step,
+    T,
+    Tell,
 )
+from ipc.client_errors import OutboxFull, ServerError, SessionMigrated
+from ipc.client_requests import LiveInput
+from ipc.client_results import ChunkResult, SessionInfo, Snapshot, session_info, snapshot_of
 from ipc.metrics_types import ServerStats, SessionSummary
-from ipc.outgoing import MAX_IN_FLIGHT, Outgoing
+from ipc.outgoing import MAX_IN_FLIGHT
 
 
-class AsyncClient:
+class AsyncClient(ClientSettings):
     """An asyncio client; use it from one event loop (``async with``, or ``await start()`` / ``await aclose()``)."""
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", identity: bytes | None = None,
                  timeout_s: float = 60.0, heartbeat_s: float = 1.0, server_silent_s: float = 5.0,
                  max_outbox: int = MAX_OUTBOX, max_in_flight: int = MAX_IN_FLIGHT) -> None:  # fmt: skip
-        self.endpoint = endpoint
-        self.identity = identity or f"aclient-{uuid.uuid4().hex[:10]}".encode()
-        self.timeout_s = timeout_s
-        self.heartbeat_s = heartbeat_s
-        self.server_silent_s = server_silent_s  # no reply this long (heartbeats included): ``ServerGone``
-        self.max_outbox = max_outbox  # messages of callers waiting to leave the socket: more raise ``OutboxFull``
-        self._requests = Requests()
+        super().__init__(endpoint, identity, timeout_s, heartbeat_s, server_silent_s, max_outbox, "aclient")
         self._errors: asyncio.Queue[ServerError] = asyncio.Queue(maxsize=256)
         self._core: ClientCore[asyncio.Queue[Any], asyncio.Future[Any]] = ClientCore(
             asyncio.Queue, self._put_error, close_orphan=self._close_orphan)
-        self._outbox = Outgoing(max_outbox, lambda waiting: outbox_room(waiting, max_outbox, endpoint))
         self._ready = asyncio.Event()  # set when something is queued: wakes the writer
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
@@ -119,43 +107,25 @@ class AsyncClient:
         """Open a session; see ``Client.open`` (``intrinsics``: the camera at 480x832, checked before sending;
         ``steps``/``min_steps``: denoising steps per chunk, 4, 2 or 1; ``restore``: a snapshot id; ``indexed``:
         restore a live session with indexed controls)."""
-        message = self._requests.open(image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics, steps,
+        message = self._core.requests.open(image, prompt, seed, num_chunks, live, pause_when_idle, intrinsics, steps,
                                       min_steps, restore, indexed)
         return session_info(await self._request(message))
 
     async def save(self, session: str) -> Snapshot:
         """Save the session at its next chunk boundary; see ``Client.save``."""
-        return snapshot_of(await self._request(self._requests.save(session)))
+        return snapshot_of(await self._request(self._core.requests.save(session)))
 
     async def control(self, session: str, index: int, keys: Iterable[str] = (),
                       mouse: tuple[float, float] = (0.0, 0.0), poses: list[list[float]] | None = None,
                       wait: bool = True, steps: int | None = None) -> None:
         """Send control[index]; see ``Client.control`` (backpressure is retried until the client timeout)."""
-        control = chunk_control(keys, mouse, poses, session)
-        if protocol.steps_problem(steps) is not None:
-            raise BadRequest("bad_control", str(protocol.steps_problem(steps)), session)
-
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            message = self._requests.control(session, index, control, steps)
-            if not wait:
-                self._send_quiet(message)
-                return
-            try:
-                await self._request(message, max(0.0, deadline - time.monotonic()))
-                return
-            except ControlBackpressure as error:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(error.retry_after_s or 0.002)
+        await self._run(self._core.control(session, index, keys, mouse, poses, wait, steps, self.timeout_s))
 
     def control_state(self, session: str, state: protocol.InputState, steps: int | None = None) -> None:
         """Live mode, fire and forget (call it from the loop's thread); never refused: a state not sent yet is
         replaced by this newer one. See ``Client.control_state``."""
         self._started()
-        message = self._requests.control_state(session, state, steps)
-        self._core.quiet(message.req)
-        self._outbox.put_state(session, protocol.encode(message), (session, state.revision))
+        self._outbox.put_state(session, *self._core.live_state(session, state, steps))
         self._ready.set()
 
     def live(self, session: str, first_revision: int = 1) -> LiveInput:
@@ -163,102 +133,52 @@ class AsyncClient:
 
     async def set_prompt(self, session: str, prompt: str) -> protocol.PromptScheduled:
         """A new prompt mid-stream: its revision and first chunk once encoded; see ``Client.set_prompt``."""
-        return await self._request(self._requests.set_prompt(session, prompt))
+        return await self._request(self._core.requests.set_prompt(session, prompt))
 
     async def close(self, session: str, timeout_s: float | None = None) -> SessionSummary:
         """Ask the server to close the session; its summary once closed (``UnknownSession`` if it is not held)."""
-        return await self._until_closed(self._requests.close(session), session, timeout_s, "closing")
+        return await self._run(self._core.until_closed(self._core.requests.close(session), self._timeout(timeout_s)))
 
     async def stats(self) -> ServerStats:
-        return (await self._request(self._requests.stats())).stats
+        return (await self._request(self._core.requests.stats())).stats
 
     async def watch(self, session: str, token: str, timeout_s: float | None = None) -> AsyncWatch:
         """Watch another client's session read-only; see ``Client.watch`` (``async for`` the returned watch)."""
-        state = self._session(session)
-        state.closed, state.missed = None, 0  # a session watched again after an unwatch
-        reply = await self._request(self._requests.watch(session, token))
-        return AsyncWatch(session_info(reply), self.chunks(session, timeout_s))
+        info = await self._run(self._core.watch(session, token, self.timeout_s))
+        return AsyncWatch(info, self.chunks(session, timeout_s))
 
     async def unwatch(self, session: str, timeout_s: float | None = None) -> SessionSummary:
         """Stop watching; see ``Client.unwatch``."""
-        self._session(session).closed = None  # the closed that ends this watch, not an earlier one
-        return await self._until_closed(self._requests.unwatch(session), session, timeout_s)
-
-    async def _until_closed(self, message: protocol.Close | protocol.Unwatch, session: str, timeout_s: float | None,
-                            fine: str | None = None) -> SessionSummary:  # fmt: skip
-        """Send ``message`` and return the session's summary once its ``closed`` comes; an error answering the
-        request raises, except code ``fine`` (``closing``: the session was closing already, its closed follows)."""
-        refused = self._ask(message)
-        waiting = asyncio.ensure_future(self.wait_closed(session, timeout_s))
-        try:
-            done, _ = await asyncio.wait({waiting, refused}, return_when=asyncio.FIRST_COMPLETED)
-            error = refused.exception() if refused in done else None
-            if error is not None and (fine is None or getattr(error, "code", None) != fine):
-                raise error
-            return await waiting
-        finally:
-            waiting.cancel()
-            self._core.forget(message.req)
-            if not refused.done():
-                refused.cancel()
+        return await self._run(self._core.until_closed(self._core.requests.unwatch(session),
+                                                       self._timeout(timeout_s)))
 
     async def resume(self, session: str) -> None:
         """Re-attach to a session this identity owns; see ``Client.resume``."""
-        self._session(session)
-        await self._request(self._requests.resume(session))
+        self._core.session(session)  # its chunks that come before the reply find their queue
+        await self._request(self._core.requests.resume(session))
 
     # ------------------------------------------------------------------------------------------ receiving
 
     async def next_chunk(self, session: str, timeout_s: float | None = None) -> ChunkResult:
         """The session's next chunk. Raises ``SessionClosed`` at its end, ``ServerError`` on its errors,
         ``SessionMigrated`` (once per move; the session goes on) when a router restored it on another replica."""
-        state = self._session(session)
-        if state.closed is not None and state.events.empty():
-            raise SessionClosed(state.closed)
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            event = await asyncio.wait_for(state.events.get(), timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"no chunk of session {session} within {timeout:.1f} s") from None
-        if isinstance(event, ChunkResult):
-            return event
-        if isinstance(event, protocol.Closed):
-            raise SessionClosed(event)
-        raise event
+        return await self._run(self._core.next_chunk(session, self._timeout(timeout_s)))
 
     async def chunks(self, session: str, timeout_s: float | None = None,
                      on_migrated: Callable[[SessionMigrated], Awaitable[None]] | None = None
                      ) -> AsyncIterator[ChunkResult]:
         """Chunks until the session closes (errors of the session raise); a migration is awaited in
         ``on_migrated`` and the chunks go on from its resume chunk (as ``Client.chunks``)."""
-        while True:
-            try:
-                yield await self.next_chunk(session, timeout_s)
-            except SessionMigrated as moved:
-                if on_migrated is not None:
-                    await on_migrated(moved)
-            except SessionClosed:
-                return
+        while (item := await self._run(self._core.streamed(session, self._timeout(timeout_s)))) is not None:
+            if isinstance(item, ChunkResult):
+                yield item
+            elif on_migrated is not None:
+                await on_migrated(item)
 
-    async def wait_closed(self, session: str, timeout_s: float | None = None) -> SessionSummary:
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"session {session} not closed in time")
-            try:
-                await self.next_chunk(session, min(remaining, 0.25))
-            except SessionClosed as closed:
-                return closed_summary(closed.closed)
-            except ServerGone as gone:
-                if gone.code == "server_gone":  # found by this client: no closed will come
-                    raise
-            except TimeoutError:
-                if self._core.silent:  # nothing queued, and the server no longer answers
-                    raise ServerGone("server_gone", f"no reply from the server: session {session} cannot be "
-                                     "closed") from None
-            except ServerError:
-                continue
+    async def wait_closed(self, session: str, timeout_s: float | None = None,
+                          refused: asyncio.Future[Any] | None = None) -> SessionSummary:
+        """Discard chunks until the session's ``closed`` arrives; see ``Client.wait_closed``."""
+        return await self._run(self._core.wait_closed(session, self._timeout(timeout_s), refused))
 
     async def error(self, timeout_s: float = 0.0) -> ServerError | None:
         """The next error no caller waits for (see ``Client.error``), or ``None``."""
@@ -300,13 +220,34 @@ class AsyncClient:
             self._in_flight.release()
             self._core.forget(message.req)
 
-    def _send_quiet(self, message: Any, stamp: tuple[str, int] | None = None, own: bool = False) -> None:
-        """Send a fire-and-forget request: its error goes to ``error()``, never to a chunk stream."""
-        self._core.quiet(message.req)
-        self._put(protocol.encode(message), stamp, own)
+    async def _run(self, plan: Plan[T]) -> T:
+        """Run a plan of the core (the decisions are its), awaiting each step it asks for."""
+        with contextlib.closing(plan):
+            running = Running(plan)
+            while not running.done:
+                running.answer(*(await self._perform(running.step)))
+            return running.result
+
+    async def _perform(self, step: Step) -> tuple[Any, BaseException | None]:
+        try:
+            if isinstance(step, Ask):
+                return await self._request(step.message, step.timeout_s), None
+            if isinstance(step, Start):
+                return self._ask(step.message), None
+            if isinstance(step, Tell):
+                return self._put(self._core.tell(step.message)), None
+            if isinstance(step, Pause):
+                return await asyncio.sleep(step.seconds), None
+            assert isinstance(step, NextEvent)
+            try:
+                return await asyncio.wait_for(self._core.session(step.session).events.get(), step.timeout_s), None
+            except asyncio.TimeoutError:
+                raise step.late() from None
+        except Exception as error:
+            return None, error
 
     def _close_orphan(self, session: str) -> None:
-        self._send_quiet(self._requests.close(session), own=True)  # from the reader: never refused
+        self._put(self._core.tell(self._core.requests.close(session)), own=True)  # from the reader: never refused
 
     def _put(self, data: bytes, stamp: tuple[str, int] | None = None, own: bool = False) -> None:
         """Queue a message for the writer; a caller's (not ``own``) is refused beyond ``max_outbox``."""
@@ -317,9 +258,6 @@ class AsyncClient:
     def _started(self) -> None:
         if self._sock is None:
             raise RuntimeError("the client is not started (use `async with AsyncClient(...)` or `await start()`)")
-
-    def _session(self, session: str) -> SessionState[asyncio.Queue[Any]]:
-        return self._core.session(session)
 
     async def _writer(self) -> None:
         assert self._sock is not None

@@ -18,9 +18,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, UnsetType, field
 
-# ``ipc.protocol`` imports this module once its values are defined (``Closed`` and ``StatsReply`` carry these types);
-# ``ipc/__init__`` imports the protocol first, so this import always finds ``ChunkControl`` defined.
-from ipc.protocol import ChunkControl, SessionId
+# the values come from below the protocol (``ipc.values``): the schemas import this module, never the reverse
+from ipc.values import ChunkControl, SessionId
 
 # the ranges of what a router reads of its replicas' stats (``runtime.replicas.read_stats``): beyond them, not a server
 MAX_COUNT = 2**53  # a counter beyond this is nonsense (and a sum over replicas must still fit a msgpack uint64)
