@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         rank_environment(os.environ, say=env is None or env[0] == 0)
         if env is None:
             log.info("%s", why)
+            if cfg.model.checkpoint_dir:  # a folder the ranks cannot load from: exit 2 here, not 1 from torchrun
+                cli_help.check(cfg, args.config)  # (a Slurm recipe requeues 1, never 2)
             return self_launch(args, overrides, cfg.layout.world_size)
         if env[0] == 0:
             log.info("launched by %s", why)

@@ -46,6 +46,7 @@ class _SnapshotCollector:
 
 class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
+    timeout = 5.0  # a connection that sends nothing frees its thread (one thread per connection)
 
     def do_GET(self) -> None:
         probes = self.server.probes

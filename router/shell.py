@@ -275,8 +275,6 @@ class RouterShell:
             payload = protocol.encode(protocol.Error(code="internal",
                                                      message=f"internal error: {type(error).__name__}"))
         chunk = isinstance(output.message, bytes | zmq.Frame) and _is_chunk(payload)  # the router makes none
-        if isinstance(payload, zmq.Frame):  # received from a replica, sent on as it came
-            self.forwarded_bytes += len(payload)
         self._lost(self.lines.send(output.identity, payload, output.session, chunk))
         read_at = self.read_at.pop(id(payload), None)  # handed on (sent, or waiting in the client's line)
         if read_at is not None:

@@ -170,12 +170,18 @@ def toml_value(value: Any) -> str:
     raise TypeError(f"no TOML form for {value!r}")
 
 
+SECRETS = {"replica.token", "router.register_token"}  # never printed: a printed config lands in logs and issues
+SECRET = "<secret: not printed>"
+
+
 def config_toml(config: config_mod.Config) -> str:
-    """The whole configuration as TOML, every key of every section: loading it gives the same ``Config``."""
+    """The whole configuration as TOML, every key of every section (a secret masked): loading it gives the same
+    ``Config`` but for the secrets."""
     out = []
     for name, section in msgspec.to_builtins(config).items():
         out.append(f"[{name}]")
-        out.extend(f"{key} = {toml_value(value)}" for key, value in section.items())
+        out.extend(f"{key} = {toml_value(SECRET if f'{name}.{key}' in SECRETS and value else value)}"
+                   for key, value in section.items())
         out.append("")
     return "\n".join(out)
 

@@ -22,7 +22,7 @@ import logging
 import os
 import re
 import sys
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Literal
 
 Format = Literal["text", "json"]
@@ -80,7 +80,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         c = self.context
         line: dict[str, object] = {
-            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
             "level": record.levelname, "role": c.role}
         if c.rank is not None:
             line["rank"] = c.rank

@@ -141,3 +141,19 @@ def test_every_option_of_the_client_the_router_and_launch_has_help_text(command:
                           timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     assert options_without_help(done.stdout) == []
+
+
+def test_a_server_start_on_a_checkpoint_folder_it_cannot_load_exits_2_before_any_rank_starts(tmp_path: Path) -> None:
+    root = release_folder(tmp_path / "download")
+    (root / "Wan2.1_VAE.pth").unlink()
+    done = launch("--config", "cpu-tiny-model", f"--model.checkpoint_dir={str(root)!r}")
+    assert done.returncode == 2  # a Slurm recipe requeues a 1, never a 2: a folder that cannot load is final
+    assert "Wan2.1_VAE.pth" in done.stderr and "torch.distributed.run" not in done.stderr
+
+
+def test_print_config_never_prints_a_token(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cr3t-token\n")
+    done = launch("--config", "cpu-tiny", f"--replica.token_file={str(token_file)!r}", "--print-config")
+    assert done.returncode == 0, done.stderr
+    assert "s3cr3t-token" not in done.stdout and "not printed" in done.stdout
