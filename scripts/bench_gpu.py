@@ -39,6 +39,7 @@ import contextlib
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import signal
@@ -269,6 +270,59 @@ def dit_steady(sizes: Sizes, device: torch.device, attention: list[str]) -> dict
             print(f"  dit {name}: {json.dumps(out[name])[:600]}", flush=True)
     del model
     reset_peak(device)
+    return out
+
+
+def alltoall_bytes(cfg: DiTConfig, sp: int, height: int, width: int, dtype: torch.dtype) -> int:
+    """Bytes one rank sends per chunk through the Ulysses all-to-alls (q, k, v out and the attention output back, per
+    layer and pass), the part of each buffer that leaves the rank ((R - 1)/R of it)."""
+    n = cfg.chunk_size * (height // 16) * (width // 16)
+    local = -(-n // sp)
+    per_layer = 4 * local * cfg.num_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+    passes = len(cfg.timestep_indices) + 1
+    return per_layer * cfg.num_layers * passes * (sp - 1) // sp
+
+
+def split_rank(sizes: Sizes, device: torch.device) -> dict[str, Any]:
+    """One DiT rank's own work at SP = 5 (split7) and SP = 8 (aggregated8) on this one device: its local heads over
+    the whole sequence, its token shard, its share of the KV ring, with the all-to-alls replaced by a stand-in that
+    returns the right shapes without communicating (``models.ulysses.StandInUlysses``). The steady chunk is the
+    rank's compute; the bytes its all-to-alls would move are given beside it (their time is not in it)."""
+    from models.ulysses import StandInUlysses
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = replace(DiTConfig.from_name(sizes.dit["v1"]), attention="sdpa")
+    model = random_dit(cfg, device, dtype, seed=0)
+    geometry = _geometry(cfg, sizes.height, sizes.width)
+    fill = math.ceil(cfg.local_attn_size / cfg.chunk_size)
+    out: dict[str, Any] = {}
+    for sp in (5, 8):
+        if cfg.num_heads % sp:
+            out[f"sp{sp}"] = {"skipped": f"{cfg.num_heads} heads do not split over {sp} ranks"}
+            continue
+        stage = LingbotDenoiseStage(cfg, geometry, device=device, dtype=dtype, group=StandInUlysses(sp),
+                                    weights=model)  # fmt: skip
+        g = torch.Generator(device="cpu").manual_seed(1)
+        stage.open(SessionSpec("bench", 0, ""), torch.randn(cfg.text_len, cfg.text_dim, generator=g))
+        condition = torch.randn(geometry.condition_shape, generator=g).to(device)
+        reset_peak(device)
+        times = []
+        for k in range(fill + 2):
+            sync(device)
+            began = time.perf_counter()
+            stage.denoise("bench", k, condition, ChunkControl(keys=frozenset("wl")))
+            sync(device)
+            times.append(time.perf_counter() - began)
+        n = cfg.chunk_size * (sizes.height // 16) * (sizes.width // 16)
+        out[f"sp{sp}"] = {"sp_size": stage.model.sp.size, "local_heads": stage.model.sp.local_heads(cfg.num_heads),
+                          "local_tokens": -(-n // sp), "chunk_s": times, "compute_s": min(times[-2:]),
+                          "frames_per_chunk": 4 * cfg.chunk_size, "peak_gib": peak_gib(device),
+                          "kv_cache_gib": stage.kv_cache_bytes(sizes.height, sizes.width) / 2**30,
+                          "alltoall_gb_per_chunk": alltoall_bytes(cfg, sp, sizes.height, sizes.width, dtype) / 1e9,
+                          "note": "compute only: the all-to-alls' transfer time is not in compute_s"}  # fmt: skip
+        stage.release("bench")
+        del stage
+        print(f"  split_rank sp{sp}: {json.dumps(out[f'sp{sp}'])[:400]}", flush=True)
     return out
 
 
@@ -594,9 +648,11 @@ def start_image(height: int, width: int) -> bytes:
     return buf.getvalue()
 
 
-def serve(tiny: bool, chunks: int = 8) -> dict[str, Any]:
+def serve(tiny: bool, log_path: Path | None = None, chunks: int = 8) -> dict[str, Any]:
     """A short session through the whole runtime on one device (every role on rank 0) at the stream's full size
-    (480x832; tiny: 64x96): its first chunk against its steady ones, at the client and per stage on rank 0."""
+    (480x832; tiny: 64x96): its first chunk against its steady ones, at the client and per stage on rank 0. The
+    server's log (INFO: start-up, CUDA context, each rank's room, the attention table, warm-up times, any rank's
+    failure) is kept at ``log_path``, the only place those facts are written."""
     from ipc.client import Client
     from ipc.protocol import to_builtins
     from scripts.local_server import LocalServer
@@ -604,7 +660,8 @@ def serve(tiny: bool, chunks: int = 8) -> dict[str, Any]:
     height, width = (64, 96) if tiny else (480, 832)
     overrides = ["--stream.size=fixed", f"--stream.height={height}", f"--stream.width={width}"]
     overrides += ["--model.preset=tiny"] if tiny else []
-    server = LocalServer("single-gpu", overrides, startup_s=900.0)
+    server = LocalServer("single-gpu", overrides, startup_s=900.0, log_path=log_path,
+                         env={"WORLDSTREAM_LOG": "INFO"})
     try:
         server.start()
         with Client(server.endpoint) as client:
@@ -630,7 +687,8 @@ def serve(tiny: bool, chunks: int = 8) -> dict[str, Any]:
 
     gaps = [b["received_s"] - a["received_s"] for a, b in itertools.pairwise(per_chunk[1:])]
     return {"size": [info.height, info.width], "chunk_indices": [c["index"] for c in per_chunk],
-            "server_start_s": server.started_s, "open_s": opened - began, "chunks": per_chunk,
+            "server_start_s": server.started_s, "server_log": str(server.log_path), "open_s": opened - began,
+            "chunks": per_chunk,
             "first_chunk_s": per_chunk[0]["received_s"] if per_chunk else None,
             "steady_period_s": statistics.median(gaps) if gaps else None,
             "first": {k: per_chunk[0][k] for k in ("denoise_s", "decode_s", "condition_s")} if per_chunk else None,
@@ -705,6 +763,19 @@ def _dit_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _split_rank_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
+    for name, entry in results.get("split_rank", {}).items():
+        if "compute_s" not in entry:
+            lines.append(f"DiT rank at {name}: {entry.get('skipped') or entry.get('error', '?')}"[:160])
+            continue
+        bound = entry["frames_per_chunk"] / entry["compute_s"]
+        lines.append(f"DiT rank at {name}: {entry['local_heads']} heads x {entry['local_tokens']} tokens, compute "
+                     f"{entry['compute_s']:.3f} s/chunk (all-to-alls not in it: {entry['alltoall_gb_per_chunk']:.2f} "
+                     f"GB/chunk to move)  at most {bound:.1f} FPS  peak {entry['peak_gib']:.1f} GiB")  # fmt: skip
+    return lines
+
+
 def _sdpa_lines(results: dict[str, Any]) -> list[str]:
     sdpa = results.get("sdpa", {})
     if "q" not in sdpa:
@@ -757,13 +828,23 @@ def _projection_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _probe_lines(results: dict[str, Any]) -> list[str]:
+    if "probe" not in results:
+        return []
+    probe, cc = results["probe"], results["probe"].get("c_compiler", {})
+    compiler = f"{cc['path']} ({cc['version']})" if cc.get("found") else "NONE (compile falls back to eager)"
+    return [f"cold import torch {_f(probe.get('import_torch_s'), '.1f')} s  CUDA init "
+            f"{_f(probe.get('cuda_init_s'), '.1f')} s  context {_f(probe.get('context_gib'), '.2f')} GiB  "
+            f"triton {probe.get('triton')}  C compiler {compiler}"]
+
+
 def table(results: dict[str, Any]) -> str:
     """The compact summary: DiT against the FLOP floor, SDPA backends, VAE per precision, bytes per session, the
     served session's first chunk against its steady chunks, projections and targets. A part whose entries are
     incomplete says so instead of ending the summary."""
     lines = [f"device: {results.get('device')}  torch {results.get('torch')}  sizes {results.get('sizes')}  "
              f"matmul peak {_f(results.get('matmul', {}).get('tflops'), '.0f')} TFLOP/s"]
-    for part in (_dit_lines, _sdpa_lines, _vae_lines, _serve_lines, _projection_lines):
+    for part in (_probe_lines, _dit_lines, _split_rank_lines, _sdpa_lines, _vae_lines, _serve_lines, _projection_lines):
         try:
             lines += part(results)
         except (KeyError, IndexError, TypeError, ValueError) as error:
@@ -774,7 +855,8 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = ("matmul", "sdpa", "dit", "dit_bf16_vs_fp32", "vae", "umt5", "kv_cache", "multi_gpu", "serve")
+SECTIONS = ("matmul", "sdpa", "dit", "split_rank", "dit_bf16_vs_fp32", "vae", "umt5", "kv_cache", "multi_gpu",
+            "serve")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -787,6 +869,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary", action="store_true", help="run nothing: projections, targets, table of --out")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")) / "bench_gpu.json")
     args = parser.parse_args(argv)
+    # the sections' own INFO lines (the attention table, a compile fallback) reach run.log only through this
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.summary:
         if not args.out.exists():
             print(f"no results at {args.out}")
@@ -809,12 +893,13 @@ def main(argv: list[str] | None = None) -> int:
         "matmul": lambda: matmul_peak(sizes, device),
         "sdpa": lambda: sdpa_backends(sizes, device),
         "dit": lambda: dit_steady(sizes, device, attention),
+        "split_rank": lambda: split_rank(sizes, device),
         "dit_bf16_vs_fp32": lambda: dit_bf16_vs_fp32(device),
         "vae": lambda: vae_policies(sizes, device),
         "umt5": lambda: umt5_prompt(sizes, device),
         "kv_cache": lambda: kv_bytes(sizes),
         "multi_gpu": lambda: multi_gpu(sizes),
-        "serve": lambda: serve(sizes.tiny),
+        "serve": lambda: serve(sizes.tiny, log_path=args.out.parent / "server.log"),
     }
     wanted = set(args.only) if args.only else {n for n in SECTIONS if n != "serve" or args.serve}
     skipped = set()
