@@ -173,3 +173,19 @@ def test_real_run_on_cpu_records_every_step_and_prints_the_summary(tmp_path: Pat
     assert "DiT v1_sdpa" in summary and "served 64x96: first chunk" in summary and "SDPA q" in summary
     assert "cold import torch" in summary and "C compiler" in summary
     assert "DiT rank at sp5: 1 heads" in summary
+
+
+def test_compile_on_cuda_is_refused_up_front_when_no_c_compiler_is_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import torch
+    import torch._dynamo  # before the stand-in triton below: dynamo's own import looks inside triton
+
+    from models import compiled
+
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))  # triton itself is there
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    assert "C compiler" in compiled.unsupported(torch.device("cuda"), "inductor")  # not a failure mid-chunk
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: "/usr/bin/gcc" if name == "gcc" else None)
+    assert compiled.unsupported(torch.device("cuda"), "inductor") == ""
