@@ -245,6 +245,7 @@ def dit_steady(sizes: Sizes, device: torch.device, attention: list[str]) -> dict
                 flops = chunk_flops(cfg, lat_h, lat_w)["per_chunk"]
                 entry: dict[str, Any] = {"chunk_s": times, "steady_s": steady, "pflop_per_chunk": flops / 1e15,
                                          "tflops": flops / steady / 1e12, "peak_gib": peak_gib(device),
+                                         "model_peak_gib": dit_model_gib(stage, "bench", sizes.height, sizes.width),
                                          "frames_per_chunk": 4 * cfg.chunk_size,
                                          "kv_cache_gib": stage.kv_cache_bytes(sizes.height, sizes.width) / 2**30,
                                          # one session's caches as the allocator sees them (KV ring, text cache,
@@ -283,6 +284,19 @@ def alltoall_bytes(cfg: DiTConfig, sp: int, height: int, width: int, dtype: torc
     return per_layer * cfg.num_layers * passes * (sp - 1) // sp
 
 
+def dit_model_gib(stage: LingbotDenoiseStage, session: str, height: int, width: int) -> float:
+    """What the memory model (``models.memory``) says one DiT rank holds at its peak with ``session`` open: the
+    weights, the session's KV ring and text cache, and the working set of one steady chunk; set beside the
+    allocator's measured peak (``peak_gib``), so the first GPU run checks the model and its margins."""
+    from models import memory
+
+    weights = memory.nbytes(list(stage.model.parameters()))
+    text = stage.sessions[session].text
+    session_bytes = stage.kv_cache_bytes(height, width) + memory.nbytes([text.k, text.v])
+    working = memory.dit_working_bytes(stage.cfg, stage.dtype, stage.model.sp.size, height, width)
+    return (weights + session_bytes + working) / 2**30
+
+
 def split_rank(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     """One DiT rank's own work at SP = 5 (split7) and SP = 8 (aggregated8) on this one device: its local heads over
     the whole sequence, its token shard, its share of the KV ring, with the all-to-alls replaced by a stand-in that
@@ -317,6 +331,7 @@ def split_rank(sizes: Sizes, device: torch.device) -> dict[str, Any]:
         out[f"sp{sp}"] = {"sp_size": stage.model.sp.size, "local_heads": stage.model.sp.local_heads(cfg.num_heads),
                           "local_tokens": -(-n // sp), "chunk_s": times, "compute_s": min(times[-2:]),
                           "frames_per_chunk": 4 * cfg.chunk_size, "peak_gib": peak_gib(device),
+                          "model_peak_gib": dit_model_gib(stage, "bench", sizes.height, sizes.width),
                           "kv_cache_gib": stage.kv_cache_bytes(sizes.height, sizes.width) / 2**30,
                           "alltoall_gb_per_chunk": alltoall_bytes(cfg, sp, sizes.height, sizes.width, dtype) / 1e9,
                           "note": "compute only: the all-to-alls' transfer time is not in compute_s"}  # fmt: skip
@@ -755,7 +770,8 @@ def _dit_lines(results: dict[str, Any]) -> list[str]:
         over = entry["steady_s"] / floor if floor else None
         lines.append(f"DiT {name:9s} steady {entry['steady_s']:.3f} s/chunk (first {entry['chunk_s'][0]:.3f})  "
                      f"{entry['pflop_per_chunk']:.3f} PFLOP  floor {_f(floor)} s  x{_f(over, '.2f')}"
-                     f"  {entry['tflops']:.0f} TFLOP/s  peak {entry['peak_gib']:.1f} GiB  fused-only "
+                     f"  {entry['tflops']:.0f} TFLOP/s  peak {entry['peak_gib']:.1f} GiB (model "
+                     f"{_f(entry.get('model_peak_gib'), '.1f')})  fused-only "
                      f"{entry.get('fused_kernels_only', '-')}")  # fmt: skip
         lines.append(f"    session bytes: {_gib(entry.get('session_bytes_steady'))} measured (after open "
                      f"{_gib(entry.get('session_bytes_open'))}), KV ring computed "
@@ -772,7 +788,8 @@ def _split_rank_lines(results: dict[str, Any]) -> list[str]:
         bound = entry["frames_per_chunk"] / entry["compute_s"]
         lines.append(f"DiT rank at {name}: {entry['local_heads']} heads x {entry['local_tokens']} tokens, compute "
                      f"{entry['compute_s']:.3f} s/chunk (all-to-alls not in it: {entry['alltoall_gb_per_chunk']:.2f} "
-                     f"GB/chunk to move)  at most {bound:.1f} FPS  peak {entry['peak_gib']:.1f} GiB")  # fmt: skip
+                     f"GB/chunk to move)  at most {bound:.1f} FPS  peak {entry['peak_gib']:.1f} GiB (model "
+                     f"{_f(entry.get('model_peak_gib'), '.1f')})")  # fmt: skip
     return lines
 
 

@@ -35,4 +35,7 @@ def test_the_tiny_preset_runs_one_rank_of_sp5_and_reports_its_steady_time() -> N
                                          cfg.head_dim, torch.float32)  # fmt: skip
     assert round(rank["kv_cache_gib"] * 2**30) * 5 == all_heads  # its share of the heads' ring
     assert rank["alltoall_gb_per_chunk"] > 0
+    # the memory model's peak for this rank, beside the allocator's (CPU keeps no peak; CUDA does): weights, its
+    # KV share and text cache, and a chunk's working set
+    assert rank["model_peak_gib"] > rank["kv_cache_gib"] > 0  # more than the ring alone
     assert "skipped" in result["sp8"]  # 5 heads do not split over 8 ranks
