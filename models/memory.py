@@ -354,18 +354,31 @@ def headroom_error(unused: int, need: int, what: str, device: torch.device) -> t
 
 @functools.lru_cache(maxsize=64)
 def _vae_runs(s: Setting, height: int, width: int) -> dict[str, int]:
-    """Decoder and encoder caches after ``STEADY_CHUNKS`` chunks and the peak of one chunk beyond them."""
+    from models import lingbot
+
+    g = _geometry(s, height, width)
+    return vae_run_bytes(lingbot.preset(s.preset).vae, s.vae_dtype, tuple(g.latent_shape), height, width,
+                         s.chunk_latent_frames)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def vae_run_bytes(vae_cfg: Any, dtype: torch.dtype, latent_shape: tuple[int, ...], height: int, width: int,
+                  chunk_latent_frames: int) -> dict[str, int]:  # fmt: skip
+    """Decoder and encoder caches after ``STEADY_CHUNKS`` chunks and the peak of one chunk beyond them, for the VAE
+    of ``vae_cfg`` in ``dtype`` (the decoder fed latents of ``latent_shape``, the encoder a ``height x width``
+    image)."""
+    from models.vae import WanVAE
     from models.vae_stream import ConditionEncoder, FrameDecoder
 
-    vae, g = _vae(s), _geometry(s, height, width)
     with _meta():
+        vae = WanVAE(vae_cfg).to(dtype)
         decoder = FrameDecoder(vae)
         with PeakTracker() as dec:
             for _ in range(STEADY_CHUNKS):
-                decoder.decode(torch.empty(g.latent_shape, dtype=s.vae_dtype))
+                decoder.decode(torch.empty(latent_shape, dtype=dtype))
         decode_cache = decoder.nbytes()
-        encoder = ConditionEncoder(vae, torch.empty(3, height, width, dtype=s.vae_dtype), s.chunk_latent_frames,
-                                   constant_tail=False)  # the fixed point's snapshot is counted below
+        encoder = ConditionEncoder(vae, torch.empty(3, height, width, dtype=dtype), chunk_latent_frames,
+                                   constant_tail=False)  # the fixed point's snapshot is counted by the caller
         with PeakTracker() as enc:
             for _ in range(STEADY_CHUNKS):
                 encoder.next_chunk()

@@ -58,7 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models import precision
+from models import memory, precision
 from models.attention import _load_sage, pinned_backend
 from models.controls import ChunkControl
 from models.dit import DiTConfig, WanModelFast, chunk_flops
@@ -118,6 +118,13 @@ def allocated(device: torch.device) -> int | None:
         return None
     sync(device)
     return torch.cuda.memory_allocated(device)
+
+
+def _peak_over(before: int | None, device: torch.device) -> float | None:
+    """GiB the allocator's peak since the last ``reset_peak`` rose above ``before`` (CUDA only)."""
+    if before is None or device.type != "cuda":
+        return None
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
 
 
 def delta(before: int | None, device: torch.device) -> int | None:
@@ -374,6 +381,7 @@ def _vae_policy(policy: str, reference: torch.nn.Module, latents: list[torch.Ten
         vae.reset_latent_stats()  # the normalisation constants stay float32
     with torch.no_grad():
         before_decoder = allocated(device)
+        reset_peak(device)
         decoder = FrameDecoder(vae)
         decode_times, frames = [], None
         for latent in latents:  # chunk 0, then two steady chunks
@@ -383,9 +391,11 @@ def _vae_policy(policy: str, reference: torch.nn.Module, latents: list[torch.Ten
             sync(device)
             decode_times.append(time.perf_counter() - began)
         assert frames is not None
+        decode_peak = _peak_over(before_decoder, device)
         frames = frames.float().cpu()  # off the device, so the delta below is the decoder's caches alone
         decode_bytes = delta(before_decoder, device)
         before_encoder = allocated(device)
+        reset_peak(device)
         encoder = ConditionEncoder(vae, image, 3, constant_tail=False)
         encode_times = []
         for _ in range(3):
@@ -395,7 +405,17 @@ def _vae_policy(policy: str, reference: torch.nn.Module, latents: list[torch.Ten
             sync(device)
             encode_times.append(time.perf_counter() - began)
         encode_bytes = delta(before_encoder, device)
-    return {"decode_chunk_s": decode_times, "decode_steady_s": min(decode_times[1:]), "encode_chunk_s": encode_times,
+        encode_peak = _peak_over(before_encoder, device)
+    h, w = image.shape[-2:]
+    modelled = memory.vae_run_bytes(vae.cfg, next(vae.parameters()).dtype, tuple(latents[0].shape), h, w, 3)
+    return {
+            # the allocator's peak above what was live before (caches + working set + cuDNN's workspace) beside the
+            # memory model's caches + working set and its workspace margin (CUDA): the first GPU run checks both
+            "decode_peak_gib": decode_peak, "encode_peak_gib": encode_peak,
+            "decode_model_gib": (modelled["decode_cache"] + modelled["decode_working"]) / 2**30,
+            "encode_model_gib": (modelled["encode_cache"] + modelled["encode_working"]) / 2**30,
+            "workspace_margin_gib": memory.MARGINS.vae_conv_workspace(h, w) / 2**30 if device.type == "cuda" else 0.0,
+            "decode_chunk_s": decode_times, "decode_steady_s": min(decode_times[1:]), "encode_chunk_s": encode_times,
             "encode_steady_s": min(encode_times[1:]), "frames": frames,
             # one session's caches: allocator delta (CUDA) and what the caches count themselves
             "decode_session_bytes": decode_bytes, "decode_session_bytes_computed": decoder.nbytes(),
@@ -814,6 +834,11 @@ def _vae_lines(results: dict[str, Any]) -> list[str]:
                          f"{_gib(entry.get('decode_session_bytes_computed'))} counted, encode "
                          f"{_gib(entry.get('encode_session_bytes'))} / "
                          f"{_gib(entry.get('encode_session_bytes_computed'))}")  # fmt: skip
+            lines.append(f"    peak above start: decode {_f(entry.get('decode_peak_gib'), '.2f')} GiB (model "
+                         f"{_f(entry.get('decode_model_gib'), '.2f')} + workspace margin "
+                         f"{_f(entry.get('workspace_margin_gib'), '.2f')}), encode "
+                         f"{_f(entry.get('encode_peak_gib'), '.2f')} GiB (model "
+                         f"{_f(entry.get('encode_model_gib'), '.2f')} + the same margin)")  # fmt: skip
     if "prompt_s" in results.get("umt5", {}):
         lines.append(f"umT5 prompt {results['umt5']['prompt_s']:.3f} s")
     return lines
