@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from models.ulysses import StandInUlysses
-from scripts import bench_gpu
+from scripts import bench_gpu, bench_split_rank
 
 torch.set_num_threads(1)
 
@@ -25,7 +25,7 @@ def test_the_stand_in_collectives_return_the_shapes_of_rank_0_of_five() -> None:
 
 def test_the_tiny_preset_runs_one_rank_of_sp5_and_reports_its_steady_time() -> None:
     sizes = bench_gpu.Sizes(tiny=True)
-    result = bench_gpu.split_rank(sizes, torch.device("cpu"))
+    result = bench_split_rank.split_rank(sizes, torch.device("cpu"))
     rank = result["sp5"]
     n = bench_gpu.DiTConfig.from_name("tiny").chunk_size * (sizes.height // 16) * (sizes.width // 16)  # tokens
     assert rank["sp_size"] == 5 and rank["local_heads"] == 1 and rank["local_tokens"] == -(-n // 5)
