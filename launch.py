@@ -85,7 +85,11 @@ def distributed_env(world_size: int, env: MutableMapping[str, str] | None = None
 # - PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator pools blocks per stream, and every role
 #   thread has its own (``ipc.streams``); with fixed segments a block cached by one stream is unusable to another
 #   and memory fragments across them, so the room a rank measured (``ranks.memory``) would not all be usable.
-RANK_ENV = {"CUDA_MODULE_LOADING": "EAGER", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+# - NCCL_RUNTIME_CONNECT=0: NCCL (2.22 on) otherwise connects a communicator's channels and allocates their buffers
+#   at each kind of operation's first use (the first real broadcast, latent or frames send), after each rank
+#   measured its room; connected at creation, those buffers are in place when the room is measured.
+RANK_ENV = {"CUDA_MODULE_LOADING": "EAGER", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+            "NCCL_RUNTIME_CONNECT": "0"}
 
 
 def rank_environment(env: MutableMapping[str, str], say: bool = True) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import weakref
 from collections.abc import Callable
@@ -93,6 +94,10 @@ def unsupported(device: torch.device, backend: str | Callable[..., Any]) -> str:
             import triton  # noqa: F401
         except ImportError:
             return "inductor's CUDA backend needs triton, which is not installed"
+        # triton builds its launcher stubs with a C compiler at the first compiled call; without one the failure
+        # would come mid-chunk, so it is named here, before any compile is tried
+        if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+            return "inductor's CUDA backend needs a C compiler (CC, cc, gcc or clang) for triton and none is on PATH"
     elif device.type != "cpu":
         return f"inductor is not set up for {device.type}"
     return ""
@@ -173,6 +178,7 @@ class CudaGraphPasses:
 
     def __init__(self) -> None:
         self.pool: Any = None
+        self.side: Any = None  # torch.cuda.Stream of the warm-up passes, made at the first capture
         self.failure: BaseException | None = None
 
     def steady(self, cache: KVCache) -> bool:
@@ -222,7 +228,9 @@ class CudaGraphPasses:
         """``run`` captured as a CUDA graph, and the output tensor its replays write."""
         # Warm-up on a side stream (compiles this fill level, initialises cuBLAS): a pass may run twice, since it
         # rewrites the same slots with the same keys and values.
-        side = torch.cuda.Stream()
+        if self.side is None:  # one side stream for every capture: a new one each time would leave its own cache
+            self.side = torch.cuda.Stream()
+        side = self.side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             run()

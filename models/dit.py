@@ -457,9 +457,10 @@ class WanModelFast(nn.Module):
         return out.permute(5, 0, 1, 3, 2, 4).reshape(self.cfg.out_dim, f, h, w)
 
 
-def apply_sequence_parallel(model: WanModelFast, group: dist.ProcessGroup | None) -> WanModelFast:
-    """Shard tokens over ``group`` (Ulysses); ``None`` or a one-rank group leaves the model single-process."""
-    sp = Ulysses(group)
+def apply_sequence_parallel(model: WanModelFast, group: dist.ProcessGroup | Ulysses | None) -> WanModelFast:
+    """Shard tokens over ``group`` (Ulysses); ``None`` or a one-rank group leaves the model single-process. A
+    ``Ulysses`` is used as it is (``StandInUlysses``: one rank's compute of a larger group, on one device)."""
+    sp = group if isinstance(group, Ulysses) else Ulysses(group)
     sp.local_heads(model.cfg.num_heads)  # validates divisibility
     model.sp = sp
     for block in model.blocks:

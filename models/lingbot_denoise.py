@@ -43,6 +43,7 @@ from models.kv_cache import KVCache, TextCache, kv_cache_bytes, new_kv_cache
 from models.memory import dit_working_bytes, ensure_headroom
 from models.schedule import FlowMatchSchedule, Step, renoise, step_subset, x0_from_velocity
 from models.stages import SessionSpec, StreamGeometry, agree_prepared
+from models.ulysses import Ulysses
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class LingbotDenoiseStage:
         geometry: StreamGeometry,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | Ulysses | None = None,
         weights: WanModelFast | dict[str, torch.Tensor] | str | Path | None = None,
         intrinsics: tuple[float, float, float, float] = OFFICIAL_INTRINSICS,
         speeds: MotionSpeeds | None = None,

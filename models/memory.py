@@ -46,6 +46,38 @@ PREFETCH = 2  # conditions a session may have encoded ahead (the scheduler's int
 STEADY_CHUNKS = 2  # VAE caches reach their steady size after two chunks (chunk 0 covers fewer frames)
 
 
+@dataclass(frozen=True)
+class Margins:
+    """Memory that a meta-device run cannot see, named in one place. Each figure is a fact measured on a GPU, or 0
+    with the reason where nothing is measured yet; ``scripts/gpu_run.sh`` puts the measured peaks beside the model's
+    figures, and the first run on a GPU corrects them here (and nowhere else)."""
+
+    # cuDNN's convolution workspaces and layout transforms in a VAE chunk: a TF32 decode of chunk 0 at 480x832 on an
+    # H200 peaked at 17.98 GiB against 13.46 GiB modelled (weights, cache and working set; 2026-11-30). Part of that
+    # gap may be autotuning's trial workspaces (released before the room is measured), so counting all of it errs on
+    # the safe side. Scaled by frame area; the encoder is given the same (its convolutions mirror the decoder's): its
+    # peak has not been measured against the model yet.
+    vae_conv_workspace_480x832: int = int((17.98 - 13.46) * GIB)
+    # cuDNN SDPA's workspace in the DiT: not measured apart (the DiT's peak on an H200 has not been set beside the
+    # model yet), so 0 until the first run's dit peak says otherwise
+    dit_attention_workspace: int = 0
+    # NCCL's channel and protocol buffers: none here, because launch.RANK_ENV sets NCCL_RUNTIME_CONNECT=0, so every
+    # communicator connects when it is created, before each rank measures its room (which then holds them)
+    nccl_buffers: int = 0
+    # the CUDA context under CUDA_MODULE_LOADING=EAGER: measured by each rank at start (its room), only assumed by
+    # scripts/memory_table.py for the printed table
+    eager_context_assumed: int = 1 * GIB
+
+    def vae_conv_workspace(self, height: int, width: int) -> int:
+        return self.vae_conv_workspace_480x832 * height * width // (480 * 832)
+
+
+MARGINS = Margins()
+# items of ``fixed_items`` that must stay free for a chunk to run (transient, or reserved by a pool that appears only
+# later): what ``working_bytes`` sums and the room subtracts
+RESERVED_SUFFIXES = ("working", "workspace", "pool")
+
+
 def nbytes(tensors: Any) -> int:
     """Bytes of the distinct storages among the tensors in ``tensors`` (nested lists, tuples, dicts)."""
     seen: dict[int, int] = {}
@@ -102,8 +134,8 @@ class VirtualUlysses(Ulysses):
             return x[:n]
         return x.new_empty(x.shape[0] * self.size, *x.shape[1:])[:n]
 
-    def _all_to_all(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
-        return list(torch.empty_like(torch.stack(chunks)).unbind(0))
+    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(send)  # the real path's receive buffer
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -127,6 +159,8 @@ class Setting:
     t5_dtype: torch.dtype
     dit_ranks: int
     latent_capacity: int
+    compile: str = "off"  # graphs keeps per-session static copies and a capture pool (``_graphs_bytes``)
+    cuda: bool = False  # cuDNN workspaces exist on CUDA only (``Margins``)
 
 
 def setting(config: Any, device_type: str) -> Setting:
@@ -139,7 +173,8 @@ def setting(config: Any, device_type: str) -> Setting:
                    kv_full_frames=model.kv_full_frames, chunk_latent_frames=config.stream.chunk_latent_frames,
                    dit_dtype=lingbot.compute_dtype(model, device), vae_dtype=lingbot.vae_dtype(model, device),
                    t5_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                   dit_ranks=len(config.layout.dit), latent_capacity=config.scheduler.latent_capacity)
+                   dit_ranks=len(config.layout.dit), latent_capacity=config.scheduler.latent_capacity,
+                   compile=model.compile, cuda=device.type == "cuda")
 
 
 class _Model:
@@ -148,7 +183,8 @@ class _Model:
     def __init__(self, s: Setting) -> None:
         self.preset, self.kv_window, self.kv_sink, self.kv_full_frames = (s.preset, s.kv_window, s.kv_sink,
                                                                            s.kv_full_frames)
-        self.attention, self.checkpoint_dir, self.compile = "sdpa", "", "off"  # graphs: uncounted copies
+        # the meta DiT runs eagerly; what graphs adds is counted apart (``_graphs_bytes``)
+        self.attention, self.checkpoint_dir, self.compile = "sdpa", "", "off"
         self.chunk_latent_frames = s.chunk_latent_frames
 
 
@@ -235,6 +271,13 @@ def _dit_working(s: Setting, height: int, width: int) -> int:
     return dit_working_bytes(lingbot.dit_config(m, m), s.dit_dtype, s.dit_ranks, height, width)
 
 
+def _graphs(s: Setting, height: int, width: int) -> dict[str, int]:
+    from models import lingbot
+
+    m = _Model(s)
+    return graphs_bytes(lingbot.dit_config(m, m), s.dit_dtype, s.dit_ranks, height, width)
+
+
 @functools.lru_cache(maxsize=64)
 def dit_working_bytes(cfg: Any, dtype: torch.dtype, ranks: int, height: int, width: int) -> int:
     """Peak live bytes of one steady chunk on one rank of a ``ranks``-rank DiT group: the camera modulation (held
@@ -261,6 +304,35 @@ def dit_working_bytes(cfg: Any, dtype: torch.dtype, ranks: int, height: int, wid
     return tracker.peak
 
 
+@functools.lru_cache(maxsize=64)
+def graphs_bytes(cfg: Any, dtype: torch.dtype, ranks: int, height: int, width: int) -> dict[str, int]:
+    """What ``compile = "graphs"`` adds on one DiT rank (``models.compiled.CudaGraphPasses``): per session, its own
+    copy of the camera modulation (``graphs_camera``) and each captured pass's static input and output tensors
+    (``graphs_statics``, one pass per timestep); per rank, the capture pool all graphs share (``graphs_pool``: the
+    live bytes of one steady pass, held for the process's life beside the ordinary pool)."""
+    from models.kv_cache import new_kv_cache
+
+    model = _dit_model(cfg, dtype, ranks)
+    cs, h, w = cfg.chunk_size, height // 8, width // 8
+    fs = (h // 2) * (w // 2)
+    with _meta():
+        cache = new_kv_cache(cfg.num_layers, cfg.local_attn_size, cfg.sink_size, fs,
+                             model.sp.local_heads(cfg.num_heads), cfg.head_dim, "meta", dtype, evict=cfg.kv_eviction)
+        text = model.text_cache(torch.empty(cfg.text_len, cfg.text_dim))
+        chunk = max(0, cfg.local_attn_size // cs - 1)
+        for k in range(chunk):
+            cache.begin(k * cs * fs, cs * fs)
+        cam = model.camera_modulation(torch.empty(1, cfg.control_features // 4, cs, h, w))
+        x, y = torch.empty(16, cs, h, w), torch.empty(20, cs, h, w)
+        rope = torch.view_as_real(model._rope(cs, h // 2, w // 2, chunk * cs, torch.device("meta")))
+        model._time_memo.clear()
+        with PeakTracker() as one_pass:
+            out = model(x, y, 500.0, chunk * cs, text, cam, cache)
+    statics = nbytes([x, y, rope, out])
+    return {"graphs_camera": nbytes([list(p) for p in cam.per_block]),
+            "graphs_statics": len(cfg.timestep_indices) * statics, "graphs_pool": one_pass.peak}
+
+
 def ensure_headroom(device: torch.device, need: int, what: str) -> None:
     """Raise ``torch.OutOfMemoryError`` now, before any collective, when the CUDA memory not in use (free on the
     device plus what the caching allocator holds unused) is below ``need`` bytes; nothing on other devices."""
@@ -282,18 +354,31 @@ def headroom_error(unused: int, need: int, what: str, device: torch.device) -> t
 
 @functools.lru_cache(maxsize=64)
 def _vae_runs(s: Setting, height: int, width: int) -> dict[str, int]:
-    """Decoder and encoder caches after ``STEADY_CHUNKS`` chunks and the peak of one chunk beyond them."""
+    from models import lingbot
+
+    g = _geometry(s, height, width)
+    return vae_run_bytes(lingbot.preset(s.preset).vae, s.vae_dtype, tuple(g.latent_shape), height, width,
+                         s.chunk_latent_frames)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def vae_run_bytes(vae_cfg: Any, dtype: torch.dtype, latent_shape: tuple[int, ...], height: int, width: int,
+                  chunk_latent_frames: int) -> dict[str, int]:  # fmt: skip
+    """Decoder and encoder caches after ``STEADY_CHUNKS`` chunks and the peak of one chunk beyond them, for the VAE
+    of ``vae_cfg`` in ``dtype`` (the decoder fed latents of ``latent_shape``, the encoder a ``height x width``
+    image)."""
+    from models.vae import WanVAE
     from models.vae_stream import ConditionEncoder, FrameDecoder
 
-    vae, g = _vae(s), _geometry(s, height, width)
     with _meta():
+        vae = WanVAE(vae_cfg).to(dtype)
         decoder = FrameDecoder(vae)
         with PeakTracker() as dec:
             for _ in range(STEADY_CHUNKS):
-                decoder.decode(torch.empty(g.latent_shape, dtype=s.vae_dtype))
+                decoder.decode(torch.empty(latent_shape, dtype=dtype))
         decode_cache = decoder.nbytes()
-        encoder = ConditionEncoder(vae, torch.empty(3, height, width, dtype=s.vae_dtype), s.chunk_latent_frames,
-                                   constant_tail=False)  # the fixed point's snapshot is counted below
+        encoder = ConditionEncoder(vae, torch.empty(3, height, width, dtype=dtype), chunk_latent_frames,
+                                   constant_tail=False)  # the fixed point's snapshot is counted by the caller
         with PeakTracker() as enc:
             for _ in range(STEADY_CHUNKS):
                 encoder.next_chunk()
@@ -330,6 +415,9 @@ def _session_items(s: Setting, roles: tuple[str, ...], height: int, width: int) 
     items: dict[str, int] = {}
     if "denoise" in roles:
         items.update(_dit_session(s, height, width))
+        if s.compile == "graphs":
+            graphs = _graphs(s, height, width)
+            items.update(graphs_camera=graphs["graphs_camera"], graphs_statics=graphs["graphs_statics"])
     g = _geometry(s, height, width)
     if "decode" in roles:
         items["decode_cache"] = _vae_runs(s, height, width)["decode_cache"]
@@ -352,19 +440,29 @@ def fixed_items(config: Any, rank: int, height: int, width: int, device_type: st
     if "denoise" in roles:
         items["dit_weights"] = nbytes(list(_dit(s).parameters()))
         items["dit_working"] = _dit_working(s, height, width)
+        if s.compile == "graphs":
+            items["graphs_pool"] = _graphs(s, height, width)["graphs_pool"]
+        if s.cuda and MARGINS.dit_attention_workspace:
+            items["dit_workspace"] = MARGINS.dit_attention_workspace
     if "condition" in roles:
         items["t5_weights"] = _t5_bytes(s)
         items["vae_encoder_weights"] = vae_weights  # the condition stage loads its own VAE
         items["encode_working"] = _vae_runs(s, height, width)["encode_working"]
+        if s.cuda:
+            items["encode_workspace"] = MARGINS.vae_conv_workspace(height, width)
     if "decode" in roles:
         items["vae_decoder_weights"] = vae_weights
         items["decode_working"] = _vae_runs(s, height, width)["decode_working"]
+        if s.cuda:
+            items["decode_workspace"] = MARGINS.vae_conv_workspace(height, width)
     return items
 
 
 def working_bytes(config: Any, rank: int, height: int, width: int, device_type: str) -> int:
-    """The part of ``fixed_items`` that is transient (what must stay free for a chunk to run)."""
-    return sum(v for k, v in fixed_items(config, rank, height, width, device_type).items() if k.endswith("working"))
+    """The part of ``fixed_items`` that must stay free for a chunk to run: working sets, cuDNN workspaces, the
+    graphs' capture pool (``RESERVED_SUFFIXES``); the rest (weights) is resident before the room is measured."""
+    items = fixed_items(config, rank, height, width, device_type)
+    return sum(v for k, v in items.items() if k.endswith(RESERVED_SUFFIXES))
 
 
 def session_costs(config: Any, height: int, width: int, device_type: str) -> dict[int, int]:

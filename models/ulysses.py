@@ -31,15 +31,19 @@ class Ulysses:
         return heads // self.size
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of ``x [N, ...]`` after zero-padding ``N`` to a multiple of the ranks."""
+        """This rank's rows of ``x [N, ...]`` after zero-padding ``N`` to a multiple of the ranks (only this rank's
+        rows are built: a view where they are all real rows, else its rows and zeros, never the whole padded copy)."""
         if self.size == 1:
             return x
         n = x.shape[0]
-        pad = self.padded(n) - n
-        if pad:
-            x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-        per = x.shape[0] // self.size
-        return x[self.rank * per : (self.rank + 1) * per]
+        per = self.padded(n) // self.size
+        begin, end = self.rank * per, (self.rank + 1) * per
+        if end <= n:
+            return x[begin:end]
+        out = x.new_zeros(per, *x.shape[1:])
+        if begin < n:
+            out[: n - begin] = x[begin:]
+        return out
 
     def gather(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """Inverse of ``shard``: all ranks get the first ``n`` rows of the concatenated shards."""
@@ -49,39 +53,76 @@ class Ulysses:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts)[:n]
 
-    def _all_to_all(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Send ``chunks[r]`` to rank ``r``; return what rank ``r`` sent here at index ``r`` (equal shapes)."""
-        send = torch.stack(chunks)  # [R, ...] contiguous
+    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """``send [R, ...]``: ``send[r]`` goes to rank ``r``; returns ``[R, ...]`` with what rank ``r`` sent here at
+        index ``r``."""
+        send = send.contiguous()  # first: empty_like keeps a transposed input's strides, which the collective ignores
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)  # gloo implements the single-tensor form
-        return list(recv.unbind(0))
+        return recv
+
+    def _all_to_all(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send ``chunks[r]`` to rank ``r``; return what rank ``r`` sent here at index ``r`` (equal shapes)."""
+        return list(self._exchange(torch.stack(chunks)).unbind(0))
 
     def seq_to_heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """``[n_local, nh, hd]`` token shard -> ``[n, nh/R, hd]`` whole (unpadded) sequence, local heads."""
         if self.size == 1:
             return x[:n]
-        hl = self.local_heads(x.shape[1])
-        received = self._all_to_all([x[:, r * hl : (r + 1) * hl] for r in range(self.size)])
-        return torch.cat(received)[:n]  # rank order = token order
+        n_local, nh = x.shape[:2]
+        hl = self.local_heads(nh)
+        send = x.reshape(n_local, self.size, hl, *x.shape[2:]).transpose(0, 1)  # [R, n_local, hl, hd], one copy
+        recv = self._exchange(send)
+        return recv.reshape(self.size * n_local, hl, *x.shape[2:])[:n]  # rank order = token order: a view
 
     def qkv_to_heads(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``seq_to_heads`` of q, k and v in one all-to-all (one message per rank pair instead of three)."""
+        """``seq_to_heads`` of q, k and v in one all-to-all (one message per rank pair instead of three). q, k and
+        v are written once each into the send buffer (no stack, then a second one per rank), and the received
+        buffer is the sequence already (no concatenation)."""
         if self.size == 1:
             return q[:n], k[:n], v[:n]
-        x = torch.stack([q, k, v], dim=1)  # [n_local, 3, nh, hd]
-        hl = self.local_heads(x.shape[2])
-        received = self._all_to_all([x[:, :, r * hl : (r + 1) * hl] for r in range(self.size)])
-        whole = torch.cat(received)[:n]  # [n, 3, nh/R, hd]; rank order = token order
+        n_local, nh = q.shape[:2]
+        hl = self.local_heads(nh)
+        rest = q.shape[2:]
+        send = q.new_empty(self.size, n_local, 3, hl, *rest)  # [R, n_local, 3, hl, hd]
+        for i, t in enumerate((q, k, v)):
+            send[:, :, i] = t.reshape(n_local, self.size, hl, *rest).transpose(0, 1)
+        whole = self._exchange(send).reshape(self.size * n_local, 3, hl, *rest)[:n]  # [n, 3, nh/R, hd]: a view
         return whole[:, 0], whole[:, 1], whole[:, 2]
 
     def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
         """``[n, nh/R, hd]`` whole sequence, local heads -> ``[n_local, nh, hd]`` token shard, all heads."""
         if self.size == 1:
             return x
-        n = x.shape[0]
-        x = torch.cat([x, x.new_zeros(self.padded(n) - n, *x.shape[1:])])
-        per = x.shape[0] // self.size
-        received = self._all_to_all([x[r * per : (r + 1) * per] for r in range(self.size)])
-        return torch.cat(received, dim=1)  # heads of rank 0, 1, ...
+        n, hl = x.shape[:2]
+        per = self.padded(n) // self.size
+        send = x.new_empty(self.size, per, hl, *x.shape[2:])  # the padded rows only are zeroed, not a padded copy
+        send.view(self.size * per, hl, *x.shape[2:])[:n] = x
+        send.view(self.size * per, hl, *x.shape[2:])[n:] = 0
+        recv = self._exchange(send)  # [R, per, hl, hd]: rank r's heads of this rank's tokens
+        return recv.transpose(0, 1).reshape(per, self.size * hl, *x.shape[2:])  # heads of rank 0, 1, ...
+
+
+class StandInUlysses(Ulysses):
+    """Rank ``rank`` of a ``size``-rank Ulysses group on one device and without a process group: every all-to-all
+    returns tensors of the shapes the real one returns (this rank's own chunks stand in for what the others would
+    send), every gather the local shard repeated. One device then runs exactly one rank's compute, its ``nh/R``
+    heads over the whole sequence, its token shard, its KV share and the copies around each collective, with no
+    communication: the per-rank time of a layout (split7's SP = 5) that one GPU cannot hold. The values are not the
+    real model's; only the shapes and the work are."""
+
+    def __init__(self, size: int, rank: int = 0) -> None:
+        super().__init__(None)
+        assert 0 <= rank < size, f"rank {rank} of a {size}-rank group"
+        self.size, self.rank = size, rank
+
+    def gather(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        if self.size == 1:
+            return x[:n]
+        return torch.cat([x] * self.size)[:n]  # the real gather's concatenation, of this rank's rows
+
+    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
+        return send.contiguous()  # the real path's send buffer, nothing sent: it stands in for what arrives
+

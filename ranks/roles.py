@@ -53,6 +53,7 @@ def condition_worker(ctx: RankContext) -> None:
     recent: dict[str, dict[int, torch.Tensor]] = {}
     replay: dict[str, dict[int, torch.Tensor]] = {}
     saver = snapshot_saver.Saver(ctx, Stage.CONDITION)
+    staging = snapshot_io.HostStaging()  # this thread's pinned buffers, reused from save to save
     # Per session, the contexts of its latest ``set_prompt`` revisions (by reference): a save names the revision its
     # boundary chunk uses, which may be any of those not yet superseded (at most MAX_PENDING wait behind it).
     prompts: dict[str, dict[int, torch.Tensor]] = {}
@@ -111,7 +112,7 @@ def condition_worker(ctx: RankContext) -> None:
                     state[f"{snapshot_saver.PENDING_PREFIX}{index}"] = condition
             for index, condition in replay.get(task.session, {}).items():  # a restored session saved again at once
                 state[f"{snapshot_saver.PENDING_PREFIX}{index}"] = condition
-            copy = snapshot_io.capture(state)
+            copy = snapshot_io.capture(state, staging)
         saver.submit(task, copy)
 
     def release(task: protocol.Release, spans: Spans) -> None:
@@ -173,6 +174,7 @@ def denoise_worker(ctx: RankContext) -> None:
     prompts: dict[str, int] = {}  # session -> the prompt revision its text cache holds
 
     saver = snapshot_saver.Saver(ctx, Stage.DENOISE)
+    staging = snapshot_io.HostStaging()  # this thread's pinned buffers, reused from save to save
 
     def init(task: protocol.InitDenoise, spans: Spans) -> None:
         context = _dit_input(ctx, task.session, CONTEXT_INDEX)
@@ -232,7 +234,7 @@ def denoise_worker(ctx: RankContext) -> None:
     def save(task: protocol.SaveState, spans: Spans) -> None:
         saver.ensure_room()
         with spans.span("denoise.save"):
-            copy = snapshot_io.capture(stage.state_dict(task.session))
+            copy = snapshot_io.capture(stage.state_dict(task.session), staging)
         saver.submit(task, copy)
 
     def release(task: protocol.Release, spans: Spans) -> None:
@@ -265,6 +267,7 @@ def decode_worker(ctx: RankContext) -> None:
     assert stage is not None
 
     saver = snapshot_saver.Saver(ctx, Stage.DECODE)
+    staging = snapshot_io.HostStaging()  # this thread's pinned buffers, reused from save to save
 
     def init(task: protocol.InitDecode, spans: Spans) -> None:
         spec = SessionSpec(task.session, 0, "", height=task.height, width=task.width)
@@ -278,7 +281,7 @@ def decode_worker(ctx: RankContext) -> None:
     def save(task: protocol.SaveState, spans: Spans) -> None:
         saver.ensure_room()
         with spans.span("decode.save"):
-            copy = snapshot_io.capture(stage.state_dict(task.session))
+            copy = snapshot_io.capture(stage.state_dict(task.session), staging)
         saver.submit(task, copy)
 
     def decode(task: protocol.DecodeChunk, spans: Spans) -> None:

@@ -19,6 +19,7 @@ the time is an estimate: it has not run on a GPU yet).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -45,6 +46,14 @@ MODES = ("off", "blocks", "graphs")
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def save(results: dict[str, Any], path: Path) -> None:
+    """Write ``results`` whole (to a temporary name first: a kill mid-write keeps the last complete file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str))
+    tmp.replace(path)
 
 
 def gemm_tflops(device: torch.device, n: int = 8192, repeat: int = 10) -> float:
@@ -84,7 +93,9 @@ def run_mode(mode: str, cfg: DiTConfig, model: torch.nn.Module, geometry: Stream
         times.append(time.perf_counter() - began)
         graphs.append(counters["stats"]["unique_graphs"])
     steady = min(times[full + 1 :])
-    runner = stage.model.block_runner
+    runner, graphs_pass = stage.model.block_runner, getattr(stage.model, "graphs", None)
+    # either layer may have fallen back: the compiled block (to eager) or the graph capture (to the compiled block)
+    failure = next((f for f in (getattr(graphs_pass, "failure", None), getattr(runner, "failure", None)) if f), None)
     out = {
         "runs_as": stage.compile,
         "chunk_s": times,
@@ -93,7 +104,7 @@ def run_mode(mode: str, cfg: DiTConfig, model: torch.nn.Module, geometry: Stream
         "graphs_compiled": graphs[-1],
         "graphs_compiled_after_full": graphs[-1] - graphs[full],
         "graph_breaks": sum(counters["graph_break"].values()),
-        "fell_back": None if runner is None or runner.failure is None else repr(runner.failure)[:300],
+        "fell_back": None if failure is None else repr(failure)[:300],
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
     stage.release("bench")
@@ -127,12 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         results["gemm_tflops"] = gemm_tflops(device)
         results["floor_s"] = flops / (results["gemm_tflops"] * 1e12)
+    # CUDA refuses to capture a graph on the legacy default stream (graphs would run as blocks and say nothing); the
+    # server runs each role on its own stream, so every mode runs on one side stream here, as it would there
+    side = torch.cuda.Stream(device) if cuda else None
     for mode in args.modes.split(","):
         try:
-            results["modes"][mode] = run_mode(mode, cfg, model, geometry, device, dtype, args.chunks, args.warm_cache)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                results["modes"][mode] = run_mode(mode, cfg, model, geometry, device, dtype, args.chunks,
+                                                  args.warm_cache)  # fmt: skip
         except Exception as error:  # one mode failing still reports the others
             results["modes"][mode] = {"error": f"{type(error).__name__}: {error}"[:500]}
         print(f"  {mode}: {json.dumps(results['modes'][mode])[:400]}", flush=True)
+        save(results, args.out)  # each mode's numbers on disk as it ends: a run cut short keeps what it measured
     off = results["modes"].get("off", {}).get("steady_s")
     print(f"\n{'mode':8s} {'runs as':8s} {'steady s':>10s} {'x off':>7s} {'x floor':>8s} {'compile s':>10s} "
           f"{'graphs':>6s} {'peak GiB':>9s}")
@@ -145,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode:8s} {r['runs_as']:8s} {r['steady_s']:10.4f} {r['ratio_to_off'] or float('nan'):7.3f} "
               f"{r['ratio_to_floor'] or float('nan'):8.3f} {r['compile_s']:10.2f} {r['graphs_compiled']:6d} "
               f"{r['peak_gib'] if r['peak_gib'] is not None else float('nan'):9.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    save(results, args.out)
     print(f"wrote {args.out}")
     return 0
 

@@ -39,6 +39,7 @@ import contextlib
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import signal
@@ -57,7 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models import precision
+from models import memory, precision
 from models.attention import _load_sage, pinned_backend
 from models.controls import ChunkControl
 from models.dit import DiTConfig, WanModelFast, chunk_flops
@@ -65,6 +66,8 @@ from models.dit_checkpoint import random_dit
 from models.kv_cache import kv_cache_bytes
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.stages import SessionSpec, StreamGeometry
+from scripts import bench_split_rank
+from scripts.bench_split_rank import dit_model_gib
 
 PUBLISHED_FPS = {"split7 (7 x H100, seed PR)": 17.07, "aggregated8 (8 x H100, FlashDreams)": 29.5}
 # layout -> (DiT ranks, whether the VAE roles share GPUs with DiT ranks)
@@ -117,6 +120,13 @@ def allocated(device: torch.device) -> int | None:
         return None
     sync(device)
     return torch.cuda.memory_allocated(device)
+
+
+def _peak_over(before: int | None, device: torch.device) -> float | None:
+    """GiB the allocator's peak since the last ``reset_peak`` rose above ``before`` (CUDA only)."""
+    if before is None or device.type != "cuda":
+        return None
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
 
 
 def delta(before: int | None, device: torch.device) -> int | None:
@@ -244,6 +254,7 @@ def dit_steady(sizes: Sizes, device: torch.device, attention: list[str]) -> dict
                 flops = chunk_flops(cfg, lat_h, lat_w)["per_chunk"]
                 entry: dict[str, Any] = {"chunk_s": times, "steady_s": steady, "pflop_per_chunk": flops / 1e15,
                                          "tflops": flops / steady / 1e12, "peak_gib": peak_gib(device),
+                                         "model_peak_gib": dit_model_gib(stage, "bench", sizes.height, sizes.width),
                                          "frames_per_chunk": 4 * cfg.chunk_size,
                                          "kv_cache_gib": stage.kv_cache_bytes(sizes.height, sizes.width) / 2**30,
                                          # one session's caches as the allocator sees them (KV ring, text cache,
@@ -305,6 +316,7 @@ def _vae_policy(policy: str, reference: torch.nn.Module, latents: list[torch.Ten
         vae.reset_latent_stats()  # the normalisation constants stay float32
     with torch.no_grad():
         before_decoder = allocated(device)
+        reset_peak(device)
         decoder = FrameDecoder(vae)
         decode_times, frames = [], None
         for latent in latents:  # chunk 0, then two steady chunks
@@ -314,9 +326,11 @@ def _vae_policy(policy: str, reference: torch.nn.Module, latents: list[torch.Ten
             sync(device)
             decode_times.append(time.perf_counter() - began)
         assert frames is not None
+        decode_peak = _peak_over(before_decoder, device)
         frames = frames.float().cpu()  # off the device, so the delta below is the decoder's caches alone
         decode_bytes = delta(before_decoder, device)
         before_encoder = allocated(device)
+        reset_peak(device)
         encoder = ConditionEncoder(vae, image, 3, constant_tail=False)
         encode_times = []
         for _ in range(3):
@@ -326,7 +340,17 @@ def _vae_policy(policy: str, reference: torch.nn.Module, latents: list[torch.Ten
             sync(device)
             encode_times.append(time.perf_counter() - began)
         encode_bytes = delta(before_encoder, device)
-    return {"decode_chunk_s": decode_times, "decode_steady_s": min(decode_times[1:]), "encode_chunk_s": encode_times,
+        encode_peak = _peak_over(before_encoder, device)
+    h, w = image.shape[-2:]
+    modelled = memory.vae_run_bytes(vae.cfg, next(vae.parameters()).dtype, tuple(latents[0].shape), h, w, 3)
+    return {
+            # the allocator's peak above what was live before (caches + working set + cuDNN's workspace) beside the
+            # memory model's caches + working set and its workspace margin (CUDA): the first GPU run checks both
+            "decode_peak_gib": decode_peak, "encode_peak_gib": encode_peak,
+            "decode_model_gib": (modelled["decode_cache"] + modelled["decode_working"]) / 2**30,
+            "encode_model_gib": (modelled["encode_cache"] + modelled["encode_working"]) / 2**30,
+            "workspace_margin_gib": memory.MARGINS.vae_conv_workspace(h, w) / 2**30 if device.type == "cuda" else 0.0,
+            "decode_chunk_s": decode_times, "decode_steady_s": min(decode_times[1:]), "encode_chunk_s": encode_times,
             "encode_steady_s": min(encode_times[1:]), "frames": frames,
             # one session's caches: allocator delta (CUDA) and what the caches count themselves
             "decode_session_bytes": decode_bytes, "decode_session_bytes_computed": decoder.nbytes(),
@@ -594,9 +618,11 @@ def start_image(height: int, width: int) -> bytes:
     return buf.getvalue()
 
 
-def serve(tiny: bool, chunks: int = 8) -> dict[str, Any]:
+def serve(tiny: bool, log_path: Path | None = None, chunks: int = 8) -> dict[str, Any]:
     """A short session through the whole runtime on one device (every role on rank 0) at the stream's full size
-    (480x832; tiny: 64x96): its first chunk against its steady ones, at the client and per stage on rank 0."""
+    (480x832; tiny: 64x96): its first chunk against its steady ones, at the client and per stage on rank 0. The
+    server's log (INFO: start-up, CUDA context, each rank's room, the attention table, warm-up times, any rank's
+    failure) is kept at ``log_path``, the only place those facts are written."""
     from ipc.client import Client
     from ipc.protocol import to_builtins
     from scripts.local_server import LocalServer
@@ -604,7 +630,8 @@ def serve(tiny: bool, chunks: int = 8) -> dict[str, Any]:
     height, width = (64, 96) if tiny else (480, 832)
     overrides = ["--stream.size=fixed", f"--stream.height={height}", f"--stream.width={width}"]
     overrides += ["--model.preset=tiny"] if tiny else []
-    server = LocalServer("single-gpu", overrides, startup_s=900.0)
+    server = LocalServer("single-gpu", overrides, startup_s=900.0, log_path=log_path,
+                         env={"WORLDSTREAM_LOG": "INFO"})
     try:
         server.start()
         with Client(server.endpoint) as client:
@@ -630,7 +657,8 @@ def serve(tiny: bool, chunks: int = 8) -> dict[str, Any]:
 
     gaps = [b["received_s"] - a["received_s"] for a, b in itertools.pairwise(per_chunk[1:])]
     return {"size": [info.height, info.width], "chunk_indices": [c["index"] for c in per_chunk],
-            "server_start_s": server.started_s, "open_s": opened - began, "chunks": per_chunk,
+            "server_start_s": server.started_s, "server_log": str(server.log_path), "open_s": opened - began,
+            "chunks": per_chunk,
             "first_chunk_s": per_chunk[0]["received_s"] if per_chunk else None,
             "steady_period_s": statistics.median(gaps) if gaps else None,
             "first": {k: per_chunk[0][k] for k in ("denoise_s", "decode_s", "condition_s")} if per_chunk else None,
@@ -697,11 +725,26 @@ def _dit_lines(results: dict[str, Any]) -> list[str]:
         over = entry["steady_s"] / floor if floor else None
         lines.append(f"DiT {name:9s} steady {entry['steady_s']:.3f} s/chunk (first {entry['chunk_s'][0]:.3f})  "
                      f"{entry['pflop_per_chunk']:.3f} PFLOP  floor {_f(floor)} s  x{_f(over, '.2f')}"
-                     f"  {entry['tflops']:.0f} TFLOP/s  peak {entry['peak_gib']:.1f} GiB  fused-only "
+                     f"  {entry['tflops']:.0f} TFLOP/s  peak {entry['peak_gib']:.1f} GiB (model "
+                     f"{_f(entry.get('model_peak_gib'), '.1f')})  fused-only "
                      f"{entry.get('fused_kernels_only', '-')}")  # fmt: skip
         lines.append(f"    session bytes: {_gib(entry.get('session_bytes_steady'))} measured (after open "
                      f"{_gib(entry.get('session_bytes_open'))}), KV ring computed "
                      f"{_gib(entry.get('session_bytes_computed_kv'))}")  # fmt: skip
+    return lines
+
+
+def _split_rank_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
+    for name, entry in results.get("split_rank", {}).items():
+        if "compute_s" not in entry:
+            lines.append(f"DiT rank at {name}: {entry.get('skipped') or entry.get('error', '?')}"[:160])
+            continue
+        bound = entry["frames_per_chunk"] / entry["compute_s"]
+        lines.append(f"DiT rank at {name}: {entry['local_heads']} heads x {entry['local_tokens']} tokens, compute "
+                     f"{entry['compute_s']:.3f} s/chunk (all-to-alls not in it: {entry['alltoall_gb_per_chunk']:.2f} "
+                     f"GB/chunk to move)  at most {bound:.1f} FPS  peak {entry['peak_gib']:.1f} GiB (model "
+                     f"{_f(entry.get('model_peak_gib'), '.1f')})")  # fmt: skip
     return lines
 
 
@@ -726,6 +769,11 @@ def _vae_lines(results: dict[str, Any]) -> list[str]:
                          f"{_gib(entry.get('decode_session_bytes_computed'))} counted, encode "
                          f"{_gib(entry.get('encode_session_bytes'))} / "
                          f"{_gib(entry.get('encode_session_bytes_computed'))}")  # fmt: skip
+            lines.append(f"    peak above start: decode {_f(entry.get('decode_peak_gib'), '.2f')} GiB (model "
+                         f"{_f(entry.get('decode_model_gib'), '.2f')} + workspace margin "
+                         f"{_f(entry.get('workspace_margin_gib'), '.2f')}), encode "
+                         f"{_f(entry.get('encode_peak_gib'), '.2f')} GiB (model "
+                         f"{_f(entry.get('encode_model_gib'), '.2f')} + the same margin)")  # fmt: skip
     if "prompt_s" in results.get("umt5", {}):
         lines.append(f"umT5 prompt {results['umt5']['prompt_s']:.3f} s")
     return lines
@@ -757,13 +805,23 @@ def _projection_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _probe_lines(results: dict[str, Any]) -> list[str]:
+    if "probe" not in results:
+        return []
+    probe, cc = results["probe"], results["probe"].get("c_compiler", {})
+    compiler = f"{cc['path']} ({cc['version']})" if cc.get("found") else "NONE (compile falls back to eager)"
+    return [f"cold import torch {_f(probe.get('import_torch_s'), '.1f')} s  CUDA init "
+            f"{_f(probe.get('cuda_init_s'), '.1f')} s  context {_f(probe.get('context_gib'), '.2f')} GiB  "
+            f"triton {probe.get('triton')}  C compiler {compiler}"]
+
+
 def table(results: dict[str, Any]) -> str:
     """The compact summary: DiT against the FLOP floor, SDPA backends, VAE per precision, bytes per session, the
     served session's first chunk against its steady chunks, projections and targets. A part whose entries are
     incomplete says so instead of ending the summary."""
     lines = [f"device: {results.get('device')}  torch {results.get('torch')}  sizes {results.get('sizes')}  "
              f"matmul peak {_f(results.get('matmul', {}).get('tflops'), '.0f')} TFLOP/s"]
-    for part in (_dit_lines, _sdpa_lines, _vae_lines, _serve_lines, _projection_lines):
+    for part in (_probe_lines, _dit_lines, _split_rank_lines, _sdpa_lines, _vae_lines, _serve_lines, _projection_lines):
         try:
             lines += part(results)
         except (KeyError, IndexError, TypeError, ValueError) as error:
@@ -774,7 +832,8 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = ("matmul", "sdpa", "dit", "dit_bf16_vs_fp32", "vae", "umt5", "kv_cache", "multi_gpu", "serve")
+SECTIONS = ("matmul", "sdpa", "dit", "split_rank", "dit_bf16_vs_fp32", "vae", "umt5", "kv_cache", "multi_gpu",
+            "serve")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -787,6 +846,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary", action="store_true", help="run nothing: projections, targets, table of --out")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")) / "bench_gpu.json")
     args = parser.parse_args(argv)
+    # the sections' own INFO lines (the attention table, a compile fallback) reach run.log only through this
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.summary:
         if not args.out.exists():
             print(f"no results at {args.out}")
@@ -809,12 +870,13 @@ def main(argv: list[str] | None = None) -> int:
         "matmul": lambda: matmul_peak(sizes, device),
         "sdpa": lambda: sdpa_backends(sizes, device),
         "dit": lambda: dit_steady(sizes, device, attention),
+        "split_rank": lambda: bench_split_rank.split_rank(sizes, device),
         "dit_bf16_vs_fp32": lambda: dit_bf16_vs_fp32(device),
         "vae": lambda: vae_policies(sizes, device),
         "umt5": lambda: umt5_prompt(sizes, device),
         "kv_cache": lambda: kv_bytes(sizes),
         "multi_gpu": lambda: multi_gpu(sizes),
-        "serve": lambda: serve(sizes.tiny),
+        "serve": lambda: serve(sizes.tiny, log_path=args.out.parent / "server.log"),
     }
     wanted = set(args.only) if args.only else {n for n in SECTIONS if n != "serve" or args.serve}
     skipped = set()
