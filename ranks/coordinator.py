@@ -34,7 +34,7 @@ from runtime.placement import placement_of
 from runtime.probes import rank0_snapshot
 from runtime.save_rate import SaveRate
 from runtime.sizes import served_sizes
-from runtime.snapshots import Budget, SnapshotStore, model_identity, read_manifest, remove_files
+from runtime.snapshots import Budget, SnapshotStore, model_identity, read_manifest, remove_files, write_manifest
 from runtime.warm_start import WarmStart
 from runtime.watchers import Feeds
 
@@ -111,8 +111,8 @@ class Coordinator:
                                                          c.model.weights_seed))
         log.info("warm-up: %s", self.warm_start.describe())
         self._publish()
-        self.core.admission.unservable_sizes.update(self.warm_start.failures())  # a rank out of memory at a size
-        for reason in self.core.admission.unservable(served_sizes(c.stream)):
+        self.core.admitting.memory.unservable_sizes.update(self.warm_start.failures())  # a rank out of memory at a size
+        for reason in self.core.admitting.memory.unservable(served_sizes(c.stream)):
             log.warning("%s", reason)
         port_file = os.environ.get("WORLDSTREAM_PORT_FILE")  # written once serving: tests and scripts wait on it
         if port_file:
@@ -187,7 +187,7 @@ class Coordinator:
         self.probes.publish(rank0_snapshot(
             world_size=world, ranks_in=len(self.rooms), warm=self.warm_start.warm, serving=core is not None,
             draining=self.draining, stopping=self.stopping,
-            rooms=None if core is None else {r: core.admission.stats(r) for r in range(world)},
+            rooms=None if core is None else {r: core.admitting.memory.stats(r) for r in range(world)},
             open_sessions=0 if core is None else len(core.sessions), restored=0 if core is None else core.restored))
 
     # ---------------------------------------------------------------------------------------------- inputs
@@ -287,6 +287,10 @@ class Coordinator:
                 assert self.core is not None
                 self.reading[output.ticket] = self.manifest_reader.submit(read_manifest, self.core.snapshots,
                                                                           output.snapshot)
+            elif isinstance(output, ct.WriteManifest):  # a small JSON file, as before the core stopped writing it
+                assert self.core is not None
+                error = write_manifest(self.core.snapshots, output.manifest)
+                self.carried.append(ct.ManifestWritten(output.manifest.id, error))
             elif isinstance(output, ct.ListSnapshots):  # reads every manifest: never on the loop
                 assert self.core is not None
                 self.listing.append((output.written, self.manifest_reader.submit(self.core.snapshots.listing)))

@@ -53,13 +53,12 @@ import msgspec
 
 from ipc import protocol
 from ipc.metrics_types import RankStats, ServerStats, SessionSummary
-from ipc.protocol import QUALITY_STEPS, ChunkFacts, Phase, Stage, clip
+from ipc.protocol import ChunkFacts, Phase, clip
 from models.controls import OFFICIAL_INTRINSICS
 from models.geometry import frame_size, intrinsics_at
 from runtime import scheduler as sch
-from runtime.capacity import CapacityModel
+from runtime.admission import Admission
 from runtime.clients import Clients
-from runtime.clock import ClockSync
 from runtime.config import (
     CapacityConfig,
     LayoutConfig,
@@ -78,7 +77,6 @@ from runtime.core_types import (
     ClientUnreachable,
     ClientUnreadable,
     DecodeImage,
-    DropSnapshotFiles,
     DropTensors,
     EmitChunk,
     EndWatch,
@@ -86,12 +84,11 @@ from runtime.core_types import (
     FramesMissing,
     ImageDecoded,
     JobFailed,
-    ListSnapshots,
     ManifestRead,
+    ManifestWritten,
     MemorySampled,
     Output,
     RankLost,
-    ReadManifest,
     ShutdownRequested,
     SnapshotsListed,
     Stop,
@@ -101,16 +98,14 @@ from runtime.core_types import (
     WatchDropped,
     WorkerSent,
 )
-from runtime.late_writes import LateWrites
-from runtime.memory_admission import Cost, MemoryAdmission
+from runtime.memory_admission import Cost
 from runtime.metrics import MetricsObserver, Observers, ServerMetrics, SessionMetrics
+from runtime.parts import Answer, Hold, Part, ToOwner
 from runtime.placement import (
-    HEARTBEAT,
     STAGES,
     NewPrompt,
     Placement,
     StageAction,
-    identity,
     join_of,
     key_of,
     placement_of,
@@ -118,24 +113,15 @@ from runtime.placement import (
     step_of,
 )
 from runtime.prompts import PromptBackpressure, PromptRevisions
+from runtime.rank_health import RankHealth
 from runtime.restores import restore_problem, restored_length
+from runtime.saving import Saves
 from runtime.session import Join, Session
 from runtime.sizes import served_sizes, snap
-from runtime.snapshot_folder import FolderBudget
 from runtime.snapshots import (
-    FORMAT,
-    FileEntry,
     Identity,
-    Manifest,
-    PendingSave,
-    SaveState,
-    SnapshotError,
     SnapshotStore,
-    check_id,
     geometry_of,
-    live_state,
-    new_snapshot_id,
-    wall_clock,
 )
 from runtime.warm_start import WarmStart
 from runtime.watchers import Watchers
@@ -151,8 +137,6 @@ log = logging.getLogger(__name__)
 BACKPRESSURE_RETRY_MIN_S = 0.002
 BACKPRESSURE_RETRY_MAX_S = 0.1
 BACKPRESSURE_RETRY_COLD_S = 0.02  # before the session's second chunk (the cold start: nothing moves for a while)
-BUSY_RETRY_S = 5.0  # hint to clients refused at the session limit
-LATE_WRITE_WAITS = 3  # a failed save's writer may be 2 writes behind (``MAX_WAITING_WRITES``): stage_s each
 
 
 def _new_id() -> str:
@@ -193,39 +177,33 @@ class CoordinatorCore:
         # the summaries and the stats reply; ``metrics`` feeds it and the other observers (Prometheus) each event once
         self.server_metrics = ServerMetrics(now, stream.fps, metrics.warmup_chunks)
         self.metrics = Observers(self.server_metrics, *observers)
-        self.clock = ClockSync()
         self.new_id = new_id
         self.server_id = server_id or _new_id()  # in every heartbeat ack: a client tells a restarted server apart
         self.intrinsics = intrinsics  # controls.intrinsics: the camera of sessions whose open gives none
-        self.capacity_config = capacity or CapacityConfig()
-        self.capacity = CapacityModel(self.capacity_config)  # real-time admission and the steps of every session
+        # the session's parts (``runtime.parts``): each keeps its own per-session state, forgotten on close and drop
+        self.admitting = Admission(server, capacity or CapacityConfig(), stream.fps, session_cost, dict(rooms or {}))
         self.clients: Clients[Session] = Clients(self.server_id, server.client_timeout_s)
         self.watchers = Watchers(server.max_watchers, server.client_timeout_s)  # spectators, beside the owners
         self.watch_dropped = 0  # chunks the shell dropped for slow watchers (``WatchDropped``)
         self.opening: deque[_Opening] = deque()
-        self.reading: dict[int, tuple[bytes, protocol.Open]] = {}  # restores whose manifest is being read
         self.tickets: Iterator[int] = itertools.count()
-        self.last_beat = {rank: now for rank in self.where.heartbeat_ranks}
-        self.memory: dict[int, dict[str, int]] = {}
-        # memory-aware admission: each rank's room (from its hello) against the model's cost of a session
-        self.admission = MemoryAdmission(session_cost, dict(rooms or {}))
-        self.ping_seq = 0
-        self.next_ping = now
+        self.health = RankHealth(self.where.heartbeat_ranks, timeouts, now)  # pings, beats, clock, deadlines
         self.stopped = False
         self._out: list[Output] = []
         # saved sessions (``runtime.snapshots``): the folder, what a snapshot must match here, the saves in flight
-        self.snapshots = snapshots or SnapshotStore("out/snapshots")
-        self.identity = Identity(model=model, layout=layout.name, world_size=layout.world_size,
-                                 condition=layout.condition, decode=layout.decode, dit=tuple(layout.dit))
-        self.saves: dict[str, PendingSave] = {}  # by session: one save at a time each
-        # failed saves whose writers may still write: each folder is deleted once the last is done with it
-        self.late_writes = LateWrites(LATE_WRITE_WAITS * timeouts.stage_s)
-        self.folder = FolderBudget()  # the folder's complete snapshots as last listed (``stats``, the budget)
+        self.saving = Saves(snapshots or SnapshotStore("out/snapshots"), Identity(
+            model=model, layout=layout.name, world_size=layout.world_size, condition=layout.condition,
+            decode=layout.decode, dit=tuple(layout.dit)), self.where, server, timeouts.stage_s)
+        self.parts: tuple[Part, ...] = (self.saving, self.admitting)  # in the order a close answers
         self.restored = 0  # sessions restored from a snapshot so far (``/metrics``)
 
     @property
     def sessions(self) -> Mapping[str, Session]:
         return self.clients.sessions  # by id (the front door indexes them by client too)
+
+    @property
+    def snapshots(self) -> SnapshotStore:
+        return self.saving.store  # the shell reads, writes and lists it (the core touches no file)
 
     # ---------------------------------------------------------------------------------------------- step
 
@@ -261,16 +239,18 @@ class CoordinatorCore:
                 self._image_decoded(event, now)
             case ManifestRead():
                 self._restored(event, now)
-            case SnapshotsListed(written=written, stored=stored):
-                listed = None if stored is None else list(stored)
-                for snapshot in self.folder.after_save(self.snapshots, written, listed, self._snapshots_in_use(), now):
-                    self._emit(DropSnapshotFiles(snapshot, expired=True))
+            case ManifestWritten():
+                self._answer(self.saving.written(event), now)
+            case SnapshotsListed():
+                restoring = {s.restore for s in self.sessions.values() if s.restore and not s.opened}
+                self._answer(self.saving.listed(event, restoring, now), now)
             case WorkerSent(message=protocol.Beat() as beat):
-                self._beat(beat, now)
+                self.health.beat(beat, now)
+                self.admitting.memory.report(beat.rank, beat.room, beat.held)
             case WorkerSent(message=protocol.SaveCaptured() | protocol.SaveWritten() as saved):
-                self._guarded(saved.session, lambda: self._save_progress(saved, now), now)
+                self._guarded(saved.session, lambda: self._answer(self.saving.progress(saved, now), now), now)
             case WorkerSent(message=protocol.TaskFailed(phase=Phase.SAVE) as failed):
-                self._save_refused(failed, now)
+                self._answer(self.saving.refused(failed, now), now)
             case WorkerSent(message=done):
                 self._guarded(done.session, lambda: self._completion(done, now), now)  # type: ignore[arg-type]
             case ClientUnreachable():
@@ -278,10 +258,10 @@ class CoordinatorCore:
             case FramesMissing(session=sid, index=index, error=error):
                 self._contain(sid, None, None, RuntimeError(f"frames of chunk {index} never reached rank 0: {error}"),
                               now)
-            case MemorySampled(rank=rank, rss=rss, peak_rss=peak, cuda_peak=cuda, held=held):
-                self.memory[rank] = {"rss": rss, "peak_rss": peak, "cuda_peak": cuda}
+            case MemorySampled(rank=rank, held=held):
+                self.health.sampled(event)
                 if held is not None:
-                    self.admission.measured[rank] = held
+                    self.admitting.memory.measured[rank] = held
             case Tick():
                 self._timers(now)
             case RankLost(reason=reason):
@@ -293,6 +273,21 @@ class CoordinatorCore:
 
     def _emit(self, output: Output) -> None:
         self._out.append(output)
+
+    def _answer(self, answers: list[Answer], now: float) -> None:
+        """Carry out what a part returned: outputs as they are, and what only the core may do."""
+        for answer in answers:
+            match answer:
+                case Hold(session=sid, on=True):
+                    self._run(self.scheduler.hold(sid, True, now), now)
+                case Hold(session=sid):  # a closing session's hold ends with it
+                    if sid in self.sessions and self._live(sid):
+                        self._run(self.scheduler.hold(sid, False, now), now)
+                case ToOwner(session=sid, message=message, owner=owner):
+                    session = self.sessions.get(sid)
+                    self._emit(ToClient(session.client if session is not None else owner, message, sid))
+                case _:
+                    self._emit(answer)
 
     def _to_client(self, session: Session, message: Any) -> None:
         if not session.gone:  # dropped until the owner resumes (or the client timeout closes the session)
@@ -322,11 +317,15 @@ class CoordinatorCore:
             self.watchers.refuse(who, getattr(message, "session", None), type(message).__struct_config__.tag)
         match message:
             case protocol.Open(restore=str()):
-                self._restore(who, message)
+                self._answer(self.saving.read(who, message), now)
             case protocol.Open():
                 self._open(who, message)
             case protocol.Save():
-                self._save(self.clients.owned(who, message.session), who, message, now)
+                session = self.clients.owned(who, message.session)
+                self._answer(self.saving.save(
+                    session, who, message, self.scheduler.session_state(session.id),
+                    self.scheduler.next_denoise_index(session.id), self.admitting.capacity.seats.get(session.id),
+                    self.admitting.steps_of(session.id), now), now)
             case protocol.Control():
                 self._control(self.clients.owned(who, message.session), message, now)
             case protocol.ControlState():
@@ -394,12 +393,8 @@ class CoordinatorCore:
                 "model.kv_window = 'full', model.kv_full_frames)")
             raise ClientError("bad_request", f"num_chunks must be in 1..{self.max_chunks}, got {message.num_chunks}"
                               f"{why}")
-        if len(message.prompt) > server.max_prompt_chars:
-            raise ClientError("bad_request", f"prompt of {len(message.prompt)} characters exceeds the limit of "
-                              f"{server.max_prompt_chars}")
-        if len(self.sessions) + len(self.opening) >= server.max_sessions:
-            raise ClientError("busy", f"the server is at its limit of {server.max_sessions} sessions",
-                              retry_after_s=BUSY_RETRY_S)
+        self.admitting.check_prompt(message.prompt)
+        self.admitting.check_limit(len(self.sessions) + len(self.opening))
         ticket = next(self.tickets)
         self.opening.append(_Opening(ticket, who, message))
         self._emit(DecodeImage(ticket, message.image, server.max_image_pixels))
@@ -441,10 +436,8 @@ class CoordinatorCore:
         if result.image is None:
             raise ClientError("bad_image", result.error)
         geometry = self.geometry.with_size(*self._frame_size(result.image.height, result.image.width))
-        self._check_memory(geometry)
-        sid = self.new_id()
-        self._admit(sid, geometry, message)  # may refuse busy: before the memory is held, which it cannot refuse
-        self.admission.admit(sid, geometry.height, geometry.width)
+        sid = self.admitting.admit(len(self.sessions) + len(self.opening), geometry, message.steps,
+                                   message.min_steps, message.num_chunks, self.new_id)
         live = LiveControls(pause_when_idle=message.pause_when_idle) if message.live else None
         metrics = self._open_metrics(sid, now)
         self.clients.add(Session(
@@ -456,34 +449,11 @@ class CoordinatorCore:
                                              now), now)
 
     def _open_metrics(self, sid: str, now: float) -> SessionMetrics:
+        """The session exists: every part starts its state (the metrics first: the session's record)."""
         self.metrics.on_open(sid, now)
+        for part in self.parts:
+            self._answer(part.opened(sid, now), now)
         return self.server_metrics.sessions[sid]
-
-    def _check_memory(self, geometry: StreamGeometry) -> None:
-        """``busy`` when some rank has no room for one more session of this size (memory-aware admission)."""
-        refusal = self.admission.refusal(geometry.height, geometry.width)
-        if refusal is None:
-            return
-        if (geometry.height, geometry.width) in self.admission.unservable_sizes:  # no close frees this size
-            raise ClientError("busy", f"{refusal}; a start image of another aspect ratio streams at another size")
-        raise ClientError("busy", f"{refusal}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
-
-    def _admit(self, sid: str, geometry: StreamGeometry, message: protocol.Open) -> None:
-        """Real-time admission (``runtime.capacity``): a seat for ``sid`` with its steps, or ``busy``."""
-        want = message.steps or QUALITY_STEPS[0]
-        admission = self.capacity.admit(sid, (geometry.height, geometry.width),
-                                        geometry.frames_in_chunk(1) / self.stream.fps, want,
-                                        message.min_steps or self.capacity_config.min_steps,
-                                        message.num_chunks)  # fmt: skip
-        if not admission.ok:
-            raise ClientError("busy", admission.reason, retry_after_s=admission.retry_after_s or BUSY_RETRY_S)
-        self._log_steps(admission.changed, f"session {sid} opened")
-
-    def _log_steps(self, changed: dict[str, int], cause: str) -> None:
-        for sid, steps in changed.items():
-            seat = self.capacity.seats[sid]
-            log.info("session %s: %d denoising steps from its next chunk (%s: %s)", sid, steps, seat.why or "open",
-                     cause)
 
     def _control(self, session: Session, message: protocol.Control, now: float) -> None:
         if session.live is not None:
@@ -513,9 +483,7 @@ class CoordinatorCore:
         and announced to the DiT ranks (``_prompt_ready``), naming the first chunk that uses it."""
         if not self._live(session.id) or not session.opened:
             raise ClientError("closing", f"session {session.id} is closing; its prompt cannot change")
-        limit = self.server.max_prompt_chars
-        if len(message.prompt) > limit:
-            raise ClientError("bad_request", f"prompt of {len(message.prompt)} characters exceeds the limit of {limit}")
+        self.admitting.check_prompt(message.prompt)
         try:
             revision = session.prompts.accept(message.req, message.prompt)
         except PromptBackpressure as error:
@@ -597,7 +565,7 @@ class CoordinatorCore:
         control, steps = None, None
         controlled = isinstance(action, sch.RunChunk) and STAGES[action.stage].controlled
         if controlled:  # the chunk that takes the client's control, its steps and the prompt
-            control, steps = session.controls.get(action.index), self._chunk_steps(session, action.index)
+            control, steps = session.controls.get(action.index), self.admitting.chunk_steps(session, action.index)
             session.prompts.dispatched(action.index)  # the chunk takes the prompt announced last (plan names it)
         tasks = plan(action, session.facts(), self.where, control, steps)
         if controlled:  # a save's boundary chunk is out: prompts encoded meanwhile follow it
@@ -609,26 +577,6 @@ class CoordinatorCore:
             session.released.pop(action.stage.value, None)  # a retry counts confirmations afresh
         self._send(session, tasks.sends, now)
         session.joins[key_of(action)] = Join(set(tasks.waits), now, tasks.then)
-
-    def _chunk_steps(self, session: Session, index: int) -> int:
-        """The denoising steps chunk ``index`` runs (at its dispatch: a chunk boundary), a control's request applied
-        first; remembered with why they changed for the chunk's facts."""
-        asked = [i for i in session.asked if i <= index]
-        if asked:
-            want = session.asked[max(asked)]
-            for i in asked:
-                del session.asked[i]
-            self._log_steps(self.capacity.ask(session.id, want), f"its control asked for {want}")
-        steps = self._steps_of(session.id)
-        seat = self.capacity.seats.get(session.id)
-        changed = seat.why if seat is not None and session.last_steps and steps != session.last_steps else None
-        session.chunk_steps[index] = (steps, changed)
-        session.last_steps = steps
-        return steps
-
-    def _steps_of(self, sid: str) -> int:
-        seat = self.capacity.seats.get(sid)
-        return seat.steps if seat is not None else QUALITY_STEPS[0]
 
     def _send(self, session: Session, tasks: Iterable[tuple[bytes, protocol.WorkerTask]], now: float) -> None:
         for to, task in tasks:
@@ -645,7 +593,7 @@ class CoordinatorCore:
             frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
             num_chunks=session.num_chunks,
             intrinsics=intrinsics_at(session.intrinsics or self.intrinsics, g.height, g.width),
-            steps=self._steps_of(session.id), watch_token=self.watchers.grant(session.id),
+            steps=self.admitting.steps_of(session.id), watch_token=self.watchers.grant(session.id),
             first_chunk=session.first_chunk))
 
     def _idle(self, action: sch.DitIdle) -> None:  # each waiting session counts the idle time with its own cause
@@ -656,22 +604,18 @@ class CoordinatorCore:
         steps, changed = session.chunk_steps.pop(action.index, (0, None))
         facts = ChunkFacts(action.index, session.geometry.frames_in_chunk(action.index), control, action.times, spans,
                            steps, changed, prompt_revision=session.prompts.emitted(action.index))
-        self.metrics.on_chunk(session.id, facts, self.memory)
-        self.capacity.on_chunk(session.id, facts, warm=action.index < max(1, self.metrics_config.warmup_chunks))
-        self._log_steps(self.capacity.rebalance(), "the measured stage times miss real time")
+        self.metrics.on_chunk(session.id, facts, self.health.memory)
+        self.admitting.emitted(session.id, facts, warm=action.index < max(1, self.metrics_config.warmup_chunks))
         self._emit(EmitChunk(session.id, facts, None if session.gone else session.client,
                              self.watchers.of(session.id)))
 
     def _closed(self, action: sch.SessionClosed, now: float) -> None:
-        save = self.saves.get(action.session)
-        if save is not None:
-            self._save_failed(save, f"the session closed ({action.reason}) before its save finished", now)
+        for part in self.parts:  # a save in flight is answered before the closed
+            self._answer(part.closed(action.session, now, action.reason), now)
         session = self.clients.remove(action.session)  # present: _run skips actions of sessions dropped
         assert session is not None
-        self.admission.release(session.id)
-        self._log_steps(self.capacity.remove(session.id), f"session {session.id} closed")
         summary = msgspec.structs.replace(
-            self._final_summary(session.id, now), clock_offsets=self.clock.offsets(),
+            self._final_summary(session.id, now), clock_offsets=self.health.clock.offsets(),
             released=session.released,  # stage -> ranks that confirmed, in release order
             leaked_caches=[s.value for s in action.leaked], poisoned=action.poisoned)
         for revision, req in session.prompts.waiting().items():  # a set_prompt still encoding gets its answer
@@ -685,13 +629,6 @@ class CoordinatorCore:
 
     # ---------------------------------------------------------------------------------------------- workers
 
-    def _beat(self, beat: protocol.Beat, now: float) -> None:
-        self.last_beat[beat.rank] = now
-        with contextlib.suppress(ValueError):  # an impossible sample (clock step): keep the estimate
-            self.clock.add(beat.rank, beat.echo, beat.received, beat.sent, now)
-        self.memory[beat.rank] = {"rss": beat.rss, "peak_rss": beat.peak_rss, "cuda_peak": beat.cuda_peak}
-        self.admission.report(beat.rank, beat.room, beat.held)
-
     def _completion(self, done: protocol.Completion, now: float) -> None:
         if isinstance(done, protocol.TaskFailed) and done.fatal:
             raise JobFailed(f"rank {done.rank} {done.role}: {done.error}")
@@ -701,7 +638,7 @@ class CoordinatorCore:
         index = getattr(done, "index", -1)
         step = done.edge if isinstance(done, protocol.TransferDone) else done.stage
         if step is not None:
-            session.add_spans(index, done.rank, done.role, done.spans, self.clock,
+            session.add_spans(index, done.rank, done.role, done.spans, self.health.clock,
                               session.queued.get((step, index), now))
         try:
             if isinstance(done, protocol.TaskFailed):
@@ -756,36 +693,17 @@ class CoordinatorCore:
     # ---------------------------------------------------------------------------------------------- timers
 
     def _timers(self, now: float) -> None:
-        if now >= self.next_ping:
-            self.next_ping = now + self.timeouts.heartbeat_s
-            for rank in self.where.heartbeat_ranks:
-                self._emit(ToWorker(identity(rank, HEARTBEAT), protocol.Ping(seq=self.ping_seq, sent=now)))
-            self.ping_seq += 1
-            self.metrics.on_gauges(len(self.sessions), self.memory)
-        for rank, seen in self.last_beat.items():
-            if now - seen > self.timeouts.rank_dead_s:
-                raise JobFailed(f"rank {rank} stopped answering (silent for {now - seen:.1f} s)")
-        for session in self.sessions.values():
-            for (stage, phase, index), join in session.joins.items():
-                if now - join.sent > self.timeouts.stage_s:
-                    ranks = ", ".join(str(rank) for _, rank in sorted(join.waiting))
-                    what = f"{stage.value} of chunk {index}" if phase is Phase.CHUNK else f"{stage.value} {phase.value}"
-                    if phase is Phase.CHUNK and index < 0:  # a NewPrompt's encode
-                        what = f"encode of prompt revision {protocol.revision_of(index)}"
-                    raise JobFailed(f"rank {ranks} did not finish the {what} of session {session.id} within "
-                                    f"{self.timeouts.stage_s:.0f} s")
+        pings = self.health.pings(now)
+        if pings:
+            self._out += pings
+            self.metrics.on_gauges(len(self.sessions), self.health.memory)
+        self.health.check(self.sessions.values(), now)
         for who, sid in self.watchers.silent(now):
             log.info("session %s: a watcher silent for over %.1f s is dropped", sid, self.watchers.timeout_s)
             self._emit(EndWatch(who, sid, protocol.Closed(session=sid, reason="disconnect",
                                                           error="the watcher was silent past the client timeout"),
                                 keep=False))
-        for save in list(self.saves.values()):
-            if now - save.asked > self.timeouts.stage_s:  # a save never holds a stream, nor its slot, for ever
-                self._save_failed(save, f"the ranks did not save the state within {self.timeouts.stage_s:.0f} s", now)
-        for snapshot in self.late_writes.expired(now):  # a writer that never answered: its folder goes anyway
-            self._emit(DropSnapshotFiles(snapshot))
-        if self.folder.due(self.snapshots, now):  # for stats: the shell lists the folder off the loop
-            self._emit(ListSnapshots(""))
+        self._answer(self.saving.tick(now), now)
         for session in self.clients.silent(now):
             if self._live(session.id):
                 log.info("session %s: client silent for over %.1f s, closing", session.id, self.clients.timeout_s)
@@ -793,158 +711,18 @@ class CoordinatorCore:
 
     # ---------------------------------------------------------------------------------------------- snapshots
 
-    def _save(self, session: Session, who: bytes, message: protocol.Save, now: float) -> None:
-        """Hold the denoise of the session's boundary chunk k (the first not dispatched) until every task of the
-        chunks before k is in its stage's queue; then the save tasks go out and the hold ends (``_advance_saves``):
-        each worker runs its tasks in the order they were sent, so it copies the state between k-1 and k."""
-        sid = session.id
-        state = self.scheduler.session_state(sid)
-        if state is not sch.SessionState.READY:
-            raise ClientError("not_ready" if state is sch.SessionState.INITIALIZING else "closing",
-                              f"session {sid} is {state.value}: only a running session can be saved")
-        if sid in self.saves:
-            raise ClientError("busy", f"a save of session {sid} is in progress; its saved reply follows",
-                              retry_after_s=BUSY_RETRY_S)
-        chunk = self.scheduler.next_denoise_index(sid)
-        if session.num_chunks is not None and chunk >= session.num_chunks:
-            raise ClientError("bad_request", f"session {sid} has started its last chunk: nothing left to save")
-        wait = self.snapshots.rate.take(session.save_credit, now)  # a disk takes 25 GiB a save at 480x832
-        if wait is not None:
-            raise ClientError("busy", f"session {sid} saved as often as this server allows (snapshots.save_burst, "
-                              f"saves_per_minute); the next save in {wait:.1f} s", retry_after_s=wait)
-        where = self.where
-        parts = frozenset((rank, STAGES[stage].role) for stage in Stage for rank in where.ranks_of(stage))
-        save = PendingSave(new_snapshot_id(), sid, who, message.req, chunk, parts, now)
-        seat = self.capacity.seats.get(sid)
-        save.facts = {  # what rank 0 keeps of the session, as it is at the boundary (its prompt: at ``start``)
-            "seed": session.seed, "num_chunks": session.num_chunks,
-            "intrinsics": session.intrinsics, "steps": session.last_steps or self._steps_of(sid),
-            "want": seat.want if seat is not None else 0, "floor": seat.floor if seat is not None else 0,
-            "geometry": geometry_of(session.geometry)}
-        self.saves[sid] = save
-        log.info("session %s: saving snapshot %s at chunk %d", sid, save.id, chunk)
-        self._run(self.scheduler.hold(sid, True, now), now)
-
     def _advance_saves(self, now: float) -> None:
-        for save in list(self.saves.values()):
-            if save.state is not SaveState.WAITING:
-                continue
-            if save.session not in self.sessions or not self._live(save.session):
-                self._save_failed(save, "the session closed before its save started", now)
-            elif self.scheduler.quiet_before_denoise(save.session):
-                save.start(now)
-                # the boundary chunk keeps the text in force now: the one the condition rank's file holds
-                session = self.sessions[save.session]
-                revision, text = session.prompts.pin(save.chunk)
-                live = live_state(session.live, session.controls, save.chunk)
-                save.facts.update(prompt=text, prompt_revision=revision, live=live)
-                task = protocol.SaveState(session=save.session, snapshot=save.id, chunk=save.chunk,
-                                          prompt_revision=revision)
-                for rank, role in sorted(save.parts):
-                    self._emit(ToWorker(identity(rank, role), task))
-                self._run(self.scheduler.hold(save.session, False, now), now)  # queued behind the save tasks
-
-    def _save_progress(self, message: protocol.SaveCaptured | protocol.SaveWritten, now: float) -> None:
-        save = self.saves.get(message.session)
-        part = (message.rank, message.stage.value)
-        if save is None or save.id != message.snapshot:  # a late answer to a save that failed
-            if isinstance(message, protocol.SaveWritten) and self.late_writes.answered(message.snapshot, part):
-                self._emit(DropSnapshotFiles(message.snapshot))  # its last writer is done: nothing writes there now
-            return
-        if isinstance(message, protocol.SaveCaptured):
-            save.on_captured(part, now, sum(span.end - span.start for span in message.spans))
-        elif message.error:
-            save.ended.add(part)
-            self._save_failed(save, message.error, now)
-            return
-        else:
-            entry = FileEntry(rank=message.rank, role=message.stage.value, name=message.name, bytes=message.bytes,
-                              sha256=message.sha256)
-            save.on_written(entry, message.seconds)
-        if save.state is SaveState.DONE:
-            self._finish_save(save, now)
-
-    def _finish_save(self, save: PendingSave, now: float) -> None:
-        facts = save.facts
-        manifest = Manifest(format=FORMAT, id=save.id, identity=self.identity, geometry=facts["geometry"],
-                            chunk=save.chunk, seed=facts["seed"], prompt=facts["prompt"],
-                            prompt_revision=facts["prompt_revision"], want=facts["want"], floor=facts["floor"],
-                            num_chunks=facts["num_chunks"], intrinsics=facts["intrinsics"], steps=facts["steps"],
-                            live=facts["live"], files=save.ordered_files(), bytes=save.bytes, pause_s=save.pause_s,
-                            write_s=save.write_s, created=wall_clock(), wait_s=save.wait_s)
-        del self.saves[save.session]
-        try:
-            self.snapshots.write(manifest)  # a small JSON file: the save exists from here on
-        except OSError as error:
-            self._emit(DropSnapshotFiles(save.id))  # its ranks' files, never restorable without it: never kept
-            self._answer_save(save, protocol.Error(req=save.req, session=save.session, code="save_failed",
-                                                   message=clip(f"the manifest could not be written: {error}")))
-            return
-        log.info("session %s: snapshot %s at chunk %d, %d bytes, pause %.3f s, write %.3f s", save.session, save.id,
-                 save.chunk, save.bytes, save.pause_s, save.write_s)
-        self._answer_save(save, protocol.Saved(req=save.req, session=save.session, snapshot=save.id, chunk=save.chunk,
-                                               bytes=save.bytes, pause_s=save.pause_s, write_s=save.write_s,
-                                               files=len(save.files), wait_s=save.wait_s))
-        session = self.sessions.get(save.session)
-        if session is not None:
-            session.latest_snapshot = save.id
-        if self.snapshots.budget.limited:  # the folder is listed off the loop, then the budget kept
-            self._emit(ListSnapshots(save.id))
-
-    def _snapshots_in_use(self) -> set[str]:
-        """The snapshots the budget keeps for sessions here: the one a restore still reads (its ranks load their
-        files at init, so until its caches are ready, ``opened``, or it is gone) and each open session's latest save
-        (a router moves the session with it if its replica dies; a paused session makes no newer one)."""
-        restoring = {s.restore for s in self.sessions.values() if s.restore and not s.opened}
-        return restoring | {s.latest_snapshot for s in self.sessions.values() if s.latest_snapshot}
-
-    def _save_failed(self, save: PendingSave, error: str, now: float) -> None:
-        holding = save.holds
-        if not save.fail(error):
-            return
-        self.saves.pop(save.session, None)
-        # what its ranks wrote is never restorable, never kept: deleted once no writer writes there any more
-        for snapshot in self.late_writes.failed(save.id, save.session, save.outstanding(), now):
-            self._emit(DropSnapshotFiles(snapshot))
-        log.warning("session %s: save %s failed: %s", save.session, save.id, error)
-        if holding and save.session in self.sessions and self._live(save.session):
-            self._run(self.scheduler.hold(save.session, False, now), now)
-        self._answer_save(save, protocol.Error(req=save.req, session=save.session, code="save_failed",
-                                               message=clip(f"save of session {save.session} failed: {error}")))
-
-    def _save_refused(self, failed: protocol.TaskFailed, now: float) -> None:
-        """A worker refused a save task (before its copy: it writes nothing): a failed save's, or the current."""
-        part = (failed.rank, failed.role)
-        older, doomed = self.late_writes.refused(failed.session, part)
-        if doomed is not None:
-            self._emit(DropSnapshotFiles(doomed))
-        save = self.saves.get(failed.session)
-        if not older and save is not None and part in save.outstanding():
-            save.ended.add(part)
-            self._save_failed(save, f"rank {failed.rank} {failed.role}: {failed.error}", now)
-
-    def _answer_save(self, save: PendingSave, message: Any) -> None:
-        session = self.sessions.get(save.session)
-        self._emit(ToClient(session.client if session is not None else save.owner, message, save.session))
-
-    def _restore(self, who: bytes, message: protocol.Open) -> None:
-        """Open a session from a snapshot: its manifest is read off the loop (``ReadManifest``: a shared folder may
-        hold anything), then ``_restored``."""
-        try:
-            snapshot = check_id(message.restore or "")
-        except SnapshotError as error:
-            raise ClientError("bad_snapshot", str(error)) from None
-        if len(self.reading) >= self.server.max_sessions:  # reads are quick: more waiting is a flood
-            raise ClientError("busy", "too many restores are being read", retry_after_s=BUSY_RETRY_S)
-        ticket = next(self.tickets)
-        self.reading[ticket] = (who, message)
-        self._emit(ReadManifest(ticket, snapshot))
+        """Each save waiting for its boundary: its session gone or closing (None), or quiet before it."""
+        for sid in self.saving.waiting():
+            session = self.sessions.get(sid) if sid in self.sessions and self._live(sid) else None
+            quiet = session is not None and self.scheduler.quiet_before_denoise(sid)
+            self._answer(self.saving.advance(sid, session, quiet, now), now)
 
     def _restored(self, event: ManifestRead, now: float) -> None:
         """Its manifest read: checked here against this server (model, layout, DiT degree, frame size, length,
         prompt; the files present and their sizes were checked by the read); each rank checks its file's hash and
         its tensors when its stage loads it."""
-        who, message = self.reading.pop(event.ticket)
+        who, message = self.saving.reading.pop(event.ticket)
         self._opening(who, message.req, lambda: self._restore_from(who, message, event, now), now)
 
     def _restore_from(self, who: bytes, message: protocol.Open, event: ManifestRead, now: float) -> None:
@@ -954,22 +732,16 @@ class CoordinatorCore:
         g = manifest.geometry
         served = (g.height, g.width) in self.sizes
         here = geometry_of(self.geometry.with_size(g.height, g.width)) if served else None
-        why = restore_problem(manifest, self.identity, here, self.max_chunks, self.server.max_prompt_chars)
+        why = restore_problem(manifest, self.saving.identity, here, self.max_chunks, self.server.max_prompt_chars)
         if why is not None:
             raise ClientError("bad_snapshot", f"snapshot {manifest.id} cannot be restored here: {why}")
         num_chunks = restored_length(manifest, message.num_chunks, self.max_chunks)
-        if len(self.sessions) + len(self.opening) >= self.server.max_sessions:
-            raise ClientError("busy", f"the server is at its limit of {self.server.max_sessions} sessions",
-                              retry_after_s=BUSY_RETRY_S)
-        geometry = self.geometry.with_size(g.height, g.width)
-        self._check_memory(geometry)
         # its steps setting and floor are the saved session's (the open's may change them, as a control would)
-        asked = msgspec.structs.replace(message, steps=message.steps or manifest.want or manifest.steps,
-                                        min_steps=message.min_steps or manifest.floor or None, num_chunks=num_chunks)
-        sid = self.new_id()
-        left = None if num_chunks is None else num_chunks - manifest.chunk  # what it has yet to run
-        self._admit(sid, geometry, msgspec.structs.replace(asked, num_chunks=left))
-        self.admission.admit(sid, geometry.height, geometry.width)
+        sid = self.admitting.admit(
+            len(self.sessions) + len(self.opening), self.geometry.with_size(g.height, g.width),
+            message.steps or manifest.want or manifest.steps, message.min_steps or manifest.floor or None,
+            None if num_chunks is None else num_chunks - manifest.chunk, self.new_id)  # what it has yet to run
+        geometry = self.geometry.with_size(g.height, g.width)
         saved_live = manifest.live
         live = None  # an indexed restore of a live session takes the client's per-chunk controls (an exact replay)
         if saved_live is not None and not message.indexed:
@@ -1017,13 +789,9 @@ class CoordinatorCore:
         except Exception:  # the session cannot even close cleanly: forget it rather than stop serving
             log.exception("session %s could not be closed; dropping it", session.id)
             self.clients.remove(session.id)
-            self.admission.release(session.id)
-            self.capacity.remove(session.id)
-            save = self.saves.get(session.id)
-            if save is not None:  # its owner is answered and what its ranks wrote is deleted, as on a close
+            for part in self.parts:  # each forgets what it keeps of the session
                 with contextlib.suppress(Exception):
-                    self._save_failed(save, "the session failed and was dropped", now)
-                self.saves.pop(session.id, None)
+                    self._answer(part.dropped(session.id, now), now)
             with contextlib.suppress(Exception):  # its metrics are bounded by sessions: never keep a dropped one's
                 self.metrics.on_close(session.id, now)
             self._end_watchers(session.id, "failed", text, keep=False)
@@ -1050,22 +818,23 @@ class CoordinatorCore:
     def stats(self, now: float, who: bytes | None = None) -> ServerStats:
         """Server-wide figures, and the sessions of client ``who`` only (None: every session, for operators)."""
         visible = None if who is None else {sid for sid, s in self.sessions.items() if who in (s.client, s.owner)}
-        ranks = {str(r): RankStats(**{**self.memory.get(r, {}), **self.admission.stats(r)})
-                 for r in sorted({*self.memory, *range(self.where.world_size)})}
+        memory = self.health.memory
+        ranks = {str(r): RankStats(**{**memory.get(r, {}), **self.admitting.memory.stats(r)})
+                 for r in sorted({*memory, *range(self.where.world_size)})}
         return msgspec.structs.replace(
             self.server_metrics.stats(now, visible),
             open_sessions=len(self.sessions),
             watchers=self.watchers.count(),  # spectators of every session now
             watch_dropped=self.watch_dropped,  # chunks dropped for slow watchers so far (never the players')
             ranks=ranks,
-            clock_offsets=self.clock.offsets(),
+            clock_offsets=self.health.clock.offsets(),
             layout=self.layout.name,
             schedule=self.scheduler.mode.value,
             warm=self.warm_start.warm,  # every stage ran at every served size before the port opened
             warm_up=self.warm_start.stages(),
             sizes=[tuple(size) for size in self.sizes],
-            capacity=self.capacity.stats(visible),  # real-time factors, headroom, the ladder's steps
-            snapshots=self.folder.stats(self.snapshots),
+            capacity=self.admitting.capacity.stats(visible),  # real-time factors, headroom, the ladder's steps
+            snapshots=self.saving.folder.stats(self.saving.store),
         )
 
 

@@ -32,7 +32,7 @@ def old_snapshot(root: Path, created: float) -> str:
 
 def running(tmp_path: Path, budget: Budget) -> tuple[Job, str]:
     job = Job()
-    job.core.snapshots = SnapshotStore(tmp_path, budget)
+    job.use(SnapshotStore(tmp_path, budget))
     sid = job.open(num_chunks=8)
     for index in range(2):
         control(job, sid, index)

@@ -1,0 +1,110 @@
+"""Admission on rank 0, as a part of each session (``runtime.parts``): the session limit, the prompt's length, the
+memory every rank has left (``runtime.memory_admission``), real time (``runtime.capacity``) and the steps each
+chunk runs. One ``admit`` for a new session and a restored one: the same steps, in the same order, so a refusal
+reads the same from both.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ipc.protocol import QUALITY_STEPS, ChunkFacts
+from runtime.capacity import CapacityModel
+from runtime.config import CapacityConfig, ServerConfig
+from runtime.core_types import ClientError
+from runtime.memory_admission import Cost, MemoryAdmission
+from runtime.parts import Answer, Part
+from runtime.session import Session
+
+if TYPE_CHECKING:
+    from models.geometry import StreamGeometry
+
+log = logging.getLogger(__name__)
+
+BUSY_RETRY_S = 5.0  # hint to clients refused at the session limit
+
+
+class Admission(Part):
+    """Who may open, and with how many denoising steps each chunk runs (the capacity model's ladder)."""
+
+    def __init__(self, server: ServerConfig, capacity: CapacityConfig, fps: float, session_cost: Cost | None,
+                 rooms: dict[int, int]) -> None:  # fmt: skip
+        self.server, self.capacity_config, self.fps = server, capacity, fps
+        self.capacity = CapacityModel(capacity)  # real-time admission and the steps of every session
+        # memory-aware admission: each rank's room (from its hello) against the model's cost of a session
+        self.memory = MemoryAdmission(session_cost, rooms)
+
+    def check_prompt(self, prompt: str) -> None:
+        limit = self.server.max_prompt_chars
+        if len(prompt) > limit:
+            raise ClientError("bad_request", f"prompt of {len(prompt)} characters exceeds the limit of {limit}")
+
+    def check_limit(self, sessions: int) -> None:
+        """``busy`` when ``sessions`` (open, and asked for but not open yet) fill the server."""
+        if sessions >= self.server.max_sessions:
+            raise ClientError("busy", f"the server is at its limit of {self.server.max_sessions} sessions",
+                              retry_after_s=BUSY_RETRY_S)
+
+    def admit(self, sessions: int, geometry: StreamGeometry, want: int | None, floor: int | None,
+              left: int | None, new_id: Callable[[], str]) -> str:  # fmt: skip
+        """A seat for a new session of ``geometry`` that asks for ``want`` steps, at least ``floor``, for ``left``
+        more chunks (None: endless); its id (from ``new_id``, drawn only once memory admits it), or ``busy``."""
+        self.check_limit(sessions)
+        refusal = self.memory.refusal(geometry.height, geometry.width)
+        if refusal is not None:
+            if (geometry.height, geometry.width) in self.memory.unservable_sizes:  # no close frees this size
+                raise ClientError("busy", f"{refusal}; a start image of another aspect ratio streams at another size")
+            raise ClientError("busy", f"{refusal}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
+        sid = new_id()
+        seat = self.capacity.admit(sid, (geometry.height, geometry.width), geometry.frames_in_chunk(1) / self.fps,
+                                   want or QUALITY_STEPS[0], floor or self.capacity_config.min_steps, left)
+        if not seat.ok:  # before the memory is held, which cannot refuse
+            raise ClientError("busy", seat.reason, retry_after_s=seat.retry_after_s or BUSY_RETRY_S)
+        self.log_steps(seat.changed, f"session {sid} opened")
+        self.memory.admit(sid, geometry.height, geometry.width)
+        return sid
+
+    def closed(self, sid: str, now: float, reason: str = "") -> list[Answer]:
+        self.memory.release(sid)
+        self.log_steps(self.capacity.remove(sid), f"session {sid} closed")
+        return []
+
+    def dropped(self, sid: str, now: float) -> list[Answer]:
+        self.memory.release(sid)
+        self.capacity.remove(sid)
+        return []
+
+    # ---- steps
+
+    def steps_of(self, sid: str) -> int:
+        seat = self.capacity.seats.get(sid)
+        return seat.steps if seat is not None else QUALITY_STEPS[0]
+
+    def chunk_steps(self, session: Session, index: int) -> int:
+        """The denoising steps chunk ``index`` runs (at its dispatch: a chunk boundary), a control's request applied
+        first; remembered with why they changed for the chunk's facts."""
+        asked = [i for i in session.asked if i <= index]
+        if asked:
+            want = session.asked[max(asked)]
+            for i in asked:
+                del session.asked[i]
+            self.log_steps(self.capacity.ask(session.id, want), f"its control asked for {want}")
+        steps = self.steps_of(session.id)
+        seat = self.capacity.seats.get(session.id)
+        changed = seat.why if seat is not None and session.last_steps and steps != session.last_steps else None
+        session.chunk_steps[index] = (steps, changed)
+        session.last_steps = steps
+        return steps
+
+    def emitted(self, sid: str, facts: ChunkFacts, warm: bool) -> None:
+        """A chunk left: its measured stage times may move every session's steps."""
+        self.capacity.on_chunk(sid, facts, warm=warm)
+        self.log_steps(self.capacity.rebalance(), "the measured stage times miss real time")
+
+    def log_steps(self, changed: dict[str, int], cause: str) -> None:
+        for sid, steps in changed.items():
+            seat = self.capacity.seats[sid]
+            log.info("session %s: %d denoising steps from its next chunk (%s: %s)", sid, steps, seat.why or "open",
+                     cause)
