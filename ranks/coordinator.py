@@ -181,7 +181,7 @@ class Coordinator:
             elif isinstance(output, ct.DecodeImage | ct.ReadManifest | ct.WriteManifest | ct.ListSnapshots
                             | ct.DropSnapshotFiles):
                 assert self.core is not None
-                self.offloop.start(output, self.core.snapshots)
+                self.offloop.start(output, self.core.saving.store)
             elif isinstance(output, ct.DropTensors):
                 self.ctx.frames.drop_session(output.session)
             elif isinstance(output, ct.Stop):

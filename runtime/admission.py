@@ -11,12 +11,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ipc.protocol import QUALITY_STEPS, ChunkFacts
+from models.geometry import frame_size
 from runtime.capacity import CapacityModel
-from runtime.config import CapacityConfig, ServerConfig
+from runtime.config import CapacityConfig, ServerConfig, StreamConfig
 from runtime.core_types import ClientError
 from runtime.memory_admission import Cost, MemoryAdmission
 from runtime.parts import Answer, Part
 from runtime.session import Session
+from runtime.sizes import snap
 
 if TYPE_CHECKING:
     from models.geometry import StreamGeometry
@@ -29,12 +31,24 @@ BUSY_RETRY_S = 5.0  # hint to clients refused at the session limit
 class Admission(Part):
     """Who may open, and with how many denoising steps each chunk runs (the capacity model's ladder)."""
 
-    def __init__(self, server: ServerConfig, capacity: CapacityConfig, fps: float, session_cost: Cost | None,
-                 rooms: dict[int, int]) -> None:  # fmt: skip
-        self.server, self.capacity_config, self.fps = server, capacity, fps
+    def __init__(self, server: ServerConfig, capacity: CapacityConfig, stream: StreamConfig,
+                 sizes: list[tuple[int, int]], session_cost: Cost | None, rooms: dict[int, int]) -> None:  # fmt: skip
+        self.server, self.capacity_config, self.stream, self.sizes = server, capacity, stream, sizes
+        self.fps = stream.fps
         self.capacity = CapacityModel(capacity)  # real-time admission and the steps of every session
         # memory-aware admission: each rank's room (from its hello) against the model's cost of a session
         self.memory = MemoryAdmission(session_cost, rooms)
+
+    def frame_size(self, height: int, width: int) -> tuple[int, int]:
+        """A start image's frame size: the fixed one, or the served size nearest its aspect ratio (``bad_image``
+        when its official frame size at ``stream.area`` pixels would be degenerate)."""
+        if self.stream.size == "fixed":
+            return self.stream.height, self.stream.width
+        size = frame_size(height, width, self.stream.area)
+        if min(size) < 16:
+            raise ClientError("bad_image", f"a start image of {width}x{height} pixels is too narrow: its frame size "
+                              f"at {self.stream.area} pixels would be {size[1]}x{size[0]}")
+        return snap(height, width, self.sizes)
 
     def check_prompt(self, prompt: str) -> None:
         limit = self.server.max_prompt_chars

@@ -52,10 +52,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ipc import protocol
-from ipc.metrics_types import RankStats, ServerStats, SessionSummary
+from ipc.metrics_types import RankStats, ServerStats
 from ipc.protocol import ChunkFacts, Phase, clip
 from models.controls import OFFICIAL_INTRINSICS
-from models.geometry import frame_size, intrinsics_at
+from models.geometry import intrinsics_at
 from runtime import scheduler as sch
 from runtime.admission import Admission
 from runtime.clients import Clients
@@ -99,7 +99,7 @@ from runtime.core_types import (
     WorkerSent,
 )
 from runtime.memory_admission import Cost
-from runtime.metrics import MetricsObserver, Observers, ServerMetrics, SessionMetrics
+from runtime.metrics import MetricsObserver, Observers, ServerMetrics, SessionMetrics, final_summary
 from runtime.parts import Answer, Hold, Part, ToOwner
 from runtime.placement import (
     STAGES,
@@ -117,7 +117,7 @@ from runtime.rank_health import RankHealth
 from runtime.restores import restore_problem, restored_length
 from runtime.saving import Saves
 from runtime.session import Join, Session
-from runtime.sizes import served_sizes, snap
+from runtime.sizes import served_sizes
 from runtime.snapshots import (
     Identity,
     SnapshotStore,
@@ -169,6 +169,9 @@ class CoordinatorCore:
         self.geometry = geometry  # the backend's, at stream.height x stream.width
         self.where: Placement = placement_of(layout)
         self.sizes = served_sizes(stream)
+        # the longest session: ``server.max_chunks``, or less when the model caps it (a "full" KV cache)
+        self.max_chunks = server.max_chunks if geometry.max_chunks is None else min(geometry.max_chunks,
+                                                                                    server.max_chunks)
         self.warm_start = warm_start or WarmStart(self.where, self.sizes)  # what the ranks' hellos reported
         self.scheduler = sch.Scheduler(
             mode=sch.Mode(scheduler.mode),
@@ -181,7 +184,8 @@ class CoordinatorCore:
         self.server_id = server_id or _new_id()  # in every heartbeat ack: a client tells a restarted server apart
         self.intrinsics = intrinsics  # controls.intrinsics: the camera of sessions whose open gives none
         # the session's parts (``runtime.parts``): each keeps its own per-session state, forgotten on close and drop
-        self.admitting = Admission(server, capacity or CapacityConfig(), stream.fps, session_cost, dict(rooms or {}))
+        self.admitting = Admission(server, capacity or CapacityConfig(), stream, self.sizes, session_cost,
+                                   dict(rooms or {}))
         self.clients: Clients[Session] = Clients(self.server_id, server.client_timeout_s)
         self.watchers = Watchers(server.max_watchers, server.client_timeout_s)  # spectators, beside the owners
         self.watch_dropped = 0  # chunks the shell dropped for slow watchers (``WatchDropped``)
@@ -201,7 +205,6 @@ class CoordinatorCore:
     def sessions(self) -> Mapping[str, Session]:
         return self.clients.sessions  # by id (the front door indexes them by client too)
 
-    @property
     def snapshots(self) -> SnapshotStore:
         return self.saving.store  # the shell reads, writes and lists it (the core touches no file)
 
@@ -221,7 +224,7 @@ class CoordinatorCore:
                 log.error("job failed: %s", error)
                 self._out += self.clients.notices("rank_failed", str(error))
                 for sid in list(self.watchers.tokens):
-                    self._end_watchers(sid, "failed", str(error), keep=False)
+                    self._out += self.watchers.ended(sid, "failed", str(error), keep=False)
                 self._stop(EXIT_FAILED, str(error))
             except Exception:  # a bug outside any session (every session's work is guarded): keep serving
                 log.exception("internal error handling %s", type(event).__name__)
@@ -237,8 +240,9 @@ class CoordinatorCore:
                 self._refuse(who, ClientError("bad_message", error), req)
             case ImageDecoded():
                 self._image_decoded(event, now)
-            case ManifestRead():
-                self._restored(event, now)
+            case ManifestRead():  # checked in ``_restore_from``; a refusal or a bug costs this request only
+                who, message = self.saving.reading.pop(event.ticket)
+                self._opening(who, message.req, lambda: self._restore_from(who, message, event, now), now)
             case ManifestWritten():
                 self._answer(self.saving.written(event), now)
             case SnapshotsListed():
@@ -344,7 +348,7 @@ class CoordinatorCore:
                 sid = self.clients.owned(who, message.session).id
                 if not self._live(sid):  # a repeated close: answered, and the one ``closed`` still follows
                     raise ClientError("closing", f"session {sid} is already closing; its closed message follows")
-                self._close(sid, "client", now)
+                self._run(self.scheduler.close(sid, "client", now), now)
             case protocol.Stats():
                 self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(now, who))))
             case protocol.Heartbeat():
@@ -367,19 +371,10 @@ class CoordinatorCore:
             frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
             num_chunks=session.num_chunks)))
 
-    def _end_watchers(self, sid: str, reason: str, error: str | None, keep: bool) -> None:
-        """The session ended (or the server stops): each of its watchers gets a ``closed`` of its own."""
-        for who in self.watchers.end(sid):
-            self._emit(EndWatch(who, sid, protocol.Closed(session=sid, reason=reason, error=error), keep))
-
     def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
-        self._reject(error.code)
+        self.metrics.on_reject(error.code)
         self._emit(self.clients.refusal(who, error, req, session))
 
-    def _reject(self, reason: str) -> None:
-        self.metrics.on_reject(reason)
-
-    @property
     def max_chunks(self) -> int:
         """The longest session: ``server.max_chunks``, or less when the model caps it (a "full" KV cache)."""
         cap = self.geometry.max_chunks
@@ -421,21 +416,12 @@ class CoordinatorCore:
             log.exception("internal error opening a session")
             self._contain(None, who, req, error, now)
 
-    def _frame_size(self, height: int, width: int) -> tuple[int, int]:
-        if self.stream.size == "fixed":
-            return self.stream.height, self.stream.width
-        size = frame_size(height, width, self.stream.area)
-        if min(size) < 16:
-            raise ClientError("bad_image", f"a start image of {width}x{height} pixels is too narrow: its frame size "
-                              f"at {self.stream.area} pixels would be {size[1]}x{size[0]}")
-        return snap(height, width, self.sizes)
-
     def _create(self, opening: _Opening, now: float) -> None:
         result, message = opening.result, opening.message
         assert result is not None
         if result.image is None:
             raise ClientError("bad_image", result.error)
-        geometry = self.geometry.with_size(*self._frame_size(result.image.height, result.image.width))
+        geometry = self.geometry.with_size(*self.admitting.frame_size(result.image.height, result.image.width))
         sid = self.admitting.admit(len(self.sessions) + len(self.opening), geometry, message.steps,
                                    message.min_steps, message.num_chunks, self.new_id)
         live = LiveControls(pause_when_idle=message.pause_when_idle) if message.live else None
@@ -480,7 +466,7 @@ class CoordinatorCore:
 
     def _set_prompt(self, session: Session, message: protocol.SetPrompt, now: float) -> None:
         """Validate a new prompt and start its encode (``runtime.prompts``); answered once its context is encoded
-        and announced to the DiT ranks (``_prompt_ready``), naming the first chunk that uses it."""
+        and announced to the DiT ranks (``_joined``), naming the first chunk that uses it."""
         if not self._live(session.id) or not session.opened:
             raise ClientError("closing", f"session {session.id} is closing; its prompt cannot change")
         self.admitting.check_prompt(message.prompt)
@@ -491,43 +477,30 @@ class CoordinatorCore:
                               retry_after_s=backpressure_retry_s(session.metrics.last_period)) from None
         self._dispatch(NewPrompt(session.id, revision, message.prompt), now)
 
-    def _prompt_ready(self, session: Session, revision: int) -> None:
-        """Revision ``revision``'s context is encoded and its broadcast announced: denoises dispatched from now on
-        use it, so the first of them is the chunk the reply names."""
-        req = session.prompts.encoded(revision)
-        if req is not None:
-            self._prompt_scheduled(session, revision, req)
-
     def _prompt_scheduled(self, session: Session, revision: int, req: int) -> None:
         self._to_client(session, protocol.PromptScheduled(req=req, session=session.id, revision=revision,
                                                           chunk=self.scheduler.next_denoise_index(session.id)))
 
     def _cut_live(self, now: float) -> None:
         """The non-blocking path of live sessions: a snapshot is cut when the scheduler wants the control."""
+        def cut(session: Session, live: LiveControls) -> None:
+            index = self.scheduler.control_wanted(session.id)
+            snapshot = None if index is None else live.cut(index, self.scheduler.next_emit_index(session.id))
+            if snapshot is not None:
+                actions = self.scheduler.submit_control(session.id, index, now, payload=snapshot)  # type: ignore[arg-type]
+                session.controls[index] = snapshot  # type: ignore[index]
+                self._run(actions, now)
+
         for session in list(self.sessions.values()):
             if session.live is not None:
-                self._guarded(session.id, lambda s=session: self._cut(s, now), now)
-
-    def _cut(self, session: Session, now: float) -> None:
-        assert session.live is not None
-        index = self.scheduler.control_wanted(session.id)
-        if index is None:
-            return
-        snapshot = session.live.cut(index, self.scheduler.next_emit_index(session.id))
-        if snapshot is not None:
-            actions = self.scheduler.submit_control(session.id, index, now, payload=snapshot)
-            session.controls[index] = snapshot
-            self._run(actions, now)
+                self._guarded(session.id, lambda s=session, live=session.live: cut(s, live), now)
 
     def _unreachable(self, event: ClientUnreachable, now: float) -> None:
         if self.watchers.remove(event.identity, event.session):
             return  # a watcher that disconnected: its feed is gone with it
         session = self.clients.unreachable(event)
         if session is not None:  # connected but not reading: never buffered without bound
-            self._close(session.id, "disconnect", now)
-
-    def _close(self, sid: str, reason: str, now: float) -> None:
-        self._run(self.scheduler.close(sid, reason, now), now)
+            self._run(self.scheduler.close(session.id, "disconnect", now), now)
 
     def _live(self, sid: str) -> bool:
         """Open and not closing."""
@@ -543,7 +516,8 @@ class CoordinatorCore:
                 continue
             match action:
                 case sch.DitIdle():
-                    self._idle(action)
+                    # each waiting session counts the idle time with its own cause
+                    self.metrics.on_idle(action.start, action.end, action.cause, action.blocked)
                 case sch.Emit():
                     self._emit_chunk(self.sessions[action.session], action)
                 case sch.SessionReady(session=sid):
@@ -596,9 +570,6 @@ class CoordinatorCore:
             steps=self.admitting.steps_of(session.id), watch_token=self.watchers.grant(session.id),
             first_chunk=session.first_chunk))
 
-    def _idle(self, action: sch.DitIdle) -> None:  # each waiting session counts the idle time with its own cause
-        self.metrics.on_idle(action.start, action.end, action.cause, action.blocked)
-
     def _emit_chunk(self, session: Session, action: sch.Emit) -> None:
         control, spans = session.take_chunk(action.index)
         steps, changed = session.chunk_steps.pop(action.index, (0, None))
@@ -615,7 +586,8 @@ class CoordinatorCore:
         session = self.clients.remove(action.session)  # present: _run skips actions of sessions dropped
         assert session is not None
         summary = msgspec.structs.replace(
-            self._final_summary(session.id, now), clock_offsets=self.health.clock.offsets(),
+            final_summary(self.server_metrics, self.metrics, session.id, now),
+            clock_offsets=self.health.clock.offsets(),
             released=session.released,  # stage -> ranks that confirmed, in release order
             leaked_caches=[s.value for s in action.leaked], poisoned=action.poisoned)
         for revision, req in session.prompts.waiting().items():  # a set_prompt still encoding gets its answer
@@ -623,7 +595,7 @@ class CoordinatorCore:
                 f"session {session.id} closed before its prompt revision {revision} was ready")))
         self._to_client(session, protocol.Closed(session=session.id, reason=action.reason, error=action.error,
                                                  summary=summary))
-        self._end_watchers(session.id, action.reason, action.error, keep=True)  # after its last chunks
+        self._out += self.watchers.ended(session.id, action.reason, action.error, keep=True)  # after its last chunks
         self._emit(DropTensors(session.id))
         log.info("session %s closed (%s)", session.id, action.reason)
 
@@ -663,7 +635,10 @@ class CoordinatorCore:
         stage, phase, index = key
         sid = session.id
         if phase is Phase.CHUNK and index < 0:  # a new prompt's encode (a NewPrompt; its context moves now)
-            self._prompt_ready(session, protocol.revision_of(index))
+            revision = protocol.revision_of(index)  # its context encoded and announced: the next denoise uses it
+            req = session.prompts.encoded(revision)
+            if req is not None:
+                self._prompt_scheduled(session, revision, req)
         elif phase is Phase.INIT:
             self._run(self.scheduler.init_done(sid, stage, now), now)
         elif phase is Phase.RELEASE:
@@ -707,7 +682,8 @@ class CoordinatorCore:
         for session in self.clients.silent(now):
             if self._live(session.id):
                 log.info("session %s: client silent for over %.1f s, closing", session.id, self.clients.timeout_s)
-                self._guarded(session.id, lambda sid=session.id: self._close(sid, "disconnect", now), now)
+                sid = session.id
+                self._guarded(sid, lambda sid=sid: self._run(self.scheduler.close(sid, "disconnect", now), now), now)
 
     # ---------------------------------------------------------------------------------------------- snapshots
 
@@ -717,13 +693,6 @@ class CoordinatorCore:
             session = self.sessions.get(sid) if sid in self.sessions and self._live(sid) else None
             quiet = session is not None and self.scheduler.quiet_before_denoise(sid)
             self._answer(self.saving.advance(sid, session, quiet, now), now)
-
-    def _restored(self, event: ManifestRead, now: float) -> None:
-        """Its manifest read: checked here against this server (model, layout, DiT degree, frame size, length,
-        prompt; the files present and their sizes were checked by the read); each rank checks its file's hash and
-        its tensors when its stage loads it."""
-        who, message = self.saving.reading.pop(event.ticket)
-        self._opening(who, message.req, lambda: self._restore_from(who, message, event, now), now)
 
     def _restore_from(self, who: bytes, message: protocol.Open, event: ManifestRead, now: float) -> None:
         manifest = event.manifest
@@ -783,7 +752,7 @@ class CoordinatorCore:
             if not self._live(session.id):
                 return
             self._to_client(session, protocol.Error(session=session.id, code="failed", message=text))
-            self._close(session.id, "failed", now)
+            self._run(self.scheduler.close(session.id, "failed", now), now)
         except JobFailed:
             raise
         except Exception:  # the session cannot even close cleanly: forget it rather than stop serving
@@ -794,7 +763,7 @@ class CoordinatorCore:
                     self._answer(part.dropped(session.id, now), now)
             with contextlib.suppress(Exception):  # its metrics are bounded by sessions: never keep a dropped one's
                 self.metrics.on_close(session.id, now)
-            self._end_watchers(session.id, "failed", text, keep=False)
+            self._out += self.watchers.ended(session.id, "failed", text, keep=False)
             self._emit(DropTensors(session.id))
 
     def _shutdown(self, lost: tuple[int, ...], now: float) -> None:
@@ -802,18 +771,13 @@ class CoordinatorCore:
         if lost:  # under torchrun a dead rank reaches rank 0 as a SIGTERM: say what really happened
             code, message = "rank_failed", f"rank {', '.join(map(str, lost))} is gone; the job is ending"
         self._out += self.clients.notices(code, message, lambda session: protocol.Closed(
-            session=session.id, reason="shutdown", error=message, summary=self._final_summary(session.id, now)))
+            session=session.id, reason="shutdown", error=message,
+            summary=final_summary(self.server_metrics, self.metrics, session.id, now)))
         for sid in list(self.watchers.tokens):
-            self._end_watchers(sid, "shutdown", message, keep=False)
+            self._out += self.watchers.ended(sid, "shutdown", message, keep=False)
         self._stop(EXIT_OK, message)
 
     # ---------------------------------------------------------------------------------------------- queries
-
-    def _final_summary(self, sid: str, now: float) -> SessionSummary:
-        """A session's summary as it closes; its metrics are done (every observer hears of the close)."""
-        summary = self.server_metrics.closing(sid, now)
-        self.metrics.on_close(sid, now)
-        return summary
 
     def stats(self, now: float, who: bytes | None = None) -> ServerStats:
         """Server-wide figures, and the sessions of client ``who`` only (None: every session, for operators)."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ipc import protocol
-from runtime.client_types import ClientError
+from runtime.client_types import ClientError, EndWatch
 
 MAX_WATCHERS = 8  # per session, the default of [server] max_watchers and [router] max_watchers
 FEED_CHUNKS = 2  # chunks waiting for one watcher beyond its ZeroMQ queue; more drop the oldest
@@ -121,6 +121,12 @@ class Watchers:
         for who in watchers:
             self.remove(who, sid)
         return watchers
+
+    def ended(self, sid: str, reason: str, error: str | None, keep: bool) -> list[EndWatch]:
+        """``sid`` ended (or the server stops): each of its watchers gets a ``closed`` of its own (``keep``: after
+        the chunks its feed still holds)."""
+        return [EndWatch(who, sid, protocol.Closed(session=sid, reason=reason, error=error), keep)
+                for who in self.end(sid)]
 
     def remove(self, who: bytes, sid: str) -> bool:
         """``who`` no longer watches ``sid``; False when it did not."""

@@ -96,12 +96,12 @@ class Job:
                        and not isinstance(o.message, p.Ping)]
         direct = list(out)  # the shell's answers to these; the steps they make answer their own
         for read in [o for o in direct if isinstance(o, ReadManifest)]:  # as the shell does, off its loop
-            out += self.step(ManifestRead(read.ticket, *read_manifest(self.core.snapshots, read.snapshot)), dt=0.0)
+            out += self.step(ManifestRead(read.ticket, *read_manifest(self.core.saving.store, read.snapshot)), dt=0.0)
         for write in [o for o in direct if isinstance(o, WriteManifest)]:
-            out += self.step(ManifestWritten(write.manifest.id, write_manifest(self.core.snapshots, write.manifest)),
+            out += self.step(ManifestWritten(write.manifest.id, write_manifest(self.core.saving.store, write.manifest)),
                              dt=0.0)
         for listing in [o for o in direct if isinstance(o, ListSnapshots)]:
-            out += self.step(SnapshotsListed(listing.written, tuple(self.core.snapshots.listing())), dt=0.0)
+            out += self.step(SnapshotsListed(listing.written, tuple(self.core.saving.store.listing())), dt=0.0)
         return out
 
     def use(self, store: SnapshotStore) -> None:

@@ -69,7 +69,7 @@ def test_the_core_asks_the_shell_to_read_a_restores_manifest_and_reads_no_file_i
         raise AssertionError("the core read a manifest on rank 0's loop")
 
     job.use(SnapshotStore(tmp_path))
-    job.core.snapshots.read = no_io  # type: ignore[method-assign]
+    job.core.saving.store.read = no_io  # type: ignore[method-assign]
     out = job.core.step([ClientSent(A, p.Open(req=7, image=b"", restore=snapshot))], 1.0)
     (read,) = [o for o in out if isinstance(o, ReadManifest)]
     assert read.snapshot == snapshot and not [o for o in out if isinstance(o, p.Error)]
@@ -82,7 +82,7 @@ def test_after_a_save_the_folder_is_listed_for_the_budget_by_the_shell_not_on_th
     job, sid = running(tmp_path, Budget(max_count=1))
     first, _ = save(job, sid)
     listings: list[float] = []
-    job.core.snapshots.listing = lambda: listings.append(1) or []  # type: ignore[method-assign]
+    job.core.saving.store.listing = lambda: listings.append(1) or []  # type: ignore[method-assign]
     job.send(A, p.Save(req=500, session=sid))
     task = job.sent(p.SaveState)[-1][1]
     job.answer(p.SaveState)
@@ -90,7 +90,7 @@ def test_after_a_save_the_folder_is_listed_for_the_budget_by_the_shell_not_on_th
     for rank, role in sorted(PARTS):
         out += job.core.step([WorkerSent(written(job, task, rank, role))], job.now)  # the core alone
     (write,) = [o for o in out if isinstance(o, WriteManifest)]  # the shell writes the manifest, then answers
-    out = job.core.step([ManifestWritten(write.manifest.id, write_manifest(job.core.snapshots, write.manifest))],
+    out = job.core.step([ManifestWritten(write.manifest.id, write_manifest(job.core.saving.store, write.manifest))],
                         job.now)
     assert [s.snapshot for s in job.to(A, p.Saved, out)] == [task.snapshot] and not listings
     (listing,) = [o for o in out if isinstance(o, ListSnapshots)]
@@ -102,7 +102,7 @@ def test_after_a_save_the_folder_is_listed_for_the_budget_by_the_shell_not_on_th
 def test_stats_show_the_folder_as_the_shell_last_listed_it_and_the_core_never_lists_it(tmp_path: Path) -> None:
     write_snapshot(tmp_path)
     job, _ = running(tmp_path, Budget(max_count=5))
-    job.core.snapshots.listing = lambda: pytest.fail("the core listed the folder")  # type: ignore[method-assign]
+    job.core.saving.store.listing = lambda: pytest.fail("the core listed the folder")  # type: ignore[method-assign]
     out = job.core.step([Tick()], job.now)
     assert [o.written for o in out if isinstance(o, ListSnapshots)] == [""]  # "": for stats, after no save
     assert job.core.stats(job.now).snapshots.count is None  # not listed yet
@@ -110,7 +110,7 @@ def test_stats_show_the_folder_as_the_shell_last_listed_it_and_the_core_never_li
     job.core.step([SnapshotsListed("", tuple(SnapshotStore(tmp_path).listing()))], job.now + 2)
     assert job.core.stats(job.now).snapshots.count == 1
     assert not [o for o in job.core.step([Tick()], job.now + 5) if isinstance(o, ListSnapshots)]  # fresh
-    assert job.core.saving.folder.due(job.core.snapshots, job.now + 13)  # stale after 10 s: listed again
+    assert job.core.saving.folder.due(job.core.saving.store, job.now + 13)  # stale after 10 s: listed again
 
 
 # ---- point 6: the tensors of a file
@@ -211,7 +211,7 @@ def test_a_session_saves_its_burst_then_one_per_period_and_a_refusal_costs_nothi
 
 def test_a_session_that_saves_too_often_is_refused_busy_with_when_to_retry(tmp_path: Path) -> None:
     job, sid = save_job(tmp_path)
-    job.core.snapshots.rate = SaveRate(per_minute=1.0, burst=1)
+    job.core.saving.store.rate = SaveRate(per_minute=1.0, burst=1)
     job.send(A, p.Save(req=20, session=sid))
     job.answer(p.SaveState, fail="no room")  # the save ends (failed): the session may ask again
     job.send(A, p.Save(req=21, session=sid))

@@ -233,7 +233,7 @@ def save_job(tmp_path: Path) -> tuple[Job, str]:
 
 def written(job: Job, task: p.SaveState, rank: int, role: str, error: str = "") -> p.SaveWritten:
     """What rank's writer thread reports, its file (100 bytes) put where it would write it."""
-    folder = job.core.snapshots.folder(task.snapshot)
+    folder = job.core.saving.store.folder(task.snapshot)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / file_name(rank, role)).write_bytes(bytes(100))
     return p.SaveWritten(rank=rank, role=role, session=task.session, stage=p.Stage(role), snapshot=task.snapshot,
@@ -310,7 +310,7 @@ def test_a_save_whose_manifest_cannot_be_written_answers_save_failed_and_leaves_
     def full_disk(manifest: Manifest) -> Path:
         raise OSError(28, "No space left on device")
 
-    job.core.snapshots.write = full_disk  # type: ignore[method-assign]
+    job.core.saving.store.write = full_disk  # type: ignore[method-assign]
     out = []
     for rank, role in sorted(PARTS):
         out += job.step(WorkerSent(written(job, task, rank, role)))
