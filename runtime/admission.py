@@ -6,15 +6,19 @@ reads the same from both.
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ipc import protocol
 from ipc.protocol import QUALITY_STEPS, ChunkFacts
 from models.geometry import frame_size
 from runtime.capacity import CapacityModel
 from runtime.config import CapacityConfig, ServerConfig, StreamConfig
-from runtime.core_types import ClientError
+from runtime.core_types import ClientError, DecodeImage, ImageDecoded
 from runtime.memory_admission import Cost, MemoryAdmission
 from runtime.parts import Answer, Part
 from runtime.session import Session
@@ -28,6 +32,16 @@ log = logging.getLogger(__name__)
 BUSY_RETRY_S = 5.0  # hint to clients refused at the session limit
 
 
+@dataclass
+class Opening:
+    """An ``open`` whose start image is being decoded."""
+
+    ticket: int
+    identity: bytes
+    message: protocol.Open
+    result: ImageDecoded | None = None
+
+
 class Admission(Part):
     """Who may open, and with how many denoising steps each chunk runs (the capacity model's ladder)."""
 
@@ -38,6 +52,8 @@ class Admission(Part):
         self.capacity = CapacityModel(capacity)  # real-time admission and the steps of every session
         # memory-aware admission: each rank's room (from its hello) against the model's cost of a session
         self.memory = MemoryAdmission(session_cost, rooms)
+        self.opening: deque[Opening] = deque()  # asked for, their start images being decoded: in request order
+        self.tickets: Iterator[int] = itertools.count()
 
     def frame_size(self, height: int, width: int) -> tuple[int, int]:
         """A start image's frame size: the fixed one, or the served size nearest its aspect ratio (``bad_image``
@@ -55,9 +71,26 @@ class Admission(Part):
         if len(prompt) > limit:
             raise ClientError("bad_request", f"prompt of {len(prompt)} characters exceeds the limit of {limit}")
 
+    def ask(self, who: bytes, message: protocol.Open, sessions: int) -> DecodeImage:
+        """A new session is asked for beside ``sessions`` open ones: checked, then its image decoded off the loop."""
+        self.check_prompt(message.prompt)
+        self.check_limit(sessions)
+        ticket = next(self.tickets)
+        self.opening.append(Opening(ticket, who, message))
+        return DecodeImage(ticket, message.image, self.server.max_image_pixels)
+
+    def decoded(self, event: ImageDecoded) -> Iterator[Opening]:
+        """The opens whose image is decoded, in the order they were asked for (each taken as the caller moves on:
+        the ones behind still count against the limit)."""
+        for opening in self.opening:
+            if opening.ticket == event.ticket:
+                opening.result = event
+        while self.opening and self.opening[0].result is not None:
+            yield self.opening.popleft()
+
     def check_limit(self, sessions: int) -> None:
-        """``busy`` when ``sessions`` (open, and asked for but not open yet) fill the server."""
-        if sessions >= self.server.max_sessions:
+        """``busy`` when ``sessions`` open and those being opened fill the server."""
+        if sessions + len(self.opening) >= self.server.max_sessions:
             raise ClientError("busy", f"the server is at its limit of {self.server.max_sessions} sessions",
                               retry_after_s=BUSY_RETRY_S)
 

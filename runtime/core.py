@@ -41,12 +41,9 @@ besides (``runtime.session``: its client, start image, accepted controls, spans,
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import uuid
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -57,7 +54,7 @@ from ipc.protocol import ChunkFacts, Phase, clip
 from models.controls import OFFICIAL_INTRINSICS
 from models.geometry import intrinsics_at
 from runtime import scheduler as sch
-from runtime.admission import Admission
+from runtime.admission import Admission, Opening
 from runtime.clients import Clients
 from runtime.config import (
     CapacityConfig,
@@ -76,7 +73,6 @@ from runtime.core_types import (
     ClientSent,
     ClientUnreachable,
     ClientUnreadable,
-    DecodeImage,
     DropTensors,
     EmitChunk,
     EndWatch,
@@ -94,7 +90,6 @@ from runtime.core_types import (
     Stop,
     Tick,
     ToClient,
-    ToWorker,
     WatchDropped,
     WorkerSent,
 )
@@ -110,7 +105,6 @@ from runtime.placement import (
     key_of,
     placement_of,
     plan,
-    step_of,
 )
 from runtime.prompts import PromptBackpressure, PromptRevisions
 from runtime.rank_health import RankHealth
@@ -141,16 +135,6 @@ BACKPRESSURE_RETRY_COLD_S = 0.02  # before the session's second chunk (the cold 
 
 def _new_id() -> str:
     return uuid.uuid4().hex[:12]
-
-
-@dataclass
-class _Opening:
-    """An ``open`` whose start image is being decoded."""
-
-    ticket: int
-    identity: bytes
-    message: protocol.Open
-    result: ImageDecoded | None = None
 
 
 class CoordinatorCore:
@@ -189,8 +173,6 @@ class CoordinatorCore:
         self.clients: Clients[Session] = Clients(self.server_id, server.client_timeout_s)
         self.watchers = Watchers(server.max_watchers, server.client_timeout_s)  # spectators, beside the owners
         self.watch_dropped = 0  # chunks the shell dropped for slow watchers (``WatchDropped``)
-        self.opening: deque[_Opening] = deque()
-        self.tickets: Iterator[int] = itertools.count()
         self.health = RankHealth(self.where.heartbeat_ranks, timeouts, now)  # pings, beats, clock, deadlines
         self.stopped = False
         self._out: list[Output] = []
@@ -205,9 +187,6 @@ class CoordinatorCore:
     def sessions(self) -> Mapping[str, Session]:
         return self.clients.sessions  # by id (the front door indexes them by client too)
 
-    def snapshots(self) -> SnapshotStore:
-        return self.saving.store  # the shell reads, writes and lists it (the core touches no file)
-
     # ---------------------------------------------------------------------------------------------- step
 
     def step(self, events: Iterable[Event], now: float) -> list[Output]:
@@ -219,13 +198,17 @@ class CoordinatorCore:
             try:
                 self._handle(event, now)
                 self._cut_live(now)
-                self._advance_saves(now)
+                for sid in self.saving.waiting():  # its session gone or closing (None), or quiet before its boundary
+                    session = self.sessions.get(sid) if sid in self.sessions and self._live(sid) else None
+                    quiet = session is not None and self.scheduler.quiet_before_denoise(sid)
+                    self._answer(self.saving.advance(sid, session, quiet, now), now)
             except JobFailed as error:
                 log.error("job failed: %s", error)
                 self._out += self.clients.notices("rank_failed", str(error))
                 for sid in list(self.watchers.tokens):
                     self._out += self.watchers.ended(sid, "failed", str(error), keep=False)
-                self._stop(EXIT_FAILED, str(error))
+                self.stopped = True
+                self._out.append(Stop(EXIT_FAILED, str(error)))
             except Exception:  # a bug outside any session (every session's work is guarded): keep serving
                 log.exception("internal error handling %s", type(event).__name__)
         out, self._out = self._out, []
@@ -234,15 +217,20 @@ class CoordinatorCore:
     def _handle(self, event: Event, now: float) -> None:
         match event:
             case ClientSent(identity=who, message=message):
-                self._from_client(who, message, now)
+                self.clients.heard(who, now)
+                self.watchers.heard(who, now)
+                self._attempt(who, getattr(message, "req", None), getattr(message, "session", None),
+                              lambda: self._request(who, message, now), now)
             case ClientUnreadable(identity=who, error=error, req=req):
                 self.clients.heard(who, now)
                 self._refuse(who, ClientError("bad_message", error), req)
-            case ImageDecoded():
-                self._image_decoded(event, now)
+            case ImageDecoded():  # sessions are created in the order they were asked for
+                for opening in self.admitting.decoded(event):
+                    self._attempt(opening.identity, opening.message.req, None,
+                                  lambda o=opening: self._create(o, now), now)
             case ManifestRead():  # checked in ``_restore_from``; a refusal or a bug costs this request only
                 who, message = self.saving.reading.pop(event.ticket)
-                self._opening(who, message.req, lambda: self._restore_from(who, message, event, now), now)
+                self._attempt(who, message.req, None, lambda: self._restore_from(who, message, event, now), now)
             case ManifestWritten():
                 self._answer(self.saving.written(event), now)
             case SnapshotsListed():
@@ -275,9 +263,6 @@ class CoordinatorCore:
             case WatchDropped(total=total):
                 self.watch_dropped = total
 
-    def _emit(self, output: Output) -> None:
-        self._out.append(output)
-
     def _answer(self, answers: list[Answer], now: float) -> None:
         """Carry out what a part returned: outputs as they are, and what only the core may do."""
         for answer in answers:
@@ -289,32 +274,15 @@ class CoordinatorCore:
                         self._run(self.scheduler.hold(sid, False, now), now)
                 case ToOwner(session=sid, message=message, owner=owner):
                     session = self.sessions.get(sid)
-                    self._emit(ToClient(session.client if session is not None else owner, message, sid))
+                    self._out.append(ToClient(session.client if session is not None else owner, message, sid))
                 case _:
-                    self._emit(answer)
+                    self._out.append(answer)
 
     def _to_client(self, session: Session, message: Any) -> None:
         if not session.gone:  # dropped until the owner resumes (or the client timeout closes the session)
-            self._emit(ToClient(session.client, message, session.id))
-
-    def _stop(self, code: int, reason: str) -> None:
-        self.stopped = True
-        self._emit(Stop(code, reason))
+            self._out.append(ToClient(session.client, message, session.id))
 
     # ---------------------------------------------------------------------------------------------- clients
-
-    def _from_client(self, who: bytes, message: protocol.ClientMessage, now: float) -> None:
-        self.clients.heard(who, now)
-        self.watchers.heard(who, now)
-        try:
-            self._request(who, message, now)
-        except ClientError as error:
-            self._refuse(who, error, getattr(message, "req", None), getattr(message, "session", None))
-        except JobFailed:
-            raise
-        except Exception as error:  # a bug must cost one request (and its session), never the server
-            log.exception("internal error handling %s", type(message).__name__)
-            self._contain(getattr(message, "session", None), who, getattr(message, "req", None), error, now)
 
     def _request(self, who: bytes, message: protocol.ClientMessage, now: float) -> None:
         if not isinstance(message, protocol.Watch | protocol.Unwatch | protocol.Heartbeat):
@@ -350,79 +318,50 @@ class CoordinatorCore:
                     raise ClientError("closing", f"session {sid} is already closing; its closed message follows")
                 self._run(self.scheduler.close(sid, "client", now), now)
             case protocol.Stats():
-                self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(now, who))))
+                self._out.append(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(now, who))))
             case protocol.Heartbeat():
-                self._emit(self.clients.heartbeat(who, message, now))
-            case protocol.Watch():
-                self._watch(who, message, now)
+                self._out.append(self.clients.heartbeat(who, message, now))
+            case protocol.Watch():  # the session's geometry now, its chunks from the next
+                self._out.append(self.watchers.watching(who, message, self.sessions.get(message.session),
+                                                        self.stream.fps, now))
             case protocol.Unwatch():
                 self.watchers.unwatch(who, message.session)
-                self._emit(EndWatch(who, message.session, protocol.Closed(session=message.session, reason="unwatched"),
-                                    keep=False))
-
-    def _watch(self, who: bytes, message: protocol.Watch, now: float) -> None:
-        """A spectator subscribes (``runtime.watchers``): the session's geometry now, its chunks from the next."""
-        session = self.sessions.get(message.session)
-        self.watchers.watch(who, message.session, message.token, now, None if session is None else session.client)
-        assert session is not None  # a token exists only while its session runs
-        g = session.geometry
-        self._emit(ToClient(who, protocol.Watching(
-            req=message.req, session=session.id, height=g.height, width=g.width, fps=self.stream.fps,
-            frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
-            num_chunks=session.num_chunks)))
+                closed = protocol.Closed(session=message.session, reason="unwatched")
+                self._out.append(EndWatch(who, message.session, closed, keep=False))
 
     def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
         self.metrics.on_reject(error.code)
-        self._emit(self.clients.refusal(who, error, req, session))
-
-    def max_chunks(self) -> int:
-        """The longest session: ``server.max_chunks``, or less when the model caps it (a "full" KV cache)."""
-        cap = self.geometry.max_chunks
-        return self.server.max_chunks if cap is None else min(cap, self.server.max_chunks)
+        self._out.append(self.clients.refusal(who, error, req, session))
 
     def _open(self, who: bytes, message: protocol.Open) -> None:
-        server = self.server
         if message.num_chunks is not None and not 1 <= message.num_chunks <= self.max_chunks:
             why = "" if self.geometry.max_chunks is None else (
                 f" (the model's KV cache keeps the whole session and holds {self.geometry.max_chunks} chunks: "
                 "model.kv_window = 'full', model.kv_full_frames)")
             raise ClientError("bad_request", f"num_chunks must be in 1..{self.max_chunks}, got {message.num_chunks}"
                               f"{why}")
-        self.admitting.check_prompt(message.prompt)
-        self.admitting.check_limit(len(self.sessions) + len(self.opening))
-        ticket = next(self.tickets)
-        self.opening.append(_Opening(ticket, who, message))
-        self._emit(DecodeImage(ticket, message.image, server.max_image_pixels))
+        self._out.append(self.admitting.ask(who, message, len(self.sessions)))
 
-    def _image_decoded(self, event: ImageDecoded, now: float) -> None:
-        """Sessions whose start image is decoded are created, in the order they were asked for."""
-        for opening in self.opening:
-            if opening.ticket == event.ticket:
-                opening.result = event
-        while self.opening and self.opening[0].result is not None:
-            opening = self.opening.popleft()
-            self._opening(opening.identity, opening.message.req, lambda o=opening: self._create(o, now), now)
-
-    def _opening(self, who: bytes, req: int, work: Callable[[], None], now: float) -> None:
-        """Open a session whose off-loop part is done (its image decoded, its manifest read): a refusal or a bug
-        costs this request only."""
+    def _attempt(self, who: bytes, req: int | None, sid: str | None, work: Callable[[], None], now: float) -> None:
+        """A client's request, or an open whose off-loop part is done (its image decoded, its manifest read): a
+        refusal or a bug costs this request (and the session it names) only, never the server."""
         try:
             work()
         except ClientError as error:
-            self._refuse(who, error, req)
+            self._refuse(who, error, req, sid)
         except JobFailed:
             raise
         except Exception as error:
-            log.exception("internal error opening a session")
-            self._contain(None, who, req, error, now)
+            log.exception("internal error handling a request of %s", who)
+            self._contain(sid, who, req, error, now)
 
-    def _create(self, opening: _Opening, now: float) -> None:
+    def _create(self, opening: Opening, now: float) -> None:
         result, message = opening.result, opening.message
         assert result is not None
         if result.image is None:
             raise ClientError("bad_image", result.error)
         geometry = self.geometry.with_size(*self.admitting.frame_size(result.image.height, result.image.width))
-        sid = self.admitting.admit(len(self.sessions) + len(self.opening), geometry, message.steps,
+        sid = self.admitting.admit(len(self.sessions), geometry, message.steps,
                                    message.min_steps, message.num_chunks, self.new_id)
         live = LiveControls(pause_when_idle=message.pause_when_idle) if message.live else None
         metrics = self._open_metrics(sid, now)
@@ -461,7 +400,7 @@ class CoordinatorCore:
         if message.steps is not None:
             session.asked[message.index] = message.steps
         self._run(actions, now)
-        self._emit(ToClient(session.client, protocol.Accepted(req=message.req, session=session.id,
+        self._out.append(ToClient(session.client, protocol.Accepted(req=message.req, session=session.id,
                                                               index=message.index), session.id))
 
     def _set_prompt(self, session: Session, message: protocol.SetPrompt, now: float) -> None:
@@ -519,7 +458,16 @@ class CoordinatorCore:
                     # each waiting session counts the idle time with its own cause
                     self.metrics.on_idle(action.start, action.end, action.cause, action.blocked)
                 case sch.Emit():
-                    self._emit_chunk(self.sessions[action.session], action)
+                    session = self.sessions[action.session]
+                    control, spans = session.take_chunk(action.index)
+                    steps, changed = session.chunk_steps.pop(action.index, (0, None))
+                    facts = ChunkFacts(action.index, session.geometry.frames_in_chunk(action.index), control,
+                                       action.times, spans, steps, changed,
+                                       prompt_revision=session.prompts.emitted(action.index))
+                    self.metrics.on_chunk(session.id, facts, self.health.memory)
+                    self.admitting.emitted(session.id, facts, action.index < max(1, self.metrics_config.warmup_chunks))
+                    self._out.append(EmitChunk(session.id, facts, None if session.gone else session.client,
+                                               self.watchers.of(session.id)))
                 case sch.SessionReady(session=sid):
                     self._ready(self.sessions[sid])
                 case sch.SessionFailed(session=sid, error=error):
@@ -549,15 +497,8 @@ class CoordinatorCore:
             session.image = None  # the stage that takes it has it now
         if isinstance(action, sch.Release):
             session.released.pop(action.stage.value, None)  # a retry counts confirmations afresh
-        self._send(session, tasks.sends, now)
+        self._out += session.handed(tasks.sends, now)
         session.joins[key_of(action)] = Join(set(tasks.waits), now, tasks.then)
-
-    def _send(self, session: Session, tasks: Iterable[tuple[bytes, protocol.WorkerTask]], now: float) -> None:
-        for to, task in tasks:
-            self._emit(ToWorker(to, task))
-            step = step_of(task)
-            if step is not None:  # when a chunk's work was handed over: the queue wait of its spans
-                session.queued[(step, task.index)] = now  # type: ignore[union-attr]
 
     def _ready(self, session: Session) -> None:
         g = session.geometry
@@ -569,16 +510,6 @@ class CoordinatorCore:
             intrinsics=intrinsics_at(session.intrinsics or self.intrinsics, g.height, g.width),
             steps=self.admitting.steps_of(session.id), watch_token=self.watchers.grant(session.id),
             first_chunk=session.first_chunk))
-
-    def _emit_chunk(self, session: Session, action: sch.Emit) -> None:
-        control, spans = session.take_chunk(action.index)
-        steps, changed = session.chunk_steps.pop(action.index, (0, None))
-        facts = ChunkFacts(action.index, session.geometry.frames_in_chunk(action.index), control, action.times, spans,
-                           steps, changed, prompt_revision=session.prompts.emitted(action.index))
-        self.metrics.on_chunk(session.id, facts, self.health.memory)
-        self.admitting.emitted(session.id, facts, warm=action.index < max(1, self.metrics_config.warmup_chunks))
-        self._emit(EmitChunk(session.id, facts, None if session.gone else session.client,
-                             self.watchers.of(session.id)))
 
     def _closed(self, action: sch.SessionClosed, now: float) -> None:
         for part in self.parts:  # a save in flight is answered before the closed
@@ -596,7 +527,7 @@ class CoordinatorCore:
         self._to_client(session, protocol.Closed(session=session.id, reason=action.reason, error=action.error,
                                                  summary=summary))
         self._out += self.watchers.ended(session.id, action.reason, action.error, keep=True)  # after its last chunks
-        self._emit(DropTensors(session.id))
+        self._out.append(DropTensors(session.id))
         log.info("session %s closed (%s)", session.id, action.reason)
 
     # ---------------------------------------------------------------------------------------------- workers
@@ -631,7 +562,7 @@ class CoordinatorCore:
         if join.waiting:
             return
         del session.joins[key]
-        self._send(session, join.then, now)
+        self._out += session.handed(join.then, now)
         stage, phase, index = key
         sid = session.id
         if phase is Phase.CHUNK and index < 0:  # a new prompt's encode (a NewPrompt; its context moves now)
@@ -675,7 +606,7 @@ class CoordinatorCore:
         self.health.check(self.sessions.values(), now)
         for who, sid in self.watchers.silent(now):
             log.info("session %s: a watcher silent for over %.1f s is dropped", sid, self.watchers.timeout_s)
-            self._emit(EndWatch(who, sid, protocol.Closed(session=sid, reason="disconnect",
+            self._out.append(EndWatch(who, sid, protocol.Closed(session=sid, reason="disconnect",
                                                           error="the watcher was silent past the client timeout"),
                                 keep=False))
         self._answer(self.saving.tick(now), now)
@@ -686,13 +617,6 @@ class CoordinatorCore:
                 self._guarded(sid, lambda sid=sid: self._run(self.scheduler.close(sid, "disconnect", now), now), now)
 
     # ---------------------------------------------------------------------------------------------- snapshots
-
-    def _advance_saves(self, now: float) -> None:
-        """Each save waiting for its boundary: its session gone or closing (None), or quiet before it."""
-        for sid in self.saving.waiting():
-            session = self.sessions.get(sid) if sid in self.sessions and self._live(sid) else None
-            quiet = session is not None and self.scheduler.quiet_before_denoise(sid)
-            self._answer(self.saving.advance(sid, session, quiet, now), now)
 
     def _restore_from(self, who: bytes, message: protocol.Open, event: ManifestRead, now: float) -> None:
         manifest = event.manifest
@@ -707,7 +631,7 @@ class CoordinatorCore:
         num_chunks = restored_length(manifest, message.num_chunks, self.max_chunks)
         # its steps setting and floor are the saved session's (the open's may change them, as a control would)
         sid = self.admitting.admit(
-            len(self.sessions) + len(self.opening), self.geometry.with_size(g.height, g.width),
+            len(self.sessions), self.geometry.with_size(g.height, g.width),
             message.steps or manifest.want or manifest.steps, message.min_steps or manifest.floor or None,
             None if num_chunks is None else num_chunks - manifest.chunk, self.new_id)  # what it has yet to run
         geometry = self.geometry.with_size(g.height, g.width)
@@ -744,7 +668,7 @@ class CoordinatorCore:
         self.metrics.on_error("internal")
         text = clip(f"internal error: {type(error).__name__}: {error}")
         if who is not None:
-            self._emit(ToClient(who, protocol.Error(req=req, session=sid, code="internal", message=text)))
+            self._out.append(ToClient(who, protocol.Error(req=req, session=sid, code="internal", message=text)))
         session = self.sessions.get(sid or "")
         if session is None:
             return
@@ -764,7 +688,7 @@ class CoordinatorCore:
             with contextlib.suppress(Exception):  # its metrics are bounded by sessions: never keep a dropped one's
                 self.metrics.on_close(session.id, now)
             self._out += self.watchers.ended(session.id, "failed", text, keep=False)
-            self._emit(DropTensors(session.id))
+            self._out.append(DropTensors(session.id))
 
     def _shutdown(self, lost: tuple[int, ...], now: float) -> None:
         code, message = "shutdown", "the server is shutting down"
@@ -775,7 +699,8 @@ class CoordinatorCore:
             summary=final_summary(self.server_metrics, self.metrics, session.id, now)))
         for sid in list(self.watchers.tokens):
             self._out += self.watchers.ended(sid, "shutdown", message, keep=False)
-        self._stop(EXIT_OK, message)
+        self.stopped = True
+        self._out.append(Stop(EXIT_OK, message))
 
     # ---------------------------------------------------------------------------------------------- queries
 
