@@ -71,8 +71,15 @@ class Admission(Part):
         if len(prompt) > limit:
             raise ClientError("bad_request", f"prompt of {len(prompt)} characters exceeds the limit of {limit}")
 
-    def ask(self, who: bytes, message: protocol.Open, sessions: int) -> DecodeImage:
-        """A new session is asked for beside ``sessions`` open ones: checked, then its image decoded off the loop."""
+    def ask(self, who: bytes, message: protocol.Open, sessions: int, max_chunks: int,
+            model_cap: int | None) -> DecodeImage:  # fmt: skip
+        """A new session is asked for beside ``sessions`` open ones: checked (its length against ``max_chunks``,
+        ``model_cap`` when the model's KV cache caps it), then its image decoded off the loop."""
+        if message.num_chunks is not None and not 1 <= message.num_chunks <= max_chunks:
+            why = "" if model_cap is None else (
+                f" (the model's KV cache keeps the whole session and holds {model_cap} chunks: "
+                "model.kv_window = 'full', model.kv_full_frames)")
+            raise ClientError("bad_request", f"num_chunks must be in 1..{max_chunks}, got {message.num_chunks}{why}")
         self.check_prompt(message.prompt)
         self.check_limit(sessions)
         ticket = next(self.tickets)

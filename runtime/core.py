@@ -1,37 +1,27 @@
 """The coordinator core: everything rank 0 decides, as a sans-io state machine (DESIGN.md sections 5-8, 11).
 
 ``CoordinatorCore.step(events, now)`` takes what happened (client messages, worker completions with their rank,
-finished image decodes, failed sends, timer turns; ``runtime.core_types``) and returns what the shell must do, in
-order. No socket, thread or clock inside: ``now`` comes with every step, and each session id comes from ``new_id``.
+finished image decodes and manifest reads and writes, failed sends, timer turns; ``runtime.core_types``) and returns
+what the shell must do, in order. No socket, thread, clock or file inside: ``now`` comes with every step, each
+session id comes from ``new_id``, and the snapshot folder is read, written and listed by the shell.
 
-It owns each session end to end: the scheduler's cursors (``runtime.scheduler``), what rank 0 keeps of the session
-besides (``runtime.session``: its client, start image, accepted controls, spans, per-rank joins), the live controls
-(``runtime.control_service``) and the metrics. Rules that live here and nowhere else:
+The core keeps routing (client message type -> handler or part) and each session's own path: open -> scheduler ->
+dispatch -> join -> emit -> close, and the stats. What else a session has lives in its parts (``runtime.parts``),
+each owning its per-session state and answering with outputs, never calling back: admission
+(``runtime.admission``: length, prompt, session limit, frame size, memory, real time, the steps each chunk runs),
+saves and restores' reads (``runtime.saving``), rank health (``runtime.rank_health``: pings, beats, clock, memory,
+the rank and stage deadlines), watchers (``runtime.watchers``) and metrics (``runtime.metrics``). A close, and a
+drop of a session that cannot close, is one loop over the parts.
 
-- **Real time.** A session is created only if the capacity model (``runtime.capacity``) admits it; its steps and
-  everyone else's follow from the model's ladder, read when each denoise is dispatched (a change takes effect at a
-  chunk boundary, and the chunk facts carry the receipt); a control's ``steps`` reaches the model when its chunk is
-  dispatched.
-- **Opening.** ``open`` is checked (length, prompt, session limit counting images still being decoded), then its
-  image is decoded off the loop (``DecodeImage``); sessions are created in request order once their images are
-  there. The frame size is ``stream.height x stream.width`` (``stream.size = "fixed"``) or the allowed size nearest
-  to the start image's aspect ratio (``"image"``, ``runtime.sizes``: every rank warmed each one up); an image whose
-  official frame size at ``stream.area`` pixels would be degenerate (``models.stages.frame_size``) is refused with
-  ``bad_image``. Everything of the session uses its own geometry: the ``opened`` reply, the pose
-  count of a control, every shape announced to the ranks.
+- **Opening.** ``open`` is admitted, its image decoded off the loop, and sessions are created in request order once
+  their images are there; a restore reads its manifest off the loop and is admitted by the same ``admit``.
 - **Tasks.** Each scheduler action becomes per-rank tasks through the stage table (``runtime.placement.plan``); the
-  action is finished when every completion it waits for arrived (the join), and only then does the scheduler
-  hear of it. A completion that no join waits for only adds its spans. A task whose join is older than
-  ``timeouts.stage_s`` ends the job; so does a rank silent for ``timeouts.rank_dead_s`` and any fatal failure.
+  action is finished when every completion it waits for arrived (the join), and only then does the scheduler hear
+  of it. A completion that no join waits for only adds its spans.
 - **Live controls** are cut when the scheduler wants them (``Scheduler.control_wanted``), after every event.
 - **Clients** (``runtime.clients``, the front door shared with the router): the sessions of a client silent for
-  ``server.client_timeout_s`` are closed ("disconnect", told to it in case it is still there); a client that is gone
-  is skipped until it resumes (same identity, ``heartbeat`` naming the session); one that stops reading is closed at
-  once.
-- **Spectators** (``runtime.watchers``): each session's ``opened`` carries a watch token; ``watch`` with it adds a
-  read-only watcher named on every later ``EmitChunk`` (the shell feeds it without ever waiting); a watcher's
-  controls, close and the like are refused ``watch_only``; when the session ends each watcher gets its own
-  ``closed`` after its last chunks (``EndWatch``).
+  ``server.client_timeout_s`` are closed ("disconnect"); a client that is gone is skipped until it resumes; one
+  that stops reading is closed at once.
 - **Containment.** A bad request gets a clear error and changes nothing; an unexpected error while handling an
   event costs the session it concerns (error to its client, caches released), never the server.
 - Actions never re-enter: a scheduler event's actions become outputs only; consequences that need the scheduler
@@ -55,7 +45,7 @@ from models.controls import OFFICIAL_INTRINSICS
 from models.geometry import intrinsics_at
 from runtime import scheduler as sch
 from runtime.admission import Admission, Opening
-from runtime.clients import Clients
+from runtime.clients import Clients, backpressure_retry_s
 from runtime.config import (
     CapacityConfig,
     LayoutConfig,
@@ -96,27 +86,14 @@ from runtime.core_types import (
 from runtime.memory_admission import Cost
 from runtime.metrics import MetricsObserver, Observers, ServerMetrics, SessionMetrics, final_summary
 from runtime.parts import Answer, Hold, Part, ToOwner
-from runtime.placement import (
-    STAGES,
-    NewPrompt,
-    Placement,
-    StageAction,
-    join_of,
-    key_of,
-    placement_of,
-    plan,
-)
+from runtime.placement import STAGES, NewPrompt, Placement, StageAction, join_of, key_of, placement_of, plan
 from runtime.prompts import PromptBackpressure, PromptRevisions
 from runtime.rank_health import RankHealth
 from runtime.restores import restore_problem, restored_length
 from runtime.saving import Saves
 from runtime.session import Join, Session
 from runtime.sizes import served_sizes
-from runtime.snapshots import (
-    Identity,
-    SnapshotStore,
-    geometry_of,
-)
+from runtime.snapshots import Identity, SnapshotStore, geometry_of
 from runtime.warm_start import WarmStart
 from runtime.watchers import Watchers
 
@@ -124,13 +101,6 @@ if TYPE_CHECKING:
     from models.geometry import StreamGeometry
 
 log = logging.getLogger(__name__)
-
-# A control that met a full edge is accepted once the DiT moves on, about once per chunk period: its retry hint is
-# an eighth of the session's latest period within these bounds, so an eager client does not cost rank 0 (and a
-# router) a decode and a reply every 2 ms for the whole period (300 per chunk at a GPU's 0.6 s).
-BACKPRESSURE_RETRY_MIN_S = 0.002
-BACKPRESSURE_RETRY_MAX_S = 0.1
-BACKPRESSURE_RETRY_COLD_S = 0.02  # before the session's second chunk (the cold start: nothing moves for a while)
 
 
 def _new_id() -> str:
@@ -290,8 +260,9 @@ class CoordinatorCore:
         match message:
             case protocol.Open(restore=str()):
                 self._answer(self.saving.read(who, message), now)
-            case protocol.Open():
-                self._open(who, message)
+            case protocol.Open():  # checked, then its image decoded off the loop (``ImageDecoded``)
+                self._out.append(self.admitting.ask(who, message, len(self.sessions), self.max_chunks,
+                                                    self.geometry.max_chunks))
             case protocol.Save():
                 session = self.clients.owned(who, message.session)
                 self._answer(self.saving.save(
@@ -332,15 +303,6 @@ class CoordinatorCore:
     def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
         self.metrics.on_reject(error.code)
         self._out.append(self.clients.refusal(who, error, req, session))
-
-    def _open(self, who: bytes, message: protocol.Open) -> None:
-        if message.num_chunks is not None and not 1 <= message.num_chunks <= self.max_chunks:
-            why = "" if self.geometry.max_chunks is None else (
-                f" (the model's KV cache keeps the whole session and holds {self.geometry.max_chunks} chunks: "
-                "model.kv_window = 'full', model.kv_full_frames)")
-            raise ClientError("bad_request", f"num_chunks must be in 1..{self.max_chunks}, got {message.num_chunks}"
-                              f"{why}")
-        self._out.append(self.admitting.ask(who, message, len(self.sessions)))
 
     def _attempt(self, who: bytes, req: int | None, sid: str | None, work: Callable[[], None], now: float) -> None:
         """A client's request, or an open whose off-loop part is done (its image decoded, its manifest read): a
@@ -726,9 +688,3 @@ class CoordinatorCore:
             snapshots=self.saving.folder.stats(self.saving.store),
         )
 
-
-def backpressure_retry_s(period: float | None) -> float:
-    """The retry hint of ``control_backpressure`` for a session whose latest chunk period is ``period``."""
-    if period is None:
-        return BACKPRESSURE_RETRY_COLD_S
-    return min(BACKPRESSURE_RETRY_MAX_S, max(BACKPRESSURE_RETRY_MIN_S, period / 8))

@@ -17,15 +17,15 @@ from ipc import protocol as p
 from models.camera import intrinsics_at
 from models.synthetic import synthetic_geometry
 from ranks.worker import completion
-from runtime.clients import MAX_PEERS
-from runtime.config import LayoutConfig, MetricsConfig, SchedulerConfig, ServerConfig, StreamConfig, TimeoutsConfig
-from runtime.core import (
+from runtime.clients import (
     BACKPRESSURE_RETRY_COLD_S,
     BACKPRESSURE_RETRY_MAX_S,
     BACKPRESSURE_RETRY_MIN_S,
-    CoordinatorCore,
+    MAX_PEERS,
     backpressure_retry_s,
 )
+from runtime.config import LayoutConfig, MetricsConfig, SchedulerConfig, ServerConfig, StreamConfig, TimeoutsConfig
+from runtime.core import CoordinatorCore
 from runtime.core_types import (
     EXIT_FAILED,
     EXIT_OK,
