@@ -9,7 +9,8 @@ session's current client) it asks for with ``Hold`` and ``ToOwner``.
 The points, in a session's order:
 
 - ``opened(sid, now)``: a session exists (after admission). A part starts its per-session state here.
-- a client request of the kinds it owns (``Part.kinds``; the core routes by message type, ``routes``).
+- a client request of the kinds it owns (the core's ``_request`` routes by message type: ``save`` to the saves,
+  ``open`` to admission or, with ``restore``, to the saves' read).
 - what a dispatched chunk takes from it (steps, control, prompt revision: the core asks the part that owns each).
 - ``emitted`` (a chunk left rank 0): the parts that learn from chunks (capacity, metrics) hear of it.
 - ``closed(sid, now)``: the scheduler closed the session; ``dropped(sid, now)``: the session could not even close
@@ -19,9 +20,8 @@ The points, in a session's order:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from runtime.core_types import Output
 
@@ -51,8 +51,6 @@ Answer = Output | Hold | ToOwner  # what a part returns, in the order the core m
 class Part:
     """The lifecycle points with their defaults (nothing kept, nothing to do); a part overrides what it needs."""
 
-    kinds: ClassVar[tuple[type, ...]] = ()  # the client message types it owns
-
     def opened(self, sid: str, now: float) -> list[Answer]:
         return []
 
@@ -63,12 +61,3 @@ class Part:
         """Forgotten without a clean close: by default what a close forgets."""
         return self.closed(sid, now, "dropped")
 
-
-def routes(parts: Iterable[Part]) -> Mapping[type, Part]:
-    """The routing table from client message type to the part that owns it; a type owned twice is a bug."""
-    table: dict[type, Part] = {}
-    for part in parts:
-        for kind in part.kinds:
-            assert kind not in table, f"{kind.__name__} is owned by {type(table[kind]).__name__} already"
-            table[kind] = part
-    return table

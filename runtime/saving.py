@@ -60,8 +60,6 @@ class Saves(Part):
     """Every save and restore read of rank 0 (see the module docstring); per session: its save in flight and its
     latest snapshot (what the budget keeps while the session runs)."""
 
-    kinds = (protocol.Save,)
-
     def __init__(self, store: SnapshotStore, identity: Identity, where: Placement, server: ServerConfig,
                  stage_s: float) -> None:  # fmt: skip
         self.store, self.identity, self.where, self.server, self.stage_s = store, identity, where, server, stage_s
