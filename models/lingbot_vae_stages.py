@@ -13,7 +13,6 @@ Factories at the bottom build both stages from a checkpoint directory, a golden 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,22 +216,6 @@ def stages_from_checkpoint(
     t5 = load_t5(paths.t5_file, device=device)
     tokenize = tokenizer_from_dir(paths.tokenizer_dir, text_len)
     return VaeT5Stages(LingbotConditionStage(vae, t5, tokenize, chunk_latent_frames), LingbotDecodeStage(vae))
-
-
-def stages_from_fixture(fixture_dir: str | Path, tokenize: Tokenizer | None = None,
-                        device: torch.device | str = "cpu") -> VaeT5Stages:  # fmt: skip
-    """A golden fixture's weights and sizes; without ``tokenize`` the byte-level test tokenizer is used."""
-    folder = Path(fixture_dir)
-    cfg = json.loads((folder / "config.json").read_text())
-    t5_cfg = T5Config.from_fixture(cfg["t5"])
-    vae = load_vae(folder / "vae.safetensors", VAEConfig.from_fixture(cfg["vae"]), device=device)
-    t5 = load_t5(folder / "t5.safetensors", t5_cfg, device=device, dtype=torch.float32)
-    text_len = int(cfg["stream"]["text_len"])
-    tokenize = tokenize or ByteFallbackTokenizer(t5_cfg.vocab, text_len)
-    cond = LingbotConditionStage(vae, t5, tokenize, int(cfg["stream"]["chunk_size"]))
-    return VaeT5Stages(cond, LingbotDecodeStage(vae))
-
-
 def random_stages(
     vae_cfg: VAEConfig,
     t5_cfg: T5Config,

@@ -442,6 +442,4 @@ def _count_flops(fn: Any) -> float:
     return float(counter.get_total_flops())
 
 
-def param_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 

@@ -208,16 +208,6 @@ def image_from_uint8(image: torch.Tensor) -> torch.Tensor:
     return (image.permute(2, 0, 1).float() / 255.0 - 0.5) / 0.5
 
 
-def condition_image(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """The start image as the reference prepares it: uint8 ``[H0, W0, 3]`` -> float32 ``[3, height, width]``, first
-    scaled to [-1, 1], then resized with torch bicubic (no antialias, no clamp: bicubic may overshoot [-1, 1] and the
-    reference keeps that)."""
-    x = image_from_uint8(image)
-    if tuple(x.shape[1:]) == (height, width):
-        return x
-    return torch.nn.functional.interpolate(x[None], size=(height, width), mode="bicubic")[0]
-
-
 class SessionTable(Generic[T]):
     """Per-session state keyed by session id; ``release`` is idempotent and drops every reference."""
 

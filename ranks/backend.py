@@ -39,7 +39,7 @@ def build(model: ModelConfig, stream: StreamConfig, synthetic: SyntheticConfig, 
     if model.kind == "synthetic":
         return build_synthetic(model, stream, synthetic, controls, roles, device, dit_group)
     if model.kind == "lingbot-fast":
-        return build_lingbot(model, stream, synthetic, controls, roles, device, dit_group)
+        return build_lingbot(model, stream, controls, roles, device, dit_group)
     module, function = model.kind.split(":")
     builder: Builder = getattr(importlib.import_module(module), function)
     return builder(model, stream, synthetic, controls, roles, device, dit_group)
@@ -59,7 +59,7 @@ def build_synthetic(model: ModelConfig, stream: StreamConfig, costs: SyntheticCo
     return backend
 
 
-def build_lingbot(model: ModelConfig, stream: StreamConfig, costs: SyntheticConfig, controls: ControlsConfig,
+def build_lingbot(model: ModelConfig, stream: StreamConfig, controls: ControlsConfig,
                   roles: list[str], device: torch.device, dit_group: Any | None) -> Backend:
     from models import lingbot
 

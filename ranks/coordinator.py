@@ -9,10 +9,7 @@ a worker unreachable, frames missing, an image decoded) is an event of the next 
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import zmq
 
@@ -20,29 +17,25 @@ from ipc import protocol
 from ipc import tensor_plane as tp
 from ipc.client_lines import ClientLines, Lost
 from ipc.transport import send_or_why, send_to
-from models import memory
 from ranks import probe_server, prometheus
+from ranks.coordinator_inputs import WORKER_MESSAGE_BYTES, await_hellos, drain_clients, drain_workers
+from ranks.coordinator_setup import build_core, write_port_file
 from ranks.memory import held_bytes
+from ranks.offloop import OffLoop
 from ranks.processes import DeathHold, RankWatch
 from ranks.worker import RankContext, memory_facts
 from runtime import core_types as ct
 from runtime.config import Config
 from runtime.core import CoordinatorCore
-from runtime.images import decode_image
-from runtime.memory_admission import Cost, gib
 from runtime.placement import placement_of
 from runtime.probes import rank0_snapshot
-from runtime.save_rate import SaveRate
 from runtime.sizes import served_sizes
-from runtime.snapshots import Budget, SnapshotStore, model_identity, read_manifest, remove_files
 from runtime.warm_start import WarmStart
 from runtime.watchers import Feeds
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 5
-TURN_BUDGET_S = 0.02  # client messages read per loop turn stop after this, so pings and workers are served
-WORKER_MESSAGE_BYTES = 1 << 26
 EMIT_WAIT_S = 1.0  # frames are in the mailbox before decode counts as done; a miss fails the session
 SHUTDOWN_WAIT_S = 5.0
 PROBE_S = 0.1  # how often the rank processes on this host are looked at (a few status reads: ~0.3 ms)
@@ -59,12 +52,7 @@ class Coordinator:
         self.stopping = False  # set by a signal handler
         self.draining = False  # for the drain to set (issue 32): /ready answers 503 while it holds; never set yet
         self.fatal: str | None = None  # set from another thread of this rank that cannot go on
-        self.decoding: dict[int, Future[object]] = {}  # start images being decoded, by ticket
-        self.image_decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="image-decode")
-        self.reading: dict[int, Future[tuple[object, str]]] = {}  # restores' manifests being read, by ticket
-        self.listing: list[tuple[str, Future[list[object]]]] = []  # the folder listed for the budget, after a save
-        self.manifest_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest-read")
-        self.file_remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-remove")
+        self.offloop = OffLoop()  # image decodes, manifest reads and writes, listings, file removal
         self.carried: list[ct.Event] = []  # learnt while carrying out outputs: events of the next turn
         self.next_memory = 0.0
         self.next_probe = 0.0
@@ -97,28 +85,10 @@ class Coordinator:
         if not self._await_workers():
             return ct.EXIT_FAILED
         c = self.config
-        session_cost = self._session_cost()  # seconds of meta-device runs: before the core's heartbeat clock starts
-        self.core = CoordinatorCore(c.layout, c.server, c.stream, c.scheduler, c.timeouts, c.metrics,
-                                    self.ctx.backend.geometry, time.monotonic(),
-                                    observers=() if self.exporter is None else (self.exporter,),
-                                    intrinsics=c.controls.intrinsics, rooms=self.rooms,
-                                    session_cost=session_cost, warm_start=self.warm_start, capacity=c.capacity,
-                                    snapshots=SnapshotStore(c.snapshots.dir, Budget.of(c.snapshots.max_gb,
-                                                                                         c.snapshots.max_count),
-                                                            SaveRate(c.snapshots.saves_per_minute,
-                                                                     c.snapshots.save_burst)),
-                                    model=model_identity(c.model.kind, c.model.preset, c.model.checkpoint_dir,
-                                                         c.model.weights_seed))
-        log.info("warm-up: %s", self.warm_start.describe())
+        self.core = build_core(c, self.ctx.backend.geometry, self.ctx.groups.device.type, self.exporter, self.rooms,
+                               self.warm_start)
         self._publish()
-        self.core.admission.unservable_sizes.update(self.warm_start.failures())  # a rank out of memory at a size
-        for reason in self.core.admission.unservable(served_sizes(c.stream)):
-            log.warning("%s", reason)
-        port_file = os.environ.get("WORLDSTREAM_PORT_FILE")  # written once serving: tests and scripts wait on it
-        if port_file:
-            with open(f"{port_file}.tmp", "w") as f:
-                f.write(str(port))
-            os.replace(f"{port_file}.tmp", port_file)
+        write_port_file(port)
         log.info("serving on tcp://%s:%d: %d ranks, layout %s", self.server.host, port, c.layout.world_size,
                  c.layout.name)
         poller = zmq.Poller()
@@ -137,47 +107,19 @@ class Coordinator:
             # Workers first, and their tasks sent before clients are read: the ranks never wait on a client flood.
             code = self._carry_out(self.core.step(self._gather(self.workers in ready), time.monotonic()))
             if code is None and self.clients in ready:
-                code = self._carry_out(self.core.step(list(self._drain_clients()), time.monotonic()))
+                read = list(drain_clients(self.clients, self.server.max_message_bytes))
+                code = self._carry_out(self.core.step(read, time.monotonic()))
             if code is not None:
                 return code
 
     def _await_workers(self) -> bool:
-        expected = set(self.where.all)
-        deadline = time.monotonic() + self.timeouts.startup_s
-        while expected:
-            if time.monotonic() > deadline:
-                log.error("job failed: workers %s did not report in within %.0f s",
-                          sorted(i.decode() for i in expected), self.timeouts.startup_s)
-                return False
-            if self.workers.poll(100):
-                identity, data = self.workers.recv_multipart()
-                hello = protocol.decode(data, "worker", max_bytes=WORKER_MESSAGE_BYTES)
-                if isinstance(hello, protocol.Hello):
-                    expected.discard(identity)
-                    self.watch.add(hello.rank, hello.pid, hello.host)
-                    self.rooms[hello.rank] = hello.room
-                    self.warm_start.add(hello.rank, hello.warm_up)
-                    self._publish()
-        return True
+        return await_hellos(self.workers, set(self.where.all), self.timeouts.startup_s, self._hello)
 
-    def _session_cost(self) -> Cost | None:
-        """What one more session costs each rank at a frame size (``models.memory``): every served size is priced
-        here, before the port opens (a meta-device run takes about a second per size for a full-size model), so no
-        session waits for it on rank 0's loop."""
-        device = self.ctx.groups.device.type
-        if not memory.priced(self.config, device):
-            return None
-        config = self.config
-        priced = {size: memory.session_costs(config, *size, device) for size in served_sizes(config.stream)}
-        for (height, width), cost in priced.items():
-            log.info("a %dx%d session costs %s", height, width,
-                     ", ".join(f"rank {r} {gib(n)}" for r, n in cost.items()))
-
-        def cost(height: int, width: int) -> Mapping[int, int]:
-            known = priced.get((height, width))
-            return known if known is not None else memory.session_costs(config, height, width, device)
-
-        return cost
+    def _hello(self, hello: protocol.Hello) -> None:
+        self.watch.add(hello.rank, hello.pid, hello.host)
+        self.rooms[hello.rank] = hello.room
+        self.warm_start.add(hello.rank, hello.warm_up)
+        self._publish()
 
     def _publish(self) -> None:
         """What the probe server answers from until the next call: built here, on the loop, from the loop's state."""
@@ -187,7 +129,7 @@ class Coordinator:
         self.probes.publish(rank0_snapshot(
             world_size=world, ranks_in=len(self.rooms), warm=self.warm_start.warm, serving=core is not None,
             draining=self.draining, stopping=self.stopping,
-            rooms=None if core is None else {r: core.admission.stats(r) for r in range(world)},
+            rooms=None if core is None else {r: core.admitting.memory.stats(r) for r in range(world)},
             open_sessions=0 if core is None else len(core.sessions), restored=0 if core is None else core.restored))
 
     # ---------------------------------------------------------------------------------------------- inputs
@@ -196,29 +138,14 @@ class Coordinator:
         """Everything but client messages: what the last turn learnt, workers' messages, decoded images, timers."""
         carried, self.carried = self.carried, []
         now = time.monotonic()
-        arrived = list(self._drain_workers()) if workers else []
+        arrived = list(drain_workers(self.workers)) if workers else []
         if self.fatal is not None and not self.fatal_reported:
             self.fatal_reported = True
             arrived.insert(0, ct.RankLost(f"rank {self.ctx.rank}: {self.fatal}"))
         # a failed send to a rank is a job-ending report too: it waits for the dead rank like a peer's report
         dead, arrived = self.hold.sift([*carried, *arrived], self._dead_ranks, now)
         events: list[ct.Event] = [*dead, *arrived]
-        for ticket in [t for t, future in self.decoding.items() if future.done()]:
-            future = self.decoding.pop(ticket)
-            error = future.exception()
-            events.append(ct.ImageDecoded(ticket, None, str(error)) if error is not None  # BadImage says why
-                          else ct.ImageDecoded(ticket, future.result()))  # type: ignore[arg-type]
-        for ticket in [t for t, future in self.reading.items() if future.done()]:
-            read = self.reading.pop(ticket)
-            error = read.exception()  # a bug in the read costs this restore, never the loop
-            events.append(ct.ManifestRead(ticket, None, f"the snapshot cannot be read ({type(error).__name__})")
-                          if error is not None else ct.ManifestRead(ticket, *read.result()))  # type: ignore[arg-type]
-        while self.listing and self.listing[0][1].done():  # in order: each after its save
-            written, listed = self.listing.pop(0)
-            if listed.exception() is not None:  # a save that succeeded never fails for it: the budget waits
-                log.warning("the snapshot folder could not be listed: %r", listed.exception())
-            stored = None if listed.exception() is not None else tuple(listed.result())
-            events.append(ct.SnapshotsListed(written, stored))  # type: ignore[arg-type]
+        events += self.offloop.done()
         if now >= self.next_memory:  # rank 0 has no heartbeat thread of its own
             self.next_memory = now + self.timeouts.heartbeat_s
             events.append(ct.MemorySampled(self.ctx.rank, *memory_facts(), held=held_bytes(self.ctx.backend)))
@@ -234,36 +161,6 @@ class Coordinator:
         """The first rank found dead (the core ends the job on the first ``RankLost``; more would say nothing)."""
         return [ct.RankLost(f"rank {rank} ({', '.join(self.config.layout.roles_of(rank))}) died: {why}")
                 for rank, why in self.watch.dead()[:1]]
-
-    def _drain_workers(self) -> Iterator[ct.Event]:
-        while True:
-            try:
-                identity, data = self.workers.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                message = protocol.decode(data, "worker", max_bytes=WORKER_MESSAGE_BYTES)
-            except protocol.ProtocolViolation as error:  # our own ranks: a bug, not a reason to end the job
-                log.error("unreadable message from %s: %s", identity.decode(errors="replace"), error)
-                continue
-            if not isinstance(message, protocol.Hello | protocol.ShutdownDone):
-                yield ct.WorkerSent(message)
-
-    def _drain_clients(self) -> Iterator[ct.Event]:
-        began = time.monotonic()
-        while time.monotonic() - began < TURN_BUDGET_S:  # bounded per turn: pings and workers are served too
-            try:
-                identity, *frames = self.clients.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 1:  # a DEALER sends one frame per message; anything else is answered, not dropped
-                yield ct.ClientUnreadable(identity, f"a message is one ZeroMQ frame, got {len(frames)}", None)
-                continue
-            try:
-                yield ct.ClientSent(identity, protocol.decode(frames[0], "client",
-                                                              max_bytes=self.server.max_message_bytes))
-            except protocol.ProtocolViolation as error:
-                yield ct.ClientUnreadable(identity, str(error), error.req)
 
     # ---------------------------------------------------------------------------------------------- outputs
 
@@ -281,19 +178,12 @@ class Coordinator:
                 self._emit(output, unreachable)
             elif isinstance(output, ct.EndWatch):
                 self.feeds.end(output.identity, output.session, output.closed, output.keep, time.monotonic())
-            elif isinstance(output, ct.DecodeImage):
-                self.decoding[output.ticket] = self.image_decoder.submit(decode_image, output.data, output.max_pixels)
-            elif isinstance(output, ct.ReadManifest):  # off the loop: a shared folder may hold anything
+            elif isinstance(output, ct.DecodeImage | ct.ReadManifest | ct.WriteManifest | ct.ListSnapshots
+                            | ct.DropSnapshotFiles):
                 assert self.core is not None
-                self.reading[output.ticket] = self.manifest_reader.submit(read_manifest, self.core.snapshots,
-                                                                          output.snapshot)
-            elif isinstance(output, ct.ListSnapshots):  # reads every manifest: never on the loop
-                assert self.core is not None
-                self.listing.append((output.written, self.manifest_reader.submit(self.core.snapshots.listing)))
+                self.offloop.start(output, self.core.saving.store)
             elif isinstance(output, ct.DropTensors):
                 self.ctx.frames.drop_session(output.session)
-            elif isinstance(output, ct.DropSnapshotFiles):
-                self._drop_snapshot_files(output.snapshot, output.expired)
             elif isinstance(output, ct.Stop):
                 self._lost(self.lines.flush(), unreachable)  # what the clients can still take before the end
                 self._flush_feeds()  # what the watchers can still take (their closed) before the end
@@ -301,17 +191,6 @@ class Coordinator:
         self._lost(self.lines.flush(), unreachable)  # every turn: a client whose queue was full may have read since
         self._flush_feeds()  # every turn: a watcher whose queue was full may have read since
         return None
-
-    def _drop_snapshot_files(self, snapshot: str, expired: bool) -> None:
-        """Delete a failed save's folder (it has no manifest) or a snapshot over the budget (its manifest first);
-        one it cannot delete costs disk, never the server."""
-        assert self.core is not None
-        try:
-            folder = self.core.snapshots.unlist(snapshot)
-            self.file_remover.submit(remove_files, folder)  # gigabytes: never on the loop that serves the streams
-        except (OSError, ValueError) as error:
-            log.warning("could not delete the files of %s snapshot %s: %s", "expired" if expired else "failed",
-                        snapshot, error)
 
     def _flush_feeds(self) -> None:
         """Send each watcher what its feed holds, as far as its queue takes it now (never waiting)."""
@@ -363,8 +242,6 @@ class Coordinator:
                     waiting.discard(identity)
         if waiting:
             log.warning("workers %s did not acknowledge shutdown", sorted(i.decode() for i in waiting))
-        self.image_decoder.shutdown(wait=False, cancel_futures=True)
-        self.manifest_reader.shutdown(wait=False, cancel_futures=True)
-        self.file_remover.shutdown(wait=True)  # a snapshot's files half removed would be left for ever
+        self.offloop.shutdown()
         return ct.EXIT_OK if code is None else code
 

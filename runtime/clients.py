@@ -192,3 +192,18 @@ class Clients(Generic[S]):
     def _trim(self) -> None:
         while self._idle and len(self._idle) + len(self._held) > self.max_peers:
             self._idle.popitem(last=False)
+
+
+# A control that met a full edge is accepted once the DiT moves on, about once per chunk period: its retry hint is
+# an eighth of the session's latest period within these bounds, so an eager client does not cost rank 0 (and a
+# router) a decode and a reply every 2 ms for the whole period (300 per chunk at a GPU's 0.6 s).
+BACKPRESSURE_RETRY_MIN_S = 0.002
+BACKPRESSURE_RETRY_MAX_S = 0.1
+BACKPRESSURE_RETRY_COLD_S = 0.02  # before the session's second chunk (the cold start: nothing moves for a while)
+
+
+def backpressure_retry_s(period: float | None) -> float:
+    """The retry hint of ``control_backpressure`` for a session whose latest chunk period is ``period``."""
+    if period is None:
+        return BACKPRESSURE_RETRY_COLD_S
+    return min(BACKPRESSURE_RETRY_MAX_S, max(BACKPRESSURE_RETRY_MIN_S, period / 8))

@@ -20,7 +20,7 @@ range ``reason="malformed"``, and nothing changes (types are the decoder's).
 2. **Snapshots are cut in chunk order, only on demand.** ``cut(index, current)`` requires ``index`` to be the next
    index not yet cut (anything else is a coordinator bug: ``CutOrderError``). A snapshot exists only from the
    moment it is cut, and a cut snapshot is final: it is what the scheduler receives and what the model sees.
-   Hence a release, reset or new state always "replaces" the snapshots not yet submitted (they do not exist
+   Hence a release or new state always "replaces" the snapshots not yet submitted (they do not exist
    yet) and can never alter one already submitted (``ChunkControl`` is immutable and never re-cut).
 3. **At most one chunk ahead.** ``cut`` returns ``None`` when ``index > current_chunk_index + 1``, where
    ``current_chunk_index`` is the chunk being produced (the lowest index not yet emitted). So at most two
@@ -33,23 +33,19 @@ range ``reason="malformed"``, and nothing changes (types are the decoder's).
 6. **Idle.** With no key held the world keeps running with a still camera (an empty snapshot). With
    ``pause_when_idle`` the service is paused while idle (no key held, no pending tap, no pending mouse motion):
    ``cut`` returns ``None`` until the next input makes it non-idle.
-7. ``reset`` drops held keys, pending taps and pending mouse motion (e.g. window focus lost); it keeps the
-   revision floor and the chunk cursor, and like any new state it only affects snapshots cut afterwards.
 
-Every cut snapshot carries ``revision`` = the revision of the latest state folded in; the service also keeps a
-bounded record of the snapshot given to each recent index (``applied``), so an emitted chunk can report exactly
-what the model saw and which client revision it came from.
+Every cut snapshot carries ``revision`` = the revision of the latest state folded in: the caller keeps the snapshot
+it submitted (``Session.controls``), so an emitted chunk reports exactly what the model saw and which client
+revision it came from.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 
 from ipc.protocol import MAX_MOUSE_DEGREES, ChunkControl, InputState, InputStateError, check_input_state
 
 NO_REVISION = -1  # revision of snapshots cut before any client state arrived
-APPLIED_HISTORY = 64  # how many recent (index -> snapshot) records are kept
 
 # Bad live input from a client (the shared check's ``unknown_keys`` and ``malformed``, and this service's own
 # ``stale_revision``); the service state is unchanged. ``reason`` is a short machine-readable tag.
@@ -70,7 +66,6 @@ class LiveControls:
         self._mouse = (0.0, 0.0)  # motion folded in since the last cut
         self._revision = NO_REVISION  # latest revision folded in
         self._next_index = 0  # next chunk index to cut
-        self._applied: OrderedDict[int, ChunkControl] = OrderedDict()  # bounded: APPLIED_HISTORY entries
         self._recut: dict[int, ChunkControl] = {}  # a restored session's snapshots cut before its save
 
     @classmethod
@@ -121,12 +116,6 @@ class LiveControls:
         self._mouse = (self._mouse[0] + state.mouse[0], self._mouse[1] + state.mouse[1])
         self._revision = state.revision
 
-    def reset(self) -> None:
-        """Forget held keys, pending taps and pending mouse motion; affects only snapshots cut afterwards."""
-        self._held = frozenset()
-        self._taps.clear()
-        self._mouse = (0.0, 0.0)
-
     def may_cut(self, index: int, current_chunk_index: int) -> bool:
         """Whether ``cut(index, current_chunk_index)`` would return a snapshot now (a pure query)."""
         self._check_order(index, current_chunk_index)
@@ -147,7 +136,6 @@ class LiveControls:
         recut = self._recut.pop(index, None)
         if recut is not None:
             self._next_index += 1
-            self._applied[index] = recut
             return recut
         # A chunk turns at most MAX_MOUSE_DEGREES: motion beyond is clamped, never an error on the model's path.
         mouse = tuple(max(-MAX_MOUSE_DEGREES, min(MAX_MOUSE_DEGREES, m)) for m in self._mouse)
@@ -156,19 +144,7 @@ class LiveControls:
         self._taps.clear()
         self._mouse = (0.0, 0.0)
         self._next_index += 1
-        self._applied[index] = snapshot
-        if len(self._applied) > APPLIED_HISTORY:
-            self._applied.popitem(last=False)
         return snapshot
-
-    def applied(self, index: int) -> ChunkControl | None:
-        """The snapshot cut for ``index`` if it is among the last ``APPLIED_HISTORY`` cut, else ``None``."""
-        return self._applied.get(index)
-
-    def revision_of(self, index: int) -> int | None:
-        """The client revision the snapshot of ``index`` came from (same bounded record as ``applied``)."""
-        snapshot = self._applied.get(index)
-        return None if snapshot is None else snapshot.revision
 
     def _check_order(self, index: int, current_chunk_index: int) -> None:
         if index != self._next_index:

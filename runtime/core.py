@@ -1,37 +1,27 @@
 """The coordinator core: everything rank 0 decides, as a sans-io state machine (DESIGN.md sections 5-8, 11).
 
 ``CoordinatorCore.step(events, now)`` takes what happened (client messages, worker completions with their rank,
-finished image decodes, failed sends, timer turns; ``runtime.core_types``) and returns what the shell must do, in
-order. No socket, thread or clock inside: ``now`` comes with every step, and each session id comes from ``new_id``.
+finished image decodes and manifest reads and writes, failed sends, timer turns; ``runtime.core_types``) and returns
+what the shell must do, in order. No socket, thread, clock or file inside: ``now`` comes with every step, each
+session id comes from ``new_id``, and the snapshot folder is read, written and listed by the shell.
 
-It owns each session end to end: the scheduler's cursors (``runtime.scheduler``), what rank 0 keeps of the session
-besides (``runtime.session``: its client, start image, accepted controls, spans, per-rank joins), the live controls
-(``runtime.control_service``) and the metrics. Rules that live here and nowhere else:
+The core keeps routing (client message type -> handler or part) and each session's own path: open -> scheduler ->
+dispatch -> join -> emit -> close, and the stats. What else a session has lives in its parts (``runtime.parts``),
+each owning its per-session state and answering with outputs, never calling back: admission
+(``runtime.admission``: length, prompt, session limit, frame size, memory, real time, the steps each chunk runs),
+saves and restores' reads (``runtime.saving``), rank health (``runtime.rank_health``: pings, beats, clock, memory,
+the rank and stage deadlines), watchers (``runtime.watchers``) and metrics (``runtime.metrics``). A close, and a
+drop of a session that cannot close, is one loop over the parts.
 
-- **Real time.** A session is created only if the capacity model (``runtime.capacity``) admits it; its steps and
-  everyone else's follow from the model's ladder, read when each denoise is dispatched (a change takes effect at a
-  chunk boundary, and the chunk facts carry the receipt); a control's ``steps`` reaches the model when its chunk is
-  dispatched.
-- **Opening.** ``open`` is checked (length, prompt, session limit counting images still being decoded), then its
-  image is decoded off the loop (``DecodeImage``); sessions are created in request order once their images are
-  there. The frame size is ``stream.height x stream.width`` (``stream.size = "fixed"``) or the allowed size nearest
-  to the start image's aspect ratio (``"image"``, ``runtime.sizes``: every rank warmed each one up); an image whose
-  official frame size at ``stream.area`` pixels would be degenerate (``models.stages.frame_size``) is refused with
-  ``bad_image``. Everything of the session uses its own geometry: the ``opened`` reply, the pose
-  count of a control, every shape announced to the ranks.
+- **Opening.** ``open`` is admitted, its image decoded off the loop, and sessions are created in request order once
+  their images are there; a restore reads its manifest off the loop and is admitted by the same ``admit``.
 - **Tasks.** Each scheduler action becomes per-rank tasks through the stage table (``runtime.placement.plan``); the
-  action is finished when every completion it waits for arrived (the join), and only then does the scheduler
-  hear of it. A completion that no join waits for only adds its spans. A task whose join is older than
-  ``timeouts.stage_s`` ends the job; so does a rank silent for ``timeouts.rank_dead_s`` and any fatal failure.
+  action is finished when every completion it waits for arrived (the join), and only then does the scheduler hear
+  of it. A completion that no join waits for only adds its spans.
 - **Live controls** are cut when the scheduler wants them (``Scheduler.control_wanted``), after every event.
 - **Clients** (``runtime.clients``, the front door shared with the router): the sessions of a client silent for
-  ``server.client_timeout_s`` are closed ("disconnect", told to it in case it is still there); a client that is gone
-  is skipped until it resumes (same identity, ``heartbeat`` naming the session); one that stops reading is closed at
-  once.
-- **Spectators** (``runtime.watchers``): each session's ``opened`` carries a watch token; ``watch`` with it adds a
-  read-only watcher named on every later ``EmitChunk`` (the shell feeds it without ever waiting); a watcher's
-  controls, close and the like are refused ``watch_only``; when the session ends each watcher gets its own
-  ``closed`` after its last chunks (``EndWatch``).
+  ``server.client_timeout_s`` are closed ("disconnect"); a client that is gone is skipped until it resumes; one
+  that stops reading is closed at once.
 - **Containment.** A bad request gets a clear error and changes nothing; an unexpected error while handling an
   event costs the session it concerns (error to its client, caches released), never the server.
 - Actions never re-enter: a scheduler event's actions become outputs only; consequences that need the scheduler
@@ -41,25 +31,21 @@ besides (``runtime.session``: its client, start image, accepted controls, spans,
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import uuid
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from ipc import protocol
-from ipc.metrics_types import RankStats, ServerStats, SessionSummary
-from ipc.protocol import QUALITY_STEPS, ChunkFacts, Phase, Stage, clip
+from ipc.metrics_types import RankStats, ServerStats
+from ipc.protocol import ChunkFacts, Phase, clip
 from models.controls import OFFICIAL_INTRINSICS
-from models.geometry import frame_size, intrinsics_at
+from models.geometry import intrinsics_at
 from runtime import scheduler as sch
-from runtime.capacity import CapacityModel
-from runtime.clients import Clients
-from runtime.clock import ClockSync
+from runtime.admission import Admission, Opening
+from runtime.clients import Clients, backpressure_retry_s
 from runtime.config import (
     CapacityConfig,
     LayoutConfig,
@@ -77,8 +63,6 @@ from runtime.core_types import (
     ClientSent,
     ClientUnreachable,
     ClientUnreadable,
-    DecodeImage,
-    DropSnapshotFiles,
     DropTensors,
     EmitChunk,
     EndWatch,
@@ -86,57 +70,30 @@ from runtime.core_types import (
     FramesMissing,
     ImageDecoded,
     JobFailed,
-    ListSnapshots,
     ManifestRead,
+    ManifestWritten,
     MemorySampled,
     Output,
     RankLost,
-    ReadManifest,
     ShutdownRequested,
     SnapshotsListed,
     Stop,
     Tick,
     ToClient,
-    ToWorker,
     WatchDropped,
     WorkerSent,
 )
-from runtime.late_writes import LateWrites
-from runtime.memory_admission import Cost, MemoryAdmission
-from runtime.metrics import MetricsObserver, Observers, ServerMetrics, SessionMetrics
-from runtime.placement import (
-    HEARTBEAT,
-    STAGES,
-    NewPrompt,
-    Placement,
-    StageAction,
-    identity,
-    join_of,
-    key_of,
-    placement_of,
-    plan,
-    step_of,
-)
+from runtime.memory_admission import Cost
+from runtime.metrics import MetricsObserver, Observers, ServerMetrics, SessionMetrics, final_summary
+from runtime.parts import Answer, Hold, Part, ToOwner
+from runtime.placement import STAGES, NewPrompt, Placement, StageAction, join_of, key_of, placement_of, plan
 from runtime.prompts import PromptBackpressure, PromptRevisions
+from runtime.rank_health import RankHealth
 from runtime.restores import restore_problem, restored_length
+from runtime.saving import Saves
 from runtime.session import Join, Session
-from runtime.sizes import served_sizes, snap
-from runtime.snapshot_folder import FolderBudget
-from runtime.snapshots import (
-    FORMAT,
-    FileEntry,
-    Identity,
-    Manifest,
-    PendingSave,
-    SaveState,
-    SnapshotError,
-    SnapshotStore,
-    check_id,
-    geometry_of,
-    live_state,
-    new_snapshot_id,
-    wall_clock,
-)
+from runtime.sizes import served_sizes
+from runtime.snapshots import Identity, SnapshotStore, geometry_of
 from runtime.warm_start import WarmStart
 from runtime.watchers import Watchers
 
@@ -145,28 +102,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A control that met a full edge is accepted once the DiT moves on, about once per chunk period: its retry hint is
-# an eighth of the session's latest period within these bounds, so an eager client does not cost rank 0 (and a
-# router) a decode and a reply every 2 ms for the whole period (300 per chunk at a GPU's 0.6 s).
-BACKPRESSURE_RETRY_MIN_S = 0.002
-BACKPRESSURE_RETRY_MAX_S = 0.1
-BACKPRESSURE_RETRY_COLD_S = 0.02  # before the session's second chunk (the cold start: nothing moves for a while)
-BUSY_RETRY_S = 5.0  # hint to clients refused at the session limit
-LATE_WRITE_WAITS = 3  # a failed save's writer may be 2 writes behind (``MAX_WAITING_WRITES``): stage_s each
-
 
 def _new_id() -> str:
     return uuid.uuid4().hex[:12]
-
-
-@dataclass
-class _Opening:
-    """An ``open`` whose start image is being decoded."""
-
-    ticket: int
-    identity: bytes
-    message: protocol.Open
-    result: ImageDecoded | None = None
 
 
 class CoordinatorCore:
@@ -185,6 +123,9 @@ class CoordinatorCore:
         self.geometry = geometry  # the backend's, at stream.height x stream.width
         self.where: Placement = placement_of(layout)
         self.sizes = served_sizes(stream)
+        # the longest session: ``server.max_chunks``, or less when the model caps it (a "full" KV cache)
+        self.max_chunks = server.max_chunks if geometry.max_chunks is None else min(geometry.max_chunks,
+                                                                                    server.max_chunks)
         self.warm_start = warm_start or WarmStart(self.where, self.sizes)  # what the ranks' hellos reported
         self.scheduler = sch.Scheduler(
             mode=sch.Mode(scheduler.mode),
@@ -193,34 +134,23 @@ class CoordinatorCore:
         # the summaries and the stats reply; ``metrics`` feeds it and the other observers (Prometheus) each event once
         self.server_metrics = ServerMetrics(now, stream.fps, metrics.warmup_chunks)
         self.metrics = Observers(self.server_metrics, *observers)
-        self.clock = ClockSync()
         self.new_id = new_id
         self.server_id = server_id or _new_id()  # in every heartbeat ack: a client tells a restarted server apart
         self.intrinsics = intrinsics  # controls.intrinsics: the camera of sessions whose open gives none
-        self.capacity_config = capacity or CapacityConfig()
-        self.capacity = CapacityModel(self.capacity_config)  # real-time admission and the steps of every session
+        # the session's parts (``runtime.parts``): each keeps its own per-session state, forgotten on close and drop
+        self.admitting = Admission(server, capacity or CapacityConfig(), stream, self.sizes, session_cost,
+                                   dict(rooms or {}))
         self.clients: Clients[Session] = Clients(self.server_id, server.client_timeout_s)
         self.watchers = Watchers(server.max_watchers, server.client_timeout_s)  # spectators, beside the owners
         self.watch_dropped = 0  # chunks the shell dropped for slow watchers (``WatchDropped``)
-        self.opening: deque[_Opening] = deque()
-        self.reading: dict[int, tuple[bytes, protocol.Open]] = {}  # restores whose manifest is being read
-        self.tickets: Iterator[int] = itertools.count()
-        self.last_beat = {rank: now for rank in self.where.heartbeat_ranks}
-        self.memory: dict[int, dict[str, int]] = {}
-        # memory-aware admission: each rank's room (from its hello) against the model's cost of a session
-        self.admission = MemoryAdmission(session_cost, dict(rooms or {}))
-        self.ping_seq = 0
-        self.next_ping = now
+        self.health = RankHealth(self.where.heartbeat_ranks, timeouts, now)  # pings, beats, clock, deadlines
         self.stopped = False
         self._out: list[Output] = []
         # saved sessions (``runtime.snapshots``): the folder, what a snapshot must match here, the saves in flight
-        self.snapshots = snapshots or SnapshotStore("out/snapshots")
-        self.identity = Identity(model=model, layout=layout.name, world_size=layout.world_size,
-                                 condition=layout.condition, decode=layout.decode, dit=tuple(layout.dit))
-        self.saves: dict[str, PendingSave] = {}  # by session: one save at a time each
-        # failed saves whose writers may still write: each folder is deleted once the last is done with it
-        self.late_writes = LateWrites(LATE_WRITE_WAITS * timeouts.stage_s)
-        self.folder = FolderBudget()  # the folder's complete snapshots as last listed (``stats``, the budget)
+        self.saving = Saves(snapshots or SnapshotStore("out/snapshots"), Identity(
+            model=model, layout=layout.name, world_size=layout.world_size, condition=layout.condition,
+            decode=layout.decode, dit=tuple(layout.dit)), self.where, server, timeouts.stage_s)
+        self.parts: tuple[Part, ...] = (self.saving, self.admitting)  # in the order a close answers
         self.restored = 0  # sessions restored from a snapshot so far (``/metrics``)
 
     @property
@@ -238,13 +168,17 @@ class CoordinatorCore:
             try:
                 self._handle(event, now)
                 self._cut_live(now)
-                self._advance_saves(now)
+                for sid in self.saving.waiting():  # its session gone or closing (None), or quiet before its boundary
+                    session = self.sessions.get(sid) if sid in self.sessions and self._live(sid) else None
+                    quiet = session is not None and self.scheduler.quiet_before_denoise(sid)
+                    self._answer(self.saving.advance(sid, session, quiet, now), now)
             except JobFailed as error:
                 log.error("job failed: %s", error)
                 self._out += self.clients.notices("rank_failed", str(error))
                 for sid in list(self.watchers.tokens):
-                    self._end_watchers(sid, "failed", str(error), keep=False)
-                self._stop(EXIT_FAILED, str(error))
+                    self._out += self.watchers.ended(sid, "failed", str(error), keep=False)
+                self.stopped = True
+                self._out.append(Stop(EXIT_FAILED, str(error)))
             except Exception:  # a bug outside any session (every session's work is guarded): keep serving
                 log.exception("internal error handling %s", type(event).__name__)
         out, self._out = self._out, []
@@ -253,24 +187,32 @@ class CoordinatorCore:
     def _handle(self, event: Event, now: float) -> None:
         match event:
             case ClientSent(identity=who, message=message):
-                self._from_client(who, message, now)
+                self.clients.heard(who, now)
+                self.watchers.heard(who, now)
+                self._attempt(who, getattr(message, "req", None), getattr(message, "session", None),
+                              lambda: self._request(who, message, now), now)
             case ClientUnreadable(identity=who, error=error, req=req):
                 self.clients.heard(who, now)
                 self._refuse(who, ClientError("bad_message", error), req)
-            case ImageDecoded():
-                self._image_decoded(event, now)
-            case ManifestRead():
-                self._restored(event, now)
-            case SnapshotsListed(written=written, stored=stored):
-                listed = None if stored is None else list(stored)
-                for snapshot in self.folder.after_save(self.snapshots, written, listed, self._snapshots_in_use(), now):
-                    self._emit(DropSnapshotFiles(snapshot, expired=True))
+            case ImageDecoded():  # sessions are created in the order they were asked for
+                for opening in self.admitting.decoded(event):
+                    self._attempt(opening.identity, opening.message.req, None,
+                                  lambda o=opening: self._create(o, now), now)
+            case ManifestRead():  # checked in ``_restore_from``; a refusal or a bug costs this request only
+                who, message = self.saving.reading.pop(event.ticket)
+                self._attempt(who, message.req, None, lambda: self._restore_from(who, message, event, now), now)
+            case ManifestWritten():
+                self._answer(self.saving.written(event), now)
+            case SnapshotsListed():
+                restoring = {s.restore for s in self.sessions.values() if s.restore and not s.opened}
+                self._answer(self.saving.listed(event, restoring, now), now)
             case WorkerSent(message=protocol.Beat() as beat):
-                self._beat(beat, now)
+                self.health.beat(beat, now)
+                self.admitting.memory.report(beat.rank, beat.room, beat.held)
             case WorkerSent(message=protocol.SaveCaptured() | protocol.SaveWritten() as saved):
-                self._guarded(saved.session, lambda: self._save_progress(saved, now), now)
+                self._guarded(saved.session, lambda: self._answer(self.saving.progress(saved, now), now), now)
             case WorkerSent(message=protocol.TaskFailed(phase=Phase.SAVE) as failed):
-                self._save_refused(failed, now)
+                self._answer(self.saving.refused(failed, now), now)
             case WorkerSent(message=done):
                 self._guarded(done.session, lambda: self._completion(done, now), now)  # type: ignore[arg-type]
             case ClientUnreachable():
@@ -278,10 +220,10 @@ class CoordinatorCore:
             case FramesMissing(session=sid, index=index, error=error):
                 self._contain(sid, None, None, RuntimeError(f"frames of chunk {index} never reached rank 0: {error}"),
                               now)
-            case MemorySampled(rank=rank, rss=rss, peak_rss=peak, cuda_peak=cuda, held=held):
-                self.memory[rank] = {"rss": rss, "peak_rss": peak, "cuda_peak": cuda}
+            case MemorySampled(rank=rank, held=held):
+                self.health.sampled(event)
                 if held is not None:
-                    self.admission.measured[rank] = held
+                    self.admitting.memory.measured[rank] = held
             case Tick():
                 self._timers(now)
             case RankLost(reason=reason):
@@ -291,42 +233,42 @@ class CoordinatorCore:
             case WatchDropped(total=total):
                 self.watch_dropped = total
 
-    def _emit(self, output: Output) -> None:
-        self._out.append(output)
+    def _answer(self, answers: list[Answer], now: float) -> None:
+        """Carry out what a part returned: outputs as they are, and what only the core may do."""
+        for answer in answers:
+            match answer:
+                case Hold(session=sid, on=True):
+                    self._run(self.scheduler.hold(sid, True, now), now)
+                case Hold(session=sid):  # a closing session's hold ends with it
+                    if sid in self.sessions and self._live(sid):
+                        self._run(self.scheduler.hold(sid, False, now), now)
+                case ToOwner(session=sid, message=message, owner=owner):
+                    session = self.sessions.get(sid)
+                    self._out.append(ToClient(session.client if session is not None else owner, message, sid))
+                case _:
+                    self._out.append(answer)
 
     def _to_client(self, session: Session, message: Any) -> None:
         if not session.gone:  # dropped until the owner resumes (or the client timeout closes the session)
-            self._emit(ToClient(session.client, message, session.id))
-
-    def _stop(self, code: int, reason: str) -> None:
-        self.stopped = True
-        self._emit(Stop(code, reason))
+            self._out.append(ToClient(session.client, message, session.id))
 
     # ---------------------------------------------------------------------------------------------- clients
-
-    def _from_client(self, who: bytes, message: protocol.ClientMessage, now: float) -> None:
-        self.clients.heard(who, now)
-        self.watchers.heard(who, now)
-        try:
-            self._request(who, message, now)
-        except ClientError as error:
-            self._refuse(who, error, getattr(message, "req", None), getattr(message, "session", None))
-        except JobFailed:
-            raise
-        except Exception as error:  # a bug must cost one request (and its session), never the server
-            log.exception("internal error handling %s", type(message).__name__)
-            self._contain(getattr(message, "session", None), who, getattr(message, "req", None), error, now)
 
     def _request(self, who: bytes, message: protocol.ClientMessage, now: float) -> None:
         if not isinstance(message, protocol.Watch | protocol.Unwatch | protocol.Heartbeat):
             self.watchers.refuse(who, getattr(message, "session", None), type(message).__struct_config__.tag)
         match message:
             case protocol.Open(restore=str()):
-                self._restore(who, message)
-            case protocol.Open():
-                self._open(who, message)
+                self._answer(self.saving.read(who, message), now)
+            case protocol.Open():  # checked, then its image decoded off the loop (``ImageDecoded``)
+                self._out.append(self.admitting.ask(who, message, len(self.sessions), self.max_chunks,
+                                                    self.geometry.max_chunks))
             case protocol.Save():
-                self._save(self.clients.owned(who, message.session), who, message, now)
+                session = self.clients.owned(who, message.session)
+                self._answer(self.saving.save(
+                    session, who, message, self.scheduler.session_state(session.id),
+                    self.scheduler.next_denoise_index(session.id), self.admitting.capacity.seats.get(session.id),
+                    self.admitting.steps_of(session.id), now), now)
             case protocol.Control():
                 self._control(self.clients.owned(who, message.session), message, now)
             case protocol.ControlState():
@@ -345,106 +287,44 @@ class CoordinatorCore:
                 sid = self.clients.owned(who, message.session).id
                 if not self._live(sid):  # a repeated close: answered, and the one ``closed`` still follows
                     raise ClientError("closing", f"session {sid} is already closing; its closed message follows")
-                self._close(sid, "client", now)
+                self._run(self.scheduler.close(sid, "client", now), now)
             case protocol.Stats():
-                self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(now, who))))
+                self._out.append(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(now, who))))
             case protocol.Heartbeat():
-                self._emit(self.clients.heartbeat(who, message, now))
-            case protocol.Watch():
-                self._watch(who, message, now)
+                self._out.append(self.clients.heartbeat(who, message, now))
+            case protocol.Watch():  # the session's geometry now, its chunks from the next
+                self._out.append(self.watchers.watching(who, message, self.sessions.get(message.session),
+                                                        self.stream.fps, now))
             case protocol.Unwatch():
                 self.watchers.unwatch(who, message.session)
-                self._emit(EndWatch(who, message.session, protocol.Closed(session=message.session, reason="unwatched"),
-                                    keep=False))
-
-    def _watch(self, who: bytes, message: protocol.Watch, now: float) -> None:
-        """A spectator subscribes (``runtime.watchers``): the session's geometry now, its chunks from the next."""
-        session = self.sessions.get(message.session)
-        self.watchers.watch(who, message.session, message.token, now, None if session is None else session.client)
-        assert session is not None  # a token exists only while its session runs
-        g = session.geometry
-        self._emit(ToClient(who, protocol.Watching(
-            req=message.req, session=session.id, height=g.height, width=g.width, fps=self.stream.fps,
-            frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
-            num_chunks=session.num_chunks)))
-
-    def _end_watchers(self, sid: str, reason: str, error: str | None, keep: bool) -> None:
-        """The session ended (or the server stops): each of its watchers gets a ``closed`` of its own."""
-        for who in self.watchers.end(sid):
-            self._emit(EndWatch(who, sid, protocol.Closed(session=sid, reason=reason, error=error), keep))
+                closed = protocol.Closed(session=message.session, reason="unwatched")
+                self._out.append(EndWatch(who, message.session, closed, keep=False))
 
     def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
-        self._reject(error.code)
-        self._emit(self.clients.refusal(who, error, req, session))
+        self.metrics.on_reject(error.code)
+        self._out.append(self.clients.refusal(who, error, req, session))
 
-    def _reject(self, reason: str) -> None:
-        self.metrics.on_reject(reason)
-
-    @property
-    def max_chunks(self) -> int:
-        """The longest session: ``server.max_chunks``, or less when the model caps it (a "full" KV cache)."""
-        cap = self.geometry.max_chunks
-        return self.server.max_chunks if cap is None else min(cap, self.server.max_chunks)
-
-    def _open(self, who: bytes, message: protocol.Open) -> None:
-        server = self.server
-        if message.num_chunks is not None and not 1 <= message.num_chunks <= self.max_chunks:
-            why = "" if self.geometry.max_chunks is None else (
-                f" (the model's KV cache keeps the whole session and holds {self.geometry.max_chunks} chunks: "
-                "model.kv_window = 'full', model.kv_full_frames)")
-            raise ClientError("bad_request", f"num_chunks must be in 1..{self.max_chunks}, got {message.num_chunks}"
-                              f"{why}")
-        if len(message.prompt) > server.max_prompt_chars:
-            raise ClientError("bad_request", f"prompt of {len(message.prompt)} characters exceeds the limit of "
-                              f"{server.max_prompt_chars}")
-        if len(self.sessions) + len(self.opening) >= server.max_sessions:
-            raise ClientError("busy", f"the server is at its limit of {server.max_sessions} sessions",
-                              retry_after_s=BUSY_RETRY_S)
-        ticket = next(self.tickets)
-        self.opening.append(_Opening(ticket, who, message))
-        self._emit(DecodeImage(ticket, message.image, server.max_image_pixels))
-
-    def _image_decoded(self, event: ImageDecoded, now: float) -> None:
-        """Sessions whose start image is decoded are created, in the order they were asked for."""
-        for opening in self.opening:
-            if opening.ticket == event.ticket:
-                opening.result = event
-        while self.opening and self.opening[0].result is not None:
-            opening = self.opening.popleft()
-            self._opening(opening.identity, opening.message.req, lambda o=opening: self._create(o, now), now)
-
-    def _opening(self, who: bytes, req: int, work: Callable[[], None], now: float) -> None:
-        """Open a session whose off-loop part is done (its image decoded, its manifest read): a refusal or a bug
-        costs this request only."""
+    def _attempt(self, who: bytes, req: int | None, sid: str | None, work: Callable[[], None], now: float) -> None:
+        """A client's request, or an open whose off-loop part is done (its image decoded, its manifest read): a
+        refusal or a bug costs this request (and the session it names) only, never the server."""
         try:
             work()
         except ClientError as error:
-            self._refuse(who, error, req)
+            self._refuse(who, error, req, sid)
         except JobFailed:
             raise
         except Exception as error:
-            log.exception("internal error opening a session")
-            self._contain(None, who, req, error, now)
+            log.exception("internal error handling a request of %s", who)
+            self._contain(sid, who, req, error, now)
 
-    def _frame_size(self, height: int, width: int) -> tuple[int, int]:
-        if self.stream.size == "fixed":
-            return self.stream.height, self.stream.width
-        size = frame_size(height, width, self.stream.area)
-        if min(size) < 16:
-            raise ClientError("bad_image", f"a start image of {width}x{height} pixels is too narrow: its frame size "
-                              f"at {self.stream.area} pixels would be {size[1]}x{size[0]}")
-        return snap(height, width, self.sizes)
-
-    def _create(self, opening: _Opening, now: float) -> None:
+    def _create(self, opening: Opening, now: float) -> None:
         result, message = opening.result, opening.message
         assert result is not None
         if result.image is None:
             raise ClientError("bad_image", result.error)
-        geometry = self.geometry.with_size(*self._frame_size(result.image.height, result.image.width))
-        self._check_memory(geometry)
-        sid = self.new_id()
-        self._admit(sid, geometry, message)  # may refuse busy: before the memory is held, which it cannot refuse
-        self.admission.admit(sid, geometry.height, geometry.width)
+        geometry = self.geometry.with_size(*self.admitting.frame_size(result.image.height, result.image.width))
+        sid = self.admitting.admit(len(self.sessions), geometry, message.steps,
+                                   message.min_steps, message.num_chunks, self.new_id)
         live = LiveControls(pause_when_idle=message.pause_when_idle) if message.live else None
         metrics = self._open_metrics(sid, now)
         self.clients.add(Session(
@@ -456,34 +336,11 @@ class CoordinatorCore:
                                              now), now)
 
     def _open_metrics(self, sid: str, now: float) -> SessionMetrics:
+        """The session exists: every part starts its state (the metrics first: the session's record)."""
         self.metrics.on_open(sid, now)
+        for part in self.parts:
+            self._answer(part.opened(sid, now), now)
         return self.server_metrics.sessions[sid]
-
-    def _check_memory(self, geometry: StreamGeometry) -> None:
-        """``busy`` when some rank has no room for one more session of this size (memory-aware admission)."""
-        refusal = self.admission.refusal(geometry.height, geometry.width)
-        if refusal is None:
-            return
-        if (geometry.height, geometry.width) in self.admission.unservable_sizes:  # no close frees this size
-            raise ClientError("busy", f"{refusal}; a start image of another aspect ratio streams at another size")
-        raise ClientError("busy", f"{refusal}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
-
-    def _admit(self, sid: str, geometry: StreamGeometry, message: protocol.Open) -> None:
-        """Real-time admission (``runtime.capacity``): a seat for ``sid`` with its steps, or ``busy``."""
-        want = message.steps or QUALITY_STEPS[0]
-        admission = self.capacity.admit(sid, (geometry.height, geometry.width),
-                                        geometry.frames_in_chunk(1) / self.stream.fps, want,
-                                        message.min_steps or self.capacity_config.min_steps,
-                                        message.num_chunks)  # fmt: skip
-        if not admission.ok:
-            raise ClientError("busy", admission.reason, retry_after_s=admission.retry_after_s or BUSY_RETRY_S)
-        self._log_steps(admission.changed, f"session {sid} opened")
-
-    def _log_steps(self, changed: dict[str, int], cause: str) -> None:
-        for sid, steps in changed.items():
-            seat = self.capacity.seats[sid]
-            log.info("session %s: %d denoising steps from its next chunk (%s: %s)", sid, steps, seat.why or "open",
-                     cause)
 
     def _control(self, session: Session, message: protocol.Control, now: float) -> None:
         if session.live is not None:
@@ -505,17 +362,15 @@ class CoordinatorCore:
         if message.steps is not None:
             session.asked[message.index] = message.steps
         self._run(actions, now)
-        self._emit(ToClient(session.client, protocol.Accepted(req=message.req, session=session.id,
+        self._out.append(ToClient(session.client, protocol.Accepted(req=message.req, session=session.id,
                                                               index=message.index), session.id))
 
     def _set_prompt(self, session: Session, message: protocol.SetPrompt, now: float) -> None:
         """Validate a new prompt and start its encode (``runtime.prompts``); answered once its context is encoded
-        and announced to the DiT ranks (``_prompt_ready``), naming the first chunk that uses it."""
+        and announced to the DiT ranks (``_joined``), naming the first chunk that uses it."""
         if not self._live(session.id) or not session.opened:
             raise ClientError("closing", f"session {session.id} is closing; its prompt cannot change")
-        limit = self.server.max_prompt_chars
-        if len(message.prompt) > limit:
-            raise ClientError("bad_request", f"prompt of {len(message.prompt)} characters exceeds the limit of {limit}")
+        self.admitting.check_prompt(message.prompt)
         try:
             revision = session.prompts.accept(message.req, message.prompt)
         except PromptBackpressure as error:
@@ -523,43 +378,30 @@ class CoordinatorCore:
                               retry_after_s=backpressure_retry_s(session.metrics.last_period)) from None
         self._dispatch(NewPrompt(session.id, revision, message.prompt), now)
 
-    def _prompt_ready(self, session: Session, revision: int) -> None:
-        """Revision ``revision``'s context is encoded and its broadcast announced: denoises dispatched from now on
-        use it, so the first of them is the chunk the reply names."""
-        req = session.prompts.encoded(revision)
-        if req is not None:
-            self._prompt_scheduled(session, revision, req)
-
     def _prompt_scheduled(self, session: Session, revision: int, req: int) -> None:
         self._to_client(session, protocol.PromptScheduled(req=req, session=session.id, revision=revision,
                                                           chunk=self.scheduler.next_denoise_index(session.id)))
 
     def _cut_live(self, now: float) -> None:
         """The non-blocking path of live sessions: a snapshot is cut when the scheduler wants the control."""
+        def cut(session: Session, live: LiveControls) -> None:
+            index = self.scheduler.control_wanted(session.id)
+            snapshot = None if index is None else live.cut(index, self.scheduler.next_emit_index(session.id))
+            if snapshot is not None:
+                actions = self.scheduler.submit_control(session.id, index, now, payload=snapshot)  # type: ignore[arg-type]
+                session.controls[index] = snapshot  # type: ignore[index]
+                self._run(actions, now)
+
         for session in list(self.sessions.values()):
             if session.live is not None:
-                self._guarded(session.id, lambda s=session: self._cut(s, now), now)
-
-    def _cut(self, session: Session, now: float) -> None:
-        assert session.live is not None
-        index = self.scheduler.control_wanted(session.id)
-        if index is None:
-            return
-        snapshot = session.live.cut(index, self.scheduler.next_emit_index(session.id))
-        if snapshot is not None:
-            actions = self.scheduler.submit_control(session.id, index, now, payload=snapshot)
-            session.controls[index] = snapshot
-            self._run(actions, now)
+                self._guarded(session.id, lambda s=session, live=session.live: cut(s, live), now)
 
     def _unreachable(self, event: ClientUnreachable, now: float) -> None:
         if self.watchers.remove(event.identity, event.session):
             return  # a watcher that disconnected: its feed is gone with it
         session = self.clients.unreachable(event)
         if session is not None:  # connected but not reading: never buffered without bound
-            self._close(session.id, "disconnect", now)
-
-    def _close(self, sid: str, reason: str, now: float) -> None:
-        self._run(self.scheduler.close(sid, reason, now), now)
+            self._run(self.scheduler.close(session.id, "disconnect", now), now)
 
     def _live(self, sid: str) -> bool:
         """Open and not closing."""
@@ -575,9 +417,19 @@ class CoordinatorCore:
                 continue
             match action:
                 case sch.DitIdle():
-                    self._idle(action)
+                    # each waiting session counts the idle time with its own cause
+                    self.metrics.on_idle(action.start, action.end, action.cause, action.blocked)
                 case sch.Emit():
-                    self._emit_chunk(self.sessions[action.session], action)
+                    session = self.sessions[action.session]
+                    control, spans = session.take_chunk(action.index)
+                    steps, changed = session.chunk_steps.pop(action.index, (0, None))
+                    facts = ChunkFacts(action.index, session.geometry.frames_in_chunk(action.index), control,
+                                       action.times, spans, steps, changed,
+                                       prompt_revision=session.prompts.emitted(action.index))
+                    self.metrics.on_chunk(session.id, facts, self.health.memory)
+                    self.admitting.emitted(session.id, facts, action.index < max(1, self.metrics_config.warmup_chunks))
+                    self._out.append(EmitChunk(session.id, facts, None if session.gone else session.client,
+                                               self.watchers.of(session.id)))
                 case sch.SessionReady(session=sid):
                     self._ready(self.sessions[sid])
                 case sch.SessionFailed(session=sid, error=error):
@@ -597,7 +449,7 @@ class CoordinatorCore:
         control, steps = None, None
         controlled = isinstance(action, sch.RunChunk) and STAGES[action.stage].controlled
         if controlled:  # the chunk that takes the client's control, its steps and the prompt
-            control, steps = session.controls.get(action.index), self._chunk_steps(session, action.index)
+            control, steps = session.controls.get(action.index), self.admitting.chunk_steps(session, action.index)
             session.prompts.dispatched(action.index)  # the chunk takes the prompt announced last (plan names it)
         tasks = plan(action, session.facts(), self.where, control, steps)
         if controlled:  # a save's boundary chunk is out: prompts encoded meanwhile follow it
@@ -607,35 +459,8 @@ class CoordinatorCore:
             session.image = None  # the stage that takes it has it now
         if isinstance(action, sch.Release):
             session.released.pop(action.stage.value, None)  # a retry counts confirmations afresh
-        self._send(session, tasks.sends, now)
+        self._out += session.handed(tasks.sends, now)
         session.joins[key_of(action)] = Join(set(tasks.waits), now, tasks.then)
-
-    def _chunk_steps(self, session: Session, index: int) -> int:
-        """The denoising steps chunk ``index`` runs (at its dispatch: a chunk boundary), a control's request applied
-        first; remembered with why they changed for the chunk's facts."""
-        asked = [i for i in session.asked if i <= index]
-        if asked:
-            want = session.asked[max(asked)]
-            for i in asked:
-                del session.asked[i]
-            self._log_steps(self.capacity.ask(session.id, want), f"its control asked for {want}")
-        steps = self._steps_of(session.id)
-        seat = self.capacity.seats.get(session.id)
-        changed = seat.why if seat is not None and session.last_steps and steps != session.last_steps else None
-        session.chunk_steps[index] = (steps, changed)
-        session.last_steps = steps
-        return steps
-
-    def _steps_of(self, sid: str) -> int:
-        seat = self.capacity.seats.get(sid)
-        return seat.steps if seat is not None else QUALITY_STEPS[0]
-
-    def _send(self, session: Session, tasks: Iterable[tuple[bytes, protocol.WorkerTask]], now: float) -> None:
-        for to, task in tasks:
-            self._emit(ToWorker(to, task))
-            step = step_of(task)
-            if step is not None:  # when a chunk's work was handed over: the queue wait of its spans
-                session.queued[(step, task.index)] = now  # type: ignore[union-attr]
 
     def _ready(self, session: Session) -> None:
         g = session.geometry
@@ -645,33 +470,17 @@ class CoordinatorCore:
             frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
             num_chunks=session.num_chunks,
             intrinsics=intrinsics_at(session.intrinsics or self.intrinsics, g.height, g.width),
-            steps=self._steps_of(session.id), watch_token=self.watchers.grant(session.id),
+            steps=self.admitting.steps_of(session.id), watch_token=self.watchers.grant(session.id),
             first_chunk=session.first_chunk))
 
-    def _idle(self, action: sch.DitIdle) -> None:  # each waiting session counts the idle time with its own cause
-        self.metrics.on_idle(action.start, action.end, action.cause, action.blocked)
-
-    def _emit_chunk(self, session: Session, action: sch.Emit) -> None:
-        control, spans = session.take_chunk(action.index)
-        steps, changed = session.chunk_steps.pop(action.index, (0, None))
-        facts = ChunkFacts(action.index, session.geometry.frames_in_chunk(action.index), control, action.times, spans,
-                           steps, changed, prompt_revision=session.prompts.emitted(action.index))
-        self.metrics.on_chunk(session.id, facts, self.memory)
-        self.capacity.on_chunk(session.id, facts, warm=action.index < max(1, self.metrics_config.warmup_chunks))
-        self._log_steps(self.capacity.rebalance(), "the measured stage times miss real time")
-        self._emit(EmitChunk(session.id, facts, None if session.gone else session.client,
-                             self.watchers.of(session.id)))
-
     def _closed(self, action: sch.SessionClosed, now: float) -> None:
-        save = self.saves.get(action.session)
-        if save is not None:
-            self._save_failed(save, f"the session closed ({action.reason}) before its save finished", now)
+        for part in self.parts:  # a save in flight is answered before the closed
+            self._answer(part.closed(action.session, now, action.reason), now)
         session = self.clients.remove(action.session)  # present: _run skips actions of sessions dropped
         assert session is not None
-        self.admission.release(session.id)
-        self._log_steps(self.capacity.remove(session.id), f"session {session.id} closed")
         summary = msgspec.structs.replace(
-            self._final_summary(session.id, now), clock_offsets=self.clock.offsets(),
+            final_summary(self.server_metrics, self.metrics, session.id, now),
+            clock_offsets=self.health.clock.offsets(),
             released=session.released,  # stage -> ranks that confirmed, in release order
             leaked_caches=[s.value for s in action.leaked], poisoned=action.poisoned)
         for revision, req in session.prompts.waiting().items():  # a set_prompt still encoding gets its answer
@@ -679,18 +488,11 @@ class CoordinatorCore:
                 f"session {session.id} closed before its prompt revision {revision} was ready")))
         self._to_client(session, protocol.Closed(session=session.id, reason=action.reason, error=action.error,
                                                  summary=summary))
-        self._end_watchers(session.id, action.reason, action.error, keep=True)  # after its last chunks
-        self._emit(DropTensors(session.id))
+        self._out += self.watchers.ended(session.id, action.reason, action.error, keep=True)  # after its last chunks
+        self._out.append(DropTensors(session.id))
         log.info("session %s closed (%s)", session.id, action.reason)
 
     # ---------------------------------------------------------------------------------------------- workers
-
-    def _beat(self, beat: protocol.Beat, now: float) -> None:
-        self.last_beat[beat.rank] = now
-        with contextlib.suppress(ValueError):  # an impossible sample (clock step): keep the estimate
-            self.clock.add(beat.rank, beat.echo, beat.received, beat.sent, now)
-        self.memory[beat.rank] = {"rss": beat.rss, "peak_rss": beat.peak_rss, "cuda_peak": beat.cuda_peak}
-        self.admission.report(beat.rank, beat.room, beat.held)
 
     def _completion(self, done: protocol.Completion, now: float) -> None:
         if isinstance(done, protocol.TaskFailed) and done.fatal:
@@ -701,7 +503,7 @@ class CoordinatorCore:
         index = getattr(done, "index", -1)
         step = done.edge if isinstance(done, protocol.TransferDone) else done.stage
         if step is not None:
-            session.add_spans(index, done.rank, done.role, done.spans, self.clock,
+            session.add_spans(index, done.rank, done.role, done.spans, self.health.clock,
                               session.queued.get((step, index), now))
         try:
             if isinstance(done, protocol.TaskFailed):
@@ -722,11 +524,14 @@ class CoordinatorCore:
         if join.waiting:
             return
         del session.joins[key]
-        self._send(session, join.then, now)
+        self._out += session.handed(join.then, now)
         stage, phase, index = key
         sid = session.id
         if phase is Phase.CHUNK and index < 0:  # a new prompt's encode (a NewPrompt; its context moves now)
-            self._prompt_ready(session, protocol.revision_of(index))
+            revision = protocol.revision_of(index)  # its context encoded and announced: the next denoise uses it
+            req = session.prompts.encoded(revision)
+            if req is not None:
+                self._prompt_scheduled(session, revision, req)
         elif phase is Phase.INIT:
             self._run(self.scheduler.init_done(sid, stage, now), now)
         elif phase is Phase.RELEASE:
@@ -756,196 +561,24 @@ class CoordinatorCore:
     # ---------------------------------------------------------------------------------------------- timers
 
     def _timers(self, now: float) -> None:
-        if now >= self.next_ping:
-            self.next_ping = now + self.timeouts.heartbeat_s
-            for rank in self.where.heartbeat_ranks:
-                self._emit(ToWorker(identity(rank, HEARTBEAT), protocol.Ping(seq=self.ping_seq, sent=now)))
-            self.ping_seq += 1
-            self.metrics.on_gauges(len(self.sessions), self.memory)
-        for rank, seen in self.last_beat.items():
-            if now - seen > self.timeouts.rank_dead_s:
-                raise JobFailed(f"rank {rank} stopped answering (silent for {now - seen:.1f} s)")
-        for session in self.sessions.values():
-            for (stage, phase, index), join in session.joins.items():
-                if now - join.sent > self.timeouts.stage_s:
-                    ranks = ", ".join(str(rank) for _, rank in sorted(join.waiting))
-                    what = f"{stage.value} of chunk {index}" if phase is Phase.CHUNK else f"{stage.value} {phase.value}"
-                    if phase is Phase.CHUNK and index < 0:  # a NewPrompt's encode
-                        what = f"encode of prompt revision {protocol.revision_of(index)}"
-                    raise JobFailed(f"rank {ranks} did not finish the {what} of session {session.id} within "
-                                    f"{self.timeouts.stage_s:.0f} s")
+        pings = self.health.pings(now)
+        if pings:
+            self._out += pings
+            self.metrics.on_gauges(len(self.sessions), self.health.memory)
+        self.health.check(self.sessions.values(), now)
         for who, sid in self.watchers.silent(now):
             log.info("session %s: a watcher silent for over %.1f s is dropped", sid, self.watchers.timeout_s)
-            self._emit(EndWatch(who, sid, protocol.Closed(session=sid, reason="disconnect",
+            self._out.append(EndWatch(who, sid, protocol.Closed(session=sid, reason="disconnect",
                                                           error="the watcher was silent past the client timeout"),
                                 keep=False))
-        for save in list(self.saves.values()):
-            if now - save.asked > self.timeouts.stage_s:  # a save never holds a stream, nor its slot, for ever
-                self._save_failed(save, f"the ranks did not save the state within {self.timeouts.stage_s:.0f} s", now)
-        for snapshot in self.late_writes.expired(now):  # a writer that never answered: its folder goes anyway
-            self._emit(DropSnapshotFiles(snapshot))
-        if self.folder.due(self.snapshots, now):  # for stats: the shell lists the folder off the loop
-            self._emit(ListSnapshots(""))
+        self._answer(self.saving.tick(now), now)
         for session in self.clients.silent(now):
             if self._live(session.id):
                 log.info("session %s: client silent for over %.1f s, closing", session.id, self.clients.timeout_s)
-                self._guarded(session.id, lambda sid=session.id: self._close(sid, "disconnect", now), now)
+                sid = session.id
+                self._guarded(sid, lambda sid=sid: self._run(self.scheduler.close(sid, "disconnect", now), now), now)
 
     # ---------------------------------------------------------------------------------------------- snapshots
-
-    def _save(self, session: Session, who: bytes, message: protocol.Save, now: float) -> None:
-        """Hold the denoise of the session's boundary chunk k (the first not dispatched) until every task of the
-        chunks before k is in its stage's queue; then the save tasks go out and the hold ends (``_advance_saves``):
-        each worker runs its tasks in the order they were sent, so it copies the state between k-1 and k."""
-        sid = session.id
-        state = self.scheduler.session_state(sid)
-        if state is not sch.SessionState.READY:
-            raise ClientError("not_ready" if state is sch.SessionState.INITIALIZING else "closing",
-                              f"session {sid} is {state.value}: only a running session can be saved")
-        if sid in self.saves:
-            raise ClientError("busy", f"a save of session {sid} is in progress; its saved reply follows",
-                              retry_after_s=BUSY_RETRY_S)
-        chunk = self.scheduler.next_denoise_index(sid)
-        if session.num_chunks is not None and chunk >= session.num_chunks:
-            raise ClientError("bad_request", f"session {sid} has started its last chunk: nothing left to save")
-        wait = self.snapshots.rate.take(session.save_credit, now)  # a disk takes 25 GiB a save at 480x832
-        if wait is not None:
-            raise ClientError("busy", f"session {sid} saved as often as this server allows (snapshots.save_burst, "
-                              f"saves_per_minute); the next save in {wait:.1f} s", retry_after_s=wait)
-        where = self.where
-        parts = frozenset((rank, STAGES[stage].role) for stage in Stage for rank in where.ranks_of(stage))
-        save = PendingSave(new_snapshot_id(), sid, who, message.req, chunk, parts, now)
-        seat = self.capacity.seats.get(sid)
-        save.facts = {  # what rank 0 keeps of the session, as it is at the boundary (its prompt: at ``start``)
-            "seed": session.seed, "num_chunks": session.num_chunks,
-            "intrinsics": session.intrinsics, "steps": session.last_steps or self._steps_of(sid),
-            "want": seat.want if seat is not None else 0, "floor": seat.floor if seat is not None else 0,
-            "geometry": geometry_of(session.geometry)}
-        self.saves[sid] = save
-        log.info("session %s: saving snapshot %s at chunk %d", sid, save.id, chunk)
-        self._run(self.scheduler.hold(sid, True, now), now)
-
-    def _advance_saves(self, now: float) -> None:
-        for save in list(self.saves.values()):
-            if save.state is not SaveState.WAITING:
-                continue
-            if save.session not in self.sessions or not self._live(save.session):
-                self._save_failed(save, "the session closed before its save started", now)
-            elif self.scheduler.quiet_before_denoise(save.session):
-                save.start(now)
-                # the boundary chunk keeps the text in force now: the one the condition rank's file holds
-                session = self.sessions[save.session]
-                revision, text = session.prompts.pin(save.chunk)
-                live = live_state(session.live, session.controls, save.chunk)
-                save.facts.update(prompt=text, prompt_revision=revision, live=live)
-                task = protocol.SaveState(session=save.session, snapshot=save.id, chunk=save.chunk,
-                                          prompt_revision=revision)
-                for rank, role in sorted(save.parts):
-                    self._emit(ToWorker(identity(rank, role), task))
-                self._run(self.scheduler.hold(save.session, False, now), now)  # queued behind the save tasks
-
-    def _save_progress(self, message: protocol.SaveCaptured | protocol.SaveWritten, now: float) -> None:
-        save = self.saves.get(message.session)
-        part = (message.rank, message.stage.value)
-        if save is None or save.id != message.snapshot:  # a late answer to a save that failed
-            if isinstance(message, protocol.SaveWritten) and self.late_writes.answered(message.snapshot, part):
-                self._emit(DropSnapshotFiles(message.snapshot))  # its last writer is done: nothing writes there now
-            return
-        if isinstance(message, protocol.SaveCaptured):
-            save.on_captured(part, now, sum(span.end - span.start for span in message.spans))
-        elif message.error:
-            save.ended.add(part)
-            self._save_failed(save, message.error, now)
-            return
-        else:
-            entry = FileEntry(rank=message.rank, role=message.stage.value, name=message.name, bytes=message.bytes,
-                              sha256=message.sha256)
-            save.on_written(entry, message.seconds)
-        if save.state is SaveState.DONE:
-            self._finish_save(save, now)
-
-    def _finish_save(self, save: PendingSave, now: float) -> None:
-        facts = save.facts
-        manifest = Manifest(format=FORMAT, id=save.id, identity=self.identity, geometry=facts["geometry"],
-                            chunk=save.chunk, seed=facts["seed"], prompt=facts["prompt"],
-                            prompt_revision=facts["prompt_revision"], want=facts["want"], floor=facts["floor"],
-                            num_chunks=facts["num_chunks"], intrinsics=facts["intrinsics"], steps=facts["steps"],
-                            live=facts["live"], files=save.ordered_files(), bytes=save.bytes, pause_s=save.pause_s,
-                            write_s=save.write_s, created=wall_clock(), wait_s=save.wait_s)
-        del self.saves[save.session]
-        try:
-            self.snapshots.write(manifest)  # a small JSON file: the save exists from here on
-        except OSError as error:
-            self._emit(DropSnapshotFiles(save.id))  # its ranks' files, never restorable without it: never kept
-            self._answer_save(save, protocol.Error(req=save.req, session=save.session, code="save_failed",
-                                                   message=clip(f"the manifest could not be written: {error}")))
-            return
-        log.info("session %s: snapshot %s at chunk %d, %d bytes, pause %.3f s, write %.3f s", save.session, save.id,
-                 save.chunk, save.bytes, save.pause_s, save.write_s)
-        self._answer_save(save, protocol.Saved(req=save.req, session=save.session, snapshot=save.id, chunk=save.chunk,
-                                               bytes=save.bytes, pause_s=save.pause_s, write_s=save.write_s,
-                                               files=len(save.files), wait_s=save.wait_s))
-        session = self.sessions.get(save.session)
-        if session is not None:
-            session.latest_snapshot = save.id
-        if self.snapshots.budget.limited:  # the folder is listed off the loop, then the budget kept
-            self._emit(ListSnapshots(save.id))
-
-    def _snapshots_in_use(self) -> set[str]:
-        """The snapshots the budget keeps for sessions here: the one a restore still reads (its ranks load their
-        files at init, so until its caches are ready, ``opened``, or it is gone) and each open session's latest save
-        (a router moves the session with it if its replica dies; a paused session makes no newer one)."""
-        restoring = {s.restore for s in self.sessions.values() if s.restore and not s.opened}
-        return restoring | {s.latest_snapshot for s in self.sessions.values() if s.latest_snapshot}
-
-    def _save_failed(self, save: PendingSave, error: str, now: float) -> None:
-        holding = save.holds
-        if not save.fail(error):
-            return
-        self.saves.pop(save.session, None)
-        # what its ranks wrote is never restorable, never kept: deleted once no writer writes there any more
-        for snapshot in self.late_writes.failed(save.id, save.session, save.outstanding(), now):
-            self._emit(DropSnapshotFiles(snapshot))
-        log.warning("session %s: save %s failed: %s", save.session, save.id, error)
-        if holding and save.session in self.sessions and self._live(save.session):
-            self._run(self.scheduler.hold(save.session, False, now), now)
-        self._answer_save(save, protocol.Error(req=save.req, session=save.session, code="save_failed",
-                                               message=clip(f"save of session {save.session} failed: {error}")))
-
-    def _save_refused(self, failed: protocol.TaskFailed, now: float) -> None:
-        """A worker refused a save task (before its copy: it writes nothing): a failed save's, or the current."""
-        part = (failed.rank, failed.role)
-        older, doomed = self.late_writes.refused(failed.session, part)
-        if doomed is not None:
-            self._emit(DropSnapshotFiles(doomed))
-        save = self.saves.get(failed.session)
-        if not older and save is not None and part in save.outstanding():
-            save.ended.add(part)
-            self._save_failed(save, f"rank {failed.rank} {failed.role}: {failed.error}", now)
-
-    def _answer_save(self, save: PendingSave, message: Any) -> None:
-        session = self.sessions.get(save.session)
-        self._emit(ToClient(session.client if session is not None else save.owner, message, save.session))
-
-    def _restore(self, who: bytes, message: protocol.Open) -> None:
-        """Open a session from a snapshot: its manifest is read off the loop (``ReadManifest``: a shared folder may
-        hold anything), then ``_restored``."""
-        try:
-            snapshot = check_id(message.restore or "")
-        except SnapshotError as error:
-            raise ClientError("bad_snapshot", str(error)) from None
-        if len(self.reading) >= self.server.max_sessions:  # reads are quick: more waiting is a flood
-            raise ClientError("busy", "too many restores are being read", retry_after_s=BUSY_RETRY_S)
-        ticket = next(self.tickets)
-        self.reading[ticket] = (who, message)
-        self._emit(ReadManifest(ticket, snapshot))
-
-    def _restored(self, event: ManifestRead, now: float) -> None:
-        """Its manifest read: checked here against this server (model, layout, DiT degree, frame size, length,
-        prompt; the files present and their sizes were checked by the read); each rank checks its file's hash and
-        its tensors when its stage loads it."""
-        who, message = self.reading.pop(event.ticket)
-        self._opening(who, message.req, lambda: self._restore_from(who, message, event, now), now)
 
     def _restore_from(self, who: bytes, message: protocol.Open, event: ManifestRead, now: float) -> None:
         manifest = event.manifest
@@ -954,22 +587,16 @@ class CoordinatorCore:
         g = manifest.geometry
         served = (g.height, g.width) in self.sizes
         here = geometry_of(self.geometry.with_size(g.height, g.width)) if served else None
-        why = restore_problem(manifest, self.identity, here, self.max_chunks, self.server.max_prompt_chars)
+        why = restore_problem(manifest, self.saving.identity, here, self.max_chunks, self.server.max_prompt_chars)
         if why is not None:
             raise ClientError("bad_snapshot", f"snapshot {manifest.id} cannot be restored here: {why}")
         num_chunks = restored_length(manifest, message.num_chunks, self.max_chunks)
-        if len(self.sessions) + len(self.opening) >= self.server.max_sessions:
-            raise ClientError("busy", f"the server is at its limit of {self.server.max_sessions} sessions",
-                              retry_after_s=BUSY_RETRY_S)
-        geometry = self.geometry.with_size(g.height, g.width)
-        self._check_memory(geometry)
         # its steps setting and floor are the saved session's (the open's may change them, as a control would)
-        asked = msgspec.structs.replace(message, steps=message.steps or manifest.want or manifest.steps,
-                                        min_steps=message.min_steps or manifest.floor or None, num_chunks=num_chunks)
-        sid = self.new_id()
-        left = None if num_chunks is None else num_chunks - manifest.chunk  # what it has yet to run
-        self._admit(sid, geometry, msgspec.structs.replace(asked, num_chunks=left))
-        self.admission.admit(sid, geometry.height, geometry.width)
+        sid = self.admitting.admit(
+            len(self.sessions), self.geometry.with_size(g.height, g.width),
+            message.steps or manifest.want or manifest.steps, message.min_steps or manifest.floor or None,
+            None if num_chunks is None else num_chunks - manifest.chunk, self.new_id)  # what it has yet to run
+        geometry = self.geometry.with_size(g.height, g.width)
         saved_live = manifest.live
         live = None  # an indexed restore of a live session takes the client's per-chunk controls (an exact replay)
         if saved_live is not None and not message.indexed:
@@ -1003,7 +630,7 @@ class CoordinatorCore:
         self.metrics.on_error("internal")
         text = clip(f"internal error: {type(error).__name__}: {error}")
         if who is not None:
-            self._emit(ToClient(who, protocol.Error(req=req, session=sid, code="internal", message=text)))
+            self._out.append(ToClient(who, protocol.Error(req=req, session=sid, code="internal", message=text)))
         session = self.sessions.get(sid or "")
         if session is None:
             return
@@ -1011,66 +638,53 @@ class CoordinatorCore:
             if not self._live(session.id):
                 return
             self._to_client(session, protocol.Error(session=session.id, code="failed", message=text))
-            self._close(session.id, "failed", now)
+            self._run(self.scheduler.close(session.id, "failed", now), now)
         except JobFailed:
             raise
         except Exception:  # the session cannot even close cleanly: forget it rather than stop serving
             log.exception("session %s could not be closed; dropping it", session.id)
             self.clients.remove(session.id)
-            self.admission.release(session.id)
-            self.capacity.remove(session.id)
-            save = self.saves.get(session.id)
-            if save is not None:  # its owner is answered and what its ranks wrote is deleted, as on a close
+            for part in self.parts:  # each forgets what it keeps of the session
                 with contextlib.suppress(Exception):
-                    self._save_failed(save, "the session failed and was dropped", now)
-                self.saves.pop(session.id, None)
+                    self._answer(part.dropped(session.id, now), now)
             with contextlib.suppress(Exception):  # its metrics are bounded by sessions: never keep a dropped one's
                 self.metrics.on_close(session.id, now)
-            self._end_watchers(session.id, "failed", text, keep=False)
-            self._emit(DropTensors(session.id))
+            self._out += self.watchers.ended(session.id, "failed", text, keep=False)
+            self._out.append(DropTensors(session.id))
 
     def _shutdown(self, lost: tuple[int, ...], now: float) -> None:
         code, message = "shutdown", "the server is shutting down"
         if lost:  # under torchrun a dead rank reaches rank 0 as a SIGTERM: say what really happened
             code, message = "rank_failed", f"rank {', '.join(map(str, lost))} is gone; the job is ending"
         self._out += self.clients.notices(code, message, lambda session: protocol.Closed(
-            session=session.id, reason="shutdown", error=message, summary=self._final_summary(session.id, now)))
+            session=session.id, reason="shutdown", error=message,
+            summary=final_summary(self.server_metrics, self.metrics, session.id, now)))
         for sid in list(self.watchers.tokens):
-            self._end_watchers(sid, "shutdown", message, keep=False)
-        self._stop(EXIT_OK, message)
+            self._out += self.watchers.ended(sid, "shutdown", message, keep=False)
+        self.stopped = True
+        self._out.append(Stop(EXIT_OK, message))
 
     # ---------------------------------------------------------------------------------------------- queries
-
-    def _final_summary(self, sid: str, now: float) -> SessionSummary:
-        """A session's summary as it closes; its metrics are done (every observer hears of the close)."""
-        summary = self.server_metrics.closing(sid, now)
-        self.metrics.on_close(sid, now)
-        return summary
 
     def stats(self, now: float, who: bytes | None = None) -> ServerStats:
         """Server-wide figures, and the sessions of client ``who`` only (None: every session, for operators)."""
         visible = None if who is None else {sid for sid, s in self.sessions.items() if who in (s.client, s.owner)}
-        ranks = {str(r): RankStats(**{**self.memory.get(r, {}), **self.admission.stats(r)})
-                 for r in sorted({*self.memory, *range(self.where.world_size)})}
+        memory = self.health.memory
+        ranks = {str(r): RankStats(**{**memory.get(r, {}), **self.admitting.memory.stats(r)})
+                 for r in sorted({*memory, *range(self.where.world_size)})}
         return msgspec.structs.replace(
             self.server_metrics.stats(now, visible),
             open_sessions=len(self.sessions),
             watchers=self.watchers.count(),  # spectators of every session now
             watch_dropped=self.watch_dropped,  # chunks dropped for slow watchers so far (never the players')
             ranks=ranks,
-            clock_offsets=self.clock.offsets(),
+            clock_offsets=self.health.clock.offsets(),
             layout=self.layout.name,
             schedule=self.scheduler.mode.value,
             warm=self.warm_start.warm,  # every stage ran at every served size before the port opened
             warm_up=self.warm_start.stages(),
             sizes=[tuple(size) for size in self.sizes],
-            capacity=self.capacity.stats(visible),  # real-time factors, headroom, the ladder's steps
-            snapshots=self.folder.stats(self.snapshots),
+            capacity=self.admitting.capacity.stats(visible),  # real-time factors, headroom, the ladder's steps
+            snapshots=self.saving.folder.stats(self.saving.store),
         )
 
-
-def backpressure_retry_s(period: float | None) -> float:
-    """The retry hint of ``control_backpressure`` for a session whose latest chunk period is ``period``."""
-    if period is None:
-        return BACKPRESSURE_RETRY_COLD_S
-    return min(BACKPRESSURE_RETRY_MAX_S, max(BACKPRESSURE_RETRY_MIN_S, period / 8))

@@ -29,9 +29,9 @@ from runtime.snapshots import Manifest, Stored
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "ClientError", "ClientSent", "ClientUnreachable", "ClientUnreadable",
            "DecodeImage", "DropTensors", "EmitChunk", "EndWatch", "Event", "FramesMissing", "ImageDecoded", "JobFailed",
-           "ListSnapshots", "ManifestRead", "MemorySampled",
+           "ListSnapshots", "ManifestRead", "ManifestWritten", "MemorySampled",
            "Output", "RankLost", "ReadManifest", "ShutdownRequested", "SnapshotsListed", "Stop", "Tick", "ToClient",
-           "ToWorker", "WatchDropped", "WorkerSent"]
+           "ToWorker", "WatchDropped", "WorkerSent", "WriteManifest"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -55,6 +55,14 @@ class ManifestRead:
 
     ticket: int
     manifest: Manifest | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ManifestWritten:
+    """The shell finished a ``WriteManifest``: the save is complete (``error`` empty) or it never will be."""
+
+    snapshot: str
     error: str = ""
 
 
@@ -100,7 +108,8 @@ class RankLost:
     reason: str
 
 
-Event = (ClientSent | ClientUnreadable | ImageDecoded | ManifestRead | SnapshotsListed | ClientUnreachable | WorkerSent
+Event = (ClientSent | ClientUnreadable | ImageDecoded | ManifestRead | ManifestWritten | SnapshotsListed
+         | ClientUnreachable | WorkerSent
          | MemorySampled
          | FramesMissing | RankLost | Tick | ShutdownRequested | WatchDropped)
 
@@ -129,6 +138,14 @@ class ReadManifest:
 
     ticket: int
     snapshot: str  # an id checked by ``check_id``: it names no path outside the folder
+
+
+@dataclass(frozen=True)
+class WriteManifest:
+    """Write a finished save's manifest (``SnapshotStore.write``), stamped with the wall clock there: the core reads
+    no clock and touches no file. Answer with ``ManifestWritten``."""
+
+    manifest: Manifest
 
 
 @dataclass(frozen=True)
@@ -167,8 +184,8 @@ class DropSnapshotFiles:
     expired: bool = False
 
 
-Output = (ToClient | ToWorker | DecodeImage | ReadManifest | ListSnapshots | EmitChunk | EndWatch | DropTensors
-          | DropSnapshotFiles | Stop)
+Output = (ToClient | ToWorker | DecodeImage | ReadManifest | WriteManifest | ListSnapshots | EmitChunk | EndWatch
+          | DropTensors | DropSnapshotFiles | Stop)
 
 
 class JobFailed(Exception):

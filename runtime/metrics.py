@@ -515,3 +515,10 @@ class ServerMetrics:
             return self.sessions[session]
         except KeyError:
             raise KeyError(f"no open session {session!r} in metrics") from None
+
+
+def final_summary(server: ServerMetrics, observers: Observers, session: str, now: float) -> SessionSummary:
+    """A session's summary as it closes; its metrics are done (every observer hears of the close)."""
+    summary = server.closing(session, now)
+    observers.on_close(session, now)
+    return summary

@@ -305,13 +305,6 @@ class Scheduler:
             output=len(s.outputs) + self._running(s, Stage.DECODE, TaskKind.RUN),
         )
 
-    def in_flight_chunks(self, session: str) -> int:
-        """Per-chunk records held for the session (bounded whatever the session length)."""
-        return len(self._get(session).chunks)
-
-    def role_task(self, stage: Stage) -> RoleTask | None:
-        return self._roles[stage]
-
     def can_submit(self, session: str, index: int) -> bool:
         """Would ``submit_control(session, index, ...)`` be accepted now? A pure query: it never submits."""
         return self._admission_error(self._get(session), index, None) is None

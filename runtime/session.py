@@ -7,15 +7,17 @@ length.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ipc.protocol import ChunkControl, Edge, Span, Stage, WorkerSpan
+from ipc.protocol import ChunkControl, Edge, Span, Stage, WorkerSpan, WorkerTask
 from runtime.clock import ClockSync
 from runtime.control_service import LiveControls
+from runtime.core_types import ToWorker
 from runtime.images import DecodedImage
 from runtime.metrics import SessionMetrics
-from runtime.placement import JoinKey, Part, SessionFacts
+from runtime.placement import JoinKey, Part, SessionFacts, step_of
 from runtime.prompts import PromptRevisions
 from runtime.save_rate import SaveCredit
 
@@ -61,11 +63,18 @@ class Session:
     prompts: PromptRevisions = field(default_factory=PromptRevisions)  # which text each chunk attends to
     restore: str = ""  # the snapshot it was opened from ("": a fresh session); its caches load it at init
     first_chunk: int = 0  # its first chunk (a restored session's snapshot chunk)
-    latest_snapshot: str = ""  # its latest save here: what a router moves it with, kept by the folder's budget
     save_credit: SaveCredit = field(default_factory=SaveCredit)  # its saves in hand (``runtime.save_rate``)
 
     def __post_init__(self) -> None:
         self.prompts.texts.setdefault(self.prompts.announced, self.prompt)  # the text of its first revision
+
+    def handed(self, tasks: Iterable[tuple[bytes, WorkerTask]], now: float) -> list[ToWorker]:
+        """``tasks`` leave now: when a chunk's work was handed over is the queue wait of its spans."""
+        for _, task in tasks:
+            step = step_of(task)
+            if step is not None:
+                self.queued[(step, task.index)] = now  # type: ignore[union-attr]
+        return [ToWorker(to, task) for to, task in tasks]
 
     def facts(self) -> SessionFacts:
         image = self.image

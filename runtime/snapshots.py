@@ -475,5 +475,14 @@ def read_manifest(store: SnapshotStore, snapshot: str) -> tuple[Manifest | None,
             f"({type(error).__name__})"
 
 
+def write_manifest(store: SnapshotStore, manifest: Manifest) -> str:
+    """The shell's ``WriteManifest``: the manifest stamped with the wall clock and written; "" or why it was not."""
+    try:
+        store.write(msgspec.structs.replace(manifest, created=wall_clock()))
+    except OSError as error:
+        return str(error)
+    return ""
+
+
 def wall_clock() -> float:
     return time.time()

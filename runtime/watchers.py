@@ -25,10 +25,13 @@ import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ipc import protocol
-from runtime.client_types import ClientError
+from runtime.client_types import ClientError, EndWatch, ToClient
+
+if TYPE_CHECKING:
+    from runtime.session import Session
 
 MAX_WATCHERS = 8  # per session, the default of [server] max_watchers and [router] max_watchers
 FEED_CHUNKS = 2  # chunks waiting for one watcher beyond its ZeroMQ queue; more drop the oldest
@@ -121,6 +124,23 @@ class Watchers:
         for who in watchers:
             self.remove(who, sid)
         return watchers
+
+    def watching(self, who: bytes, message: protocol.Watch, session: Session | None, fps: float,
+                 now: float) -> ToClient:  # fmt: skip
+        """A spectator subscribes (``watch``): its ``watching`` names the session's geometry now."""
+        self.watch(who, message.session, message.token, now, None if session is None else session.client)
+        assert session is not None  # a token exists only while its session runs
+        g = session.geometry
+        return ToClient(who, protocol.Watching(
+            req=message.req, session=session.id, height=g.height, width=g.width, fps=fps,
+            frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
+            num_chunks=session.num_chunks))
+
+    def ended(self, sid: str, reason: str, error: str | None, keep: bool) -> list[EndWatch]:
+        """``sid`` ended (or the server stops): each of its watchers gets a ``closed`` of its own (``keep``: after
+        the chunks its feed still holds)."""
+        return [EndWatch(who, sid, protocol.Closed(session=sid, reason=reason, error=error), keep)
+                for who in self.end(sid)]
 
     def remove(self, who: bytes, sid: str) -> bool:
         """``who`` no longer watches ``sid``; False when it did not."""

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ipc import protocol
 from ipc.protocol import KEYS, MAX_MOUSE_DEGREES, ChunkControl
-from runtime.control_service import APPLIED_HISTORY, NO_REVISION, ControlStateError, CutOrderError, LiveControls
+from runtime.control_service import NO_REVISION, ControlStateError, CutOrderError, LiveControls
 
 
 def state(keys: str = "", revision: int = 0, mouse: tuple[float, float] = (0.0, 0.0),
@@ -52,7 +52,6 @@ def test_release_replaces_snapshots_not_yet_submitted_but_not_submitted_ones() -
     assert live.cut(2, 0) is None  # chunk 2 would copy "wd", but it may not be cut yet
     live.update(state(keys="", revision=2))  # release
     assert submitted == [ChunkControl(keys=frozenset("wd"), revision=1)] * 2
-    assert live.applied(0) == live.applied(1) == ChunkControl(keys=frozenset("wd"), revision=1)
     assert live.cut(2, 1) == ChunkControl(keys=frozenset(), revision=2)
 
 
@@ -64,18 +63,6 @@ def test_new_state_replaces_pending_snapshot() -> None:
     live.update(state(keys="a", revision=2))
     live.update(state(keys="al", revision=3))
     assert live.cut(2, 1) == ChunkControl(keys=frozenset("al"), revision=3)
-
-
-def test_reset_drops_held_keys_taps_and_motion_for_later_snapshots_only() -> None:
-    live = LiveControls()
-    live.update(state(keys="w", revision=1))
-    first = live.cut(0, 0)
-    live.update(state(keys="w", taps="i", mouse=(5.0, 1.0), revision=2))
-    live.reset()
-    assert first == ChunkControl(keys=frozenset("w"), revision=1)
-    assert live.cut(1, 0) == ChunkControl(revision=2)
-    with pytest.raises(ControlStateError):
-        live.update(state(revision=2))  # the revision floor survives a reset
 
 
 def test_mouse_motion_goes_into_the_next_snapshot_only() -> None:
@@ -123,8 +110,6 @@ def test_snapshot_carries_the_revision_of_the_latest_state_folded_in() -> None:
     live.update(state(keys="w", revision=7))
     live.update(state(keys="wa", revision=9))
     assert live.cut(1, 0) == ChunkControl(keys=frozenset("wa"), revision=9)
-    assert live.revision_of(0) == NO_REVISION and live.revision_of(1) == 9
-    assert live.revision_of(2) is None
 
 
 @pytest.mark.parametrize("revision", [3, 2])
@@ -195,16 +180,6 @@ def test_out_of_order_cut_is_a_caller_error_and_changes_nothing() -> None:
     assert live.cut(0, 0) == ChunkControl(keys=frozenset("w"), revision=1)
 
 
-def test_applied_record_is_bounded() -> None:
-    live = LiveControls()
-    n = APPLIED_HISTORY * 3
-    for i in range(n):
-        live.cut(i, max(0, i - 1))
-    assert live.applied(0) is None
-    assert live.applied(n - APPLIED_HISTORY) is not None and live.applied(n - 1) is not None
-    assert len(live._applied) == APPLIED_HISTORY
-
-
 key_sets = st.frozensets(st.sampled_from(sorted(KEYS)))
 events = st.one_of(
     st.tuples(
@@ -216,7 +191,6 @@ events = st.one_of(
     ),
     st.tuples(st.just("cut")),
     st.tuples(st.just("emit")),
-    st.tuples(st.just("reset")),
 )
 
 
@@ -228,7 +202,7 @@ def test_random_timelines_keep_every_invariant(timeline: list[tuple], pause_when
     revision = NO_REVISION
     held: frozenset[str] = frozenset()
     taps_pending: set[str] = set()
-    mouse_in = [0.0, 0.0]  # total motion received (minus what resets dropped)
+    mouse_in = [0.0, 0.0]  # total motion received
     mouse_out = [0.0, 0.0]  # total motion given out in snapshots
     mouse_pending = [0.0, 0.0]
     submitted: list[ChunkControl] = []
@@ -242,11 +216,6 @@ def test_random_timelines_keep_every_invariant(timeline: list[tuple], pause_when
             taps_pending |= set(taps)
             mouse_in = [mouse_in[0] + mouse[0], mouse_in[1] + mouse[1]]
             mouse_pending = [mouse_pending[0] + mouse[0], mouse_pending[1] + mouse[1]]
-        elif event[0] == "reset":
-            live.reset()
-            held, taps_pending = frozenset(), set()
-            mouse_in = [mouse_in[0] - mouse_pending[0], mouse_in[1] - mouse_pending[1]]
-            mouse_pending = [0.0, 0.0]
         elif event[0] == "emit":
             if current < len(submitted):  # only a chunk that has its control can be emitted
                 current += 1
@@ -266,8 +235,6 @@ def test_random_timelines_keep_every_invariant(timeline: list[tuple], pause_when
             submitted.append(snapshot)
         assert len(submitted) <= current + 2  # never more than the chunk being produced and the next
         assert live.next_index == len(submitted)
-    for i, snapshot in enumerate(submitted[-APPLIED_HISTORY:], start=max(0, len(submitted) - APPLIED_HISTORY)):
-        assert live.applied(i) is snapshot  # given to the model, never altered
     assert [o + p for o, p in zip(mouse_out, mouse_pending)] == pytest.approx(mouse_in)
 
 

@@ -17,15 +17,15 @@ from ipc import protocol as p
 from models.camera import intrinsics_at
 from models.synthetic import synthetic_geometry
 from ranks.worker import completion
-from runtime.clients import MAX_PEERS
-from runtime.config import LayoutConfig, MetricsConfig, SchedulerConfig, ServerConfig, StreamConfig, TimeoutsConfig
-from runtime.core import (
+from runtime.clients import (
     BACKPRESSURE_RETRY_COLD_S,
     BACKPRESSURE_RETRY_MAX_S,
     BACKPRESSURE_RETRY_MIN_S,
-    CoordinatorCore,
+    MAX_PEERS,
     backpressure_retry_s,
 )
+from runtime.config import LayoutConfig, MetricsConfig, SchedulerConfig, ServerConfig, StreamConfig, TimeoutsConfig
+from runtime.core import CoordinatorCore
 from runtime.core_types import (
     EXIT_FAILED,
     EXIT_OK,
@@ -39,6 +39,7 @@ from runtime.core_types import (
     ImageDecoded,
     ListSnapshots,
     ManifestRead,
+    ManifestWritten,
     MemorySampled,
     Output,
     RankLost,
@@ -50,11 +51,12 @@ from runtime.core_types import (
     ToClient,
     ToWorker,
     WorkerSent,
+    WriteManifest,
 )
 from runtime.images import DecodedImage
 from runtime.memory_admission import MemoryAdmission
 from runtime.placement import CONDITION_EDGE, LATENT_RECEIVER
-from runtime.snapshots import read_manifest
+from runtime.snapshots import SnapshotStore, read_manifest, write_manifest
 
 A, B = b"client-a", b"client-b"
 STAGE_OF_ROLE = {"condition": p.Stage.CONDITION, "denoise": p.Stage.DENOISE, "decode": p.Stage.DECODE}
@@ -92,11 +94,19 @@ class Job:
         self.log += out
         self.tasks += [(o.identity, o.message) for o in out if isinstance(o, ToWorker)
                        and not isinstance(o.message, p.Ping)]
-        for read in [o for o in out if isinstance(o, ReadManifest)]:  # as the shell does, off its loop
-            out += self.step(ManifestRead(read.ticket, *read_manifest(self.core.snapshots, read.snapshot)), dt=0.0)
-        for listing in [o for o in out if isinstance(o, ListSnapshots)]:
-            out += self.step(SnapshotsListed(listing.written, tuple(self.core.snapshots.listing())), dt=0.0)
+        direct = list(out)  # the shell's answers to these; the steps they make answer their own
+        for read in [o for o in direct if isinstance(o, ReadManifest)]:  # as the shell does, off its loop
+            out += self.step(ManifestRead(read.ticket, *read_manifest(self.core.saving.store, read.snapshot)), dt=0.0)
+        for write in [o for o in direct if isinstance(o, WriteManifest)]:
+            out += self.step(ManifestWritten(write.manifest.id, write_manifest(self.core.saving.store, write.manifest)),
+                             dt=0.0)
+        for listing in [o for o in direct if isinstance(o, ListSnapshots)]:
+            out += self.step(SnapshotsListed(listing.written, tuple(self.core.saving.store.listing())), dt=0.0)
         return out
+
+    def use(self, store: SnapshotStore) -> None:
+        """Save to and restore from ``store`` (a test's own folder)."""
+        self.core.saving.store = store
 
     def send(self, who: bytes, message: p.ClientMessage) -> list[Output]:
         return self.step(ClientSent(who, message))
@@ -791,23 +801,23 @@ def test_a_live_sessions_steps_change_from_the_next_chunk_cut() -> None:
 
 def test_an_open_real_time_cannot_hold_is_refused_busy_with_the_models_reason_after_others_step_down() -> None:
     job = Job()
-    job.core.admission = MemoryAdmission(lambda height, width: {2: 1}, {})  # each session holds a byte on rank 2
+    job.core.admitting.memory = MemoryAdmission(lambda height, width: {2: 1}, {})  # each session holds a byte on rank 2
     first = job.open(num_chunks=None)
     for stage, seconds in (("condition", 0.02), ("denoise", 0.32), ("decode", 0.03)):  # as if measured: 4 steps
-        job.core.capacity.times.add(stage, 4, (160, 256), seconds)
+        job.core.admitting.capacity.times.add(stage, 4, (160, 256), seconds)
     C, D = b"client-c", b"client-d"
     second = job.open(B, num_chunks=None)  # 2 x 0.32 s holds 0.75 s of media with the 10 % margin
     third = job.open(C, num_chunks=None)  # 3 x 0.32 s does not: the newest steps down (1 step), then the second (2)
-    assert {sid: job.core.capacity.seats[sid].steps for sid in (first, second, third)} == {first: 4, second: 2,
-                                                                                          third: 1}
+    seats = job.core.admitting.capacity.seats
+    assert {sid: seats[sid].steps for sid in (first, second, third)} == {first: 4, second: 2, third: 1}
     assert job.to(C, p.Opened)[-1].steps == 1
     out = job.send(D, p.Open(req=99, image=b"png", num_chunks=4, min_steps=4))  # the others at 1 step: 0.704 s
     (decode,) = [o for o in out if isinstance(o, DecodeImage)]
     (error,) = job.to(D, p.Error, job.step(ImageDecoded(decode.ticket, image())))
     assert error.code == "busy" and error.req == 99 and "real time cannot hold for 4 sessions" in error.message
     assert error.retry_after_s == 5.0  # no session ends by itself: the default hint
-    assert len(job.core.sessions) == 3 and set(job.core.capacity.seats) == {first, second, third}
-    assert set(job.core.admission.held) == {first, second, third}  # the refused open holds no bytes
+    assert len(job.core.sessions) == 3 and set(job.core.admitting.capacity.seats) == {first, second, third}
+    assert set(job.core.admitting.memory.held) == {first, second, third}  # the refused open holds no bytes
 
 
 def test_the_core_imports_without_torch() -> None:

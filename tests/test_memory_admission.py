@@ -21,7 +21,7 @@ def cost(height: int, width: int) -> dict[int, int]:
 
 def memory_job(rooms: dict[int, int] = ROOMS, **kw: object) -> Job:
     job = Job(**kw)  # type: ignore[arg-type]
-    job.core.admission = MemoryAdmission(cost, dict(rooms))
+    job.core.admitting.memory = MemoryAdmission(cost, dict(rooms))
     return job
 
 

@@ -128,9 +128,9 @@ class Driver:
             assert edges.control <= caps.control
             assert edges.latent <= caps.latent
             assert edges.output <= caps.output
-            assert self.sched.in_flight_chunks(session) <= PREFETCH_DEPTH + caps.control + caps.latent + caps.output
+            assert len(self.sched._get(session).chunks) <= PREFETCH_DEPTH + caps.control + caps.latent + caps.output
         for stage in Stage:
-            task = self.sched.role_task(stage)
+            task = self.sched._roles[stage]
             assert (task is None) == (stage not in self.running)
 
     # ---- the driver's moves ----
@@ -170,7 +170,7 @@ class Driver:
             s.next_control_index(session),
             s.next_condition_index(session),
             s.edges(session),
-            s.in_flight_chunks(session),
+            len(s._get(session).chunks),
         )
         allowed = s.can_submit(session, index)
         assert s.next_condition_index(session) == before[2]  # the query never submits
@@ -184,7 +184,7 @@ class Driver:
                 s.next_control_index(session),
                 s.next_condition_index(session),
                 s.edges(session),
-                s.in_flight_chunks(session),
+                len(s._get(session).chunks),
             )
             assert after == before
             return False

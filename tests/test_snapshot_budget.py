@@ -32,7 +32,7 @@ def old_snapshot(root: Path, created: float) -> str:
 
 def running(tmp_path: Path, budget: Budget) -> tuple[Job, str]:
     job = Job()
-    job.core.snapshots = SnapshotStore(tmp_path, budget)
+    job.use(SnapshotStore(tmp_path, budget))
     sid = job.open(num_chunks=8)
     for index in range(2):
         control(job, sid, index)
@@ -52,7 +52,7 @@ def save(job: Job, sid: str) -> tuple[str, list[str]]:
     assert [s.snapshot for s in job.to(A, p.Saved, out)] == [task.snapshot]
     expired = [o.snapshot for o in out if isinstance(o, DropSnapshotFiles) and o.expired]
     for snapshot in expired:
-        job.core.snapshots.delete(snapshot)  # what ranks.coordinator does with the output
+        job.core.saving.store.delete(snapshot)  # what ranks.coordinator does with the output
     return task.snapshot, expired
 
 
@@ -170,8 +170,8 @@ def test_a_server_without_a_budget_never_lists_its_folder(tmp_path: Path) -> Non
     kept = old_snapshot(tmp_path, 1.0)
     job, sid = running(tmp_path, Budget())
     listed: list[int] = []
-    real = job.core.snapshots.listing
-    job.core.snapshots.listing = lambda: listed.append(1) or real()  # type: ignore[method-assign]
+    real = job.core.saving.store.listing
+    job.core.saving.store.listing = lambda: listed.append(1) or real()  # type: ignore[method-assign]
     save(job, sid)
     (reply,) = job.to(A, p.StatsReply, job.send(A, p.Stats(req=91)))
     assert reply.stats.snapshots == SnapshotFolder(count=None, bytes=None, max_bytes=0, max_count=0)

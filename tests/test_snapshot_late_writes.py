@@ -117,7 +117,7 @@ def test_a_late_refusal_of_a_failed_save_does_not_fail_the_next_save_of_the_sess
     job.step(WorkerSent(p.TaskFailed(rank=4, role="denoise", session=sid, phase=p.Phase.SAVE, stage=Stage.DENOISE,
                                      error="no room")))  # rank 4's answer to the first save's task, late
     assert not [e for e in job.to(A, p.Error) if e.req == 2]
-    assert sid in job.core.saves
+    assert sid in job.core.saving.pending
 
 
 def test_late_writes_track_each_failed_save_until_its_last_part_answers_or_it_is_given_up() -> None:

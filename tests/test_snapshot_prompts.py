@@ -25,7 +25,7 @@ def finish_save(job: Job, tmp_path: Path) -> Manifest:
 
 def test_a_save_after_a_prompt_change_keeps_that_text_and_its_restore_continues_its_revision(tmp_path: Path) -> None:
     job = Job()
-    job.core.snapshots = SnapshotStore(tmp_path)
+    job.use(SnapshotStore(tmp_path))
     sid = job.open(num_chunks=8, prompt="a green valley")
     run_chunk(job, sid, 0)
     req = set_prompt(job, sid, "a desert at dusk")
@@ -39,7 +39,7 @@ def test_a_save_after_a_prompt_change_keeps_that_text_and_its_restore_continues_
     assert (saved.prompt, saved.prompt_revision, saved.chunk) == ("a desert at dusk", 1, 2)
 
     job = Job()  # another server sharing the folder
-    job.core.snapshots = SnapshotStore(tmp_path)
+    job.use(SnapshotStore(tmp_path))
     job.send(A, p.Open(req=41, image=b"", restore=saved.id))
     restored = list(job.core.sessions)[-1]
     job.settle(p.InitCondition, p.InitDecode, p.BroadcastContext, p.InitDenoise)
@@ -56,7 +56,7 @@ def test_a_save_after_a_prompt_change_keeps_that_text_and_its_restore_continues_
 
 def test_a_prompt_encoded_while_a_save_captures_starts_after_the_boundary_chunk(tmp_path: Path) -> None:
     job = Job()
-    job.core.snapshots = SnapshotStore(tmp_path)
+    job.use(SnapshotStore(tmp_path))
     sid = job.open(num_chunks=8, prompt="a green valley")
     run_chunk(job, sid, 0)
     run_chunk(job, sid, 1)
@@ -79,28 +79,28 @@ def test_a_prompt_encoded_while_a_save_captures_starts_after_the_boundary_chunk(
 
 def test_a_restore_keeps_the_saved_sessions_steps_setting_and_floor(tmp_path: Path) -> None:
     job = Job()
-    job.core.snapshots = SnapshotStore(tmp_path)
+    job.use(SnapshotStore(tmp_path))
     sid = job.open(num_chunks=8, steps=2, min_steps=2)
     run_chunk(job, sid, 0)
     job.send(A, p.Control(req=next(job.req), session=sid, index=1, control=p.ChunkControl(), steps=4))
     job.answer(p.ConditionChunk, sid, 1)
     job.chunk(sid, 1)
-    seat = job.core.capacity.seats[sid]
+    seat = job.core.admitting.capacity.seats[sid]
     job.send(A, p.Save(req=40, session=sid))
     saved = finish_save(job, tmp_path)
     assert (saved.steps, saved.want, saved.floor) == (4, seat.want, seat.floor) == (4, 4, 2)
     job = Job()
-    job.core.snapshots = SnapshotStore(tmp_path)
+    job.use(SnapshotStore(tmp_path))
     job.send(A, p.Open(req=41, image=b"", restore=saved.id))
     restored = list(job.core.sessions)[-1]
-    again = job.core.capacity.seats[restored]
+    again = job.core.admitting.capacity.seats[restored]
     assert (again.want, again.floor, again.steps) == (4, 2, 4)
 
 
 def test_a_live_sessions_snapshots_cut_before_its_save_are_applied_as_they_were_after_its_restore(
         tmp_path: Path) -> None:  # fmt: skip
     job = Job()
-    job.core.snapshots = SnapshotStore(tmp_path)
+    job.use(SnapshotStore(tmp_path))
     sid = job.open(num_chunks=8, live=True)
     job.send(A, p.ControlState(req=next(job.req), session=sid, keys=["w"], revision=1))
     job.answer(p.ConditionChunk, sid, 0)
@@ -112,7 +112,7 @@ def test_a_live_sessions_snapshots_cut_before_its_save_are_applied_as_they_were_
     saved = finish_save(job, tmp_path)
     assert saved.chunk == 1 and saved.live is not None and saved.live.cut == (cut,)
     job = Job()
-    job.core.snapshots = SnapshotStore(tmp_path)
+    job.use(SnapshotStore(tmp_path))
     job.send(A, p.Open(req=41, image=b"", restore=saved.id))
     restored = list(job.core.sessions)[-1]
     job.settle(p.InitCondition, p.InitDecode, p.BroadcastContext, p.InitDenoise)

@@ -24,13 +24,23 @@ from runtime.core_types import (
     DropSnapshotFiles,
     ListSnapshots,
     ManifestRead,
+    ManifestWritten,
     ReadManifest,
     SnapshotsListed,
     Tick,
     WorkerSent,
+    WriteManifest,
 )
 from runtime.save_rate import SaveCredit, SaveRate
-from runtime.snapshots import MANIFEST, Budget, SnapshotError, SnapshotStore, new_snapshot_id, read_manifest
+from runtime.snapshots import (
+    MANIFEST,
+    Budget,
+    SnapshotError,
+    SnapshotStore,
+    new_snapshot_id,
+    read_manifest,
+    write_manifest,
+)
 from tests.test_core import A, Job
 from tests.test_snapshot_budget import running, save
 from tests.test_snapshots import PARTS, save_job, write_snapshot, written
@@ -58,8 +68,8 @@ def test_the_core_asks_the_shell_to_read_a_restores_manifest_and_reads_no_file_i
     def no_io(_: str) -> None:
         raise AssertionError("the core read a manifest on rank 0's loop")
 
-    job.core.snapshots = SnapshotStore(tmp_path)
-    job.core.snapshots.read = no_io  # type: ignore[method-assign]
+    job.use(SnapshotStore(tmp_path))
+    job.core.saving.store.read = no_io  # type: ignore[method-assign]
     out = job.core.step([ClientSent(A, p.Open(req=7, image=b"", restore=snapshot))], 1.0)
     (read,) = [o for o in out if isinstance(o, ReadManifest)]
     assert read.snapshot == snapshot and not [o for o in out if isinstance(o, p.Error)]
@@ -72,13 +82,16 @@ def test_after_a_save_the_folder_is_listed_for_the_budget_by_the_shell_not_on_th
     job, sid = running(tmp_path, Budget(max_count=1))
     first, _ = save(job, sid)
     listings: list[float] = []
-    job.core.snapshots.listing = lambda: listings.append(1) or []  # type: ignore[method-assign]
+    job.core.saving.store.listing = lambda: listings.append(1) or []  # type: ignore[method-assign]
     job.send(A, p.Save(req=500, session=sid))
     task = job.sent(p.SaveState)[-1][1]
     job.answer(p.SaveState)
     out = []
     for rank, role in sorted(PARTS):
         out += job.core.step([WorkerSent(written(job, task, rank, role))], job.now)  # the core alone
+    (write,) = [o for o in out if isinstance(o, WriteManifest)]  # the shell writes the manifest, then answers
+    out = job.core.step([ManifestWritten(write.manifest.id, write_manifest(job.core.saving.store, write.manifest))],
+                        job.now)
     assert [s.snapshot for s in job.to(A, p.Saved, out)] == [task.snapshot] and not listings
     (listing,) = [o for o in out if isinstance(o, ListSnapshots)]
     stored = tuple(SnapshotStore(tmp_path).listing())  # what the shell's thread lists
@@ -89,7 +102,7 @@ def test_after_a_save_the_folder_is_listed_for_the_budget_by_the_shell_not_on_th
 def test_stats_show_the_folder_as_the_shell_last_listed_it_and_the_core_never_lists_it(tmp_path: Path) -> None:
     write_snapshot(tmp_path)
     job, _ = running(tmp_path, Budget(max_count=5))
-    job.core.snapshots.listing = lambda: pytest.fail("the core listed the folder")  # type: ignore[method-assign]
+    job.core.saving.store.listing = lambda: pytest.fail("the core listed the folder")  # type: ignore[method-assign]
     out = job.core.step([Tick()], job.now)
     assert [o.written for o in out if isinstance(o, ListSnapshots)] == [""]  # "": for stats, after no save
     assert job.core.stats(job.now).snapshots.count is None  # not listed yet
@@ -97,7 +110,7 @@ def test_stats_show_the_folder_as_the_shell_last_listed_it_and_the_core_never_li
     job.core.step([SnapshotsListed("", tuple(SnapshotStore(tmp_path).listing()))], job.now + 2)
     assert job.core.stats(job.now).snapshots.count == 1
     assert not [o for o in job.core.step([Tick()], job.now + 5) if isinstance(o, ListSnapshots)]  # fresh
-    assert job.core.folder.due(job.core.snapshots, job.now + 13)  # stale after 10 s: listed again
+    assert job.core.saving.folder.due(job.core.saving.store, job.now + 13)  # stale after 10 s: listed again
 
 
 # ---- point 6: the tensors of a file
@@ -131,7 +144,7 @@ def test_a_file_holding_a_nan_or_an_infinity_is_refused() -> None:
 
 def test_a_refusal_names_no_path_of_the_servers_folder(tmp_path: Path) -> None:
     job = Job()
-    job.core.snapshots = SnapshotStore(tmp_path / "private" / "snapshots")
+    job.use(SnapshotStore(tmp_path / "private" / "snapshots"))
     missing = new_snapshot_id()
     job.send(A, p.Open(req=3, image=b"", restore=missing))
     (error,) = [e for e in job.to(A, p.Error) if e.req == 3]
@@ -152,7 +165,7 @@ def test_a_manifest_prompt_longer_than_this_server_takes_is_refused(tmp_path: Pa
     job = Job()
     store, sid = write_snapshot(tmp_path)
     store.write(msgspec.structs.replace(store.read(sid), prompt="x" * 200_000))
-    job.core.snapshots = store
+    job.use(store)
     before = len(job.core.sessions)
     job.send(A, p.Open(req=4, image=b"", restore=sid))
     (error,) = [e for e in job.to(A, p.Error) if e.req == 4]
@@ -164,7 +177,7 @@ def test_a_manifest_prompt_longer_than_this_server_takes_is_refused(tmp_path: Pa
 def test_a_restore_runs_to_the_length_it_asks_for_or_is_refused_naming_the_range(tmp_path: Path) -> None:
     job = Job()
     store, sid = write_snapshot(tmp_path)  # saved at chunk 3 of 8
-    job.core.snapshots = store
+    job.use(store)
     job.send(A, p.Open(req=5, image=b"", restore=sid, num_chunks=1))
     (error,) = [e for e in job.to(A, p.Error) if e.req == 5]
     assert error.code == "bad_request" and "must run to a length in 4..100000" in error.message
@@ -198,14 +211,14 @@ def test_a_session_saves_its_burst_then_one_per_period_and_a_refusal_costs_nothi
 
 def test_a_session_that_saves_too_often_is_refused_busy_with_when_to_retry(tmp_path: Path) -> None:
     job, sid = save_job(tmp_path)
-    job.core.snapshots.rate = SaveRate(per_minute=1.0, burst=1)
+    job.core.saving.store.rate = SaveRate(per_minute=1.0, burst=1)
     job.send(A, p.Save(req=20, session=sid))
     job.answer(p.SaveState, fail="no room")  # the save ends (failed): the session may ask again
     job.send(A, p.Save(req=21, session=sid))
     (busy,) = [e for e in job.to(A, p.Error) if e.req == 21]
     assert busy.code == "busy" and busy.retry_after_s == pytest.approx(60.0, abs=1.0)
     job.step(ClientSent(A, p.Save(req=22, session=sid)), dt=busy.retry_after_s)
-    assert not [e for e in job.to(A, p.Error) if e.req == 22] and sid in job.core.saves
+    assert not [e for e in job.to(A, p.Error) if e.req == 22] and sid in job.core.saving.pending
 
 
 def test_a_prompt_of_invalid_utf8_is_refused_naming_it_with_the_request_id() -> None:

@@ -223,7 +223,7 @@ def test_a_restored_session_starts_every_cursor_at_its_snapshot_chunk() -> None:
 
 def save_job(tmp_path: Path) -> tuple[Job, str]:
     job = Job()
-    job.core.snapshots = SnapshotStore(tmp_path)
+    job.use(SnapshotStore(tmp_path))
     sid = job.open(num_chunks=8)
     for index in range(2):
         control(job, sid, index)
@@ -233,7 +233,7 @@ def save_job(tmp_path: Path) -> tuple[Job, str]:
 
 def written(job: Job, task: p.SaveState, rank: int, role: str, error: str = "") -> p.SaveWritten:
     """What rank's writer thread reports, its file (100 bytes) put where it would write it."""
-    folder = job.core.snapshots.folder(task.snapshot)
+    folder = job.core.saving.store.folder(task.snapshot)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / file_name(rank, role)).write_bytes(bytes(100))
     return p.SaveWritten(rank=rank, role=role, session=task.session, stage=p.Stage(role), snapshot=task.snapshot,
@@ -243,7 +243,7 @@ def written(job: Job, task: p.SaveState, rank: int, role: str, error: str = "") 
 def test_a_save_queues_its_tasks_between_the_chunks_before_the_boundary_and_it_and_answers_once_every_file_is_on_disk(
         tmp_path: Path) -> None:  # fmt: skip
     job = Job()
-    job.core.snapshots = SnapshotStore(tmp_path)
+    job.use(SnapshotStore(tmp_path))
     sid = job.open(num_chunks=8)
     control(job, sid, 0)
     job.chunk(sid, 0)
@@ -253,7 +253,7 @@ def test_a_save_queues_its_tasks_between_the_chunks_before_the_boundary_and_it_a
         job.answer(p.DenoiseChunk, sid, index)
     control(job, sid, 3)  # chunk 3 is the boundary: the first chunk not dispatched to the DiT
     job.send(A, p.Save(req=50, session=sid))
-    assert not job.sent(p.SaveState) and job.core.saves[sid].chunk == 3
+    assert not job.sent(p.SaveState) and job.core.saving.pending[sid].chunk == 3
     job.answer(p.ConditionChunk, sid, 3)
     assert not [t for _, t in job.tasks if isinstance(t, p.DenoiseChunk) and t.index == 3], "chunk 3 was not held"
     job.answer(p.DecodeChunk, sid, 1)
@@ -275,8 +275,8 @@ def test_a_save_queues_its_tasks_between_the_chunks_before_the_boundary_and_it_a
     assert (saved.req, saved.snapshot, saved.chunk, saved.bytes, saved.files) == (50, task.snapshot, 3, 700, 7)
     stored = SnapshotStore(tmp_path)
     on_disk = msgspec.json.decode((tmp_path / task.snapshot / MANIFEST).read_bytes(), type=Manifest)
-    assert on_disk.chunk == 3 and on_disk.identity == job.core.identity and len(on_disk.files) == 7
-    assert stored.folder(task.snapshot).is_dir() and sid not in job.core.saves
+    assert on_disk.chunk == 3 and on_disk.identity == job.core.saving.identity and len(on_disk.files) == 7
+    assert stored.folder(task.snapshot).is_dir() and sid not in job.core.saving.pending
 
 
 def test_a_save_that_fails_on_a_rank_lets_the_stream_go_on_and_answers_save_failed(tmp_path: Path) -> None:
@@ -310,7 +310,7 @@ def test_a_save_whose_manifest_cannot_be_written_answers_save_failed_and_leaves_
     def full_disk(manifest: Manifest) -> Path:
         raise OSError(28, "No space left on device")
 
-    job.core.snapshots.write = full_disk  # type: ignore[method-assign]
+    job.core.saving.store.write = full_disk  # type: ignore[method-assign]
     out = []
     for rank, role in sorted(PARTS):
         out += job.step(WorkerSent(written(job, task, rank, role)))
@@ -331,7 +331,7 @@ def test_only_the_owner_saves_and_a_second_save_waits_for_the_first(tmp_path: Pa
 def test_a_restore_opens_every_cache_from_the_snapshot_and_continues_its_numbering(tmp_path: Path) -> None:
     job = Job()
     store, snapshot = write_snapshot(tmp_path)
-    job.core.snapshots = store
+    job.use(store)
     job.send(A, p.Open(req=77, image=b"", restore=snapshot))
     sid = list(job.core.sessions)[-1]
     ((_, init),) = job.sent(p.InitCondition)[-1:]
@@ -349,7 +349,7 @@ def test_a_restore_opens_every_cache_from_the_snapshot_and_continues_its_numberi
 def test_a_restore_of_a_bad_id_or_a_foreign_snapshot_is_refused_and_opens_nothing(tmp_path: Path) -> None:
     job = Job()
     store, snapshot = write_snapshot(tmp_path)
-    job.core.snapshots = store
+    job.use(store)
     saved = store.read(snapshot)
     store.write(msgspec.structs.replace(saved, identity=msgspec.structs.replace(saved.identity, model="other")))
     _, longer = write_snapshot(tmp_path)
@@ -410,7 +410,7 @@ def test_the_router_passes_a_save_to_the_sessions_replica_and_its_saved_back_to_
 
 def test_a_live_session_restores_with_its_held_keys_at_its_chunk_and_a_fresh_revision_count(tmp_path: Path) -> None:
     job = Job()
-    job.core.snapshots = SnapshotStore(tmp_path)
+    job.use(SnapshotStore(tmp_path))
     sid = job.open(num_chunks=8, live=True)
     job.send(A, p.ControlState(req=next(job.req), session=sid, keys=["w", "j"], revision=7))
     job.chunk(sid, 0)

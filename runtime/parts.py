@@ -1,0 +1,63 @@
+"""A session on rank 0 as a bag of parts (STYLE.md 16): the lifecycle points every part answers.
+
+The coordinator core (``runtime.core``) keeps routing and the session's own path (open -> scheduler -> dispatch ->
+join -> emit -> close). A feature that keeps per-session state (saves, admission, rank health, watchers, metrics)
+is a part: it owns that state, is sans-io, and answers at fixed points with what the core must do, as data. It never
+calls back into the core; what only the core may do (hold a session's boundary chunk in the scheduler, reach the
+session's current client) it asks for with ``Hold`` and ``ToOwner``.
+
+The points, in a session's order:
+
+- ``opened(sid, now)``: a session exists (after admission). A part starts its per-session state here.
+- a client request of the kinds it owns (the core's ``_request`` routes by message type: ``save`` to the saves,
+  ``open`` to admission or, with ``restore``, to the saves' read).
+- what a dispatched chunk takes from it (steps, control, prompt revision: the core asks the part that owns each).
+- ``emitted`` (a chunk left rank 0): the parts that learn from chunks (capacity, metrics) hear of it.
+- ``closed(sid, now)``: the scheduler closed the session; ``dropped(sid, now)``: the session could not even close
+  cleanly and is forgotten. Both forget everything the part keeps of the session, so a close is one loop over the
+  parts and never a list of holders written out by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.core_types import Output
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Hold (``on``) or let go the denoise of the session's next chunk: the scheduler is the core's. Letting go is
+    done only while the session is open and not closing (a late one is a no-op)."""
+
+    session: str
+    on: bool
+
+
+@dataclass(frozen=True)
+class ToOwner:
+    """``message`` to the session's client now (it may have resumed from another identity), or to ``owner`` once
+    the session is gone."""
+
+    session: str
+    message: Any
+    owner: bytes
+
+
+Answer = Output | Hold | ToOwner  # what a part returns, in the order the core must carry it out
+
+
+class Part:
+    """The lifecycle points with their defaults (nothing kept, nothing to do); a part overrides what it needs."""
+
+    def opened(self, sid: str, now: float) -> list[Answer]:
+        return []
+
+    def closed(self, sid: str, now: float, reason: str = "") -> list[Answer]:
+        return []
+
+    def dropped(self, sid: str, now: float) -> list[Answer]:
+        """Forgotten without a clean close: by default what a close forgets."""
+        return self.closed(sid, now, "dropped")
+
