@@ -488,6 +488,7 @@ class TaskFailed(_Done, tag="task_failed", kw_only=True):
     index: int = -1  # the chunk, for a chunk or a transfer
     error: str
     fatal: bool = False  # the rank cannot go on (tensor plane broken): the job ends
+    snapshot: str = ""  # a failed ``save_state``'s snapshot: its refusal is told apart from an older save's
 
 
 class SaveCaptured(_Done, tag="save_captured"):

@@ -141,7 +141,11 @@ def load(store: SnapshotStore, snapshot: str, rank: int, role: str) -> dict[str,
     if not entries:
         raise SnapshotError(f"snapshot {snapshot} holds no state of rank {rank} {role}")
     path = store.folder(snapshot) / entries[0].name
-    digest = sha256_of(path)
+    try:
+        digest = sha256_of(path)
+    except OSError as error:  # deleted meanwhile (another replica's budget): named without the server's folder
+        why = error.strerror or type(error).__name__
+        raise SnapshotError(f"snapshot {snapshot}: {entries[0].name} cannot be read ({why})") from None
     if digest != entries[0].sha256:
         raise SnapshotError(f"snapshot {snapshot}: {entries[0].name} is corrupt (sha256 {digest[:12]}..., the "
                             f"manifest says {entries[0].sha256[:12]}...)")

@@ -184,7 +184,7 @@ def _serve_tasks(ctx: RankContext, role: str, stage: Stage | None, handlers: dic
                 text = str(error) if isinstance(error, Fatal) else f"{type(error).__name__}: {error}"
                 link.send(protocol.TaskFailed(rank=ctx.rank, role=role, session=task.session, spans=tuple(spans.items),
                                               phase=task.phase, stage=stage, index=getattr(task, "index", -1),
-                                              error=text, fatal=fatal))
+                                              error=text, fatal=fatal, snapshot=getattr(task, "snapshot", "")))
                 if fatal:
                     die(ctx, f"rank {ctx.rank} {role}: {text}")
                 log.warning("rank %d %s %s failed: %s", ctx.rank, role, type(task).__name__, traceback.format_exc())

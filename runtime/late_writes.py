@@ -65,13 +65,13 @@ class LateWrites:
         del self._waiting[snapshot]
         return True
 
-    def refused(self, session: str, part: Part) -> tuple[bool, str | None]:
-        """A worker's ``task_failed`` of a save of ``session`` (it names no snapshot): it belongs to the oldest
-        failed save still waiting for that part, if any (a worker runs its tasks in order). (whether it was one of
-        them, the id whose folder to delete now or None)."""
-        for snapshot, waiting in self._waiting.items():
-            if waiting.session == session and part in waiting.parts:
-                return True, snapshot if self.answered(snapshot, part) else None
+    def refused(self, session: str, part: Part, snapshot: str = "") -> tuple[bool, str | None]:
+        """A worker's ``task_failed`` of a save of ``session``: it belongs to the failed save it names (``snapshot``)
+        or, from a worker that names none, to the oldest failed save still waiting for that part (a worker runs its
+        tasks in order). (whether it was one of them, the id whose folder to delete now or None)."""
+        for failed, waiting in self._waiting.items():
+            if waiting.session == session and part in waiting.parts and snapshot in ("", failed):
+                return True, failed if self.answered(failed, part) else None
         return False, None
 
     def expired(self, now: float) -> list[str]:

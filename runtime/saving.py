@@ -208,7 +208,7 @@ class Saves(Part):
     def refused(self, failed: protocol.TaskFailed, now: float) -> list[Answer]:
         """A worker refused a save task (before its copy: it writes nothing): a failed save's, or the current."""
         part = (failed.rank, failed.role)
-        older, doomed = self.late_writes.refused(failed.session, part)
+        older, doomed = self.late_writes.refused(failed.session, part, failed.snapshot)
         out: list[Answer] = [] if doomed is None else [DropSnapshotFiles(doomed)]
         save = self.pending.get(failed.session)
         if not older and save is not None and part in save.outstanding():
@@ -232,6 +232,7 @@ class Saves(Part):
         """The folder as listed: the budget deletes the oldest snapshots over it, never one in use (``restoring``:
         what a restore still reads; its ranks load their files at init, so until it is ``opened`` or gone)."""
         in_use = restoring | {snapshot for snapshot in self.latest.values() if snapshot}
+        in_use |= {message.restore for _, message in self.reading.values() if message.restore}  # manifest being read
         stored = None if event.stored is None else list(event.stored)
         return [DropSnapshotFiles(snapshot, expired=True)
                 for snapshot in self.folder.after_save(self.store, event.written, stored, in_use, now)]

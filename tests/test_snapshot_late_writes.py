@@ -134,3 +134,11 @@ def test_late_writes_track_each_failed_save_until_its_last_part_answers_or_it_is
     assert late.answered("e", (1, "decode")) and len(late) == 0
     assert not late.answered("never", (1, "decode"))  # a save that never failed: nothing to do
 
+
+
+def test_a_refusal_naming_a_newer_save_leaves_an_older_failed_saves_writer_alone() -> None:
+    late = LateWrites(wait_s=10.0)
+    late.failed("s1", "session", {(1, "decode")}, now=0.0)  # its writer on rank 1 may still be writing s1's file
+    assert late.refused("session", (1, "decode"), "s2") == (False, None)  # the newer save's refusal: s1 untouched
+    assert "s1" in late
+    assert late.refused("session", (1, "decode"), "s1") == (True, "s1")  # s1's own answer: now its folder goes
