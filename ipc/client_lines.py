@@ -11,8 +11,9 @@ session as if its client had stopped reading. The rules here:
 - **Only a stream that is not read drops a client.** A chunk that finds the queue full waits in the line too (a queue
   full of replies says nothing about the stream), but a second chunk while one still waits means the client has not
   read a queue of messages plus a whole chunk: it stopped reading its stream (``full``, its session is closed).
-- **Bounded.** At most ``max_waiting`` messages wait per client (a client that sends that many requests without
-  reading one answer stopped reading too). Memory per client: ``max_waiting`` small messages and one chunk.
+- **Bounded.** At most ``max_waiting`` messages, and ``MAX_WAITING_BYTES`` of them besides the one chunk, wait per
+  client (a client that sends that many requests without reading one answer stopped reading too). Memory per
+  client: that and one chunk.
 - **A dropped client is told.** Its line is replaced by one ``not_reading`` error per session it loses, delivered
   if it reads again (it may: a debugger, a frozen tab).
 - **Gone** (disconnected): its line is dropped; the sessions named in it are reported ``gone`` (they may resume).
@@ -37,6 +38,7 @@ Why = Literal["gone", "full"]
 # (identity, data) -> None when queued, else "gone" or "full"; data: bytes, or a zmq.Frame forwarded as received
 Send = Callable[[bytes, Any], "str | None"]
 MAX_WAITING = 1024  # messages waiting per client (``server.max_waiting``; the router's too)
+MAX_WAITING_BYTES = 16 << 20  # bytes of replies and notices waiting per client (a stats reply is a few KB)
 NOT_READING = "not_reading"  # the error code of a client dropped because it stopped reading
 
 
@@ -59,10 +61,12 @@ class _Waiting:
 class ClientLines:
     """Per-client lines of messages that met a full queue (see the module docstring)."""
 
-    def __init__(self, send: Send, max_waiting: int = MAX_WAITING) -> None:
+    def __init__(self, send: Send, max_waiting: int = MAX_WAITING, max_bytes: int = MAX_WAITING_BYTES) -> None:
         self._send = send
         self.max_waiting = max_waiting
+        self.max_bytes = max_bytes
         self._lines: dict[bytes, deque[_Waiting]] = {}
+        self._bytes: dict[bytes, int] = {}  # what waits in each line besides chunks
 
     def waiting(self, who: bytes) -> int:
         line = self._lines.get(who)
@@ -78,9 +82,12 @@ class ClientLines:
             if why == "gone":
                 return [] if session is None else [Lost(who, session, "gone")]
             line = self._lines[who] = deque()
-        elif len(line) >= self.max_waiting or (chunk and any(w.chunk for w in line)):  # a chunk waits: not read
+        elif (len(line) >= self.max_waiting or (chunk and any(w.chunk for w in line))  # a chunk waits: not read
+              or (not chunk and self._bytes.get(who, 0) + len(data) > self.max_bytes)):
             return self._drop(who, line, session)
         line.append(_Waiting(data, session, chunk))
+        if not chunk:
+            self._bytes[who] = self._bytes.get(who, 0) + len(data)
         return []
 
     def flush(self) -> list[Lost]:
@@ -93,16 +100,19 @@ class ClientLines:
                 if why == "full":
                     break
                 if why == "gone":  # disconnected: what waits is dropped as a send to it would be
-                    del self._lines[who]
+                    self.forget(who)
                     lost += [Lost(who, sid, "gone") for sid in _sessions(line)]
                     break
-                line.popleft()
+                sent = line.popleft()
+                if not sent.chunk:
+                    self._bytes[who] -= len(sent.data)
             if not line and who in self._lines:
-                del self._lines[who]
+                self.forget(who)
         return lost
 
     def forget(self, who: bytes) -> None:
         self._lines.pop(who, None)
+        self._bytes.pop(who, None)
 
     def _drop(self, who: bytes, line: deque[_Waiting], session: str | None) -> list[Lost]:
         sessions = _sessions(line, session)
@@ -113,6 +123,7 @@ class ClientLines:
                 for sid in sessions] or [protocol.Error(code=NOT_READING, message=f"this client did not read "
                                                         f"{len(line)} messages: they were dropped")]
         self._lines[who] = deque(_Waiting(protocol.encode(error), None, False) for error in told)
+        self._bytes[who] = sum(len(w.data) for w in self._lines[who])
         return [Lost(who, sid, "full") for sid in sessions]
 
 

@@ -105,3 +105,14 @@ def test_one_clients_line_does_not_hold_up_another() -> None:
     lines.send(A, reply(1), None)
     assert lines.send(B, reply(9), None) == [] and queue.reads(B) == [reply(9)]
     assert lines.waiting(A) == 1 and lines.waiting(B) == 0
+
+
+def test_replies_past_the_byte_bound_drop_the_client_though_few_messages_wait() -> None:
+    queue = Queue(room=1)
+    lines = ClientLines(queue.send, max_waiting=1000, max_bytes=3 * len(reply(0)))
+    lost = [lost for req in range(5) for lost in lines.send(A, reply(req), "s1")]  # 1 queued, 3 wait, the 5th: over
+    assert lost == [Lost(A, "s1", "full")]
+    assert lines.waiting(A) == 1  # its notice only
+    queue.reads(A)
+    lines.flush()
+    assert lines.waiting(A) == 0 and protocol.decode(queue.queued[A][0], "server").code == NOT_READING
