@@ -27,7 +27,8 @@ from ipc.metrics_types import Distribution
 from scripts.bench_json import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
-LIBRARIES = {"bench_common.py", "bench_json.py", "bench_split_rank.py"}  # used by the benchmarks (bench_split_rank: a section of bench_gpu), not benchmarks
+# used by the benchmarks, not benchmarks (bench_split_rank.py: the split_rank section of bench_gpu.py)
+LIBRARIES = {"bench_common.py", "bench_json.py", "bench_split_rank.py"}
 AT_ONCE = 3  # benchmarks run at the same time
 SCRIPT_TIMEOUT_S = 420
 
