@@ -145,7 +145,7 @@ class RouterShell:
         core = self.core
         self.probes.publish(router_snapshot(
             replicas={name: r.state is replicas.State.UP for name, r in core.replicas.items()},
-            placements=core.sessions_total, migrations=core.migrations, open_sessions=len(core.sessions),
+            placements=core.sessions_total, migrations=core.migration.migrations, open_sessions=len(core.sessions),
             chunks_forwarded=core.chunks_forwarded, forwarded_bytes=self.forwarded_bytes, stopping=self.stopping))
 
     # ---------------------------------------------------------------------------------------------- inputs
