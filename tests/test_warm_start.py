@@ -102,10 +102,14 @@ def test_the_launcher_loads_cuda_modules_eagerly_and_expands_segments_unless_the
         caplog: pytest.LogCaptureFixture) -> None:
     env: dict[str, str] = {}
     launch.rank_environment(env)
-    assert env == {"CUDA_MODULE_LOADING": "EAGER", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    chosen = {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    # NCCL connects each communicator when it is created, so each rank's room is measured with its buffers
+    assert env == {"CUDA_MODULE_LOADING": "EAGER", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                   "NCCL_RUNTIME_CONNECT": "0"}
+    chosen = {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512",
+              "NCCL_RUNTIME_CONNECT": "0"}
     with caplog.at_level("WARNING", logger="worldstream"):
         launch.rank_environment(chosen)
-    assert chosen == {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert chosen == {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512",
+                      "NCCL_RUNTIME_CONNECT": "0"}
     said = caplog.text  # kept, but never silently: the hazard the default avoids is back
     assert "CUDA_MODULE_LOADING=LAZY" in said and "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512" in said
