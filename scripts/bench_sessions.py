@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in facts.items():
         print(f"  {key:32s} {value:.3f}" if isinstance(value, float) else f"  {key:32s} {value}")
     rate = facts["combined_chunks_per_s"]
-    print(f"combined rate / DiT rate = {rate * d:.3f} (ideal 1.0); B's first frame came "
+    ratio = "n/a (the streams overlapped for two chunks or fewer)" if rate is None else f"{rate * d:.3f}"
+    print(f"combined rate / DiT rate = {ratio} (ideal 1.0); B's first frame came "
           f"{facts['b_first_frame_before_a_end_s']:.2f} s before A's stream ended")
     if differ or len(a.chunks) != args.chunks:
         print(f"FAIL: B's frames are not A's first {args.chunks // 2} chunks bit for bit (chunks {differ}), or A "
