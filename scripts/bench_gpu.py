@@ -43,10 +43,8 @@ import logging
 import math
 import os
 import signal
-import socket
 import statistics
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -61,77 +59,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models import memory, precision
 from models.attention import _load_sage, pinned_backend
 from models.controls import ChunkControl
-from models.dit import DiTConfig, WanModelFast, chunk_flops
+from models.dit import DiTConfig, chunk_flops
 from models.dit_checkpoint import random_dit
 from models.kv_cache import kv_cache_bytes
 from models.lingbot_denoise import LingbotDenoiseStage
-from models.stages import SessionSpec, StreamGeometry
+from models.stages import SessionSpec
 from scripts import bench_split_rank
 from scripts.bench_split_rank import dit_model_gib
+from scripts.gpu_base import (
+    LAYOUTS,
+    Sizes,
+    allocated,
+    chunk_times,
+    delta,
+    geometry_of,
+    peak_gib,
+    peak_over,
+    reset_peak,
+    sync,
+    timed,
+)
+from scripts.gpu_multi import multi_gpu
+from scripts.gpu_summary import table
 
 PUBLISHED_FPS = {"split7 (7 x H100, seed PR)": 17.07, "aggregated8 (8 x H100, FlashDreams)": 29.5}
-# layout -> (DiT ranks, whether the VAE roles share GPUs with DiT ranks)
-LAYOUTS = {"split7": (5, False), "fast4": (4, True), "aggregated8": (8, True), "single": (1, True)}
 TARGETS = {"dit_v1_over_floor": 1.6, "vae_decode_s": 0.25, "vae_encode_s": 0.2, "split7_fps": 25.0}
-
-
-class Sizes:
-    """Full size on CUDA; ``--tiny``: the tiny presets at 32x48 so the CPU path runs in seconds."""
-
-    def __init__(self, tiny: bool) -> None:
-        self.tiny = tiny
-        self.height, self.width = (32, 48) if tiny else (480, 832)
-        self.dit = {"v1": "tiny", "v2": "tiny"} if tiny else {"v1": "lingbot-world-fast-v1",
-                                                              "v2": "lingbot-world-fast-v2"}  # fmt: skip
-        self.v2_recipe = {"chunk_size": 4, "timestep_indices": (0, 250, 500, 750)}
-        self.vae = "tiny" if tiny else "wan2.1"
-        self.t5 = "tiny" if tiny else "umt5-xxl"
-        self.gemm = 256 if tiny else 8192
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], Any], device: torch.device, repeat: int = 3) -> float:
-    fn()  # warm-up: kernel selection, autotuning, lazy module loading
-    sync(device)
-    began = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    sync(device)
-    return (time.perf_counter() - began) / repeat
-
-
-def peak_gib(device: torch.device) -> float:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def allocated(device: torch.device) -> int | None:
-    """Bytes the allocator holds in live tensors (CUDA only: the CPU allocator keeps no such count)."""
-    if device.type != "cuda":
-        return None
-    sync(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def _peak_over(before: int | None, device: torch.device) -> float | None:
-    """GiB the allocator's peak since the last ``reset_peak`` rose above ``before`` (CUDA only)."""
-    if before is None or device.type != "cuda":
-        return None
-    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
-
-
-def delta(before: int | None, device: torch.device) -> int | None:
-    now = allocated(device)
-    return None if now is None or before is None else now - before
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -170,12 +122,6 @@ def sdpa_backends(sizes: Sizes, device: torch.device, repeat: int = 10) -> dict[
         except RuntimeError as error:
             out[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
     return out
-
-
-def _geometry(cfg: DiTConfig, height: int, width: int) -> StreamGeometry:
-    cs, h, w = cfg.chunk_size, height // 8, width // 8
-    return StreamGeometry(height=height, width=width, chunk_latent_frames=cs, context_shape=(cfg.text_len,
-                          cfg.text_dim), condition_shape=(20, cs, h, w), latent_shape=(16, cs, h, w))  # fmt: skip
 
 
 def top_kernels(run: Callable[[], Any], device: torch.device, top: int = 25) -> dict[str, Any]:
@@ -226,7 +172,7 @@ def dit_steady(sizes: Sizes, device: torch.device, attention: list[str]) -> dict
     lat_h, lat_w = sizes.height // 8, sizes.width // 8
     for recipe in ("v1", "v2"):
         cfg = base if recipe == "v1" else replace(base, **sizes.v2_recipe)
-        geometry = _geometry(cfg, sizes.height, sizes.width)
+        geometry = geometry_of(cfg, sizes.height, sizes.width)
         fill = math.ceil(cfg.local_attn_size / cfg.chunk_size)  # chunks until the window is full
         for kind in attention:
             name = f"{recipe}_{kind}"
@@ -243,13 +189,7 @@ def dit_steady(sizes: Sizes, device: torch.device, attention: list[str]) -> dict
                 before_open = allocated(device)
                 stage.open(SessionSpec("bench", 0, ""), context)
                 opened_bytes = delta(before_open, device)
-                times = []
-                for k in range(fill + 2):
-                    sync(device)
-                    began = time.perf_counter()
-                    stage.denoise("bench", k, condition, ChunkControl(keys=frozenset("wl")))
-                    sync(device)
-                    times.append(time.perf_counter() - began)
+                times = chunk_times(stage, "bench", fill + 2, condition, device)
                 steady = min(times[-2:])
                 flops = chunk_flops(cfg, lat_h, lat_w)["per_chunk"]
                 entry: dict[str, Any] = {"chunk_s": times, "steady_s": steady, "pflop_per_chunk": flops / 1e15,
@@ -287,7 +227,7 @@ def dit_bf16_vs_fp32(device: torch.device) -> dict[str, Any]:
     """The bf16 path against its own float32 path (the golden fixtures judge float32 only): the ``small`` preset,
     one chunk through the real stage with the same weights in both dtypes."""
     cfg = DiTConfig.from_name("small", attention="sdpa")
-    geometry = _geometry(cfg, 240, 416)
+    geometry = geometry_of(cfg, 240, 416)
     outs = []
     for dtype in (torch.float32, torch.bfloat16):
         stage = LingbotDenoiseStage(cfg, geometry, device=device, dtype=dtype,
@@ -326,7 +266,7 @@ def _vae_policy(policy: str, reference: torch.nn.Module, latents: list[torch.Ten
             sync(device)
             decode_times.append(time.perf_counter() - began)
         assert frames is not None
-        decode_peak = _peak_over(before_decoder, device)
+        decode_peak = peak_over(before_decoder, device)
         frames = frames.float().cpu()  # off the device, so the delta below is the decoder's caches alone
         decode_bytes = delta(before_decoder, device)
         before_encoder = allocated(device)
@@ -340,7 +280,7 @@ def _vae_policy(policy: str, reference: torch.nn.Module, latents: list[torch.Ten
             sync(device)
             encode_times.append(time.perf_counter() - began)
         encode_bytes = delta(before_encoder, device)
-        encode_peak = _peak_over(before_encoder, device)
+        encode_peak = peak_over(before_encoder, device)
     h, w = image.shape[-2:]
     modelled = memory.vae_run_bytes(vae.cfg, next(vae.parameters()).dtype, tuple(latents[0].shape), h, w, 3)
     return {
@@ -468,140 +408,6 @@ def targets(results: dict[str, Any], peak_tflops: float) -> dict[str, Any]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------ several GPUs
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def multi_gpu_stage(cfg: DiTConfig, sizes: Sizes, device: torch.device, dtype: torch.dtype,
-                    group: Any) -> LingbotDenoiseStage:  # fmt: skip
-    """The DiT stage the multi-GPU section times, sharded over every rank of ``group`` (SP = the group's size). The
-    stage applies the split itself: a model split beforehand and handed over with no group is made one-rank again."""
-    model: WanModelFast = random_dit(cfg, device, dtype, seed=0)  # the same seeded weights on every rank
-    return LingbotDenoiseStage(replace(cfg, attention="sdpa"), _geometry(cfg, sizes.height, sizes.width),
-                               device=device, dtype=dtype, group=group, weights=model)  # fmt: skip
-
-
-def _multi_gpu_worker(rank: int, world: int, port: int, sizes_tiny: bool, out_dir: str, backend: str) -> None:
-    """One rank of the multi-GPU section: ``nccl`` on GPU ``rank``, or ``gloo`` on CPU (the tests' path)."""
-    import torch.distributed as dist
-
-    from models.ulysses import Ulysses
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device, dtype = torch.device("cuda", rank), torch.bfloat16
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    else:
-        torch.set_num_threads(1)
-        device, dtype = torch.device("cpu"), torch.float32
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    result: dict[str, Any] = {}
-    sizes = Sizes(sizes_tiny)
-    cfg = DiTConfig.from_name(sizes.dit["v1"])
-    fs = (sizes.height // 16) * (sizes.width // 16)
-    n = cfg.chunk_size * fs
-    sp = Ulysses(dist.group.WORLD)
-    local = -(-n // world)
-    q = torch.randn(local, cfg.num_heads, cfg.head_dim, device=device, dtype=dtype)
-    a2a = timed(lambda: (sp.heads_to_seq(sp.qkv_to_heads(q, q, q, n)[0])), device, repeat=10)
-    result["alltoall_s_per_layer"] = a2a
-    stage = multi_gpu_stage(cfg, sizes, device, dtype, dist.group.WORLD)
-    result["sp_size"] = stage.model.sp.size
-    result["frames_per_chunk"] = 4 * cfg.chunk_size
-    g = torch.Generator(device="cpu").manual_seed(1)
-    stage.open(SessionSpec("b", 0, ""), torch.randn(cfg.text_len, cfg.text_dim, generator=g))
-    cond = torch.randn(20, cfg.chunk_size, sizes.height // 8, sizes.width // 8, generator=g).to(device)
-    fill = math.ceil(cfg.local_attn_size / cfg.chunk_size)
-    times = []
-    for k in range(fill + 2):
-        dist.barrier()
-        began = time.perf_counter()
-        stage.denoise("b", k, cond, ChunkControl(keys=frozenset("w")))
-        sync(device)
-        times.append(time.perf_counter() - began)
-    result["spN_chunk_s"] = min(times[-2:])
-    result["chunk_s"] = times
-    # two NCCL groups per GPU used from two threads at once (the decode and coordinator ranks' pattern)
-    if world >= 2 and backend == "nccl":
-        result["concurrent_groups"] = _concurrent_groups(rank, device)
-    if rank == 0:
-        (Path(out_dir) / "multi.json").write_text(json.dumps({"world": world, **result}))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _concurrent_groups(rank: int, device: torch.device, rounds: int = 200) -> dict[str, Any]:
-    """Ranks 0 and 1: on group A rank 0 sends to rank 1 while on group B rank 1 sends to rank 0, each from its own
-    thread and stream, as the coordinator (frames in, conditions out) and decode ranks (latents in, frames out)
-    do. A deadlock shows as the group timeout."""
-    import datetime
-
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    timeout = datetime.timedelta(seconds=60)
-    group_a = dist.new_group([0, 1], timeout=timeout)
-    group_b = dist.new_group([0, 1], timeout=timeout)
-    if rank > 1:
-        return {}
-    errors: list[str] = []
-    tensor_a = torch.ones(1 << 20, device=device)
-    tensor_b = torch.ones(1 << 18, device=device)
-
-    def edge(group: Any, buf: torch.Tensor, sender: int) -> None:
-        torch.cuda.set_device(device)
-        stream = torch.cuda.Stream(device)
-        try:
-            with torch.cuda.stream(stream):
-                for _ in range(rounds):
-                    if rank == sender:
-                        dist.send(buf, dst=1 - rank, group=group)
-                    else:
-                        dist.recv(buf, src=1 - rank, group=group)
-                stream.synchronize()
-        except Exception as error:
-            errors.append(f"{type(error).__name__}: {error}")
-
-    began = time.perf_counter()
-    threads = [threading.Thread(target=edge, args=(group_a, tensor_a, 0)),
-               threading.Thread(target=edge, args=(group_b, tensor_b, 1))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return {"rounds": rounds, "seconds": time.perf_counter() - began, "errors": errors, "world": world}
-
-
-def multi_gpu_world(sizes: Sizes, world: int, backend: str = "nccl") -> dict[str, Any]:
-    """The multi-GPU measurements with ``world`` processes (one per GPU with ``nccl``; CPU ranks with ``gloo``)."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_multi_gpu_worker, args=(world, _free_port(), sizes.tiny, tmp, backend), nprocs=world, join=True)
-        return json.loads((Path(tmp) / "multi.json").read_text())
-
-
-def multi_gpu(sizes: Sizes) -> dict[str, Any]:
-    """SP = N for each layout's DiT group size N that fits on this machine's GPUs (and N = all of them)."""
-    gpus = torch.cuda.device_count()
-    worlds = sorted({ranks for ranks, _ in LAYOUTS.values() if 1 < ranks <= gpus} | {gpus})
-    out: dict[str, Any] = {}
-    for world in worlds:
-        try:
-            out[f"sp{world}"] = multi_gpu_world(sizes, world)
-        except Exception as error:
-            out[f"sp{world}"] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()[-1500:]}
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ the server
 
 
@@ -702,134 +508,6 @@ def run_section(results: dict[str, Any], name: str, fn: Callable[[], Any], out: 
         save(results, out)
     if interrupted is not None:
         raise interrupted
-
-
-def _f(value: Any, spec: str = ".3f") -> str:
-    return format(value, spec) if isinstance(value, (int, float)) else "-"
-
-
-def _gib(nbytes: Any) -> str:
-    if not isinstance(nbytes, (int, float)):
-        return "-"
-    return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
-
-
-def _dit_lines(results: dict[str, Any]) -> list[str]:
-    peak = results.get("matmul", {}).get("tflops")
-    lines = []
-    for name, entry in results.get("dit", {}).items():
-        if "steady_s" not in entry:
-            lines.append(f"DiT {name:9s} {str(entry.get('error', '?'))[:100]}")
-            continue
-        floor = entry["pflop_per_chunk"] * 1e15 / (peak * 1e12) if isinstance(peak, (int, float)) and peak else None
-        over = entry["steady_s"] / floor if floor else None
-        lines.append(f"DiT {name:9s} steady {entry['steady_s']:.3f} s/chunk (first {entry['chunk_s'][0]:.3f})  "
-                     f"{entry['pflop_per_chunk']:.3f} PFLOP  floor {_f(floor)} s  x{_f(over, '.2f')}"
-                     f"  {entry['tflops']:.0f} TFLOP/s  peak {entry['peak_gib']:.1f} GiB (model "
-                     f"{_f(entry.get('model_peak_gib'), '.1f')})  fused-only "
-                     f"{entry.get('fused_kernels_only', '-')}")  # fmt: skip
-        lines.append(f"    session bytes: {_gib(entry.get('session_bytes_steady'))} measured (after open "
-                     f"{_gib(entry.get('session_bytes_open'))}), KV ring computed "
-                     f"{_gib(entry.get('session_bytes_computed_kv'))}")  # fmt: skip
-    return lines
-
-
-def _split_rank_lines(results: dict[str, Any]) -> list[str]:
-    lines = []
-    for name, entry in results.get("split_rank", {}).items():
-        if "compute_s" not in entry:
-            lines.append(f"DiT rank at {name}: {entry.get('skipped') or entry.get('error', '?')}"[:160])
-            continue
-        bound = entry["frames_per_chunk"] / entry["compute_s"]
-        lines.append(f"DiT rank at {name}: {entry['local_heads']} heads x {entry['local_tokens']} tokens, compute "
-                     f"{entry['compute_s']:.3f} s/chunk (all-to-alls not in it: {entry['alltoall_gb_per_chunk']:.2f} "
-                     f"GB/chunk to move)  at most {bound:.1f} FPS  peak {entry['peak_gib']:.1f} GiB (model "
-                     f"{_f(entry.get('model_peak_gib'), '.1f')})")  # fmt: skip
-    return lines
-
-
-def _sdpa_lines(results: dict[str, Any]) -> list[str]:
-    sdpa = results.get("sdpa", {})
-    if "q" not in sdpa:
-        return []
-    return [f"SDPA q {sdpa['q']} k/v {sdpa['kv']} {sdpa['dtype']}: " + "  ".join(
-        f"{b} {entry['s'] * 1e3:.2f} ms {entry['tflops']:.0f} TFLOP/s" if "s" in entry else f"{b} refused"
-        for b, entry in sdpa.items() if isinstance(entry, dict))]  # fmt: skip
-
-
-def _vae_lines(results: dict[str, Any]) -> list[str]:
-    lines = []
-    for name, entry in results.get("vae", {}).items():
-        if "decode_steady_s" in entry:
-            err = f"rel L2 {entry['rel_l2_vs_fp32']:.4f}" if "rel_l2_vs_fp32" in entry else "reference"
-            dec, enc = entry["decode_chunk_s"], entry["encode_chunk_s"]
-            lines.append(f"VAE {name:9s} decode {entry['decode_steady_s']:.3f} s (first {dec[0]:.3f})  encode "
-                         f"{entry['encode_steady_s']:.3f} s (first {enc[0]:.3f})  ({err})  session: decode "
-                         f"{_gib(entry.get('decode_session_bytes'))} measured / "
-                         f"{_gib(entry.get('decode_session_bytes_computed'))} counted, encode "
-                         f"{_gib(entry.get('encode_session_bytes'))} / "
-                         f"{_gib(entry.get('encode_session_bytes_computed'))}")  # fmt: skip
-            lines.append(f"    peak above start: decode {_f(entry.get('decode_peak_gib'), '.2f')} GiB (model "
-                         f"{_f(entry.get('decode_model_gib'), '.2f')} + workspace margin "
-                         f"{_f(entry.get('workspace_margin_gib'), '.2f')}), encode "
-                         f"{_f(entry.get('encode_peak_gib'), '.2f')} GiB (model "
-                         f"{_f(entry.get('encode_model_gib'), '.2f')} + the same margin)")  # fmt: skip
-    if "prompt_s" in results.get("umt5", {}):
-        lines.append(f"umT5 prompt {results['umt5']['prompt_s']:.3f} s")
-    return lines
-
-
-def _serve_lines(results: dict[str, Any]) -> list[str]:
-    served = results.get("serve", {})
-    if not served.get("first"):
-        return []
-    first, steady = served["first"], served["steady"]
-    return [f"served {served['size'][0]}x{served['size'][1]}: first chunk {_f(served['first_chunk_s'])} s "
-            f"after open (denoise {_f(first['denoise_s'])}, decode {_f(first['decode_s'])}, encode "
-            f"{_f(first['condition_s'])}); steady period {_f(served['steady_period_s'])} s (denoise "
-            f"{_f(steady['denoise_s'])}, decode {_f(steady['decode_s'])}, encode {_f(steady['condition_s'])})"]
-
-
-def _projection_lines(results: dict[str, Any]) -> list[str]:
-    lines = []
-    for layout, entry in results.get("projection", {}).items():
-        if isinstance(entry, dict) and entry.get("projected"):
-            lines.append(f"PROJECTED {layout:11s} period {entry['period_s']:.3f} s  {entry['fps']:.1f} FPS  (DiT "
-                         f"{entry['dit_s']:.3f} s from {entry['dit_from']}"
-                         f"{' + decode + encode: co-located' if entry['colocated'] else ''})")
-        elif isinstance(entry, dict) and "why" in entry:
-            lines.append(f"not projected {layout:11s} {entry['why']}")
-    for key, entry in results.get("targets", {}).items():
-        lines.append(f"target {key:18s} {entry['value']:.3f} vs {entry['target']}  "
-                     f"{'PASS' if entry['pass'] else 'FAIL'}{' (projected)' if entry.get('projected') else ''}")
-    return lines
-
-
-def _probe_lines(results: dict[str, Any]) -> list[str]:
-    if "probe" not in results:
-        return []
-    probe, cc = results["probe"], results["probe"].get("c_compiler", {})
-    compiler = f"{cc['path']} ({cc['version']})" if cc.get("found") else "NONE (compile falls back to eager)"
-    return [f"cold import torch {_f(probe.get('import_torch_s'), '.1f')} s  CUDA init "
-            f"{_f(probe.get('cuda_init_s'), '.1f')} s  context {_f(probe.get('context_gib'), '.2f')} GiB  "
-            f"triton {probe.get('triton')}  C compiler {compiler}"]
-
-
-def table(results: dict[str, Any]) -> str:
-    """The compact summary: DiT against the FLOP floor, SDPA backends, VAE per precision, bytes per session, the
-    served session's first chunk against its steady chunks, projections and targets. A part whose entries are
-    incomplete says so instead of ending the summary."""
-    lines = [f"device: {results.get('device')}  torch {results.get('torch')}  sizes {results.get('sizes')}  "
-             f"matmul peak {_f(results.get('matmul', {}).get('tflops'), '.0f')} TFLOP/s"]
-    for part in (_probe_lines, _dit_lines, _split_rank_lines, _sdpa_lines, _vae_lines, _serve_lines, _projection_lines):
-        try:
-            lines += part(results)
-        except (KeyError, IndexError, TypeError, ValueError) as error:
-            lines.append(f"{part.__name__.strip('_')}: incomplete entry ({type(error).__name__}: {error})")
-    failed = [name for name, entry in results.items() if isinstance(entry, dict) and "error" in entry]
-    if failed:
-        lines.append(f"sections with errors: {failed}")
-    return "\n".join(lines)
 
 
 SECTIONS = ("matmul", "sdpa", "dit", "split_rank", "dit_bf16_vs_fp32", "vae", "umt5", "kv_cache", "multi_gpu",

@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from models.controls import ChunkControl
 from models.dit import DiTConfig
 from models.dit_checkpoint import random_dit
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.stages import SessionSpec
-
-if TYPE_CHECKING:
-    from scripts.bench_gpu import Sizes
+from scripts.gpu_base import Sizes, chunk_times, geometry_of, peak_gib, reset_peak
 
 
 def alltoall_bytes(cfg: DiTConfig, sp: int, height: int, width: int, dtype: torch.dtype) -> int:
@@ -51,12 +47,11 @@ def split_rank(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     returns the right shapes without communicating (``models.ulysses.StandInUlysses``). The steady chunk is the
     rank's compute; the bytes its all-to-alls would move are given beside it (their time is not in it)."""
     from models.ulysses import StandInUlysses
-    from scripts.bench_gpu import _geometry, peak_gib, reset_peak, sync
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = replace(DiTConfig.from_name(sizes.dit["v1"]), attention="sdpa")
     model = random_dit(cfg, device, dtype, seed=0)
-    geometry = _geometry(cfg, sizes.height, sizes.width)
+    geometry = geometry_of(cfg, sizes.height, sizes.width)
     fill = math.ceil(cfg.local_attn_size / cfg.chunk_size)
     out: dict[str, Any] = {}
     for sp in (5, 8):
@@ -69,13 +64,7 @@ def split_rank(sizes: Sizes, device: torch.device) -> dict[str, Any]:
         stage.open(SessionSpec("bench", 0, ""), torch.randn(cfg.text_len, cfg.text_dim, generator=g))
         condition = torch.randn(geometry.condition_shape, generator=g).to(device)
         reset_peak(device)
-        times = []
-        for k in range(fill + 2):
-            sync(device)
-            began = time.perf_counter()
-            stage.denoise("bench", k, condition, ChunkControl(keys=frozenset("wl")))
-            sync(device)
-            times.append(time.perf_counter() - began)
+        times = chunk_times(stage, "bench", fill + 2, condition, device)
         n = cfg.chunk_size * (sizes.height // 16) * (sizes.width // 16)
         out[f"sp{sp}"] = {"sp_size": stage.model.sp.size, "local_heads": stage.model.sp.local_heads(cfg.num_heads),
                           "local_tokens": -(-n // sp), "chunk_s": times, "compute_s": min(times[-2:]),

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from scripts import bench_gpu
+from scripts import bench_gpu, gpu_multi
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ def test_bench_gpu_cpu_path_reports_every_section_and_serves_a_session(tmp_path:
 
 
 def test_multi_gpu_section_runs_its_dit_stage_at_sp_equal_to_the_world_size_on_5_gloo_ranks() -> None:
-    result = bench_gpu.multi_gpu_world(bench_gpu.Sizes(tiny=True), 5, backend="gloo")
+    result = gpu_multi.multi_gpu_world(bench_gpu.Sizes(tiny=True), 5, backend="gloo")
     assert result["world"] == 5 and result["sp_size"] == 5  # a one-rank stage here would project 5x too fast
     assert result["spN_chunk_s"] > 0 and result["frames_per_chunk"] == 12
 
