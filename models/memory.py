@@ -278,22 +278,29 @@ def _graphs(s: Setting, height: int, width: int) -> dict[str, int]:
     return graphs_bytes(lingbot.dit_config(m, m), s.dit_dtype, s.dit_ranks, height, width)
 
 
+def _full_window(model: Any, cfg: Any, dtype: torch.dtype, h: int, w: int) -> tuple[Any, Any, int]:
+    """On the meta device: one rank's KV ring with the window full, the text cache, and the chunk that finds the
+    window full (a steady chunk: every later one has its shapes)."""
+    from models.kv_cache import new_kv_cache
+
+    cs, fs = cfg.chunk_size, (h // 2) * (w // 2)
+    cache = new_kv_cache(cfg.num_layers, cfg.local_attn_size, cfg.sink_size, fs, model.sp.local_heads(cfg.num_heads),
+                         cfg.head_dim, "meta", dtype, evict=cfg.kv_eviction)
+    text = model.text_cache(torch.empty(cfg.text_len, cfg.text_dim))
+    chunk = max(0, cfg.local_attn_size // cs - 1)  # the window is full once this chunk is placed
+    for k in range(chunk):
+        cache.begin(k * cs * fs, cs * fs)
+    return cache, text, chunk
+
+
 @functools.lru_cache(maxsize=64)
 def dit_working_bytes(cfg: Any, dtype: torch.dtype, ranks: int, height: int, width: int) -> int:
     """Peak live bytes of one steady chunk on one rank of a ``ranks``-rank DiT group: the camera modulation (held
     through the chunk) and one denoising pass against a full window (every pass of a chunk has the same shapes)."""
-    from models.kv_cache import new_kv_cache
-
     model = _dit_model(cfg, dtype, ranks)
     cs, h, w = cfg.chunk_size, height // 8, width // 8
-    fs = (h // 2) * (w // 2)
     with _meta():
-        cache = new_kv_cache(cfg.num_layers, cfg.local_attn_size, cfg.sink_size, fs,
-                             model.sp.local_heads(cfg.num_heads), cfg.head_dim, "meta", dtype, evict=cfg.kv_eviction)
-        text = model.text_cache(torch.empty(cfg.text_len, cfg.text_dim))
-        chunk = max(0, cfg.local_attn_size // cs - 1)  # the window is full once this chunk is placed
-        for k in range(chunk):
-            cache.begin(k * cs * fs, cs * fs)
+        cache, text, chunk = _full_window(model, cfg, dtype, h, w)
         control = torch.empty(1, cfg.control_features // 4, cs, h, w)
         x, y = torch.empty(16, cs, h, w), torch.empty(20, cs, h, w)
         model._time_memo.clear()
@@ -310,18 +317,10 @@ def graphs_bytes(cfg: Any, dtype: torch.dtype, ranks: int, height: int, width: i
     copy of the camera modulation (``graphs_camera``) and each captured pass's static input and output tensors
     (``graphs_statics``, one pass per timestep); per rank, the capture pool all graphs share (``graphs_pool``: the
     live bytes of one steady pass, held for the process's life beside the ordinary pool)."""
-    from models.kv_cache import new_kv_cache
-
     model = _dit_model(cfg, dtype, ranks)
     cs, h, w = cfg.chunk_size, height // 8, width // 8
-    fs = (h // 2) * (w // 2)
     with _meta():
-        cache = new_kv_cache(cfg.num_layers, cfg.local_attn_size, cfg.sink_size, fs,
-                             model.sp.local_heads(cfg.num_heads), cfg.head_dim, "meta", dtype, evict=cfg.kv_eviction)
-        text = model.text_cache(torch.empty(cfg.text_len, cfg.text_dim))
-        chunk = max(0, cfg.local_attn_size // cs - 1)
-        for k in range(chunk):
-            cache.begin(k * cs * fs, cs * fs)
+        cache, text, chunk = _full_window(model, cfg, dtype, h, w)
         cam = model.camera_modulation(torch.empty(1, cfg.control_features // 4, cs, h, w))
         x, y = torch.empty(16, cs, h, w), torch.empty(20, cs, h, w)
         rope = torch.view_as_real(model._rope(cs, h // 2, w // 2, chunk * cs, torch.device("meta")))
