@@ -1,7 +1,8 @@
 """ZeroMQ sockets of the control plane. One thread owns each socket; nothing here is shared across threads.
 
 - ``client_router``: the coordinator's client-facing ROUTER, loopback by default, ``ROUTER_MANDATORY`` set so a
-  message to a vanished or full peer raises instead of vanishing, a bounded send queue per peer, and
+  message to a vanished or full peer raises instead of vanishing, ``ROUTER_HANDOVER`` so a reconnecting identity
+  is heard at once, a bounded send queue per peer, and
   ``MAXMSGSIZE``: a frame larger than the message limit (plus a margin that still earns a ``bad_message`` reply)
   makes ZeroMQ drop the connection before buffering it, so a huge frame never costs rank 0 its size in memory.
   The limit is per frame (a message of many frames is buffered whole before it can be refused) and the receive
@@ -30,6 +31,9 @@ def client_router(context: zmq.Context, host: str, port: int, send_hwm: int,
                   max_message_bytes: int) -> tuple[zmq.Socket, int]:  # fmt: skip
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # A client that reconnects with its identity (to resume its session) takes the identity over at once; without
+    # this ZeroMQ ignores the newcomer until it has noticed that the old connection is gone.
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + OVERSIZE_MARGIN)
     sock.setsockopt(zmq.SNDHWM, send_hwm)
     sock.setsockopt(zmq.RCVHWM, 100)  # per client; legitimate clients have a few requests in flight

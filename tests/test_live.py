@@ -216,8 +216,6 @@ def test_silent_clients_have_their_sessions_closed_and_caches_released_after_the
     log = server.log_path.read_text(errors="replace")
     for sid in closed_after:
         assert f"session {sid}: client silent" in log
-    # the closing waits for every rank's release: a closed session's caches are gone on every rank
-    time.sleep(0.2)
     with Client(server.endpoint, identity=identity) as returning:
         with pytest.raises(UnknownSession, match="no session"):
             returning.resume(opened.session)
@@ -233,8 +231,7 @@ def test_a_reconnecting_client_with_the_same_identity_resumes_its_session(server
     for index in range(2):
         first.control(info.id, index, keys="w")
     before = [first.next_chunk(info.id, timeout_s=10) for _ in range(2)]
-    first.close_client()  # gone: no heartbeats, socket closed
-    time.sleep(0.3)
+    first.close_client()  # gone: no heartbeats, socket closed; the same identity is heard again at once
     with Client(server.endpoint) as stranger, pytest.raises(UnknownSession):
         stranger.resume(info.id)  # only the owner's identity may re-attach
     with Client(server.endpoint, identity=identity) as second:
