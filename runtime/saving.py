@@ -37,10 +37,12 @@ from runtime.session import Session
 from runtime.snapshot_folder import FolderBudget
 from runtime.snapshots import (
     FORMAT,
+    AtBoundary,
     FileEntry,
     Identity,
     Manifest,
     PendingSave,
+    SavedSession,
     SaveState,
     SnapshotError,
     SnapshotStore,
@@ -111,11 +113,10 @@ class Saves(Part):
                               f"saves_per_minute); the next save in {wait:.1f} s", retry_after_s=wait)
         parts = frozenset((rank, STAGES[stage].role) for stage in Stage for rank in self.where.ranks_of(stage))
         save = PendingSave(new_snapshot_id(), sid, who, message.req, chunk, parts, now)
-        save.facts = {  # what rank 0 keeps of the session, as it is at the boundary (its prompt: at ``start``)
-            "seed": session.seed, "num_chunks": session.num_chunks,
-            "intrinsics": session.intrinsics, "steps": session.last_steps or steps,
-            "want": seat.want if seat is not None else 0, "floor": seat.floor if seat is not None else 0,
-            "geometry": geometry_of(session.geometry)}
+        save.facts = SavedSession(  # the session as it is at the request (its prompt and input: at ``start``)
+            geometry=geometry_of(session.geometry), seed=session.seed, num_chunks=session.num_chunks,
+            intrinsics=session.intrinsics, steps=session.last_steps or steps,
+            want=seat.want if seat is not None else 0, floor=seat.floor if seat is not None else 0)
         self.pending[sid] = save
         log.info("session %s: saving snapshot %s at chunk %d", sid, save.id, chunk)
         return [Hold(sid, True)]
@@ -134,8 +135,8 @@ class Saves(Part):
         save.start(now)
         # the boundary chunk keeps the text in force now: the one the condition rank's file holds
         revision, text = session.prompts.pin(save.chunk)
-        save.facts.update(prompt=text, prompt_revision=revision, live=live_state(session.live, session.controls,
-                                                                                  save.chunk))
+        save.boundary = AtBoundary(prompt=text, prompt_revision=revision,
+                                   live=live_state(session.live, session.controls, save.chunk))
         task = protocol.SaveState(session=sid, snapshot=save.id, chunk=save.chunk, prompt_revision=revision)
         return [*(ToWorker(identity(rank, role), task) for rank, role in sorted(save.parts)),
                 Hold(sid, False)]  # queued behind the save tasks
@@ -159,13 +160,14 @@ class Saves(Part):
 
     def _finish(self, save: PendingSave) -> list[Answer]:
         """Every file is on disk: the shell writes the manifest (``created`` stamped there) and answers."""
-        facts = save.facts
-        manifest = Manifest(format=FORMAT, id=save.id, identity=self.identity, geometry=facts["geometry"],
-                            chunk=save.chunk, seed=facts["seed"], prompt=facts["prompt"],
-                            prompt_revision=facts["prompt_revision"], want=facts["want"], floor=facts["floor"],
-                            num_chunks=facts["num_chunks"], intrinsics=facts["intrinsics"], steps=facts["steps"],
-                            live=facts["live"], files=save.ordered_files(), bytes=save.bytes, pause_s=save.pause_s,
-                            write_s=save.write_s, created=0.0, wait_s=save.wait_s)  # type: ignore[arg-type]
+        facts, boundary = save.facts, save.boundary
+        assert facts is not None and boundary is not None  # every file written: the save started
+        manifest = Manifest(format=FORMAT, id=save.id, identity=self.identity, geometry=facts.geometry,
+                            chunk=save.chunk, seed=facts.seed, prompt=boundary.prompt,
+                            prompt_revision=boundary.prompt_revision, want=facts.want, floor=facts.floor,
+                            num_chunks=facts.num_chunks, intrinsics=facts.intrinsics, steps=facts.steps,
+                            live=boundary.live, files=save.ordered_files(), bytes=save.bytes, pause_s=save.pause_s,
+                            write_s=save.write_s, created=0.0, wait_s=save.wait_s)
         del self.pending[save.session]
         self.writing[save.id] = save
         return [WriteManifest(manifest)]

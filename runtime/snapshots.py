@@ -368,6 +368,28 @@ class SaveState(str, Enum):
 Part = tuple[int, str]  # (rank, role) of a stage worker
 
 
+@dataclass(frozen=True)
+class SavedSession:
+    """What rank 0 keeps of a session for its manifest, taken when the save is asked for."""
+
+    geometry: Geometry
+    seed: int
+    num_chunks: int | None
+    intrinsics: tuple[float, float, float, float] | None
+    steps: int
+    want: int
+    floor: int
+
+
+@dataclass(frozen=True)
+class AtBoundary:
+    """What the manifest takes of the session at the boundary chunk itself (when the save tasks leave)."""
+
+    prompt: str
+    prompt_revision: int
+    live: LiveState | None
+
+
 @dataclass
 class PendingSave:
     """One save of one session (see the module docstring). Events return whether they completed a phase."""
@@ -388,7 +410,8 @@ class PendingSave:
     capture_s: float = 0.0  # the longest copy of any worker: what a stage spent on the save instead of the stream
     error: str | None = None
     ended: set[Part] = field(default_factory=set)  # parts that will write nothing more: a writer's error, a refusal
-    facts: dict[str, object] = field(default_factory=dict)  # what rank 0 keeps of the session, for the manifest
+    facts: SavedSession | None = None  # None only before the request's checks have passed
+    boundary: AtBoundary | None = None  # set when the save tasks leave (``start``)
 
     def start(self, now: float) -> None:
         """The save tasks are out, behind every task of the chunks before the boundary: the hold ends."""
