@@ -39,9 +39,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ipc import protocol
-from ipc.error_codes import ErrorCode
 from ipc.metrics_types import RankStats, ServerStats
-from ipc.protocol import ChunkFacts, Phase, clip
+from ipc.protocol import ChunkFacts, ErrorCode, Phase, clip
 from models.controls import OFFICIAL_INTRINSICS
 from models.geometry import intrinsics_at
 from runtime import scheduler as sch
@@ -469,9 +468,7 @@ class CoordinatorCore:
         g = session.geometry
         session.opened = True
         self._to_client(session, protocol.Opened(
-            req=session.open_req, session=session.id, height=g.height, width=g.width, fps=self.stream.fps,
-            frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
-            num_chunks=session.num_chunks,
+            req=session.open_req, **session.header(self.stream.fps).as_fields(),
             intrinsics=intrinsics_at(session.intrinsics or self.intrinsics, g.height, g.width),
             steps=self.admitting.steps_of(session.id), watch_token=self.watchers.grant(session.id),
             first_chunk=session.first_chunk))

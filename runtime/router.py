@@ -230,11 +230,8 @@ class RouterCore:
                 self.watchers.watch(who, message.session, message.token, now,
                                     None if session is None else session.client)
                 assert session is not None and session.opened is not None  # a token exists while it runs here
-                o = session.opened
-                self._emit(ToClient(who, protocol.Watching(
-                    req=message.req, session=session.id, height=o.height, width=o.width, fps=o.fps,
-                    frames_first_chunk=o.frames_first_chunk, frames_per_chunk=o.frames_per_chunk,
-                    num_chunks=o.num_chunks)))
+                header = protocol.StreamHeader.of(session.opened).as_fields()
+                self._emit(ToClient(who, protocol.Watching(req=message.req, **header)))
             case protocol.Unwatch():
                 self.watchers.unwatch(who, message.session)
                 self._emit(EndWatch(who, message.session, protocol.Closed(session=message.session, reason="unwatched"),

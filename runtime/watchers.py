@@ -132,11 +132,7 @@ class Watchers:
         """A spectator subscribes (``watch``): its ``watching`` names the session's geometry now."""
         self.watch(who, message.session, message.token, now, None if session is None else session.client)
         assert session is not None  # a token exists only while its session runs
-        g = session.geometry
-        return ToClient(who, protocol.Watching(
-            req=message.req, session=session.id, height=g.height, width=g.width, fps=fps,
-            frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
-            num_chunks=session.num_chunks))
+        return ToClient(who, protocol.Watching(req=message.req, **session.header(fps).as_fields()))
 
     def ended(self, sid: str, reason: str, error: str | None, keep: bool) -> list[EndWatch]:
         """``sid`` ended (or the server stops): each of its watchers gets a ``closed`` of its own (``keep``: after

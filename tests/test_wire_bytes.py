@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from ipc import protocol
-from ipc.metrics_types import Idle, IdleByCause, IdleShare, SessionSummary
+from ipc.client_results import SessionInfo, session_info
+from ipc.metrics_types import Idle, IdleByCause, IdleCause, IdleShare, SessionSummary
 from web import page_messages as pm
 
 HEADER: dict[str, Any] = dict(session="s1", height=480, width=832, fps=16.0, frames_first_chunk=1, frames_per_chunk=4,
@@ -146,3 +147,21 @@ def test_every_touched_message_has_golden_bytes() -> None:
 if __name__ == "__main__":
     for key, data in _messages().items():
         print(f'    "{key}": "{data.hex()}",')
+
+
+def test_each_message_that_carries_the_stream_header_carries_its_fields_in_its_order() -> None:
+    header = protocol.StreamHeader.__struct_fields__
+    assert protocol.Watching.__struct_fields__[:len(header) + 1] == ("req", *header)
+    assert protocol.Opened.__struct_fields__[:len(header) + 1] == ("req", *header)
+    for carrier in (pm.Watching, pm.Opened, SessionInfo):
+        assert carrier.__struct_fields__[:len(header)] == header, carrier.__name__
+    opened = protocol.Opened(req=1, **HEADER, steps=2, watch_token="tok")
+    info = session_info(opened)
+    assert protocol.StreamHeader.of(info) == protocol.StreamHeader(**HEADER) and info.id == "s1"
+    assert (info.steps, info.watch_token) == (2, "tok")
+    assert session_info(protocol.Watching(req=2, **HEADER)) == SessionInfo(**HEADER)
+
+
+def test_the_idle_shares_have_one_field_per_idle_cause_in_the_enum_order() -> None:
+    assert IdleByCause.__struct_fields__ == tuple(cause.value for cause in IdleCause)
+    assert list(IdleByCause().shares()) == list(IdleCause)

@@ -40,6 +40,7 @@ from ipc.client import (
 )
 from ipc.error_codes import ErrorCode
 from ipc.metrics_types import SessionSummary, given
+from ipc.protocol import StreamHeader
 from web import page_messages as pm
 from web import page_protocol as pp
 from web.chunks import ChunkView, Timeline, chrome_trace, read_chunk
@@ -236,9 +237,7 @@ class Bridge:
         self.playout, self.playing = Playout(info.fps), None
         self.timeline.clear()
         self._pump = self._tasks.spawn(self._chunk_pump(client, info))
-        self.send(pm.Opened(session=info.id, height=info.height, width=info.width, fps=info.fps,
-                            frames_first_chunk=info.frames_first_chunk, frames_per_chunk=info.frames_per_chunk,
-                            num_chunks=info.num_chunks, format=self.settings.frame_format,
+        self.send(pm.Opened(**StreamHeader.of(info).as_fields(), format=self.settings.frame_format,
                             watch_token=info.watch_token, first_chunk=info.first_chunk, restored=request.restore))
 
     async def _on_watch(self, request: pp.WatchRequest) -> None:
@@ -258,9 +257,7 @@ class Bridge:
         self.playout, self.playing = Playout(info.fps), None
         self.timeline.clear()
         self._pump = self._tasks.spawn(self._chunk_pump(client, info))
-        self.send(pm.Watching(session=info.id, height=info.height, width=info.width, fps=info.fps,
-                              frames_first_chunk=info.frames_first_chunk, frames_per_chunk=info.frames_per_chunk,
-                              num_chunks=info.num_chunks, format=self.settings.frame_format))
+        self.send(pm.Watching(**StreamHeader.of(info).as_fields(), format=self.settings.frame_format))
 
     def _on_state(self, state: pp.StateRequest) -> None:
         if self.session is None or self.client is None:

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from ipc.error_codes import ErrorCode
-from ipc.protocol import KEYS, MAX_MOUSE_DEGREES, MAX_REVISION
+from ipc.protocol import KEYS, MAX_MOUSE_DEGREES, MAX_REVISION, header_fields
 from web import page_protocol as pp
 from web.playout import Dropped
 
@@ -82,15 +82,9 @@ class Error(_Out, tag="error"):
     session: str | None = None
 
 
-class Watching(_Out, tag="watching"):
-    session: str
-    height: int
-    width: int
-    fps: float
-    frames_first_chunk: int
-    frames_per_chunk: int
-    num_chunks: int | None
-    format: str
+# the stream's header (``ipc.protocol.StreamHeader``) and the frames' picture format
+Watching = msgspec.defstruct("Watching", [*header_fields(), ("format", str)], bases=(_Out,), tag="watching",
+                             module=__name__)
 
 
 class Opened(Watching, tag="opened"):
