@@ -38,6 +38,7 @@ from ipc.client_errors import (
 )
 from ipc.client_requests import REPLIES, Requests, _tag, chunk_control
 from ipc.client_results import ChunkResult, InputToPhoton, SessionInfo, session_info
+from ipc.error_codes import ErrorCode
 from ipc.metrics_types import SessionSummary
 from ipc.newer_peer import PeerReader
 from ipc.outgoing import Outgoing
@@ -198,7 +199,7 @@ class ClientCore(Generic[Q, F]):
         ``timeout_s`` passed. An invalid control raises ``BadRequest`` before anything is sent."""
         control = chunk_control(keys, mouse, poses, session)
         if (problem := protocol.steps_problem(steps)) is not None:
-            raise BadRequest("bad_control", problem, session)
+            raise BadRequest(ErrorCode.BAD_CONTROL, problem, session)
         deadline = self._clock() + timeout_s
         while True:
             message = self.requests.control(session, index, control, steps)
@@ -239,7 +240,7 @@ class ClientCore(Generic[Q, F]):
         deadline = self._clock() + timeout_s
         while True:
             error = refused.exception() if refused is not None and refused.done() else None
-            if error is not None and getattr(error, "code", None) != "closing":
+            if error is not None and getattr(error, "code", None) != ErrorCode.CLOSING:
                 raise error
             remaining = deadline - self._clock()
             if remaining <= 0:
@@ -249,11 +250,11 @@ class ClientCore(Generic[Q, F]):
             except SessionClosed as closed:
                 return closed_summary(closed.closed)
             except ServerGone as gone:
-                if gone.code == "server_gone":  # found by this client: no closed will come
+                if gone.code == ErrorCode.SERVER_GONE:  # found by this client: no closed will come
                     raise
             except TimeoutError:
                 if self.silent:  # nothing queued, and the server no longer answers
-                    raise ServerGone("server_gone", f"no reply from the server: session {session} cannot be "
+                    raise ServerGone(ErrorCode.SERVER_GONE, f"no reply from the server: session {session} cannot be "
                                      "closed") from None
             except ServerError:
                 continue
@@ -356,7 +357,7 @@ class ClientCore(Generic[Q, F]):
         """Every open session's stream ends with ``ServerGone``, and every waiting request fails unless
         ``fail_requests`` is False (after a restart: those reached the new server, which will answer them)."""
         self._gone = True
-        error = ServerGone("server_gone", why)
+        error = ServerGone(ErrorCode.SERVER_GONE, why)
         with self._lock:
             pending = list(self._pending.values()) if fail_requests else []
             if fail_requests:
@@ -376,7 +377,8 @@ class ClientCore(Generic[Q, F]):
             self._route(data)
         except Exception as error:
             log.exception("a reply from the server could not be handled")
-            self._put_error(ServerError.of("bad_reply", f"a reply could not be handled ({type(error).__name__})"))
+            self._put_error(ServerError.of(ErrorCode.BAD_REPLY,
+                                           f"a reply could not be handled ({type(error).__name__})"))
 
     def _route(self, data: bytes) -> None:
         self._heard = self._clock()
@@ -384,12 +386,12 @@ class ClientCore(Generic[Q, F]):
         try:
             message = self._reader.decode(data)  # a newer server's additions are skipped (at no extra cost)
         except protocol.ProtocolViolation as error:
-            self._put_error(ServerError.of("bad_reply", str(error)))
+            self._put_error(ServerError.of(ErrorCode.BAD_REPLY, str(error)))
             return
         if isinstance(message, tolerant.Unknown):
             return
         if len(getattr(message, "session", None) or "") > MAX_SESSION_ID_CHARS:  # names no session of ours
-            self._put_error(ServerError.of("bad_reply", f"a {type(message).__name__} names a session id of "
+            self._put_error(ServerError.of(ErrorCode.BAD_REPLY, f"a {type(message).__name__} names a session id of "
                                            f"{len(message.session)} characters"))
             return
         if isinstance(message, protocol.HeartbeatAck) and message.server:
@@ -444,8 +446,8 @@ class ClientCore(Generic[Q, F]):
                 self._put_error(error)
             return
         if future is not None and replies and not isinstance(message, replies):
-            future.set_exception(ServerError.of("bad_reply", f"a {_tag(type(message))!r} answered request {req}, "
-                                                f"which takes {' or '.join(repr(_tag(r)) for r in replies)}"))
+            future.set_exception(ServerError.of(ErrorCode.BAD_REPLY, f"a {_tag(type(message))!r} answered request "
+                                                f"{req}, which takes {' or '.join(repr(_tag(r)) for r in replies)}"))
         elif future is not None:
             if isinstance(message, protocol.Opened):  # its chunks follow at once: the caller's before it reads
                 self.session(message.session)

@@ -7,6 +7,7 @@ import msgspec
 
 from ipc import protocol
 from ipc.client_bounds import MAX_CODE_CHARS, clipped
+from ipc.error_codes import ErrorCode
 from ipc.metrics_types import SessionSummary
 
 
@@ -15,7 +16,7 @@ class ServerError(Exception):
     ``retry_after_s`` is set when trying again later can work. Subclasses exist per code a caller may act on;
     ``ServerError.of(code, ...)`` builds the right one (unknown codes give the base class)."""
 
-    codes: tuple[str, ...] = ()
+    codes: tuple[ErrorCode, ...] = ()
 
     def __init__(self, code: str, message: str, session: str | None = None, retry_after_s: float | None = None,
                  req: int | None = None) -> None:
@@ -40,57 +41,58 @@ class ServerError(Exception):
 class Busy(ServerError):
     """The server is at its session limit; ``retry_after_s`` says when to try again."""
 
-    codes = ("busy",)
+    codes = (ErrorCode.BUSY,)
 
 
 class UnknownSession(ServerError):
     """No such session for this client (never opened, closed, timed out, or owned by another identity)."""
 
-    codes = ("unknown_session",)
+    codes = (ErrorCode.UNKNOWN_SESSION,)
 
 
 class RejectedControl(ServerError):
     """An indexed control was refused (duplicate, skip, out of order or out of range); nothing changed."""
 
-    codes = ("rejected_control",)
+    codes = (ErrorCode.REJECTED_CONTROL,)
 
 
 class ControlBackpressure(RejectedControl):
     """The control edge is full; the same control will be accepted once work moves on (``Client.control``
     retries these itself)."""
 
-    codes = ("control_backpressure",)
+    codes = (ErrorCode.CONTROL_BACKPRESSURE,)
 
 
 class BadRequest(ServerError):
     """The request itself is invalid: malformed message, bad image, bad control or live state, bad limits."""
 
-    codes = ("bad_message", "bad_request", "bad_image", "bad_control", "malformed", "unknown_keys", "bad_reply")
+    codes = (ErrorCode.BAD_MESSAGE, ErrorCode.BAD_REQUEST, ErrorCode.BAD_IMAGE, ErrorCode.BAD_CONTROL,
+             ErrorCode.MALFORMED, ErrorCode.UNKNOWN_KEYS, ErrorCode.BAD_REPLY)
 
 
 class StaleRevision(BadRequest):
     """A live ``control_state`` whose revision is not newer than the last one the server folded in."""
 
-    codes = ("stale_revision",)
+    codes = (ErrorCode.STALE_REVISION,)
 
 
 class PromptBackpressure(ServerError):
     """Too many prompt changes of the session wait for their first chunk; ``retry_after_s`` says when to retry."""
 
-    codes = ("prompt_backpressure",)
+    codes = (ErrorCode.PROMPT_BACKPRESSURE,)
 
 
 class SessionFailed(ServerError):
     """A stage failed for this session; the server closes it and releases its caches."""
 
-    codes = ("failed",)
+    codes = (ErrorCode.FAILED,)
 
 
 class ServerGone(ServerError):
     """The server is shutting down or a rank died (codes from the server), or it stopped answering heartbeats or
     restarted (``server_gone``, found by the client itself): every session of it ends."""
 
-    codes = ("shutdown", "rank_failed", "server_gone")
+    codes = (ErrorCode.SHUTDOWN, ErrorCode.RANK_FAILED, ErrorCode.SERVER_GONE)
 
 
 class OutboxFull(ServerError):
@@ -98,13 +100,13 @@ class OutboxFull(ServerError):
     them: down, unreachable, or slower than the caller). Nothing was sent and nothing queued; send again later (live
     input is never refused: its newest state waits in one slot per session)."""
 
-    codes = ("outbox_full",)
+    codes = (ErrorCode.OUTBOX_FULL,)
 
 
 class WatchOnly(ServerError):
     """This client watches the session: it cannot send its controls or close it (only its owner can)."""
 
-    codes = ("watch_only",)
+    codes = (ErrorCode.WATCH_ONLY,)
 
 
 class SessionMigrated(ServerError):
@@ -112,14 +114,14 @@ class SessionMigrated(ServerError):
     snapshot. Its chunks come again from ``chunk`` on (the same frames, given the same controls); its indexed
     controls go on from ``chunk`` (one below it is refused); live input goes on as it was."""
 
-    codes = ("migrated",)
+    codes = (ErrorCode.MIGRATED,)
     chunk: int = 0  # the chunk it resumes from: the next chunk and control index
     replica: str = ""  # the router's name of the replica it runs on now
 
     @staticmethod
     def of_notice(notice: protocol.Migrated) -> SessionMigrated:
-        error = SessionMigrated("migrated", f"session {notice.session} resumed from chunk {notice.chunk} on replica "
-                                f"{notice.replica} (its replica went down)", notice.session)
+        error = SessionMigrated(ErrorCode.MIGRATED, f"session {notice.session} resumed from chunk {notice.chunk} on "
+                                f"replica {notice.replica} (its replica went down)", notice.session)
         error.chunk, error.replica = notice.chunk, notice.replica
         return error
 
@@ -128,14 +130,14 @@ class SaveFailed(ServerError):
     """A ``save`` did not complete (a rank could not copy or write its state, or the session ended meanwhile): no
     snapshot; the session streams on."""
 
-    codes = ("save_failed",)
+    codes = (ErrorCode.SAVE_FAILED,)
 
 
 class BadSnapshot(BadRequest):
     """An ``open(restore=...)`` this server cannot do: the message names what differs (model, layout, DiT degree,
     frame size, format) or what is wrong with the files."""
 
-    codes = ("bad_snapshot",)
+    codes = (ErrorCode.BAD_SNAPSHOT,)
 
 
 _ERROR_TYPES: dict[str, type[ServerError]] = {
@@ -143,6 +145,13 @@ _ERROR_TYPES: dict[str, type[ServerError]] = {
                           SessionFailed, ServerGone, OutboxFull, PromptBackpressure, WatchOnly, SaveFailed,
                           BadSnapshot) for code in cls.codes
 }
+# The codes ``ServerError.of`` answers with the base class: nothing a caller would do differs from any other error
+# (``internal``, ``closing``, ``not_ready``, ``prompt_failed``, ``unauthorized``, ``draining``), or the SDK never
+# raises them (the web gateway's own, told to the page only). ``SessionMigrated`` is built from its notice.
+BASE_CLASS_CODES: frozenset[ErrorCode] = frozenset({
+    ErrorCode.INTERNAL, ErrorCode.CLOSING, ErrorCode.NOT_READY, ErrorCode.PROMPT_FAILED, ErrorCode.UNAUTHORIZED,
+    ErrorCode.DRAINING, ErrorCode.TOO_LARGE, ErrorCode.NO_SESSION, ErrorCode.NO_TRACE, ErrorCode.SERVER_UNREACHABLE,
+})
 
 
 class SessionClosed(Exception):
@@ -164,5 +173,5 @@ def closed_summary(closed: protocol.Closed) -> SessionSummary:
 def outbox_room(waiting: int, limit: int, endpoint: str) -> None:
     """``OutboxFull`` when ``waiting`` messages already wait to leave for ``endpoint`` (``limit`` at the most)."""
     if waiting >= limit:
-        raise OutboxFull("outbox_full", f"{waiting} messages already wait to be sent to {endpoint}: the server is "
-                         "not taking them (down, unreachable or slower than this client); nothing was sent")
+        raise OutboxFull(ErrorCode.OUTBOX_FULL, f"{waiting} messages already wait to be sent to {endpoint}: the "
+                         "server is not taking them (down, unreachable or slower than this client); nothing was sent")

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from ipc import protocol
 from ipc.client_errors import BadRequest
+from ipc.error_codes import ErrorCode
 
 
 class StateSink(Protocol):
@@ -84,7 +85,7 @@ def chunk_control(keys: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0
         return protocol.ChunkControl(keys=_norm(keys), mouse=(float(mouse[0]), float(mouse[1])),
                                      poses=None if poses is None else tuple(tuple(map(float, p)) for p in poses))
     except (ValueError, TypeError) as error:
-        raise BadRequest("bad_control", str(error), session) from None
+        raise BadRequest(ErrorCode.BAD_CONTROL, str(error), session) from None
 
 
 def prompt_message(req: int, session: str, prompt: str) -> protocol.SetPrompt:
@@ -92,7 +93,7 @@ def prompt_message(req: int, session: str, prompt: str) -> protocol.SetPrompt:
     try:
         return protocol.SetPrompt(req=req, session=session, prompt=prompt)
     except (TypeError, ValueError) as error:
-        raise BadRequest("bad_request", str(error)) from None
+        raise BadRequest(ErrorCode.BAD_REQUEST, str(error)) from None
 
 
 def open_message(req: int, image: bytes, prompt: str = "", seed: int = 0, num_chunks: int | None = None,
@@ -108,7 +109,7 @@ def open_message(req: int, image: bytes, prompt: str = "", seed: int = 0, num_ch
                              pause_when_idle=pause_when_idle, intrinsics=camera,  # type: ignore[arg-type]
                              steps=steps, min_steps=min_steps, restore=restore, indexed=indexed)
     except (ValueError, TypeError) as error:
-        raise BadRequest("bad_request", str(error)) from None
+        raise BadRequest(ErrorCode.BAD_REQUEST, str(error)) from None
 
 
 class Requests:

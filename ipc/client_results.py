@@ -14,19 +14,18 @@ from ipc import protocol
 KEEP_REVISIONS = 1024  # sent-but-not-yet-shown revisions remembered per session for input-to-photon (bounded)
 
 
-@dataclass(frozen=True)
-class SessionInfo:
-    id: str
-    height: int
-    width: int
-    fps: float
-    frames_first_chunk: int
-    frames_per_chunk: int
-    num_chunks: int | None
+class SessionInfo(protocol.StreamHeader, frozen=True):
+    """A session's stream header (``id`` is its ``session``) and what its ``opened`` adds (defaults when watching)."""
+
     intrinsics: tuple[float, float, float, float] | None = None  # (fx, fy, cx, cy) at this frame size: the camera used
     steps: int = 0  # denoising steps its first chunks run (0: a server before quality presets)
     watch_token: str = ""  # the owner shares it: others ``watch`` the session with it ("" when watching)
     first_chunk: int = 0  # its first chunk and control index (a restored session continues its snapshot's numbering)
+
+    @property
+    def id(self) -> str:
+        """The session's id: what every call about it takes."""
+        return self.session
 
 
 @dataclass(frozen=True)
@@ -72,12 +71,11 @@ class ChunkResult:
 
 
 def session_info(opened: protocol.Opened | protocol.Watching) -> SessionInfo:
+    header = protocol.StreamHeader.of(opened).as_fields()
     if isinstance(opened, protocol.Watching):
-        return SessionInfo(opened.session, opened.height, opened.width, opened.fps, opened.frames_first_chunk,
-                           opened.frames_per_chunk, opened.num_chunks)
-    return SessionInfo(opened.session, opened.height, opened.width, opened.fps, opened.frames_first_chunk,
-                       opened.frames_per_chunk, opened.num_chunks, opened.intrinsics, opened.steps,
-                       opened.watch_token, opened.first_chunk)
+        return SessionInfo(**header)
+    return SessionInfo(**header, intrinsics=opened.intrinsics, steps=opened.steps, watch_token=opened.watch_token,
+                       first_chunk=opened.first_chunk)
 
 
 @dataclass

@@ -13,6 +13,7 @@ Adding a metric: a field here (appended, with a default), the line in ``runtime.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Any
 
 import msgspec
@@ -80,18 +81,26 @@ class IdleShare(_Metric):
     fraction: float | None = None  # of the elapsed time (None before any)
 
 
-class IdleByCause(_Metric):
-    """DiT idle time by cause (``runtime.metrics.IdleCause``: one field each)."""
+class IdleCause(StrEnum):
+    """Why the DiT sat idle (``runtime.scheduler`` finds it; ``IdleByCause`` has a field per member, in this order)."""
 
-    condition: IdleShare = field(default_factory=IdleShare)
-    control: IdleShare = field(default_factory=IdleShare)
-    edge: IdleShare = field(default_factory=IdleShare)
-    no_session: IdleShare = field(default_factory=IdleShare)
-    save: IdleShare = field(default_factory=IdleShare)
+    CONDITION = "condition"  # the control was there, the condition was not
+    CONTROL = "control"  # waiting for the client's control
+    EDGE = "edge"  # no room downstream (latent/output edge full)
+    NO_SESSION = "no_session"  # nothing open to serve
+    SAVE = "save"  # a save held the next chunk while every rank copied the session's state
 
-    def shares(self) -> dict[str, IdleShare]:
-        """Each cause's share, by the cause's name."""
-        return msgspec.structs.asdict(self)
+
+def _shares(self: Any) -> dict[str, IdleShare]:
+    """Each cause's share, by the cause's name."""
+    return msgspec.structs.asdict(self)
+
+
+# DiT idle time by cause: one ``IdleShare`` field per ``IdleCause`` member, named by its value (built from the enum
+# so a new cause is one line there)
+IdleByCause = msgspec.defstruct(
+    "IdleByCause", [(cause.value, IdleShare, field(default_factory=IdleShare)) for cause in IdleCause],
+    bases=(_Metric,), module=__name__, namespace={"shares": _shares})
 
 
 class Idle(_Metric):

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from ipc.error_codes import ErrorCode as ErrorCode
 from ipc.metrics_types import ServerStats as ServerStats
 from ipc.metrics_types import SessionSummary as SessionSummary
 from ipc.schemas import Accepted as Accepted
@@ -73,6 +74,7 @@ from ipc.schemas import Shutdown as Shutdown
 from ipc.schemas import ShutdownDone as ShutdownDone
 from ipc.schemas import Stats as Stats
 from ipc.schemas import StatsReply as StatsReply
+from ipc.schemas import StreamHeader as StreamHeader
 from ipc.schemas import TaskFailed as TaskFailed
 from ipc.schemas import TensorSpec as TensorSpec
 from ipc.schemas import TransferDone as TransferDone
@@ -88,6 +90,7 @@ from ipc.schemas import _Stream as _Stream
 from ipc.schemas import _Task as _Task
 from ipc.schemas import _Transfer as _Transfer
 from ipc.schemas import context_index as context_index
+from ipc.schemas import header_fields as header_fields
 from ipc.schemas import revision_of as revision_of
 from ipc.schemas import steps_problem as steps_problem
 from ipc.values import DEFAULT_MAX_BYTES as DEFAULT_MAX_BYTES

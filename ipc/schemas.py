@@ -7,7 +7,7 @@ which re-exports every name here: callers import from there.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, ClassVar, Union
+from typing import Annotated, Any, ClassVar, Union
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -158,10 +158,11 @@ class Unwatch(_Msg, tag="unwatch"):
 # coordinator -> client
 
 
-class _Stream(_Msg):
-    """What a client needs to show a session's stream: the answer to its ``open`` or ``watch`` (never sent as such)."""
+class StreamHeader(msgspec.Struct, frozen=True):
+    """What a client needs to show a session's stream, spelled once: ``opened`` and ``watching`` carry these fields
+    after ``req``, the SDK's ``SessionInfo`` starts with them, the page's ``opened`` and ``watching`` too (each builds
+    its fields from ``header_fields``). Rank 0 builds it from the session (``runtime.session.Session.header``)."""
 
-    req: int
     session: str
     height: int  # this session's frame size (fixed by the server, or derived from the start image)
     width: int
@@ -169,6 +170,24 @@ class _Stream(_Msg):
     frames_first_chunk: int  # video frames of chunk 0 (the first latent frame gives one frame)
     frames_per_chunk: int  # video frames of every later chunk
     num_chunks: int | None
+
+    @classmethod
+    def of(cls, stream: Any) -> StreamHeader:
+        """The header of anything that carries its fields (an ``opened``, a ``watching``, a ``SessionInfo``)."""
+        return cls(**{name: getattr(stream, name) for name in cls.__struct_fields__})
+
+    def as_fields(self) -> dict[str, Any]:
+        """The fields by name, to build a message that carries them (``Watching(req=..., **header.as_fields())``)."""
+        return msgspec.structs.asdict(self)
+
+
+def header_fields() -> list[tuple[str, Any]]:
+    """``StreamHeader``'s fields (name, type), in order, as ``msgspec.defstruct`` takes them."""
+    return [(field.name, field.type) for field in msgspec.structs.fields(StreamHeader)]
+
+
+# What a client needs to show a session's stream: the answer to its ``open`` or ``watch`` (never sent as such).
+_Stream = msgspec.defstruct("_Stream", [("req", int), *header_fields()], bases=(_Msg,), module=__name__)
 
 
 class Opened(_Stream, tag="opened"):

@@ -17,6 +17,8 @@ from typing import Annotated
 
 import msgspec
 
+from ipc.error_codes import ErrorCode
+
 # 2: controls and chunk facts are typed values (``ChunkControl``, ``ChunkFacts``); 3: fields appended with defaults
 # (``open``'s intrinsics, steps, min_steps and restore; a control's steps; the facts' steps and prompt revision),
 # new messages (``set_prompt``, ``watch``/``unwatch``, ``save``, ``migrated``), and clients read server messages
@@ -147,14 +149,14 @@ def check_input_state(state: InputState) -> None:
     for name, keys in (("keys", state.keys), ("taps", state.taps)):
         unknown = sorted({k.lower() for k in keys} - KEYS)
         if unknown:
-            raise InputStateError("unknown_keys", f"{name}: unknown keys {clip(str(unknown), 80)}; valid "
+            raise InputStateError(ErrorCode.UNKNOWN_KEYS, f"{name}: unknown keys {clip(str(unknown), 80)}; valid "
                                                   f"{''.join(sorted(KEYS))}")
     for axis, value in zip(("yaw", "pitch"), state.mouse):
         if not math.isfinite(value) or abs(value) > MAX_MOUSE_DEGREES:
-            raise InputStateError("malformed", f"mouse {axis} must be finite and within ±{MAX_MOUSE_DEGREES:g} "
+            raise InputStateError(ErrorCode.MALFORMED, f"mouse {axis} must be finite and within ±{MAX_MOUSE_DEGREES:g} "
                                                f"degrees, got {value!r}")
     if not 0 <= state.revision <= MAX_REVISION:
-        raise InputStateError("malformed", f"revision must be in 0..{MAX_REVISION}, got "
+        raise InputStateError(ErrorCode.MALFORMED, f"revision must be in 0..{MAX_REVISION}, got "
                                            f"{clip(str(state.revision), 40)}")
 
 

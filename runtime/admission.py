@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ipc import protocol
+from ipc.error_codes import ErrorCode
 from ipc.protocol import QUALITY_STEPS, ChunkFacts
 from models.geometry import frame_size
 from runtime.capacity import CapacityModel
@@ -62,14 +63,14 @@ class Admission(Part):
             return self.stream.height, self.stream.width
         size = frame_size(height, width, self.stream.area)
         if min(size) < 16:
-            raise ClientError("bad_image", f"a start image of {width}x{height} pixels is too narrow: its frame size "
-                              f"at {self.stream.area} pixels would be {size[1]}x{size[0]}")
+            raise ClientError(ErrorCode.BAD_IMAGE, f"a start image of {width}x{height} pixels is too narrow: its "
+                              f"frame size at {self.stream.area} pixels would be {size[1]}x{size[0]}")
         return snap(height, width, self.sizes)
 
     def check_prompt(self, prompt: str) -> None:
         limit = self.server.max_prompt_chars
         if len(prompt) > limit:
-            raise ClientError("bad_request", f"prompt of {len(prompt)} characters exceeds the limit of {limit}")
+            raise ClientError(ErrorCode.BAD_REQUEST, f"prompt of {len(prompt)} characters exceeds the limit of {limit}")
 
     def ask(self, who: bytes, message: protocol.Open, sessions: int, max_chunks: int,
             model_cap: int | None) -> DecodeImage:  # fmt: skip
@@ -79,7 +80,8 @@ class Admission(Part):
             why = "" if model_cap is None else (
                 f" (the model's KV cache keeps the whole session and holds {model_cap} chunks: "
                 "model.kv_window = 'full', model.kv_full_frames)")
-            raise ClientError("bad_request", f"num_chunks must be in 1..{max_chunks}, got {message.num_chunks}{why}")
+            raise ClientError(ErrorCode.BAD_REQUEST,
+                              f"num_chunks must be in 1..{max_chunks}, got {message.num_chunks}{why}")
         self.check_prompt(message.prompt)
         self.check_limit(sessions)
         ticket = next(self.tickets)
@@ -98,7 +100,7 @@ class Admission(Part):
     def check_limit(self, sessions: int) -> None:
         """``busy`` when ``sessions`` open and those being opened fill the server."""
         if sessions + len(self.opening) >= self.server.max_sessions:
-            raise ClientError("busy", f"the server is at its limit of {self.server.max_sessions} sessions",
+            raise ClientError(ErrorCode.BUSY, f"the server is at its limit of {self.server.max_sessions} sessions",
                               retry_after_s=BUSY_RETRY_S)
 
     def admit(self, sessions: int, geometry: StreamGeometry, want: int | None, floor: int | None,
@@ -109,13 +111,14 @@ class Admission(Part):
         refusal = self.memory.refusal(geometry.height, geometry.width)
         if refusal is not None:
             if (geometry.height, geometry.width) in self.memory.unservable_sizes:  # no close frees this size
-                raise ClientError("busy", f"{refusal}; a start image of another aspect ratio streams at another size")
-            raise ClientError("busy", f"{refusal}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
+                raise ClientError(ErrorCode.BUSY,
+                                  f"{refusal}; a start image of another aspect ratio streams at another size")
+            raise ClientError(ErrorCode.BUSY, f"{refusal}; retry once a session closed", retry_after_s=BUSY_RETRY_S)
         sid = new_id()
         seat = self.capacity.admit(sid, (geometry.height, geometry.width), geometry.frames_in_chunk(1) / self.fps,
                                    want or QUALITY_STEPS[0], floor or self.capacity_config.min_steps, left)
         if not seat.ok:  # before the memory is held, which cannot refuse
-            raise ClientError("busy", seat.reason, retry_after_s=seat.retry_after_s or BUSY_RETRY_S)
+            raise ClientError(ErrorCode.BUSY, seat.reason, retry_after_s=seat.retry_after_s or BUSY_RETRY_S)
         self.log_steps(seat.changed, f"session {sid} opened")
         self.memory.admit(sid, geometry.height, geometry.width)
         return sid

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from ipc import protocol
+from ipc.error_codes import ErrorCode
 from runtime.client_types import ClientError, ClientUnreachable, ToClient
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class Clients(Generic[S]):
     def owned(self, who: bytes, sid: str) -> S:
         session = self.sessions.get(sid)
         if session is None or session.client != who:
-            raise ClientError("unknown_session", f"no session {sid!r} for this client")
+            raise ClientError(ErrorCode.UNKNOWN_SESSION, f"no session {sid!r} for this client")
         return session
 
     def heartbeat(self, who: bytes, message: protocol.Heartbeat, now: float) -> ToClient:
@@ -113,7 +114,7 @@ class Clients(Generic[S]):
             return ToClient(who, protocol.HeartbeatAck(req=message.req, server=self.server_id))
         session = self.sessions.get(sid)
         if session is None or who not in (session.owner, session.client):
-            raise ClientError("unknown_session", f"no session {sid!r} to resume")
+            raise ClientError(ErrorCode.UNKNOWN_SESSION, f"no session {sid!r} to resume")
         if session.client != who:
             self._detach(session.client, sid)
             session.client = who

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ipc.error_codes import ErrorCode
 from ipc.protocol import MAX_MOUSE_DEGREES, ChunkControl, InputState, InputStateError, check_input_state
 
 NO_REVISION = -1  # revision of snapshots cut before any client state arrived
@@ -108,7 +109,7 @@ class LiveControls:
         check_input_state(state)
         if state.revision <= self._revision:
             raise ControlStateError(
-                "stale_revision", f"revision {state.revision} is not newer than {self._revision}, the last one "
+                ErrorCode.STALE_REVISION, f"revision {state.revision} is not newer than {self._revision}, the last one "
                                   "the server folded in"
             )
         self._held = frozenset(k.lower() for k in state.keys)

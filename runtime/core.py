@@ -40,7 +40,7 @@ import msgspec
 
 from ipc import protocol
 from ipc.metrics_types import RankStats, ServerStats
-from ipc.protocol import ChunkFacts, Phase, clip
+from ipc.protocol import ChunkFacts, ErrorCode, Phase, clip
 from models.controls import OFFICIAL_INTRINSICS
 from models.geometry import intrinsics_at
 from runtime import scheduler as sch
@@ -174,7 +174,7 @@ class CoordinatorCore:
                     self._answer(self.saving.advance(sid, session, quiet, now), now)
             except JobFailed as error:
                 log.error("job failed: %s", error)
-                self._out += self.clients.notices("rank_failed", str(error))
+                self._out += self.clients.notices(ErrorCode.RANK_FAILED, str(error))
                 for sid in list(self.watchers.tokens):
                     self._out += self.watchers.ended(sid, "failed", str(error), keep=False)
                 self.stopped = True
@@ -193,7 +193,7 @@ class CoordinatorCore:
                               lambda: self._request(who, message, now), now)
             case ClientUnreadable(identity=who, error=error, req=req):
                 self.clients.heard(who, now)
-                self._refuse(who, ClientError("bad_message", error), req)
+                self._refuse(who, ClientError(ErrorCode.BAD_MESSAGE, error), req)
             case ImageDecoded():  # sessions are created in the order they were asked for
                 for opening in self.admitting.decoded(event):
                     self._attempt(opening.identity, opening.message.req, None,
@@ -274,7 +274,8 @@ class CoordinatorCore:
             case protocol.ControlState():
                 session = self.clients.owned(who, message.session)
                 if session.live is None:
-                    raise ClientError("bad_control", "this session takes indexed controls; open it with live=true")
+                    raise ClientError(ErrorCode.BAD_CONTROL,
+                                      "this session takes indexed controls; open it with live=true")
                 try:
                     session.live.update(message)
                 except ControlStateError as error:
@@ -286,7 +287,8 @@ class CoordinatorCore:
             case protocol.Close():
                 sid = self.clients.owned(who, message.session).id
                 if not self._live(sid):  # a repeated close: answered, and the one ``closed`` still follows
-                    raise ClientError("closing", f"session {sid} is already closing; its closed message follows")
+                    raise ClientError(ErrorCode.CLOSING,
+                                      f"session {sid} is already closing; its closed message follows")
                 self._run(self.scheduler.close(sid, "client", now), now)
             case protocol.Stats():
                 self._out.append(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(now, who))))
@@ -321,7 +323,7 @@ class CoordinatorCore:
         result, message = opening.result, opening.message
         assert result is not None
         if result.image is None:
-            raise ClientError("bad_image", result.error)
+            raise ClientError(ErrorCode.BAD_IMAGE, result.error)
         geometry = self.geometry.with_size(*self.admitting.frame_size(result.image.height, result.image.width))
         sid = self.admitting.admit(len(self.sessions), geometry, message.steps,
                                    message.min_steps, message.num_chunks, self.new_id)
@@ -344,20 +346,20 @@ class CoordinatorCore:
 
     def _control(self, session: Session, message: protocol.Control, now: float) -> None:
         if session.live is not None:
-            raise ClientError("bad_control", "this session is live: send control_state, not indexed controls")
+            raise ClientError(ErrorCode.BAD_CONTROL, "this session is live: send control_state, not indexed controls")
         control, frames = message.control, session.geometry.frames_in_chunk(message.index)
         if control.poses is not None and len(control.poses) != frames:
-            raise ClientError("bad_control", f"chunk {message.index} has {frames} video frames, got "
+            raise ClientError(ErrorCode.BAD_CONTROL, f"chunk {message.index} has {frames} video frames, got "
                               f"{len(control.poses)} poses")
         try:
             actions = self.scheduler.submit_control(session.id, message.index, now, payload=control)
         except sch.AdmissionError as error:
             if error.retryable:  # edge capacity: the same control will be accepted once work moves on
-                raise ClientError("control_backpressure", str(error),
+                raise ClientError(ErrorCode.CONTROL_BACKPRESSURE, str(error),
                                   retry_after_s=backpressure_retry_s(session.metrics.last_period)) from None
-            raise ClientError("rejected_control", str(error)) from None
+            raise ClientError(ErrorCode.REJECTED_CONTROL, str(error)) from None
         except sch.SchedulerError as error:
-            raise ClientError("rejected_control", str(error)) from None
+            raise ClientError(ErrorCode.REJECTED_CONTROL, str(error)) from None
         session.controls[message.index] = control
         if message.steps is not None:
             session.asked[message.index] = message.steps
@@ -369,12 +371,12 @@ class CoordinatorCore:
         """Validate a new prompt and start its encode (``runtime.prompts``); answered once its context is encoded
         and announced to the DiT ranks (``_joined``), naming the first chunk that uses it."""
         if not self._live(session.id) or not session.opened:
-            raise ClientError("closing", f"session {session.id} is closing; its prompt cannot change")
+            raise ClientError(ErrorCode.CLOSING, f"session {session.id} is closing; its prompt cannot change")
         self.admitting.check_prompt(message.prompt)
         try:
             revision = session.prompts.accept(message.req, message.prompt)
         except PromptBackpressure as error:
-            raise ClientError("prompt_backpressure", str(error),
+            raise ClientError(ErrorCode.PROMPT_BACKPRESSURE, str(error),
                               retry_after_s=backpressure_retry_s(session.metrics.last_period)) from None
         self._dispatch(NewPrompt(session.id, revision, message.prompt), now)
 
@@ -435,8 +437,8 @@ class CoordinatorCore:
                 case sch.SessionFailed(session=sid, error=error):
                     self.metrics.on_error("stage_failed")
                     session = self.sessions[sid]  # before it was opened, the failure is the answer to its open
-                    answer = protocol.Error(session=sid, code="failed", message=error) if session.opened else \
-                        protocol.Error(req=session.open_req, code="failed", message=error)  # (a router's too)
+                    answer = protocol.Error(session=sid, code=ErrorCode.FAILED, message=error) if session.opened else \
+                        protocol.Error(req=session.open_req, code=ErrorCode.FAILED, message=error)  # (a router's too)
                     self._to_client(session, answer)
                 case sch.SessionClosed():
                     self._closed(action, now)
@@ -466,9 +468,7 @@ class CoordinatorCore:
         g = session.geometry
         session.opened = True
         self._to_client(session, protocol.Opened(
-            req=session.open_req, session=session.id, height=g.height, width=g.width, fps=self.stream.fps,
-            frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
-            num_chunks=session.num_chunks,
+            req=session.open_req, **session.header(self.stream.fps).as_fields(),
             intrinsics=intrinsics_at(session.intrinsics or self.intrinsics, g.height, g.width),
             steps=self.admitting.steps_of(session.id), watch_token=self.watchers.grant(session.id),
             first_chunk=session.first_chunk))
@@ -484,7 +484,7 @@ class CoordinatorCore:
             released=session.released,  # stage -> ranks that confirmed, in release order
             leaked_caches=[s.value for s in action.leaked], poisoned=action.poisoned)
         for revision, req in session.prompts.waiting().items():  # a set_prompt still encoding gets its answer
-            self._to_client(session, protocol.Error(req=req, session=session.id, code="closing", message=(
+            self._to_client(session, protocol.Error(req=req, session=session.id, code=ErrorCode.CLOSING, message=(
                 f"session {session.id} closed before its prompt revision {revision} was ready")))
         self._to_client(session, protocol.Closed(session=session.id, reason=action.reason, error=action.error,
                                                  summary=summary))
@@ -550,7 +550,7 @@ class CoordinatorCore:
         if failed.phase is Phase.CHUNK and index < 0:  # a new prompt's encode: the session keeps its text
             req = session.prompts.failed(protocol.revision_of(index))
             if req is not None:
-                self._to_client(session, protocol.Error(req=req, session=session.id, code="prompt_failed",
+                self._to_client(session, protocol.Error(req=req, session=session.id, code=ErrorCode.PROMPT_FAILED,
                                                         message=clip(f"the new prompt could not be encoded: {error}")))
             return
         if failed.phase is Phase.RELEASE:
@@ -583,13 +583,13 @@ class CoordinatorCore:
     def _restore_from(self, who: bytes, message: protocol.Open, event: ManifestRead, now: float) -> None:
         manifest = event.manifest
         if manifest is None:
-            raise ClientError("bad_snapshot", event.error)
+            raise ClientError(ErrorCode.BAD_SNAPSHOT, event.error)
         g = manifest.geometry
         served = (g.height, g.width) in self.sizes
         here = geometry_of(self.geometry.with_size(g.height, g.width)) if served else None
         why = restore_problem(manifest, self.saving.identity, here, self.max_chunks, self.server.max_prompt_chars)
         if why is not None:
-            raise ClientError("bad_snapshot", f"snapshot {manifest.id} cannot be restored here: {why}")
+            raise ClientError(ErrorCode.BAD_SNAPSHOT, f"snapshot {manifest.id} cannot be restored here: {why}")
         num_chunks = restored_length(manifest, message.num_chunks, self.max_chunks)
         # its steps setting and floor are the saved session's (the open's may change them, as a control would)
         sid = self.admitting.admit(
@@ -630,14 +630,14 @@ class CoordinatorCore:
         self.metrics.on_error("internal")
         text = clip(f"internal error: {type(error).__name__}: {error}")
         if who is not None:
-            self._out.append(ToClient(who, protocol.Error(req=req, session=sid, code="internal", message=text)))
+            self._out.append(ToClient(who, protocol.Error(req=req, session=sid, code=ErrorCode.INTERNAL, message=text)))
         session = self.sessions.get(sid or "")
         if session is None:
             return
         try:
             if not self._live(session.id):
                 return
-            self._to_client(session, protocol.Error(session=session.id, code="failed", message=text))
+            self._to_client(session, protocol.Error(session=session.id, code=ErrorCode.FAILED, message=text))
             self._run(self.scheduler.close(session.id, "failed", now), now)
         except JobFailed:
             raise
@@ -653,9 +653,9 @@ class CoordinatorCore:
             self._out.append(DropTensors(session.id))
 
     def _shutdown(self, lost: tuple[int, ...], now: float) -> None:
-        code, message = "shutdown", "the server is shutting down"
+        code, message = ErrorCode.SHUTDOWN, "the server is shutting down"
         if lost:  # under torchrun a dead rank reaches rank 0 as a SIGTERM: say what really happened
-            code, message = "rank_failed", f"rank {', '.join(map(str, lost))} is gone; the job is ending"
+            code, message = ErrorCode.RANK_FAILED, f"rank {', '.join(map(str, lost))} is gone; the job is ending"
         self._out += self.clients.notices(code, message, lambda session: protocol.Closed(
             session=session.id, reason="shutdown", error=message,
             summary=final_summary(self.server_metrics, self.metrics, session.id, now)))

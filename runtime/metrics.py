@@ -39,7 +39,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator, Mapping
-from enum import Enum
 from typing import Protocol
 
 from ipc.metrics_types import (
@@ -47,6 +46,7 @@ from ipc.metrics_types import (
     Distribution,
     Idle,
     IdleByCause,
+    IdleCause,
     IdleShare,
     RecentChunk,
     ServerStats,
@@ -59,16 +59,6 @@ from ipc.protocol import ChunkFacts, Stage
 
 COMPUTE_STAGES = tuple(stage.value for stage in Stage)  # condition, denoise, decode
 REPORTED_PERCENTILES = (50, 90, 99)
-
-
-class IdleCause(str, Enum):
-    """Why the DiT sat idle."""
-
-    CONDITION = "condition"  # the control was there, the condition was not
-    CONTROL = "control"  # waiting for the client's control
-    EDGE = "edge"  # no room downstream (latent/output edge full)
-    NO_SESSION = "no_session"  # nothing open to serve
-    SAVE = "save"  # a save held the next chunk while every rank copied the session's state
 
 
 class StreamStat:

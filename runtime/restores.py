@@ -9,6 +9,7 @@ chunks from the saved session's chunk 0, and it must leave at least one chunk to
 
 from __future__ import annotations
 
+from ipc.error_codes import ErrorCode
 from runtime.client_types import ClientError
 from runtime.snapshots import Geometry, Identity, Manifest, refusal
 
@@ -34,7 +35,7 @@ def restored_length(manifest: Manifest, asked: int | None, max_chunks: int) -> i
     if asked is None:
         return manifest.num_chunks
     if not manifest.chunk < asked <= max_chunks:
-        raise ClientError("bad_request", f"num_chunks {asked}: a session restored at chunk {manifest.chunk} must run "
-                          f"to a length in {manifest.chunk + 1}..{max_chunks} (counted from the saved session's "
-                          "chunk 0)")
+        raise ClientError(ErrorCode.BAD_REQUEST, f"num_chunks {asked}: a session restored at chunk {manifest.chunk} "
+                          f"must run to a length in {manifest.chunk + 1}..{max_chunks} (counted from the saved "
+                          "session's chunk 0)")
     return asked

@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import msgspec
 
 from ipc import protocol
+from ipc.error_codes import ErrorCode
 from ipc.metrics_types import Distribution, PartialSummary, RouterCounters, ServerStats, SessionCounts
 from runtime.chunk_claims import migration_problem, open_problem
 from runtime.clients import Clients
@@ -100,7 +101,7 @@ from runtime.watchers import Watchers
 log = logging.getLogger(__name__)
 
 MAX_REASONS = 32  # distinct reject codes counted; more count as "other"
-ENDING_CODES = frozenset({"rank_failed", "shutdown"})  # a replica says its whole job is ending
+ENDING_CODES = frozenset({ErrorCode.RANK_FAILED, ErrorCode.SHUTDOWN})  # a replica says its whole job is ending
 
 
 class RouterCore:
@@ -149,7 +150,7 @@ class RouterCore:
                 self._from_client(event, now)
             case ClientUnreadable(identity=who, error=error, req=req):
                 self.clients.heard(who, now)
-                self._refuse(who, ClientError("bad_message", error), req)
+                self._refuse(who, ClientError(ErrorCode.BAD_MESSAGE, error), req)
             case ClientUnreachable():
                 self._unreachable(event, now)
             case ReplicaSent():
@@ -184,12 +185,13 @@ class RouterCore:
             self._refuse(who, error, req, sid)
         except Exception as error:  # a bug costs this request, never the router
             log.exception("internal error handling %s", type(message).__name__)
-            self._refuse(who, ClientError("internal", f"internal error: {type(error).__name__}"), req, sid)
+            self._refuse(who, ClientError(ErrorCode.INTERNAL, f"internal error: {type(error).__name__}"), req, sid)
 
     def _request(self, who: bytes, message: protocol.ClientMessage, raw: Payload, now: float) -> None:
         req = getattr(message, "req", None)
         if isinstance(req, int) and req < 0:  # the router's own requests to replicas (saves, prompts) are negative
-            raise ClientError("bad_request", f"request ids must be >= 0, got {req}: negative ones are the router's")
+            raise ClientError(ErrorCode.BAD_REQUEST,
+                              f"request ids must be >= 0, got {req}: negative ones are the router's")
         if not isinstance(message, protocol.Watch | protocol.Unwatch | protocol.Heartbeat):
             self.watchers.refuse(who, getattr(message, "session", None), type(message).__struct_config__.tag)
         match message:
@@ -228,11 +230,8 @@ class RouterCore:
                 self.watchers.watch(who, message.session, message.token, now,
                                     None if session is None else session.client)
                 assert session is not None and session.opened is not None  # a token exists while it runs here
-                o = session.opened
-                self._emit(ToClient(who, protocol.Watching(
-                    req=message.req, session=session.id, height=o.height, width=o.width, fps=o.fps,
-                    frames_first_chunk=o.frames_first_chunk, frames_per_chunk=o.frames_per_chunk,
-                    num_chunks=o.num_chunks)))
+                header = protocol.StreamHeader.of(session.opened).as_fields()
+                self._emit(ToClient(who, protocol.Watching(req=message.req, **header)))
             case protocol.Unwatch():
                 self.watchers.unwatch(who, message.session)
                 self._emit(EndWatch(who, message.session, protocol.Closed(session=message.session, reason="unwatched"),
@@ -245,7 +244,7 @@ class RouterCore:
         self._end_watchers(session.id, reason, error, keep=False)
         if not session.gone:
             if error is not None:
-                self._emit(ToClient(session.client, protocol.Error(session=session.id, code="rank_failed",
+                self._emit(ToClient(session.client, protocol.Error(session=session.id, code=ErrorCode.RANK_FAILED,
                                                                    message=error), session.id))
             closed = protocol.Closed(session=session.id, reason=reason, error=error,
                                      summary=PartialSummary(replica=session.replica))
@@ -261,7 +260,7 @@ class RouterCore:
         tried = set(tried)
         replica = choose(self.replicas.values(), now, exclude=tried)
         if replica is None:
-            raise ClientError("busy", f"every replica is at its session limit or down "
+            raise ClientError(ErrorCode.BUSY, f"every replica is at its session limit or down "
                               f"({summary(self.replicas.values())})", retry_after_s=self.config.busy_retry_s)
         req = self.new_req()
         self.opens[req] = PendingOpen(req, who, message, replica.name, now, tried | {replica.name}, migrating)
@@ -466,7 +465,7 @@ class RouterCore:
         if why is not None:
             self._emit(ToReplica(replica.name, replica.generation,
                                  protocol.Close(req=self.new_req(), session=message.session)))
-            self._refuse(pending.client, ClientError("failed", why), pending.message.req)
+            self._refuse(pending.client, ClientError(ErrorCode.FAILED, why), pending.message.req)
             return
         # spectators are the router's own (a replica sends each chunk once, to the router): its replica's token,
         # or one of the router's when the replica predates spectators
@@ -482,7 +481,7 @@ class RouterCore:
             log.warning("replica %s: error for no request of the router: %s: %s", replica.name, error.code,
                         error.message[:200])
             return
-        if error.code == "busy":  # other clients filled it since its last stats: try the others
+        if error.code == ErrorCode.BUSY:  # other clients filled it since its last stats: try the others
             replica.refused_until = now + self.config.stats_interval_s
             self._retry_open(pending, now)
             return
@@ -506,7 +505,7 @@ class RouterCore:
                 session.state = origin.state if session.state is None else fold(origin.state, session.state)
         elif not self.migration.not_sent(session, origin.kind, origin.req):  # (the router's own: tried again)
             # what a server answers a control, a new prompt or a save it cannot take now
-            code = NOT_NOW.get(origin.kind, "control_backpressure")
+            code = NOT_NOW.get(origin.kind, ErrorCode.CONTROL_BACKPRESSURE)
             self._refuse(origin.identity, ClientError(code, f"the connection to replica "
                                                       f"{event.replica} is full; send it again",
                                                       retry_after_s=SESSION_RETRY_S), origin.req, origin.session)
@@ -523,7 +522,7 @@ class RouterCore:
             replica.down_reason, replica.held_until = why, now + self.config.replica_dead_s
             return
         if not replica.fold_stats(stats, shown, now):
-            self._end_sessions(replica, "restarted (its uptime went back)", "rank_failed", now)
+            self._end_sessions(replica, "restarted (its uptime went back)", ErrorCode.RANK_FAILED, now)
             for pending in [p for p in self.opens.values() if p.replica == replica.name]:
                 self._retry_open(pending, now)
         if replica.state is State.DOWN and replica.known and not replica.is_router and now >= replica.held_until:
@@ -544,7 +543,7 @@ class RouterCore:
         replica.next_stats = now + self.config.stats_interval_s
         self._emit(ToReplica(replica.name, replica.generation, protocol.Stats(req=replica.stats_req)))
 
-    def _down(self, replica: Replica, reason: str, now: float, code: str = "rank_failed") -> None:
+    def _down(self, replica: Replica, reason: str, now: float, code: str = ErrorCode.RANK_FAILED) -> None:
         if replica.state is State.DOWN:
             return
         lost = self._end_sessions(replica, reason, code, now)
@@ -564,12 +563,12 @@ class RouterCore:
         lost = [s for s in ending if not self._migrate(s, replica, reason, now)]
         for session in lost:
             self._remove_session(session)
-            self._end_watchers(session.id, "shutdown" if code == "shutdown" else "failed", text, keep=False)
+            self._end_watchers(session.id, "shutdown" if code == ErrorCode.SHUTDOWN else "failed", text, keep=False)
             if not session.gone:
                 self._emit(ToClient(session.client, protocol.Error(session=session.id, code=code, message=text),
                                     session.id))
                 self._emit(ToClient(session.client, protocol.Closed(
-                    session=session.id, reason="shutdown" if code == "shutdown" else "failed", error=text,
+                    session=session.id, reason="shutdown" if code == ErrorCode.SHUTDOWN else "failed", error=text,
                     summary=PartialSummary(replica=replica.name)), session.id))
         return len(lost)
 
@@ -627,7 +626,7 @@ class RouterCore:
         for pending in list(self.opens.values()):
             if now - pending.sent > config.open_timeout_s:
                 self._drop_open(pending)
-                self._open_refused(pending, ClientError("failed", f"replica {pending.replica} did not open the "
+                self._open_refused(pending, ClientError(ErrorCode.FAILED, f"replica {pending.replica} did not open the "
                                                         f"session within {config.open_timeout_s:.0f} s"))
         for who, sid in self.watchers.silent(now):
             log.info("session %s: a watcher silent for over %.1f s is dropped", sid, config.client_timeout_s)
@@ -658,7 +657,7 @@ class RouterCore:
         for session in list(self.sessions.values()):
             if not session.migration.migrating:  # (a restore on its way is closed by its replica's client timeout)
                 self._close_on_replica(session, now)  # its replica releases its caches now, not after a client timeout
-        self._out += self.clients.notices("shutdown", message, lambda session: protocol.Closed(
+        self._out += self.clients.notices(ErrorCode.SHUTDOWN, message, lambda session: protocol.Closed(
             session=session.id, reason="shutdown", error=message))
         for sid in list(self.watchers.tokens):
             self._end_watchers(sid, "shutdown", message, keep=False)

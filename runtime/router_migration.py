@@ -29,6 +29,7 @@ from typing import Protocol
 import msgspec
 
 from ipc import protocol
+from ipc.error_codes import ErrorCode
 from runtime.chunk_claims import save_problem
 from runtime.core_types import ClientError
 from runtime.migration import renamed
@@ -44,7 +45,7 @@ MAX_PROMPTS_ASKED = 4  # set_prompt texts remembered per session until answered 
 ANSWERED = ("control", "set_prompt", "save")  # the forwarded kinds a replica answers by request id
 # what a server answers a request it cannot take now, by kind: the client sends it again (after a migration: to the
 # new replica)
-NOT_NOW = {"set_prompt": "prompt_backpressure", "save": "busy"}
+NOT_NOW = {"set_prompt": ErrorCode.PROMPT_BACKPRESSURE, "save": ErrorCode.BUSY}
 
 
 @dataclass
@@ -141,14 +142,15 @@ class Migration:
         """A control below the resume chunk of a migrated session is refused: its stream goes on from there."""
         resume = session.migration.resume
         if index < resume:
-            raise ClientError("rejected_control", f"session {session.id} resumed from its snapshot at chunk "
+            raise ClientError(ErrorCode.REJECTED_CONTROL, f"session {session.id} resumed from its snapshot at chunk "
                               f"{resume} on replica {session.replica} (its replica went down): its controls go on "
                               f"from index {resume}, not {index}")
 
     def not_now(self, session: Routed, kind: str) -> ClientError:
         """What a session's request gets while its restore is on its way: what a server answers when it cannot take
         it now (live input waits instead: the core folds it)."""
-        code = {"control": "control_backpressure", "set_prompt": "prompt_backpressure"}.get(kind, "busy")
+        code = {"control": ErrorCode.CONTROL_BACKPRESSURE,
+                "set_prompt": ErrorCode.PROMPT_BACKPRESSURE}.get(kind, ErrorCode.BUSY)
         return ClientError(code, f"session {session.id} is being restored from its snapshot at chunk "
                            f"{session.migration.snapshot_chunk} (its replica {session.replica} went down): send it "
                            "again", retry_after_s=self.config.heartbeat_s)
@@ -272,8 +274,9 @@ class Migration:
         moves = session.migration
         self.aliases.pop((down, session.rid), None)
         moves.migrating, moves.autosave = True, None
-        refused = [(req, ClientError(NOT_NOW.get(kind, "control_backpressure"), f"session {session.id} is moving off "
-                                     f"replica {down} (it {text}); send it again", retry_after_s=SESSION_RETRY_S))
+        refused = [(req, ClientError(NOT_NOW.get(kind, ErrorCode.CONTROL_BACKPRESSURE), f"session {session.id} is "
+                                     f"moving off replica {down} (it {text}); send it again",
+                                     retry_after_s=SESSION_RETRY_S))
                    for req, kind in moves.asked.items()]
         moves.asked.clear()
         moves.prompts_asked.clear()  # (their clients were told to send them again)

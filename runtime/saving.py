@@ -16,6 +16,7 @@ import logging
 from collections.abc import Iterator
 
 from ipc import protocol
+from ipc.error_codes import ErrorCode
 from ipc.protocol import Stage, clip
 from runtime.capacity import Seat
 from runtime.config import ServerConfig
@@ -100,17 +101,18 @@ class Saves(Part):
         """Start a save of ``session`` at boundary ``chunk`` (the first not dispatched); the hold starts now."""
         sid = session.id
         if state is not SessionState.READY:
-            raise ClientError("not_ready" if state is SessionState.INITIALIZING else "closing",
+            raise ClientError(ErrorCode.NOT_READY if state is SessionState.INITIALIZING else ErrorCode.CLOSING,
                               f"session {sid} is {state.value}: only a running session can be saved")
         if sid in self.pending:
-            raise ClientError("busy", f"a save of session {sid} is in progress; its saved reply follows",
+            raise ClientError(ErrorCode.BUSY, f"a save of session {sid} is in progress; its saved reply follows",
                               retry_after_s=BUSY_RETRY_S)
         if session.num_chunks is not None and chunk >= session.num_chunks:
-            raise ClientError("bad_request", f"session {sid} has started its last chunk: nothing left to save")
+            raise ClientError(ErrorCode.BAD_REQUEST, f"session {sid} has started its last chunk: nothing left to save")
         wait = self.store.rate.take(session.save_credit, now)  # a disk takes 25 GiB a save at 480x832
         if wait is not None:
-            raise ClientError("busy", f"session {sid} saved as often as this server allows (snapshots.save_burst, "
-                              f"saves_per_minute); the next save in {wait:.1f} s", retry_after_s=wait)
+            raise ClientError(ErrorCode.BUSY, f"session {sid} saved as often as this server allows "
+                              f"(snapshots.save_burst, saves_per_minute); the next save in {wait:.1f} s",
+                              retry_after_s=wait)
         parts = frozenset((rank, STAGES[stage].role) for stage in Stage for rank in self.where.ranks_of(stage))
         save = PendingSave(new_snapshot_id(), sid, who, message.req, chunk, parts, now)
         save.facts = SavedSession(  # the session as it is at the request (its prompt and input: at ``start``)
@@ -176,7 +178,7 @@ class Saves(Part):
         """The manifest is written (the save exists from here on), or it could not be."""
         save = self.writing.pop(event.snapshot)
         if event.error:
-            error = protocol.Error(req=save.req, session=save.session, code="save_failed",
+            error = protocol.Error(req=save.req, session=save.session, code=ErrorCode.SAVE_FAILED,
                                    message=clip(f"the manifest could not be written: {event.error}"))
             return [DropSnapshotFiles(save.id),  # its ranks' files, never restorable without it: never kept
                     ToOwner(save.session, error, save.owner)]
@@ -202,7 +204,7 @@ class Saves(Part):
         log.warning("session %s: save %s failed: %s", save.session, save.id, error)
         if holding:
             out.append(Hold(save.session, False))
-        out.append(ToOwner(save.session, protocol.Error(req=save.req, session=save.session, code="save_failed",
+        out.append(ToOwner(save.session, protocol.Error(req=save.req, session=save.session, code=ErrorCode.SAVE_FAILED,
                                                         message=clip(f"save of session {save.session} failed: "
                                                                      f"{error}")), save.owner))
         return out
@@ -246,9 +248,9 @@ class Saves(Part):
         try:
             snapshot = check_id(message.restore or "")
         except SnapshotError as error:
-            raise ClientError("bad_snapshot", str(error)) from None
+            raise ClientError(ErrorCode.BAD_SNAPSHOT, str(error)) from None
         if len(self.reading) >= self.server.max_sessions:  # reads are quick: more waiting is a flood
-            raise ClientError("busy", "too many restores are being read", retry_after_s=BUSY_RETRY_S)
+            raise ClientError(ErrorCode.BUSY, "too many restores are being read", retry_after_s=BUSY_RETRY_S)
         ticket = next(self.tickets)
         self.reading[ticket] = (who, message)
         return [ReadManifest(ticket, snapshot)]

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final
 
+from ipc.metrics_types import IdleCause
 from runtime.ordering import InOrder, OrderingError, Verdict
 from runtime.scheduler_types import (
     INIT_ORDER,
@@ -260,7 +261,7 @@ class Scheduler:
         self._roles: dict[Stage, RoleTask | None] = {stage: None for stage in Stage}
         self._last_served: dict[Stage, int] = {stage: -1 for stage in Stage}  # round-robin pointer (a seq)
         self._idle_since: float | None = None  # start of the current DiT idle segment
-        self._idle_cause: tuple[str, tuple[tuple[str, str], ...]] | None = None  # (cause, per-session blockers)
+        self._idle_cause: tuple[IdleCause, tuple[tuple[str, IdleCause], ...]] | None = None  # (cause, blockers)
 
     # ---- queries ----
 
@@ -584,17 +585,17 @@ class Scheduler:
         index = _RULES[stage].ready(self, s)
         return None if index is None else RoleTask(s.id, TaskKind.RUN, index)
 
-    def _denoise_blocker(self, s: _Session) -> str | None:
+    def _denoise_blocker(self, s: _Session) -> IdleCause | None:
         """Why chunk ``next_denoise`` of a READY session cannot start on the DiT now (None: it can)."""
         d = s.next_denoise
         if s.held:
-            return "save"
+            return IdleCause.SAVE
         if d not in s.accepted:
-            return "control"
+            return IdleCause.CONTROL
         if d not in s.encoded:
-            return "condition"
+            return IdleCause.CONDITION
         if len(s.latents) >= self.capacities.latent:
-            return "edge"
+            return IdleCause.EDGE
         return None
 
     def _start(self, s: _Session, stage: Stage, task: RoleTask, now: float, out: list[Action]) -> None:
@@ -681,7 +682,7 @@ class Scheduler:
             out.append(DitIdle(self._idle_since, now, *self._idle_cause))
         self._idle_since, self._idle_cause = None, None
 
-    def _current_idle_cause(self) -> tuple[str, tuple[tuple[str, str], ...]]:
+    def _current_idle_cause(self) -> tuple[IdleCause, tuple[tuple[str, IdleCause], ...]]:
         """The overall cause and each waiting session's own blocker (a segment ends when either changes)."""
         blocked = tuple(
             (s.id, cause)
@@ -690,10 +691,10 @@ class Scheduler:
             and (cause := self._denoise_blocker(s)) is not None
         )
         causes = {cause for _, cause in blocked}
-        for cause in ("save", "edge", "condition", "control"):
+        for cause in (IdleCause.SAVE, IdleCause.EDGE, IdleCause.CONDITION, IdleCause.CONTROL):
             if cause in causes:
                 return cause, blocked
-        return "no_session", blocked
+        return IdleCause.NO_SESSION, blocked
 
 
 @dataclass(frozen=True)

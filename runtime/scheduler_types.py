@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Final
 
+from ipc.metrics_types import IdleCause
 from ipc.protocol import ChunkTimes, Stage
 
 
@@ -136,8 +137,8 @@ class SessionFailed:
 class DitIdle:
     start: float
     end: float
-    cause: str  # "condition", "control", "edge", "save" or "no_session": the most internal blocker over all sessions
-    blocked: tuple[tuple[str, str], ...] = ()  # (session, its own cause) for every session with a chunk waiting
+    cause: IdleCause  # the most internal blocker over all sessions
+    blocked: tuple[tuple[str, IdleCause], ...] = ()  # (session, its own cause) for every session with a chunk waiting
 
 
 Action = (

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ipc.protocol import ChunkControl, Edge, Span, Stage, WorkerSpan, WorkerTask
+from ipc.protocol import ChunkControl, Edge, Span, Stage, StreamHeader, WorkerSpan, WorkerTask
 from runtime.clock import ClockSync
 from runtime.control_service import LiveControls
 from runtime.core_types import ToWorker
@@ -75,6 +75,12 @@ class Session:
             if step is not None:
                 self.queued[(step, task.index)] = now  # type: ignore[union-attr]
         return [ToWorker(to, task) for to, task in tasks]
+
+    def header(self, fps: float) -> StreamHeader:
+        """Its stream header: what its ``opened`` and each ``watching`` carry."""
+        g = self.geometry
+        return StreamHeader(self.id, g.height, g.width, fps, g.frames_in_chunk(0), g.frames_in_chunk(1),
+                            self.num_chunks)
 
     def facts(self) -> SessionFacts:
         image = self.image

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ipc import protocol
+from ipc.error_codes import ErrorCode
 from runtime.client_types import ClientError, EndWatch, ToClient
 
 if TYPE_CHECKING:
@@ -65,15 +66,15 @@ class Watchers:
         watch its own session (it gets every chunk already)."""
         expected = self.tokens.get(sid)
         if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
-            raise ClientError("unknown_session", f"no session {sid!r} to watch with this token")
+            raise ClientError(ErrorCode.UNKNOWN_SESSION, f"no session {sid!r} to watch with this token")
         if who == owner:
-            raise ClientError("bad_request", f"this client owns session {sid}: its chunks come to it already")
+            raise ClientError(ErrorCode.BAD_REQUEST, f"this client owns session {sid}: its chunks come to it already")
         watchers = self._of.setdefault(sid, {})
         if who in watchers:
             self.heard(who, now)
             return
         if len(watchers) >= self.max_watchers:
-            raise ClientError("busy", f"session {sid} has its limit of {self.max_watchers} watchers "
+            raise ClientError(ErrorCode.BUSY, f"session {sid} has its limit of {self.max_watchers} watchers "
                               "(server.max_watchers)", retry_after_s=BUSY_RETRY_S)
         watchers[who] = None
         self._watching.setdefault(who, {})[sid] = None
@@ -82,7 +83,7 @@ class Watchers:
 
     def unwatch(self, who: bytes, sid: str) -> None:
         if not self.remove(who, sid):
-            raise ClientError("unknown_session", f"this client does not watch session {sid!r}")
+            raise ClientError(ErrorCode.UNKNOWN_SESSION, f"this client does not watch session {sid!r}")
 
     def watches(self, who: bytes, sid: str) -> bool:
         return who in self._of.get(sid, ())
@@ -90,7 +91,8 @@ class Watchers:
     def refuse(self, who: bytes, sid: str | None, kind: str) -> None:
         """``watch_only`` when ``who`` watches ``sid`` (it can only look: a control, a close, ... is its owner's)."""
         if sid is not None and self.watches(who, sid):
-            raise ClientError("watch_only", f"this client watches session {sid}: only its owner can send {kind}")
+            raise ClientError(ErrorCode.WATCH_ONLY,
+                              f"this client watches session {sid}: only its owner can send {kind}")
 
     def of(self, sid: str) -> tuple[bytes, ...]:
         """The watchers of ``sid``, in the order they came."""
@@ -130,11 +132,7 @@ class Watchers:
         """A spectator subscribes (``watch``): its ``watching`` names the session's geometry now."""
         self.watch(who, message.session, message.token, now, None if session is None else session.client)
         assert session is not None  # a token exists only while its session runs
-        g = session.geometry
-        return ToClient(who, protocol.Watching(
-            req=message.req, session=session.id, height=g.height, width=g.width, fps=fps,
-            frames_first_chunk=g.frames_in_chunk(0), frames_per_chunk=g.frames_in_chunk(1),
-            num_chunks=session.num_chunks))
+        return ToClient(who, protocol.Watching(req=message.req, **session.header(fps).as_fields()))
 
     def ended(self, sid: str, reason: str, error: str | None, keep: bool) -> list[EndWatch]:
         """``sid`` ended (or the server stops): each of its watchers gets a ``closed`` of its own (``keep``: after

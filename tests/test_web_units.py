@@ -17,6 +17,7 @@ from PIL import Image
 
 from ipc import protocol
 from ipc.client import ChunkResult, Requests, ServerError, StaleRevision, input_state
+from ipc.error_codes import ErrorCode
 from runtime.control_service import ControlStateError, LiveControls
 from scripts.local_server import ROOT
 from web import page_messages as pm
@@ -391,6 +392,7 @@ def error_codes_the_gateway_may_send() -> set[str]:
         text = path.read_text()
         found |= set(re.findall(r'(?:self\.error|PageError|ClientError)\(\s*"(\w+)"', text))
         found |= set(re.findall(r'code="(\w+)"', text))
+        found |= {ErrorCode[name].value for name in re.findall(r"\bErrorCode\.([A-Z_]+)\b", text)}
     # (``migrated`` is a session's event, not an error: the page gets it as its own ``migrated`` message)
     return found - {"migrated"}
 

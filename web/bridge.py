@@ -38,7 +38,9 @@ from ipc.client import (
     UnknownSession,
     closed_summary,
 )
+from ipc.error_codes import ErrorCode
 from ipc.metrics_types import SessionSummary, given
+from ipc.protocol import StreamHeader
 from web import page_messages as pm
 from web import page_protocol as pp
 from web.chunks import ChunkView, Timeline, chrome_trace, read_chunk
@@ -171,7 +173,7 @@ class Bridge:
             self._on_state(request)
         elif isinstance(request, pp.CloseRequest):
             if self.session is None:
-                self.error("no_session", "no session is open in this tab")
+                self.error(ErrorCode.NO_SESSION, "no session is open in this tab")
             else:
                 await self._close_session()
         elif isinstance(request, pp.PromptRequest):
@@ -201,11 +203,11 @@ class Bridge:
     def _take_slot(self) -> bool:
         """A slot of the gateway's limit for a new session or watch of this tab, or False (the page was told why)."""
         if self.session is not None or (self._opening is not None and not self._opening.done()):
-            self.error("bad_request", "a session is already open in this tab: stop it first")
+            self.error(ErrorCode.BAD_REQUEST, "a session is already open in this tab: stop it first")
             return False
         if not self.slots.acquire():
-            self.error("busy", f"this gateway serves at most {self.slots.limit} sessions at once and all are in use",
-                       retry_after_s=2.0)
+            self.error(ErrorCode.BUSY, f"this gateway serves at most {self.slots.limit} sessions at once and all are "
+                       "in use", retry_after_s=2.0)
             return False
         return True
 
@@ -221,7 +223,7 @@ class Bridge:
             return
         except TimeoutError:
             self.slots.release()
-            self.error("server_unreachable", f"no answer from the worldstream server at {self.settings.server} "
+            self.error(ErrorCode.SERVER_UNREACHABLE, f"no answer from the worldstream server at {self.settings.server} "
                                              f"within {self.settings.request_timeout_s:.0f} s: is it running?")
             return
         except BaseException:  # anything else (a request the client cannot send): no session
@@ -235,9 +237,7 @@ class Bridge:
         self.playout, self.playing = Playout(info.fps), None
         self.timeline.clear()
         self._pump = self._tasks.spawn(self._chunk_pump(client, info))
-        self.send(pm.Opened(session=info.id, height=info.height, width=info.width, fps=info.fps,
-                            frames_first_chunk=info.frames_first_chunk, frames_per_chunk=info.frames_per_chunk,
-                            num_chunks=info.num_chunks, format=self.settings.frame_format,
+        self.send(pm.Opened(**StreamHeader.of(info).as_fields(), format=self.settings.frame_format,
                             watch_token=info.watch_token, first_chunk=info.first_chunk, restored=request.restore))
 
     async def _on_watch(self, request: pp.WatchRequest) -> None:
@@ -249,7 +249,7 @@ class Bridge:
             watch = await client.watch(request.session, request.token, timeout_s=IDLE_WAIT_S)
         except (ServerError, TimeoutError) as error:
             self.slots.release()
-            self.error(getattr(error, "code", "server_unreachable"), getattr(error, "message", str(error)),
+            self.error(getattr(error, "code", ErrorCode.SERVER_UNREACHABLE), getattr(error, "message", str(error)),
                        getattr(error, "retry_after_s", None))
             return
         info = watch.info
@@ -257,16 +257,14 @@ class Bridge:
         self.playout, self.playing = Playout(info.fps), None
         self.timeline.clear()
         self._pump = self._tasks.spawn(self._chunk_pump(client, info))
-        self.send(pm.Watching(session=info.id, height=info.height, width=info.width, fps=info.fps,
-                              frames_first_chunk=info.frames_first_chunk, frames_per_chunk=info.frames_per_chunk,
-                              num_chunks=info.num_chunks, format=self.settings.frame_format))
+        self.send(pm.Watching(**StreamHeader.of(info).as_fields(), format=self.settings.frame_format))
 
     def _on_state(self, state: pp.StateRequest) -> None:
         if self.session is None or self.client is None:
-            self.error("no_session", "no session is open in this tab: input is ignored until one is")
+            self.error(ErrorCode.NO_SESSION, "no session is open in this tab: input is ignored until one is")
             return
         if self.watching:
-            self.error("watch_only", "this tab watches another tab's session: only its player steers it",
+            self.error(ErrorCode.WATCH_ONLY, "this tab watches another tab's session: only its player steers it",
                        session=self.session.id)
             return
         # Never refused, never queued: the SDK keeps the newest unsent state of the session (a flood of input costs
@@ -276,12 +274,12 @@ class Bridge:
     async def _on_prompt(self, request: pp.PromptRequest) -> None:
         info, client = self.session, self.client
         if info is None or client is None:
-            self.error("no_session", "no session is open in this tab: start one with this prompt instead")
+            self.error(ErrorCode.NO_SESSION, "no session is open in this tab: start one with this prompt instead")
             return
         try:
             reply = await client.set_prompt(info.id, request.prompt)
         except (ServerError, TimeoutError) as error:
-            self.error(getattr(error, "code", "server_unreachable"), getattr(error, "message", str(error)),
+            self.error(getattr(error, "code", ErrorCode.SERVER_UNREACHABLE), getattr(error, "message", str(error)),
                        getattr(error, "retry_after_s", None), session=info.id)
             return
         self.send(pm.Prompt(session=info.id, revision=reply.revision, chunk=reply.chunk))
@@ -289,12 +287,12 @@ class Bridge:
     async def _on_save(self) -> None:
         info, client = self.session, self.client
         if info is None or client is None:
-            self.error("no_session", "no session is open in this tab: nothing to save")
+            self.error(ErrorCode.NO_SESSION, "no session is open in this tab: nothing to save")
             return
         try:
             snapshot = await client.save(info.id)  # a watching tab's is refused by the server (watch_only)
         except (ServerError, TimeoutError) as error:
-            self.error(getattr(error, "code", "server_unreachable"), getattr(error, "message", str(error)),
+            self.error(getattr(error, "code", ErrorCode.SERVER_UNREACHABLE), getattr(error, "message", str(error)),
                        getattr(error, "retry_after_s", None), session=info.id)
             return
         self.send(pm.Saved(session=info.id, snapshot=snapshot.id, chunk=snapshot.chunk, bytes=snapshot.bytes,
@@ -303,12 +301,12 @@ class Bridge:
 
     async def _on_stats(self) -> None:
         if self.client is None:
-            self.error("no_session", "no session has been opened in this tab yet")
+            self.error(ErrorCode.NO_SESSION, "no session has been opened in this tab yet")
             return
         try:
             stats = await self.client.stats()
         except (ServerError, TimeoutError) as error:
-            self.error(getattr(error, "code", "server_unreachable"), str(error))
+            self.error(getattr(error, "code", ErrorCode.SERVER_UNREACHABLE), str(error))
             return
         session = stats.per_session.get(self.session.id) if self.session else None
         server = {"open_sessions": stats.open_sessions, "layout": stats.layout,
@@ -319,7 +317,7 @@ class Bridge:
 
     async def _on_trace(self) -> None:
         if not self.timeline:
-            self.error("no_trace", "no chunk has arrived in this tab yet: nothing to trace")
+            self.error(ErrorCode.NO_TRACE, "no chunk has arrived in this tab yet: nothing to trace")
             return
         chunks = list(self.timeline)
         trace = await asyncio.to_thread(chrome_trace, chunks)

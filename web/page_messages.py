@@ -8,46 +8,47 @@ from typing import Any
 
 import msgspec
 
-from ipc.protocol import KEYS, MAX_MOUSE_DEGREES, MAX_REVISION
+from ipc.error_codes import ErrorCode
+from ipc.protocol import KEYS, MAX_MOUSE_DEGREES, MAX_REVISION, header_fields
 from web import page_protocol as pp
 from web.playout import Dropped
 
 # Every code an ``error`` to the page may carry, with what it means for the person at the page (the page has its own
 # wording for some; for the others it shows this). The gateway's own, the client library's, and the server's.
-ERROR_CODES: dict[str, str] = {
+ERROR_CODES: dict[ErrorCode, str] = {
     # the page's message, refused by the gateway (nothing changed)
-    "bad_message": "the page sent a message the gateway cannot read",
-    "too_large": "a message or upload beyond the gateway's limits",
-    "unknown_keys": "a key the model has no control for",
-    "bad_request": "a request the gateway or the server refuses as asked",
-    "bad_image": "the start image cannot be used",
-    "no_session": "no session is open in this tab",
-    "no_trace": "no chunk has arrived yet: nothing to trace",
-    "watch_only": "this tab watches another tab's session: only its player steers it",
-    "busy": "no room for another session now; retry_after_s says when to try again",
+    ErrorCode.BAD_MESSAGE: "the page sent a message the gateway cannot read",
+    ErrorCode.TOO_LARGE: "a message or upload beyond the gateway's limits",
+    ErrorCode.UNKNOWN_KEYS: "a key the model has no control for",
+    ErrorCode.BAD_REQUEST: "a request the gateway or the server refuses as asked",
+    ErrorCode.BAD_IMAGE: "the start image cannot be used",
+    ErrorCode.NO_SESSION: "no session is open in this tab",
+    ErrorCode.NO_TRACE: "no chunk has arrived yet: nothing to trace",
+    ErrorCode.WATCH_ONLY: "this tab watches another tab's session: only its player steers it",
+    ErrorCode.BUSY: "no room for another session now; retry_after_s says when to try again",
     # the gateway's connection to the server
-    "server_unreachable": "the worldstream server does not answer",
-    "server_gone": "the server stopped answering or restarted",
-    "outbox_full": "the server is not taking input now; the next input goes again",
-    "bad_reply": "the server answered something the gateway cannot read",
+    ErrorCode.SERVER_UNREACHABLE: "the worldstream server does not answer",
+    ErrorCode.SERVER_GONE: "the server stopped answering or restarted",
+    ErrorCode.OUTBOX_FULL: "the server is not taking input now; the next input goes again",
+    ErrorCode.BAD_REPLY: "the server answered something the gateway cannot read",
     # the server
-    "malformed": "a live input the server cannot take (its check's words say which field)",
-    "bad_control": "a control this session does not take",
-    "rejected_control": "the server did not take this input (its words say why); the next one goes again",
-    "control_backpressure": "the server is not taking input now (a migration, or a full queue); retry_after_s says "
-                            "when",
-    "stale_revision": "a live input not newer than the last one the server took (it changed nothing)",
-    "unknown_session": "the server no longer holds this session",
-    "closing": "the session is closing",
-    "not_ready": "the server is still starting",
-    "bad_snapshot": "the snapshot cannot be restored",
-    "save_failed": "the save did not complete; the session streams on",
-    "prompt_backpressure": "too many prompt changes wait; retry_after_s says when to try again",
-    "prompt_failed": "the new prompt could not be encoded; the session keeps its prompt",
-    "failed": "a stage failed for this session; the server closed it",
-    "internal": "the server failed on this request",
-    "rank_failed": "a rank of the server failed: the job is ending",
-    "shutdown": "the server is shutting down",
+    ErrorCode.MALFORMED: "a live input the server cannot take (its check's words say which field)",
+    ErrorCode.BAD_CONTROL: "a control this session does not take",
+    ErrorCode.REJECTED_CONTROL: "the server did not take this input (its words say why); the next one goes again",
+    ErrorCode.CONTROL_BACKPRESSURE: "the server is not taking input now (a migration, or a full queue); "
+                                    "retry_after_s says when",
+    ErrorCode.STALE_REVISION: "a live input not newer than the last one the server took (it changed nothing)",
+    ErrorCode.UNKNOWN_SESSION: "the server no longer holds this session",
+    ErrorCode.CLOSING: "the session is closing",
+    ErrorCode.NOT_READY: "the server is still starting",
+    ErrorCode.BAD_SNAPSHOT: "the snapshot cannot be restored",
+    ErrorCode.SAVE_FAILED: "the save did not complete; the session streams on",
+    ErrorCode.PROMPT_BACKPRESSURE: "too many prompt changes wait; retry_after_s says when to try again",
+    ErrorCode.PROMPT_FAILED: "the new prompt could not be encoded; the session keeps its prompt",
+    ErrorCode.FAILED: "a stage failed for this session; the server closed it",
+    ErrorCode.INTERNAL: "the server failed on this request",
+    ErrorCode.RANK_FAILED: "a rank of the server failed: the job is ending",
+    ErrorCode.SHUTDOWN: "the server is shutting down",
 }
 
 
@@ -81,15 +82,9 @@ class Error(_Out, tag="error"):
     session: str | None = None
 
 
-class Watching(_Out, tag="watching"):
-    session: str
-    height: int
-    width: int
-    fps: float
-    frames_first_chunk: int
-    frames_per_chunk: int
-    num_chunks: int | None
-    format: str
+# the stream's header (``ipc.protocol.StreamHeader``) and the frames' picture format
+Watching = msgspec.defstruct("Watching", [*header_fields(), ("format", str)], bases=(_Out,), tag="watching",
+                             module=__name__)
 
 
 class Opened(Watching, tag="opened"):

@@ -43,6 +43,7 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
+from ipc.error_codes import ErrorCode
 from ipc.protocol import InputState, InputStateError, check_input_state, clip
 from runtime.snapshots import ID_PATTERN
 
@@ -137,15 +138,16 @@ def parse_text(data: str) -> (StateRequest | CloseRequest | StatsRequest | Trace
     """A text message from the page, validated (raises ``PageError``)."""
     raw = data.encode()
     if len(raw) > MAX_TEXT_BYTES:
-        raise PageError("too_large", f"a text message of {len(raw)} bytes exceeds the limit of {MAX_TEXT_BYTES}")
+        raise PageError(ErrorCode.TOO_LARGE,
+                        f"a text message of {len(raw)} bytes exceeds the limit of {MAX_TEXT_BYTES}")
     try:
         message = _text.decode(raw)
     except msgspec.ValidationError as error:
         if "$.type" in str(error) or "`type`" in str(error):
-            raise PageError("bad_message", f"unknown or missing message type: {error}") from None
-        raise PageError("bad_message", f"invalid message: {error}") from None
+            raise PageError(ErrorCode.BAD_MESSAGE, f"unknown or missing message type: {error}") from None
+        raise PageError(ErrorCode.BAD_MESSAGE, f"invalid message: {error}") from None
     except msgspec.DecodeError:
-        raise PageError("bad_message", "a text message must be a JSON map") from None
+        raise PageError(ErrorCode.BAD_MESSAGE, "a text message must be a JSON map") from None
     if isinstance(message, StateRequest):
         check_state(message)
     return message
@@ -157,10 +159,11 @@ def check_state(state: StateRequest) -> None:
     try:
         check_input_state(state)
     except InputStateError as error:
-        raise PageError("bad_message" if error.reason == "malformed" else error.reason, error.message) from None
+        code = ErrorCode.BAD_MESSAGE if error.reason == ErrorCode.MALFORMED else error.reason
+        raise PageError(code, error.message) from None
 
 
-def check_range(name: str, value: int, low: int, high: int, code: str = "bad_request") -> None:
+def check_range(name: str, value: int, low: int, high: int, code: str = ErrorCode.BAD_REQUEST) -> None:
     """``value`` within ``low..high``, or a ``PageError`` naming the field (its value clipped: it can be 400
     digits long)."""
     if not low <= value <= high:
@@ -170,33 +173,33 @@ def check_range(name: str, value: int, low: int, high: int, code: str = "bad_req
 def parse_open(data: bytes, limits: Limits) -> tuple[OpenRequest, bytes]:
     """The binary open message: its request and the image bytes, sizes checked before decoding."""
     if len(data) > limits.max_upload_bytes:
-        raise PageError("too_large", f"an upload of {len(data)} bytes exceeds the limit of "
+        raise PageError(ErrorCode.TOO_LARGE, f"an upload of {len(data)} bytes exceeds the limit of "
                                      f"{limits.max_upload_bytes} bytes")
     if len(data) < 4:
-        raise PageError("bad_message", "a binary message must start with the length of its JSON header")
+        raise PageError(ErrorCode.BAD_MESSAGE, "a binary message must start with the length of its JSON header")
     (length,) = struct.unpack_from("<I", data)
     if length > MAX_HEADER_BYTES or 4 + length > len(data):
-        raise PageError("bad_message", f"the open header claims {length} bytes; at most {MAX_HEADER_BYTES} and "
+        raise PageError(ErrorCode.BAD_MESSAGE, f"the open header claims {length} bytes; at most {MAX_HEADER_BYTES} and "
                                        f"within the {len(data) - 4} bytes sent")
     try:
         request = _open.decode(data[4:4 + length])
     except msgspec.ValidationError as error:
-        raise PageError("bad_message", f"invalid open header: {error}") from None
+        raise PageError(ErrorCode.BAD_MESSAGE, f"invalid open header: {error}") from None
     except msgspec.DecodeError:
-        raise PageError("bad_message", "the open header must be a JSON map") from None
+        raise PageError(ErrorCode.BAD_MESSAGE, "the open header must be a JSON map") from None
     image = data[4 + length:]
     if request.restore is not None:
         # checked here, not only by the server: the id is a file name there, and a page's bad link gets its answer
         # before a slot is taken
         if not ID_PATTERN.fullmatch(request.restore):
-            raise PageError("bad_request", f"open.restore must be a snapshot id (22 characters of A-Z a-z 0-9 _ -), "
-                                           f"got {clip(repr(request.restore), 40)}")
+            raise PageError(ErrorCode.BAD_REQUEST, "open.restore must be a snapshot id (22 characters of A-Z a-z 0-9 "
+                                                   f"_ -), got {clip(repr(request.restore), 40)}")
         if image:
-            raise PageError("bad_request", "open.restore starts from a snapshot: send no start image with it")
+            raise PageError(ErrorCode.BAD_REQUEST, "open.restore starts from a snapshot: send no start image with it")
     elif not image:
-        raise PageError("bad_image", "no start image: pick or drop a PNG or JPEG")
+        raise PageError(ErrorCode.BAD_IMAGE, "no start image: pick or drop a PNG or JPEG")
     if not request.live:
-        raise PageError("bad_request", "the play page drives live sessions only; for indexed controls use "
+        raise PageError(ErrorCode.BAD_REQUEST, "the play page drives live sessions only; for indexed controls use "
                                        "scripts/client.py")
     check_range("open.seed", request.seed, 0, MAX_SEED)
     if request.num_chunks is not None:
