@@ -25,7 +25,7 @@ from runtime.client_types import ClientSent, ClientUnreadable
 from runtime.clients import unauthorized
 from scripts.local_router import LocalRouter
 from scripts.local_server import ROOT, LocalServer
-from tests.shared import FAST
+from tests.shared import FAST, free_port
 
 IMAGE = (ROOT / "assets" / "start.png").read_bytes()
 SERVER_TOKEN = "s3cret-of-the-replicas-0123456789abcdef"
@@ -130,17 +130,26 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSer
     router_file.write_text(ROUTER_TOKEN)
     for file in (server_file, router_file):
         file.chmod(0o600)
-    server = LocalServer("cpu-mini", [*FAST, "--server.host=0.0.0.0", f"--server.auth_token_file={server_file}"])
-    with server:
-        router = LocalRouter([("a", server.endpoint, 4)], [
-            "--router.host=0.0.0.0", f"--router.auth_token_file={router_file}",
-            "--router.replica_token_env=REPLICA_TOKEN_FOR_TEST"])
-        os.environ["REPLICA_TOKEN_FOR_TEST"] = SERVER_TOKEN  # the router's environment, read once at its start
-        try:
-            with router:
-                yield server, router
-        finally:
-            os.environ.pop("REPLICA_TOKEN_FOR_TEST", None)
+    router = LocalRouter([], ["--router.host=0.0.0.0", f"--router.auth_token_file={router_file}",
+                              "--router.replica_token_env=REPLICA_TOKEN_FOR_TEST"], register_port=free_port())
+    # the replica registers itself: its registration thread asks its own server for its id, with the token too
+    server = LocalServer("cpu-mini", [*FAST, "--server.host=0.0.0.0", f"--server.auth_token_file={server_file}",
+                                      f"--replica.router={router.register_endpoint}", "--replica.name=a"])
+    os.environ["REPLICA_TOKEN_FOR_TEST"] = SERVER_TOKEN  # the router's environment, read once at its start
+    try:
+        router.start()
+    finally:
+        os.environ.pop("REPLICA_TOKEN_FOR_TEST", None)
+    try:
+        with server:
+            with Client(router.endpoint, timeout_s=60, token=ROUTER_TOKEN) as client:
+                deadline = time.monotonic() + 120
+                while client.stats().total.replicas_up < 1:
+                    assert time.monotonic() < deadline, f"no replica up:\n{server.log()}\n{router.log()}"
+                    time.sleep(0.1)
+            yield server, router
+    finally:
+        router.__exit__(None, None, None)  # started above, while its environment held the replicas' token
     assert server.process is not None and server.process.returncode == 0, server.log()
 
 
