@@ -98,8 +98,7 @@ def is_local(endpoint: str) -> bool:
     """Whether only this host reaches ``endpoint``: a loopback TCP address, or ipc:// and inproc://."""
     if not endpoint.startswith("tcp://"):
         return True
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-    return host == "localhost" or host == "::1" or host.startswith("127.")
+    return auth.is_loopback(endpoint[len("tcp://"):].rsplit(":", 1)[0])
 
 
 def chunk_limit(section: RouterSection) -> int:
