@@ -6,10 +6,12 @@ router checks its clients' token and presents its replicas' own. Real processes:
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from runtime import config as config_mod
 from runtime import router_config
 from runtime.client_types import ClientSent, ClientUnreadable
 from runtime.clients import unauthorized
+from scripts.local_gateway import LocalGateway
 from scripts.local_router import LocalRouter
 from scripts.local_server import ROOT, LocalServer
 from tests.shared import FAST, free_port
@@ -231,3 +234,16 @@ def test_a_router_checks_its_clients_token_and_presents_the_replicas_own(
     _the_right_token_streams(router.endpoint, ROUTER_TOKEN)  # through the router, which presents the replicas'
     with Client(server.endpoint, timeout_s=60, token=SERVER_TOKEN) as client:
         assert client.stats().rejects.get("unauthorized", 0) == refusals  # the router's pings, stats, opens passed
+
+
+@pytest.mark.multiprocess
+def test_the_gateway_presents_the_token_from_its_file_and_will_not_start_against_a_server_that_refuses_it(
+        secured: tuple[LocalServer, LocalRouter], tmp_path: Path) -> None:
+    _, router = secured
+    token_file = tmp_path / "client-token"
+    token_file.write_text(ROUTER_TOKEN)
+    with LocalGateway(router.endpoint, args=["--server-token-file", str(token_file)]) as gateway, \
+            urllib.request.urlopen(f"{gateway.url}healthz", timeout=60) as answer:
+        assert answer.status == 200 and json.loads(answer.read())["ok"] is True
+    with pytest.raises(RuntimeError, match="refused: unauthorized"):
+        LocalGateway(router.endpoint).start()
