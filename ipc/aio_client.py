@@ -55,11 +55,13 @@ class AsyncClient(ClientSettings):
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", identity: bytes | None = None,
                  timeout_s: float = 60.0, heartbeat_s: float = 1.0, server_silent_s: float = 5.0,
-                 max_outbox: int = MAX_OUTBOX, max_in_flight: int = MAX_IN_FLIGHT) -> None:  # fmt: skip
-        super().__init__(endpoint, identity, timeout_s, heartbeat_s, server_silent_s, max_outbox, "aclient")
+                 max_outbox: int = MAX_OUTBOX, max_in_flight: int = MAX_IN_FLIGHT, token: str | None = None,
+                 token_file: str | None = None) -> None:  # fmt: skip
+        super().__init__(endpoint, identity, timeout_s, heartbeat_s, server_silent_s, max_outbox, "aclient", token,
+                         token_file)
         self._errors: asyncio.Queue[ServerError] = asyncio.Queue(maxsize=256)
         self._core: ClientCore[asyncio.Queue[Any], asyncio.Future[Any]] = ClientCore(
-            asyncio.Queue, self._put_error, close_orphan=self._close_orphan)
+            asyncio.Queue, self._put_error, close_orphan=self._close_orphan, token=self.token)
         self._ready = asyncio.Event()  # set when something is queued: wakes the writer
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
@@ -195,7 +197,7 @@ class AsyncClient(ClientSettings):
         """Send a request whose reply is waited for: the future it resolves."""
         future = self._core.expect(message.req, asyncio.get_running_loop().create_future(), type(message))
         try:
-            self._put(protocol.encode(message))
+            self._put(self._core.encode(message))
         except (OutboxFull, RuntimeError):
             self._core.forget(message.req)
             raise
@@ -270,7 +272,7 @@ class AsyncClient(ClientSettings):
             await self._ready.wait()
 
     async def _heartbeats(self) -> None:
-        beat = protocol.encode(protocol.Heartbeat())
+        beat = self._core.encode(protocol.Heartbeat())
         while True:
             if len(self._outbox) < self.max_outbox:  # else the writer is stuck on a full socket: never pile up
                 self._outbox.put(beat, None, own=True)

@@ -123,15 +123,19 @@ __all__ = [
 
 class Client(ClientSettings):
     """A blocking client; see the module docstring. ``identity`` is the ZeroMQ routing identity: a client that
-    reconnects with the identity that opened a session may ``resume`` it while the server still holds it."""
+    reconnects with the identity that opened a session may ``resume`` it while the server still holds it. ``token``
+    (or ``token_file``; else $WORLDSTREAM_TOKEN or $WORLDSTREAM_TOKEN_FILE): the client token a server or router
+    beyond loopback requires; every request carries it (without one, a request is refused ``unauthorized``)."""
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", identity: bytes | None = None,
                  timeout_s: float = 60.0, heartbeat_s: float = 1.0, server_silent_s: float = 5.0,
-                 max_outbox: int = MAX_OUTBOX, max_in_flight: int = MAX_IN_FLIGHT) -> None:  # fmt: skip
-        super().__init__(endpoint, identity, timeout_s, heartbeat_s, server_silent_s, max_outbox, "client")
+                 max_outbox: int = MAX_OUTBOX, max_in_flight: int = MAX_IN_FLIGHT, token: str | None = None,
+                 token_file: str | None = None) -> None:  # fmt: skip
+        super().__init__(endpoint, identity, timeout_s, heartbeat_s, server_silent_s, max_outbox, "client", token,
+                         token_file)
         self._errors: queue.Queue[ServerError] = queue.Queue(maxsize=256)  # errors tied to no waiting request
         self._core: ClientCore[queue.Queue[Any], Future[Any]] = ClientCore(
-            queue.Queue, self._put_error, close_orphan=self._close_orphan)
+            queue.Queue, self._put_error, close_orphan=self._close_orphan, token=self.token)
         self._in_flight = InFlight(max_in_flight)  # many threads of this client cannot overrun the server
         self._stop = threading.Event()
         self._context = zmq.Context.instance()
@@ -271,7 +275,7 @@ class Client(ClientSettings):
         future: Future[Any] = self._core.expect(req, Future(), type(message))
         future.add_done_callback(lambda _: self._in_flight.leave(req))
         try:
-            self._put(protocol.encode(message))
+            self._put(self._core.encode(message))
         except OutboxFull:
             self._forget(req)
             raise
@@ -353,7 +357,7 @@ class Client(ClientSettings):
                 if self.heartbeat_s > 0 and time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.heartbeat_s
                     with contextlib.suppress(zmq.Again):  # a full socket: the server hears the queued ones first
-                        sock.send(protocol.encode(protocol.Heartbeat()), zmq.NOBLOCK)
+                        sock.send(self._core.encode(protocol.Heartbeat()), zmq.NOBLOCK)
                 while sock.poll(0):
                     self._core.route(sock.recv())
                 if self.heartbeat_s > 0:

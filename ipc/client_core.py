@@ -22,9 +22,10 @@ from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, Union, cast
 
+import msgspec
 import numpy as np
 
-from ipc import protocol, tolerant
+from ipc import auth, protocol, tolerant
 from ipc.client_bounds import MAX_SESSION_ID_CHARS, Strays
 from ipc.client_errors import (
     BadRequest,
@@ -173,7 +174,8 @@ class ClientCore(Generic[Q, F]):
 
     def __init__(self, new_events: Callable[[], Q], put_error: Callable[[ServerError], None],
                  clock: Callable[[], float] = time.monotonic,
-                 close_orphan: Callable[[str], None] | None = None) -> None:
+                 close_orphan: Callable[[str], None] | None = None, token: str | None = None) -> None:
+        self.token = token  # the client token every message carries as its ``auth`` (``ipc.auth``); None: none
         self.requests = Requests()  # every request either client sends, with its request id
         self._new_events = new_events
         self._put_error = put_error
@@ -285,6 +287,12 @@ class ClientCore(Generic[Q, F]):
     def tell(self, message: Any) -> bytes:
         """A fire-and-forget request, encoded: its error will go to ``put_error`` only, never end a chunk stream."""
         self.quiet(message.req)
+        return self.encode(message)
+
+    def encode(self, message: Any) -> bytes:
+        """A request as it leaves: with the client token, when there is one (else the very bytes of before)."""
+        if self.token is not None:
+            message = msgspec.structs.replace(message, auth=self.token)
         return protocol.encode(message)
 
     def live_state(self, session: str, state: protocol.InputState,
@@ -465,8 +473,12 @@ class ClientSettings:
     session. ``Client`` and ``AsyncClient`` build on it."""
 
     def __init__(self, endpoint: str, identity: bytes | None, timeout_s: float, heartbeat_s: float,
-                 server_silent_s: float, max_outbox: int, name: str) -> None:  # fmt: skip
+                 server_silent_s: float, max_outbox: int, name: str, token: str | None = None,
+                 token_file: str | None = None) -> None:  # fmt: skip
         self.endpoint = endpoint
+        # what a server or router beyond loopback requires (``auth.client_token``: the argument, the file, else
+        # $WORLDSTREAM_TOKEN or $WORLDSTREAM_TOKEN_FILE); None: the client sends none
+        self.token = auth.client_token(token, token_file)
         self.identity = identity or f"{name}-{uuid.uuid4().hex[:10]}".encode()
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s

@@ -12,6 +12,7 @@ from typing import Annotated, Any, ClassVar, Union
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from ipc.auth import MAX_TOKEN_CHARS
 from ipc.metrics_types import ServerStats, SessionSummary
 from ipc.values import (
     PROTOCOL_VERSION,
@@ -39,8 +40,19 @@ class TensorSpec(_Value):
 # ----------------------------------------------------------------------------------------------------------------
 # client -> coordinator
 
+# the client token (``ipc.auth``; not a session's watch ``token``): a server or router that requires one refuses a
+# request without it, or with another, ``unauthorized`` before any work. Left out of the bytes when unset, so a
+# client without a token sends what it sent before the field existed.
+AuthToken = Union[Annotated[str, msgspec.Meta(max_length=MAX_TOKEN_CHARS)], UnsetType]  # noqa: UP007
 
-class Open(_Msg, tag="open"):
+
+class _Request(_Msg, kw_only=True):
+    """A client request: every one may carry the client token."""
+
+    auth: AuthToken = UNSET
+
+
+class Open(_Request, tag="open"):
     req: int  # client request id, echoed in the reply
     image: bytes  # start image, PNG or JPEG bytes; its size sets the session's frame size when stream.size="image"
     prompt: Annotated[str, msgspec.Meta(max_length=100_000)] = ""  # text prompt (server.max_prompt_chars is tighter)
@@ -78,7 +90,7 @@ def steps_problem(steps: int | None) -> str | None:
     return f"steps must be one of {', '.join(map(str, QUALITY_STEPS))} (denoising steps per chunk), got {steps}"
 
 
-class Control(_Msg, tag="control"):
+class Control(_Request, tag="control"):
     req: int
     session: SessionId
     index: int  # chunk index this control applies to; must be the next expected one
@@ -98,6 +110,7 @@ class ControlState(InputState, tag_field="type", tag="control_state", kw_only=Tr
     with the request's own fields."""
 
     v: int = PROTOCOL_VERSION  # as ``_Msg``'s (a struct has one base with fields: the input state's)
+    auth: AuthToken = UNSET  # as ``_Request``'s
     req: int
     session: SessionId
     # from the next chunk cut on, the session's best quality in denoising steps (as ``Control.steps``; None: unchanged)
@@ -109,12 +122,12 @@ class ControlState(InputState, tag_field="type", tag="control_state", kw_only=Tr
             raise ValueError(why)
 
 
-class Close(_Msg, tag="close"):
+class Close(_Request, tag="close"):
     req: int
     session: SessionId
 
 
-class SetPrompt(_Msg, tag="set_prompt"):
+class SetPrompt(_Request, tag="set_prompt"):
     """A new prompt mid-stream: re-encoded on the condition rank, it replaces the session's cross-attention context
     from the first chunk whose denoise was not yet dispatched when the new context was ready (``PromptScheduled``)."""
 
@@ -123,23 +136,23 @@ class SetPrompt(_Msg, tag="set_prompt"):
     prompt: Annotated[str, msgspec.Meta(max_length=100_000)]  # as ``open``'s (server.max_prompt_chars is tighter)
 
 
-class Save(_Msg, tag="save"):
+class Save(_Request, tag="save"):
     """Save the session at its next chunk boundary (owner only); answered by ``saved`` once every file is written."""
 
     req: int
     session: SessionId
 
 
-class Stats(_Msg, tag="stats"):
+class Stats(_Request, tag="stats"):
     req: int
 
 
-class Heartbeat(_Msg, tag="heartbeat"):
+class Heartbeat(_Request, tag="heartbeat"):
     req: int = 0
     session: SessionId | None = None  # resume: a reconnecting client re-attaches to a session it still owns
 
 
-class Watch(_Msg, tag="watch"):
+class Watch(_Request, tag="watch"):
     """Spectate a running session read-only from its next chunk, with the token its owner got in ``opened``."""
 
     req: int
@@ -147,7 +160,7 @@ class Watch(_Msg, tag="watch"):
     token: Annotated[str, msgspec.Meta(max_length=128)]  # the session's watch token (unguessable)
 
 
-class Unwatch(_Msg, tag="unwatch"):
+class Unwatch(_Request, tag="unwatch"):
     """Stop watching: the watcher's stream of the session ends with a ``closed`` (reason "unwatched")."""
 
     req: int

@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from ipc import protocol, tolerant
-from runtime.config import ReplicaConfig, ServerConfig
+from runtime.config import ReplicaConfig, ServerConfig, client_token
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,10 @@ def start_registration(replica: ReplicaConfig, server: ServerConfig, port: int, 
     message = protocol.Register(name=name, endpoint=endpoint, max_sessions=server.max_sessions, layout=layout,
                                 incarnation="", token=replica.token)
     own = f"tcp://{'127.0.0.1' if server.host in WILDCARD_HOSTS else server.host}:{port}"
+    token = client_token(server)  # its own server requires it of every client, this thread included
 
     def run() -> None:
-        incarnation = server_id(own, context, stop, replica.heartbeat_s)
+        incarnation = server_id(own, context, stop, replica.heartbeat_s, token)
         if incarnation is not None:
             _register(replica, msgspec.structs.replace(message, incarnation=incarnation), context, stop)
 
@@ -53,15 +54,16 @@ def start_registration(replica: ReplicaConfig, server: ServerConfig, port: int, 
     return thread
 
 
-def server_id(endpoint: str, context: zmq.Context, stop: threading.Event, every_s: float) -> str | None:
-    """The id the server at ``endpoint`` answers heartbeats with (asked every ``every_s`` until it answers), or
-    None when ``stop`` is set first."""
+def server_id(endpoint: str, context: zmq.Context, stop: threading.Event, every_s: float,
+              token: str | None = None) -> str | None:  # fmt: skip
+    """The id the server at ``endpoint`` answers heartbeats with (asked every ``every_s`` until it answers, with the
+    client ``token`` it requires), or None when ``stop`` is set first."""
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     try:
         while not stop.is_set():
-            sock.send(protocol.encode(protocol.Heartbeat(req=1)))
+            sock.send(protocol.encode(protocol.Heartbeat(req=1, auth=msgspec.UNSET if token is None else token)))
             if sock.poll(int(every_s * 1000)):
                 with contextlib.suppress(protocol.ProtocolViolation):
                     answer = tolerant.decode(sock.recv(), "server")

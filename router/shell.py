@@ -36,7 +36,7 @@ from runtime.config import ConfigError
 from runtime.metrics import StreamStat
 from runtime.probes import router_snapshot
 from runtime.router import RouterCore
-from runtime.router_config import RouterConfig, load, replica_queue
+from runtime.router_config import RouterConfig, load, replica_queue, tokens
 from runtime.snapshots import SnapshotError, SnapshotStore, remove_files
 from runtime.watchers import Feeds
 
@@ -89,7 +89,10 @@ class RouterShell:
         self.feeds = Feeds(self.section.watch_queue, self.section.client_timeout_s)
         # replies and chunks that met a client's full queue wait in its line (``ipc.client_lines``), never vanish
         self.lines = ClientLines(self._to_watcher, MAX_WAITING)
-        self.core = RouterCore(self.section, config.replicas, time.monotonic(), router_id=f"router-{self.me}")
+        client_token, self.replica_token = tokens(self.section)  # (``ipc.auth``) the clients', the replicas'
+        self.rewrite = client_token is not None or self.replica_token is not None  # ``relay.upstream``
+        self.core = RouterCore(self.section, config.replicas, time.monotonic(), router_id=f"router-{self.me}",
+                               auth_token=client_token)
         self.file_remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-remove")
         self.forwarded_bytes = 0  # bytes of replicas' messages sent on to clients and watchers (``/metrics``)
         self.probes = probe_server.start(self.section.metrics_host, self.section.metrics_port, "router",
@@ -288,7 +291,8 @@ class RouterShell:
         try:
             if link is None or link.generation != output.generation:
                 raise zmq.Again()
-            link.sock.send(_payload(output.message), flags=zmq.NOBLOCK, copy=False)
+            payload = relay.upstream(output.message, self.replica_token, self.rewrite, self.section.max_message_bytes)
+            link.sock.send(payload, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:  # no connection yet (ZMQ_IMMEDIATE), or its queue is full
             if output.origin is not None:
                 self.carried.append(rt.ReplicaRefused(output.replica, output.generation, output.origin))

@@ -17,6 +17,8 @@ each owns, and the rules that follow from it. Pure: no socket, no clock (``now``
   until the identity resumes it with a ``heartbeat`` naming it, while the session exists
   (closing or not: it then gets what is left, its ``closed`` included); a client that is connected but not reading
   (``full``) has its session closed at once, never buffered (``unreachable`` returns it).
+- **The client token** (``unauthorized``): where one is required, a message without it is answered before
+  anything above happens, so a stranger is neither heard nor remembered.
 - **Job-wide notices** (``notices``): every session whose client is reachable gets the error naming it (and its
   ``closed``, when the core has one), every other remembered identity gets it without one.
 
@@ -31,9 +33,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
-from ipc import protocol
+from ipc import auth, protocol
 from ipc.error_codes import ErrorCode
-from runtime.client_types import ClientError, ClientUnreachable, ToClient
+from runtime.client_types import ClientError, ClientSent, ClientUnreachable, ClientUnreadable, ToClient
 
 log = logging.getLogger(__name__)
 
@@ -208,3 +210,19 @@ def backpressure_retry_s(period: float | None) -> float:
     if period is None:
         return BACKPRESSURE_RETRY_COLD_S
     return min(BACKPRESSURE_RETRY_MAX_S, max(BACKPRESSURE_RETRY_MIN_S, period / 8))
+
+
+def unauthorized(token: str | None, event: ClientSent | ClientUnreadable) -> tuple[bytes, ClientError,
+                                                                                   int | None] | None:  # fmt: skip
+    """How a core that requires ``token`` refuses a client's message that lacks it: (client, ``unauthorized`` with
+    no detail, request id), to be answered before any work; None: it goes on. An unreadable message has no token
+    that could be checked, so it gets the same answer (no parser detail for a stranger)."""
+    if token is None:
+        return None
+    if isinstance(event, ClientSent):
+        if auth.accepts(token, event.message.auth):
+            return None
+        req: int | None = event.message.req
+    else:
+        req = event.req
+    return event.identity, ClientError(ErrorCode.UNAUTHORIZED, auth.REFUSAL_MESSAGE), req

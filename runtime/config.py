@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from ipc import auth
 from ipc.protocol import intrinsics_problem
 from models.controls import OFFICIAL_INTRINSICS, MotionSpeeds
 from runtime.sizes import check_sizes
@@ -87,6 +88,10 @@ class ServerConfig(_Section):
     max_watchers: int = 8  # spectators per session (``watch``); one more is refused busy; 0: no spectators
     # chunks waiting for one watcher beyond its send_hwm queue: a slower watcher drops the oldest (never the player)
     watch_queue: int = 2
+    # a file holding the client token every request must carry (its ``auth`` field); required beyond loopback
+    auth_token_file: str = ""
+    auth_token_env: str = ""  # an environment variable holding the client token (used when auth_token_file is "")
+    insecure: bool = False  # true: bind beyond loopback without a client token (anyone who reaches it is a client)
 
 
 class StreamConfig(_Section):
@@ -375,6 +380,10 @@ def validate(config: Config, where: str) -> Config:
     if not 0 <= cap.margin <= 10 or not 0 < cap.alpha <= 1:
         raise ConfigError(f"{where}: capacity.margin must be in [0, 10] and capacity.alpha in (0, 1], got "
                           f"{cap.margin}, {cap.alpha}")
+    named = bool(config.server.auth_token_file or config.server.auth_token_env)
+    if why := auth.bind_problem(config.server.host, "server.auth_token_file (or server.auth_token_env)", named,
+                                config.server.insecure, "server.insecure"):
+        raise ConfigError(f"{where}: {why}")
     rep = config.replica
     if rep.router and not rep.router.startswith(("tcp://", "ipc://")):
         raise ConfigError(f"{where}: replica.router must be a ZeroMQ endpoint (tcp://host:port), got {rep.router!r}")
@@ -471,7 +480,16 @@ def load(name: str | Path, overrides: Sequence[str] = ()) -> Config:
             raise ConfigError(f"{where}: set replica.token or replica.token_file, not both")
         token = read_token(replica.token_file, f"{where}: replica.token_file")
         config = msgspec.structs.replace(config, replica=msgspec.structs.replace(replica, token=token))
+    client_token(config.server, where)  # a token named but unreadable stops the start here, with exit 2
     return validate(config, where)
+
+
+def client_token(server: ServerConfig, where: str = "config") -> str | None:
+    """The token every client request must carry (``server.auth_token_file`` or ``_env``); None: none required."""
+    try:
+        return auth.read_token(server.auth_token_file, server.auth_token_env, f"{where}: server client token")
+    except auth.TokenError as error:
+        raise ConfigError(str(error)) from None
 
 
 def read_token(path: str, what: str) -> str:

@@ -45,7 +45,7 @@ from models.controls import OFFICIAL_INTRINSICS
 from models.geometry import intrinsics_at
 from runtime import scheduler as sch
 from runtime.admission import Admission, Opening
-from runtime.clients import Clients, backpressure_retry_s
+from runtime.clients import Clients, backpressure_retry_s, unauthorized
 from runtime.config import (
     CapacityConfig,
     LayoutConfig,
@@ -117,7 +117,8 @@ class CoordinatorCore:
                  intrinsics: tuple[float, float, float, float] = OFFICIAL_INTRINSICS,
                  rooms: dict[int, int] | None = None, session_cost: Cost | None = None,
                  warm_start: WarmStart | None = None, capacity: CapacityConfig | None = None,
-                 snapshots: SnapshotStore | None = None, model: str = "") -> None:  # fmt: skip
+                 snapshots: SnapshotStore | None = None, model: str = "",
+                 auth_token: str | None = None) -> None:  # fmt: skip
         self.layout, self.server, self.stream, self.timeouts, self.metrics_config = (layout, server, stream,
                                                                                       timeouts, metrics)
         self.geometry = geometry  # the backend's, at stream.height x stream.width
@@ -152,6 +153,7 @@ class CoordinatorCore:
             decode=layout.decode, dit=tuple(layout.dit)), self.where, server, timeouts.stage_s)
         self.parts: tuple[Part, ...] = (self.saving, self.admitting)  # in the order a close answers
         self.restored = 0  # sessions restored from a snapshot so far (``/metrics``)
+        self.auth_token = auth_token  # every request must carry it (``ipc.auth``); None: none required
 
     @property
     def sessions(self) -> Mapping[str, Session]:
@@ -186,6 +188,8 @@ class CoordinatorCore:
 
     def _handle(self, event: Event, now: float) -> None:
         match event:
+            case ClientSent() | ClientUnreadable() if refused := unauthorized(self.auth_token, event):
+                self._refuse(*refused)  # before anything: the client is not even heard
             case ClientSent(identity=who, message=message):
                 self.clients.heard(who, now)
                 self.watchers.heard(who, now)

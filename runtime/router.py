@@ -52,7 +52,7 @@ from ipc import protocol
 from ipc.error_codes import ErrorCode
 from ipc.metrics_types import Distribution, PartialSummary, RouterCounters, ServerStats, SessionCounts
 from runtime.chunk_claims import migration_problem, open_problem
-from runtime.clients import Clients
+from runtime.clients import Clients, unauthorized
 from runtime.core_types import EXIT_OK, ClientError
 from runtime.replicas import (
     Replica,
@@ -109,8 +109,9 @@ class RouterCore:
     ``Connect``."""
 
     def __init__(self, config: RouterSection, listed: Sequence[ReplicaEntry], now: float,
-                 new_req: Callable[[], int] | None = None, router_id: str = "") -> None:
+                 new_req: Callable[[], int] | None = None, router_id: str = "", auth_token: str | None = None) -> None:
         self.config = config
+        self.auth_token = auth_token  # every client request must carry it (``ipc.auth``); None: none required
         self.id = router_id  # in every heartbeat ack, as a server's id: a client sees a restarted router
         self.started = now
         self.replicas: dict[str, Replica] = {}
@@ -146,6 +147,8 @@ class RouterCore:
 
     def _handle(self, event: Event, now: float) -> None:
         match event:
+            case ClientSent() | ClientUnreadable() if refused := unauthorized(self.auth_token, event):
+                self._refuse(*refused)  # before anything: the client is not even heard
             case ClientSent():
                 self._from_client(event, now)
             case ClientUnreadable(identity=who, error=error, req=req):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 
+from ipc import auth
 from runtime.config import CONFIG_DIR, ConfigError, read_token, read_tree, resolve_path
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -63,6 +64,13 @@ class RouterSection(_Section):
     snapshots_dir: str = ""
     metrics_port: int = 0  # >0: the router's probe server (/health, /ready, /metrics) on metrics_host:PORT; 0: off
     metrics_host: str = "127.0.0.1"  # the probe server's address: loopback unless the scraper is elsewhere
+    # a file holding the token every client request to the router must carry (``auth``); required beyond loopback
+    auth_token_file: str = ""
+    auth_token_env: str = ""  # an environment variable holding the clients' token (used when auth_token_file is "")
+    insecure: bool = False  # true: bind beyond loopback without a client token (anyone who reaches it is a client)
+    # a file holding the token the router presents to its replicas (their server.auth_token_file's); "": none
+    replica_token_file: str = ""
+    replica_token_env: str = ""  # an environment variable holding the replicas' token (when replica_token_file is "")
 
 
 class ReplicaEntry(_Section):
@@ -90,8 +98,7 @@ def is_local(endpoint: str) -> bool:
     """Whether only this host reaches ``endpoint``: a loopback TCP address, or ipc:// and inproc://."""
     if not endpoint.startswith("tcp://"):
         return True
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-    return host == "localhost" or host == "::1" or host.startswith("127.")
+    return auth.is_loopback(endpoint[len("tcp://"):].rsplit(":", 1)[0])
 
 
 def chunk_limit(section: RouterSection) -> int:
@@ -142,6 +149,10 @@ def validate(config: RouterConfig, where: str) -> RouterConfig:
         raise ConfigError(f"{where}: router.register_bind {r.register_bind} is beyond loopback: set "
                           "router.register_token (a random secret, e.g. `openssl rand -hex 16`; replicas pass it as "
                           "replica.token), or anyone who reaches the port can register a replica and receive sessions")
+    named = bool(r.auth_token_file or r.auth_token_env)
+    if why := auth.bind_problem(r.host, "router.auth_token_file (or router.auth_token_env)", named, r.insecure,
+                                "router.insecure"):
+        raise ConfigError(f"{where}: {why}")
     names = [e.name for e in config.replicas]
     if len(set(names)) != len(names):
         raise ConfigError(f"{where}: replica names must be unique, got {names}")
@@ -181,4 +192,15 @@ def load(name: str | Path, overrides: Sequence[str] = ()) -> RouterConfig:
             raise ConfigError(f"{where}: set router.register_token or router.register_token_file, not both")
         token = read_token(section.register_token_file, f"{where}: router.register_token_file")
         config = msgspec.structs.replace(config, router=msgspec.structs.replace(section, register_token=token))
+    tokens(config.router, where)  # a token named but unreadable stops the start here, with exit 2
     return validate(config, where)
+
+
+def tokens(section: RouterSection, where: str = "config") -> tuple[str | None, str | None]:
+    """The token the router's clients must present, and the one it presents to its replicas (None: none)."""
+    try:
+        return (auth.read_token(section.auth_token_file, section.auth_token_env, f"{where}: router client token"),
+                auth.read_token(section.replica_token_file, section.replica_token_env,
+                                f"{where}: router replica token"))
+    except auth.TokenError as error:
+        raise ConfigError(str(error)) from None

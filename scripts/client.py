@@ -408,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
                                             "recording formats: this script's docstring and docs/protocol.md.")
     parser.add_argument("--endpoint", default="tcp://127.0.0.1:5555",
                         help="the server's (or a router's) ZeroMQ client endpoint (default: %(default)s)")
+    parser.add_argument("--token-file", default=None,
+                        help="a file holding the client token the server or router requires (default "
+                             "$WORLDSTREAM_TOKEN, else the file $WORLDSTREAM_TOKEN_FILE names)")
     parser.add_argument("--image", type=Path, required=True,
                         help="the start image, PNG or JPEG (the session's first frame; assets/start.png is one)")
     parser.add_argument("--trace", type=Path, help="indexed control trace to play (assets/demo_trace.json is one)")
@@ -440,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, image: bytes) -> tuple[Played, bool | None]:
     """The session the arguments ask for: played, and whether it matched its recording (None: no recording)."""
     matched: bool | None = None
-    with Client(args.endpoint) as client:
+    with Client(args.endpoint, token_file=args.token_file) as client:
         if args.trace:
             played = play(client, image, load_trace(args.trace), reactive=args.reactive, num_chunks=args.chunks)
         elif args.live:

@@ -163,10 +163,11 @@ def early(cluster: Cluster, router: Router, tmp_path_factory: pytest.TempPathFac
 class Router:
     job: str
     endpoint: str  # clients
-    token: str
+    token: str  # the registration token, which the replicas' client ports require too
+    client_token: str  # what the router's own clients present
 
     def states(self) -> dict[str, str]:
-        with Client(self.endpoint, timeout_s=10) as client:
+        with Client(self.endpoint, timeout_s=10, token=self.client_token) as client:
             return {name: r.state for name, r in client.stats().replicas.items()}
 
 
@@ -178,8 +179,11 @@ def router(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                                            "REGISTER_PORT": str(free_port()), "WORLDSTREAM_PORT_FILE": str(port_file)})
     wait_for(port_file.exists, START_S, "router serving", lambda: cluster.log(job))
     token = (cluster.checkout / "logs" / "router-token").read_text().strip()
-    assert (cluster.checkout / "logs" / "router-token").stat().st_mode & 0o077 == 0  # readable by its owner alone
-    yield Router(job, f"tcp://127.0.0.1:{port_file.read_text()}", token)
+    client_token = (cluster.checkout / "logs" / "client-token").read_text().strip()
+    for name in ("router-token", "client-token"):  # readable by its owner alone
+        assert (cluster.checkout / "logs" / name).stat().st_mode & 0o077 == 0, name
+    assert_no_token_on_a_command_line(cluster, job, client_token)
+    yield Router(job, f"tcp://127.0.0.1:{port_file.read_text()}", token, client_token)
     cluster.stop(job)
     info = cluster.ended(job)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), cluster.log(job)
@@ -189,12 +193,12 @@ REPLICA_ENV = {"CONFIG": "configs/cpu-mini.toml", "SERVER_HOST": "127.0.0.1", "S
                "OMP_NUM_THREADS": "1"}
 
 
-def serve_one_session(endpoint: str, timeout_s: float = START_S) -> None:
+def serve_one_session(endpoint: str, timeout_s: float = START_S, token: str | None = None) -> None:
     """Open a session (retrying while the router has no replica up) and stream two chunks of it."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with Client(endpoint, timeout_s=30) as client:
+            with Client(endpoint, timeout_s=30, token=token) as client:
                 info = client.open(IMAGE, num_chunks=2)
                 for index in range(2):
                     client.control(info.id, index, keys="w")
@@ -230,13 +234,13 @@ def test_a_replica_array_task_registers_serves_is_requeued_when_a_rank_dies_and_
     name = f"replica-{array}-0"
     wait_for(lambda: router.states().get(name) == "up", START_S, f"{name} up", lambda: cluster.log(task))
     assert_no_token_on_a_command_line(cluster, task, router.token)
-    serve_one_session(router.endpoint)
+    serve_one_session(router.endpoint, token=router.client_token)
 
     kill_rank(cluster, task, 1)  # the task's job fails: the recipe asks Slurm to requeue it
     wait_for(lambda: cluster.job(task).get("Restarts") == "1", 90, "task requeued", lambda: cluster.log(task))
     wait_for(lambda: cluster.job(task).get("JobState") == "RUNNING" and router.states().get(name) == "up",
              START_S, f"{name} up again", lambda: cluster.log(task))
-    serve_one_session(router.endpoint)
+    serve_one_session(router.endpoint, token=router.client_token)
 
     stopped = time.monotonic()
     cluster.stop(task)
@@ -258,7 +262,7 @@ def test_replica_steps_restart_a_failed_step_and_a_stop_drains_every_step_to_com
     kill_rank(cluster, job, 1)  # the step fails: its loop starts it again
     wait_for(lambda: "starting it again" in cluster.log(job), 60, "step restarted", lambda: cluster.log(job))
     wait_for(lambda: router.states().get(name) == "up", START_S, f"{name} up again", lambda: cluster.log(job))
-    serve_one_session(router.endpoint)
+    serve_one_session(router.endpoint, token=router.client_token)
 
     cluster.stop(job)
     info = cluster.ended(job)

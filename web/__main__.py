@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiohttp import web
 
+from ipc import auth
 from ipc.aio_client import AsyncClient
+from ipc.client_errors import ServerError
 from runtime import logs
 from web import page_protocol as pp
 from web.bridge import BridgeSettings
@@ -40,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8080, help="port to bind; 0 picks a free one")
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV),
                         help=f"access token the page must carry (default ${TOKEN_ENV}; required off loopback)")
+    parser.add_argument("--server-token-file", default="",
+                        help="a file holding the client token the server (or router) requires; default "
+                             f"${auth.TOKEN_ENV}, else the file ${auth.TOKEN_FILE_ENV} names (never the token itself "
+                             "on the command line)")
     parser.add_argument("--max-sessions", type=int, default=4, help="sessions this gateway holds at once")
     parser.add_argument("--format", choices=sorted(pp.FORMATS), default="jpeg", help="frame encoding")
     parser.add_argument("--quality", type=int, default=80, help="JPEG/WebP quality 1..100")
@@ -73,35 +79,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def settings_of(args: argparse.Namespace) -> GatewaySettings:
     bridge = BridgeSettings(server=args.server, frame_format=args.format, quality=args.quality,
-                            limits=pp.Limits(max_upload_bytes=int(args.max_upload_mb * 2**20)))
+                            limits=pp.Limits(max_upload_bytes=int(args.max_upload_mb * 2**20)),
+                            server_token=auth.client_token(token_file=args.server_token_file))
     return GatewaySettings(bridge=bridge, host=args.host, max_sessions=args.max_sessions, token=args.token or None,
                            allow_hosts=frozenset(h.lower() for h in args.allow_host),
                            allow_origins=frozenset(o.rstrip("/") for o in args.allow_origin),
                            health_timeout_s=args.health_timeout)
 
 
-async def check_server(endpoint: str, timeout_s: float) -> str | None:
+async def check_server(endpoint: str, timeout_s: float, token: str | None = None) -> str | None:
     """``None`` when the server answers ``stats`` in time, else why not."""
-    async with AsyncClient(endpoint, timeout_s=timeout_s, heartbeat_s=0) as client:
+    async with AsyncClient(endpoint, timeout_s=timeout_s, heartbeat_s=0, token=token) as client:
         try:
             stats = await client.stats()
         except TimeoutError:
             return f"no worldstream server answers at {endpoint} (waited {timeout_s:.0f} s): start one first " \
                    "(python launch.py --config cpu-tiny), or give --server"
+        except ServerError as error:  # ``unauthorized``: a token missing or another
+            return f"the server at {endpoint} refused: {error.code} (its client token: --server-token-file)"
     logging.getLogger("worldstream.web").info("server %s: layout %s, %s open sessions", endpoint,
                                               stats.layout, stats.open_sessions)
     return None
 
 
 async def serve(args: argparse.Namespace) -> int:
-    settings = settings_of(args)
     try:
+        settings = settings_of(args)
         app = make_app(settings)
-    except ValueError as error:
+    except ValueError as error:  # an unreadable token file too (``auth.TokenError``)
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.check_timeout > 0:
-        problem = await check_server(args.server, args.check_timeout)
+        problem = await check_server(args.server, args.check_timeout, settings.bridge.server_token)
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2

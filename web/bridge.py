@@ -62,6 +62,7 @@ class BridgeSettings:
     quality: int = 80
     limits: pp.Limits = field(default_factory=pp.Limits)
     request_timeout_s: float = 30.0  # open (image decode + every role's cache init) and the other requests
+    server_token: str | None = None  # the client token the server (or router) requires (``ipc.auth``); None: none
 
 
 class SessionSlots:
@@ -327,7 +328,8 @@ class Bridge:
 
     async def _client(self) -> AsyncClient:
         if self.client is None:
-            self.client = await AsyncClient(self.settings.server, timeout_s=self.settings.request_timeout_s).start()
+            self.client = await AsyncClient(self.settings.server, timeout_s=self.settings.request_timeout_s,
+                                            token=self.settings.server_token).start()
             if not self._tasks.stopping:
                 self._tasks.spawn(self._error_pump(self.client))
         return self.client

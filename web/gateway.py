@@ -148,10 +148,10 @@ async def _sample(request: web.Request) -> web.StreamResponse:
     return web.FileResponse(SAMPLE_IMAGE)
 
 
-async def server_ready(endpoint: str, timeout_s: float) -> str | None:
+async def server_ready(endpoint: str, timeout_s: float, token: str | None = None) -> str | None:
     """``None`` when the server (or router) behind the gateway can take a session now, else why not: it answers
     ``stats`` within ``timeout_s``, says it is warm, and (a router) has a replica up."""
-    async with AsyncClient(endpoint, timeout_s=timeout_s, heartbeat_s=0) as client:
+    async with AsyncClient(endpoint, timeout_s=timeout_s, heartbeat_s=0, token=token) as client:
         try:
             stats = await client.stats()
         except (TimeoutError, ServerError) as error:
@@ -167,7 +167,7 @@ async def _health(request: web.Request) -> web.StreamResponse:
     """200 with ``ok: true`` while the server behind the gateway is ready; 503 with ``ok: false`` and why not."""
     _check_token(request)
     settings, slots = request.app[KEY_SETTINGS], request.app[KEY_SLOTS]
-    problem = await server_ready(settings.bridge.server, settings.health_timeout_s)
+    problem = await server_ready(settings.bridge.server, settings.health_timeout_s, settings.bridge.server_token)
     body = {"ok": problem is None, "server": settings.bridge.server, "sessions": slots.used,
             "max_sessions": slots.limit, "tabs": len(request.app[KEY_SOCKETS])}
     if problem is not None:

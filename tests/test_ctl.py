@@ -1,0 +1,98 @@
+"""The operator command (``python -m runtime.ctl``) run as an operator runs it, a process of its own, against a real
+2-rank server that requires a client token and serves its probes, and a real router with no replica (alive, never
+ready): each subcommand's output and exit code (0 ok, 1 not ready, 2 usage or nothing answers, 3 refused)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from runtime import ctl
+from scripts.local_router import LocalRouter
+from scripts.local_server import ROOT, LocalServer
+from tests.shared import FAST, free_port
+
+pytestmark = pytest.mark.multiprocess
+
+TOKEN = "ctl-test-token-0123456789abcdef"
+
+
+@dataclass
+class Fleet:
+    server: LocalServer
+    server_probes: str  # host:port of rank 0's probe server
+    router: LocalRouter
+    router_probes: str
+    token_file: Path
+
+
+def run_ctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "runtime.ctl", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    token_file = tmp_path_factory.mktemp("ctl") / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    server_port, router_port = free_port(), free_port()
+    server = LocalServer("cpu-mini", [*FAST, f"--metrics.prometheus_port={server_port}",
+                                      f"--server.auth_token_file={token_file}"])
+    router = LocalRouter([], [f"--router.metrics_port={router_port}"], register_port=free_port())
+    with server, router:
+        yield Fleet(server, f"127.0.0.1:{server_port}", router, f"http://127.0.0.1:{router_port}", token_file)
+
+
+def test_stats_prints_the_servers_stats_as_json_presenting_the_token_from_a_file_or_the_environment(
+        fleet: Fleet) -> None:
+    done = run_ctl("stats", "--endpoint", fleet.server.endpoint, "--token-file", str(fleet.token_file))
+    assert done.returncode == ctl.OK, done.stderr
+    stats = json.loads(done.stdout)
+    assert stats["layout"] == "cpu-mini" and stats["uptime_s"] > 0 and "open_sessions" in stats
+    by_env = run_ctl("stats", "--endpoint", fleet.server.endpoint,
+                     env={"WORLDSTREAM_TOKEN_FILE": str(fleet.token_file)})
+    assert by_env.returncode == ctl.OK, by_env.stderr
+
+
+def test_stats_without_the_token_exits_3_saying_unauthorized(fleet: Fleet) -> None:
+    done = run_ctl("stats", "--endpoint", fleet.server.endpoint)
+    assert done.returncode == ctl.REFUSED, done.stderr
+    assert json.loads(done.stderr.splitlines()[0])["code"] == "unauthorized"
+    assert "unauthorized" in done.stderr.splitlines()[-1] and done.stdout == ""
+
+
+def test_nothing_at_the_endpoint_or_the_probe_address_exits_2_and_a_bad_command_too() -> None:
+    began = time.monotonic()
+    done = run_ctl("stats", "--endpoint", f"tcp://127.0.0.1:{free_port()}", "--timeout", "1")
+    assert done.returncode == ctl.UNREACHABLE and "no answer" in done.stderr
+    assert time.monotonic() - began < 60
+    done = run_ctl("ready", "--probe", f"127.0.0.1:{free_port()}")
+    assert done.returncode == ctl.UNREACHABLE and "no probe server" in done.stderr
+    assert run_ctl("no-such-command").returncode == 2
+    assert run_ctl("stats", "--timeout", "0").returncode == 2
+    assert run_ctl("stats", "--token-file", "/no/such/token").returncode == 2
+
+
+def test_health_and_ready_of_a_warm_server_exit_0_with_the_probes_json(fleet: Fleet) -> None:
+    health = run_ctl("health", "--probe", fleet.server_probes)
+    assert health.returncode == ctl.OK, health.stderr
+    assert json.loads(health.stdout) == {"alive": True, "role": "rank0"}
+    deadline = time.monotonic() + 60  # the probe's snapshot is published by rank 0's loop once warm
+    while (ready := run_ctl("ready", "--probe", fleet.server_probes)).returncode != ctl.OK:
+        assert time.monotonic() < deadline, ready.stdout + ready.stderr
+    assert json.loads(ready.stdout)["ready"] is True
+
+
+def test_a_router_without_a_replica_is_healthy_but_not_ready_exit_1(fleet: Fleet) -> None:
+    assert run_ctl("health", "--probe", fleet.router_probes).returncode == ctl.OK
+    ready = run_ctl("ready", "--probe", fleet.router_probes)
+    assert ready.returncode == ctl.NO, ready.stderr
+    assert json.loads(ready.stdout)["ready"] is False
