@@ -1,10 +1,12 @@
 """A session's end is one loop over its parts (``runtime.parts``): after a close and after a drop (a session that
 could not even close cleanly) no part of the coordinator core holds anything of the session, and every part the
-core has is in that loop. Pure: the core played by ``tests.test_core.Job``."""
+core has is in that loop; every client message type has its route. Pure: the core played by
+``tests.test_core.Job``."""
 
 from __future__ import annotations
 
 import logging
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,6 +68,10 @@ def running(job: Job) -> str:
     control(job, sid, 0)
     job.chunk(sid, 0)
     return sid
+
+
+def test_every_client_message_type_has_exactly_one_route() -> None:
+    assert set(Job().core.routes) == set(typing.get_args(p.ClientMessage))
 
 
 def test_every_part_of_the_core_answers_a_sessions_end() -> None:
