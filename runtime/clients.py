@@ -36,6 +36,7 @@ from typing import Generic, Protocol, TypeVar
 from ipc import auth, protocol
 from ipc.error_codes import ErrorCode
 from runtime.client_types import ClientError, ClientSent, ClientUnreachable, ClientUnreadable, ToClient
+from runtime.parts import Answer, Ending, Part
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,10 @@ class Attached(Protocol):
 S = TypeVar("S", bound=Attached)
 
 
-class Clients(Generic[S]):
+class Clients(Part, Generic[S]):
     """The sessions of one core by id and by client identity, and every identity heard (see the module docstring).
-    ``server_id`` goes in every heartbeat ack: a client tells a restarted server apart."""
+    ``server_id`` goes in every heartbeat ack: a client tells a restarted server apart. On rank 0 a part of each
+    session (``runtime.parts``): its end removes it, after the core's last messages to its client."""
 
     def __init__(self, server_id: str, timeout_s: float, max_peers: int = MAX_PEERS) -> None:
         self.server_id = server_id
@@ -90,6 +92,13 @@ class Clients(Generic[S]):
         if session is not None:
             self._detach(session.client, sid)
         return session
+
+    def ending(self, sid: str, now: float, end: Ending) -> list[Answer]:
+        """The session is removed; its client (unless gone) gets the core's ``farewell``."""
+        session = self.remove(sid)
+        if session is None or session.gone:
+            return []
+        return [ToClient(session.client, message, sid) for message in end.farewell]
 
     def of(self, who: bytes) -> list[S]:
         """The sessions ``who`` owns now, oldest first."""

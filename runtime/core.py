@@ -85,7 +85,7 @@ from runtime.core_types import (
 )
 from runtime.memory_admission import Cost
 from runtime.metrics import MetricsObserver, Observers, ServerMetrics, SessionMetrics, final_summary
-from runtime.parts import Answer, Hold, Part, ToOwner
+from runtime.parts import Answer, Ending, Hold, Part, ToOwner
 from runtime.placement import STAGES, NewPrompt, Placement, StageAction, join_of, key_of, placement_of, plan
 from runtime.prompts import PromptBackpressure, PromptRevisions
 from runtime.rank_health import RankHealth
@@ -105,6 +105,11 @@ log = logging.getLogger(__name__)
 
 def _new_id() -> str:
     return uuid.uuid4().hex[:12]
+
+
+def _live(scheduler: sch.Scheduler, sid: str) -> bool:
+    """Open and not closing."""
+    return scheduler.session_state(sid) in (sch.SessionState.INITIALIZING, sch.SessionState.READY)
 
 
 class CoordinatorCore:
@@ -151,13 +156,28 @@ class CoordinatorCore:
         self.saving = Saves(snapshots or SnapshotStore("out/snapshots"), Identity(
             model=model, layout=layout.name, world_size=layout.world_size, condition=layout.condition,
             decode=layout.decode, dit=tuple(layout.dit)), self.where, server, timeouts.stage_s)
-        self.parts: tuple[Part, ...] = (self.saving, self.admitting)  # in the order a close answers
+        # in the order a close answers: a save in flight before the client's closed, the watchers' end after it
+        self.parts: tuple[Part, ...] = (self.metrics, self.saving, self.admitting, self.clients, self.watchers)
         self.restored = 0  # sessions restored from a snapshot so far (``/metrics``)
         self.auth_token = auth_token  # every request must carry it (``ipc.auth``); None: none required
-
-    @property
-    def sessions(self) -> Mapping[str, Session]:
-        return self.clients.sessions  # by id (the front door indexes them by client too)
+        self.sessions: Mapping[str, Session] = self.clients.sessions  # by id (the front door indexes them by client)
+        owned = self.clients.owned
+        # the routing table: each client message type -> the part (or core handler) that owns it
+        self.routes: dict[type, Callable[[bytes, Any, float], None]] = {
+            protocol.Open: lambda who, m, now: self._answer(self.saving.read(who, m) if m.restore is not None else [
+                self.admitting.ask(who, m, len(self.sessions), self.max_chunks, self.geometry.max_chunks)], now),
+            protocol.Save: lambda who, m, now: self._save(owned(who, m.session), who, m, now),
+            protocol.Control: lambda who, m, now: self._control(owned(who, m.session), m, now),
+            protocol.ControlState: lambda who, m, now: self._control(owned(who, m.session), m, now),
+            protocol.SetPrompt: lambda who, m, now: self._set_prompt(owned(who, m.session), m, now),
+            protocol.Close: lambda who, m, now: self._close(owned(who, m.session), now),
+            protocol.Stats: lambda who, m, now: self._out.append(
+                ToClient(who, protocol.StatsReply(req=m.req, stats=self.stats(now, who)))),
+            protocol.Heartbeat: lambda who, m, now: self._out.append(self.clients.heartbeat(who, m, now)),
+            protocol.Watch: lambda who, m, now: self._out.append(  # its geometry now, its chunks from the next
+                self.watchers.watching(who, m, self.sessions.get(m.session), self.stream.fps, now)),
+            protocol.Unwatch: lambda who, m, now: self._out.append(self.watchers.unwatched(who, m.session)),
+        }
 
     # ---------------------------------------------------------------------------------------------- step
 
@@ -171,7 +191,7 @@ class CoordinatorCore:
                 self._handle(event, now)
                 self._cut_live(now)
                 for sid in self.saving.waiting():  # its session gone or closing (None), or quiet before its boundary
-                    session = self.sessions.get(sid) if sid in self.sessions and self._live(sid) else None
+                    session = self.sessions.get(sid) if sid in self.sessions and _live(self.scheduler, sid) else None
                     quiet = session is not None and self.scheduler.quiet_before_denoise(sid)
                     self._answer(self.saving.advance(sid, session, quiet, now), now)
             except JobFailed as error:
@@ -244,7 +264,7 @@ class CoordinatorCore:
                 case Hold(session=sid, on=True):
                     self._run(self.scheduler.hold(sid, True, now), now)
                 case Hold(session=sid):  # a closing session's hold ends with it
-                    if sid in self.sessions and self._live(sid):
+                    if sid in self.sessions and _live(self.scheduler, sid):
                         self._run(self.scheduler.hold(sid, False, now), now)
                 case ToOwner(session=sid, message=message, owner=owner):
                     session = self.sessions.get(sid)
@@ -261,50 +281,19 @@ class CoordinatorCore:
     def _request(self, who: bytes, message: protocol.ClientMessage, now: float) -> None:
         if not isinstance(message, protocol.Watch | protocol.Unwatch | protocol.Heartbeat):
             self.watchers.refuse(who, getattr(message, "session", None), type(message).__struct_config__.tag)
-        match message:
-            case protocol.Open(restore=str()):
-                self._answer(self.saving.read(who, message), now)
-            case protocol.Open():  # checked, then its image decoded off the loop (``ImageDecoded``)
-                self._out.append(self.admitting.ask(who, message, len(self.sessions), self.max_chunks,
-                                                    self.geometry.max_chunks))
-            case protocol.Save():
-                session = self.clients.owned(who, message.session)
-                self._answer(self.saving.save(
-                    session, who, message, self.scheduler.session_state(session.id),
-                    self.scheduler.next_denoise_index(session.id), self.admitting.capacity.seats.get(session.id),
-                    self.admitting.steps_of(session.id), now), now)
-            case protocol.Control():
-                self._control(self.clients.owned(who, message.session), message, now)
-            case protocol.ControlState():
-                session = self.clients.owned(who, message.session)
-                if session.live is None:
-                    raise ClientError(ErrorCode.BAD_CONTROL,
-                                      "this session takes indexed controls; open it with live=true")
-                try:
-                    session.live.update(message)
-                except ControlStateError as error:
-                    raise ClientError(error.reason, str(error)) from None
-                if message.steps is not None:  # from the next chunk cut
-                    session.asked[self.scheduler.next_control_index(session.id)] = message.steps
-            case protocol.SetPrompt():
-                self._set_prompt(self.clients.owned(who, message.session), message, now)
-            case protocol.Close():
-                sid = self.clients.owned(who, message.session).id
-                if not self._live(sid):  # a repeated close: answered, and the one ``closed`` still follows
-                    raise ClientError(ErrorCode.CLOSING,
-                                      f"session {sid} is already closing; its closed message follows")
-                self._run(self.scheduler.close(sid, "client", now), now)
-            case protocol.Stats():
-                self._out.append(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(now, who))))
-            case protocol.Heartbeat():
-                self._out.append(self.clients.heartbeat(who, message, now))
-            case protocol.Watch():  # the session's geometry now, its chunks from the next
-                self._out.append(self.watchers.watching(who, message, self.sessions.get(message.session),
-                                                        self.stream.fps, now))
-            case protocol.Unwatch():
-                self.watchers.unwatch(who, message.session)
-                closed = protocol.Closed(session=message.session, reason="unwatched")
-                self._out.append(EndWatch(who, message.session, closed, keep=False))
+        self.routes[type(message)](who, message, now)
+
+    def _save(self, session: Session, who: bytes, message: protocol.Save, now: float) -> None:
+        sid = session.id
+        self._answer(self.saving.save(session, who, message, self.scheduler.session_state(sid),
+                                      self.scheduler.next_denoise_index(sid), self.admitting.capacity.seats.get(sid),
+                                      self.admitting.steps_of(sid), now), now)
+
+    def _close(self, session: Session, now: float) -> None:
+        if not _live(self.scheduler, session.id):  # a repeated close: answered, and the one ``closed`` still follows
+            raise ClientError(ErrorCode.CLOSING,
+                              f"session {session.id} is already closing; its closed message follows")
+        self._run(self.scheduler.close(session.id, "client", now), now)
 
     def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
         self.metrics.on_reject(error.code)
@@ -343,12 +332,22 @@ class CoordinatorCore:
 
     def _open_metrics(self, sid: str, now: float) -> SessionMetrics:
         """The session exists: every part starts its state (the metrics first: the session's record)."""
-        self.metrics.on_open(sid, now)
         for part in self.parts:
             self._answer(part.opened(sid, now), now)
         return self.server_metrics.sessions[sid]
 
-    def _control(self, session: Session, message: protocol.Control, now: float) -> None:
+    def _control(self, session: Session, message: protocol.Control | protocol.ControlState, now: float) -> None:
+        """A control: one chunk's (``control``), or a live session's input held now (``control_state``)."""
+        if isinstance(message, protocol.ControlState):
+            if session.live is None:
+                raise ClientError(ErrorCode.BAD_CONTROL, "this session takes indexed controls; open it with live=true")
+            try:
+                session.live.update(message)
+            except ControlStateError as error:
+                raise ClientError(error.reason, str(error)) from None
+            if message.steps is not None:  # from the next chunk cut
+                session.asked[self.scheduler.next_control_index(session.id)] = message.steps
+            return
         if session.live is not None:
             raise ClientError(ErrorCode.BAD_CONTROL, "this session is live: send control_state, not indexed controls")
         control, frames = message.control, session.geometry.frames_in_chunk(message.index)
@@ -374,7 +373,7 @@ class CoordinatorCore:
     def _set_prompt(self, session: Session, message: protocol.SetPrompt, now: float) -> None:
         """Validate a new prompt and start its encode (``runtime.prompts``); answered once its context is encoded
         and announced to the DiT ranks (``_joined``), naming the first chunk that uses it."""
-        if not self._live(session.id) or not session.opened:
+        if not _live(self.scheduler, session.id) or not session.opened:
             raise ClientError(ErrorCode.CLOSING, f"session {session.id} is closing; its prompt cannot change")
         self.admitting.check_prompt(message.prompt)
         try:
@@ -408,10 +407,6 @@ class CoordinatorCore:
         session = self.clients.unreachable(event)
         if session is not None:  # connected but not reading: never buffered without bound
             self._run(self.scheduler.close(session.id, "disconnect", now), now)
-
-    def _live(self, sid: str) -> bool:
-        """Open and not closing."""
-        return self.scheduler.session_state(sid) in (sch.SessionState.INITIALIZING, sch.SessionState.READY)
 
     # ---------------------------------------------------------------------------------------------- actions
 
@@ -478,21 +473,19 @@ class CoordinatorCore:
             first_chunk=session.first_chunk))
 
     def _closed(self, action: sch.SessionClosed, now: float) -> None:
-        for part in self.parts:  # a save in flight is answered before the closed
-            self._answer(part.closed(action.session, now, action.reason), now)
-        session = self.clients.remove(action.session)  # present: _run skips actions of sessions dropped
-        assert session is not None
+        session = self.sessions[action.session]  # present: _run skips actions of sessions dropped
         summary = msgspec.structs.replace(
-            final_summary(self.server_metrics, self.metrics, session.id, now),
+            self.server_metrics.closing(session.id, now),  # read before the metrics part forgets the session
             clock_offsets=self.health.clock.offsets(),
             released=session.released,  # stage -> ranks that confirmed, in release order
             leaked_caches=[s.value for s in action.leaked], poisoned=action.poisoned)
-        for revision, req in session.prompts.waiting().items():  # a set_prompt still encoding gets its answer
-            self._to_client(session, protocol.Error(req=req, session=session.id, code=ErrorCode.CLOSING, message=(
-                f"session {session.id} closed before its prompt revision {revision} was ready")))
-        self._to_client(session, protocol.Closed(session=session.id, reason=action.reason, error=action.error,
-                                                 summary=summary))
-        self._out += self.watchers.ended(session.id, action.reason, action.error, keep=True)  # after its last chunks
+        farewell = [protocol.Error(req=req, session=session.id, code=ErrorCode.CLOSING, message=(  # a set_prompt
+            f"session {session.id} closed before its prompt revision {revision} was ready"))  # still encoding
+            for revision, req in session.prompts.waiting().items()]
+        farewell.append(protocol.Closed(session=session.id, reason=action.reason, error=action.error, summary=summary))
+        end = Ending(action.reason, action.error, farewell=tuple(farewell))
+        for part in self.parts:  # a save in flight is answered before the closed, the watchers' end after it
+            self._answer(part.ending(session.id, now, end), now)
         self._out.append(DropTensors(session.id))
         log.info("session %s closed (%s)", session.id, action.reason)
 
@@ -577,7 +570,7 @@ class CoordinatorCore:
                                 keep=False))
         self._answer(self.saving.tick(now), now)
         for session in self.clients.silent(now):
-            if self._live(session.id):
+            if _live(self.scheduler, session.id):
                 log.info("session %s: client silent for over %.1f s, closing", session.id, self.clients.timeout_s)
                 sid = session.id
                 self._guarded(sid, lambda sid=sid: self._run(self.scheduler.close(sid, "disconnect", now), now), now)
@@ -639,7 +632,7 @@ class CoordinatorCore:
         if session is None:
             return
         try:
-            if not self._live(session.id):
+            if not _live(self.scheduler, session.id):
                 return
             self._to_client(session, protocol.Error(session=session.id, code=ErrorCode.FAILED, message=text))
             self._run(self.scheduler.close(session.id, "failed", now), now)
@@ -647,13 +640,10 @@ class CoordinatorCore:
             raise
         except Exception:  # the session cannot even close cleanly: forget it rather than stop serving
             log.exception("session %s could not be closed; dropping it", session.id)
-            self.clients.remove(session.id)
+            end = Ending("failed", text, dropped=True)
             for part in self.parts:  # each forgets what it keeps of the session
                 with contextlib.suppress(Exception):
-                    self._answer(part.dropped(session.id, now), now)
-            with contextlib.suppress(Exception):  # its metrics are bounded by sessions: never keep a dropped one's
-                self.metrics.on_close(session.id, now)
-            self._out += self.watchers.ended(session.id, "failed", text, keep=False)
+                    self._answer(part.ending(session.id, now, end), now)
             self._out.append(DropTensors(session.id))
 
     def _shutdown(self, lost: tuple[int, ...], now: float) -> None:

@@ -56,6 +56,7 @@ from ipc.metrics_types import (
     WarmUpCompute,
 )
 from ipc.protocol import ChunkFacts, Stage
+from runtime.parts import Answer, Part
 
 COMPUTE_STAGES = tuple(stage.value for stage in Stage)  # condition, denoise, decode
 REPORTED_PERCENTILES = (50, 90, 99)
@@ -390,8 +391,9 @@ class MetricsObserver(Protocol):
         """The periodic turn (every heartbeat): the open sessions and every rank's latest memory."""
 
 
-class Observers:
-    """Every observer of the core, fed as one: each event goes to each observer once, in order."""
+class Observers(Part):
+    """Every observer of the core, fed as one: each event goes to each observer once, in order. A part of each
+    session (``runtime.parts``): its open and its end (closed or dropped: its metrics are bounded by sessions)."""
 
     def __init__(self, *observers: MetricsObserver) -> None:
         self.observers = observers
@@ -423,6 +425,14 @@ class Observers:
     def on_gauges(self, open_sessions: int, memory: Memory) -> None:
         for o in self.observers:
             o.on_gauges(open_sessions, memory)
+
+    def opened(self, sid: str, now: float) -> list[Answer]:
+        self.on_open(sid, now)
+        return []
+
+    def closed(self, sid: str, now: float, reason: str = "") -> list[Answer]:
+        self.on_close(sid, now)  # the summary was read before (``ServerMetrics.closing``)
+        return []
 
 
 class ServerMetrics:

@@ -15,7 +15,8 @@ The points, in a session's order:
 - ``emitted`` (a chunk left rank 0): the parts that learn from chunks (capacity, metrics) hear of it.
 - ``closed(sid, now)``: the scheduler closed the session; ``dropped(sid, now)``: the session could not even close
   cleanly and is forgotten. Both forget everything the part keeps of the session, so a close is one loop over the
-  parts and never a list of holders written out by hand.
+  parts and never a list of holders written out by hand. The core calls ``ending`` with the whole ``Ending``; a
+  part that needs more than the reason (the watchers' error, the client's last messages) answers there.
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ class ToOwner:
 Answer = Output | Hold | ToOwner  # what a part returns, in the order the core must carry it out
 
 
+@dataclass(frozen=True)
+class Ending:
+    """How a session ends, as every part hears it: closed by the scheduler with ``reason`` and ``error``, or
+    ``dropped`` (it could not even close cleanly). ``farewell``: the core's last messages to the session's client
+    (its ``closed`` among them), sent by the part that keeps the client (``runtime.clients``)."""
+
+    reason: str
+    error: str | None = None
+    dropped: bool = False
+    farewell: tuple[Any, ...] = ()
+
+
 class Part:
     """The lifecycle points with their defaults (nothing kept, nothing to do); a part overrides what it needs."""
 
@@ -61,3 +74,6 @@ class Part:
         """Forgotten without a clean close: by default what a close forgets."""
         return self.closed(sid, now, "dropped")
 
+    def ending(self, sid: str, now: float, end: Ending) -> list[Answer]:
+        """The one point the core calls at a session's end: ``dropped`` or ``closed`` unless a part needs more."""
+        return self.dropped(sid, now) if end.dropped else self.closed(sid, now, end.reason)

@@ -89,10 +89,12 @@ class Saves(Part):
         return self.failed(save, f"the session closed ({reason}) before its save finished", now)
 
     def dropped(self, sid: str, now: float) -> list[Answer]:
-        """Its owner is answered and what its ranks wrote is deleted, as on a close."""
+        """Its owner is answered and what its ranks wrote is deleted, as on a close; its hold is never let go
+        (nothing of a dropped session runs again)."""
         self.latest.pop(sid, None)
         save = self.pending.pop(sid, None)
-        return [] if save is None else self.failed(save, "the session failed and was dropped", now)
+        out = [] if save is None else self.failed(save, "the session failed and was dropped", now)
+        return [answer for answer in out if not isinstance(answer, Hold)]
 
     # ---- a save
 

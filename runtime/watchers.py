@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ipc import protocol
 from ipc.error_codes import ErrorCode
 from runtime.client_types import ClientError, EndWatch, ToClient
+from runtime.parts import Answer, Ending, Part
 
 if TYPE_CHECKING:
     from runtime.session import Session
@@ -44,8 +45,9 @@ def new_token() -> str:
     return secrets.token_urlsafe(24)  # 192 bits
 
 
-class Watchers:
-    """The watchers of each session and their tokens (see the module docstring)."""
+class Watchers(Part):
+    """The watchers of each session and their tokens (see the module docstring); on rank 0 a part of each session
+    (``runtime.parts``): its end ends its watchers."""
 
     def __init__(self, max_watchers: int, timeout_s: float, make_token: Callable[[], str] = new_token) -> None:
         self.max_watchers = max_watchers
@@ -84,6 +86,11 @@ class Watchers:
     def unwatch(self, who: bytes, sid: str) -> None:
         if not self.remove(who, sid):
             raise ClientError(ErrorCode.UNKNOWN_SESSION, f"this client does not watch session {sid!r}")
+
+    def unwatched(self, who: bytes, sid: str) -> EndWatch:
+        """``unwatch``: ``who`` stops watching ``sid``, its feed ended at once with a ``closed`` of its own."""
+        self.unwatch(who, sid)
+        return EndWatch(who, sid, protocol.Closed(session=sid, reason="unwatched"), keep=False)
 
     def watches(self, who: bytes, sid: str) -> bool:
         return who in self._of.get(sid, ())
@@ -139,6 +146,10 @@ class Watchers:
         the chunks its feed still holds)."""
         return [EndWatch(who, sid, protocol.Closed(session=sid, reason=reason, error=error), keep)
                 for who in self.end(sid)]
+
+    def ending(self, sid: str, now: float, end: Ending) -> list[Answer]:
+        """A closed session's watchers get their ``closed`` after its last chunks; a dropped one's at once."""
+        return list(self.ended(sid, end.reason, end.error, keep=not end.dropped))
 
     def remove(self, who: bytes, sid: str) -> bool:
         """``who`` no longer watches ``sid``; False when it did not."""
