@@ -7,7 +7,7 @@ which re-exports every name here: callers import from there.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, ClassVar, Union
+from typing import Annotated, Any, ClassVar, Union
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -107,6 +107,11 @@ class ControlState(InputState, tag_field="type", tag="control_state", kw_only=Tr
         why = steps_problem(self.steps)
         if why is not None:
             raise ValueError(why)
+
+    def _folded_over(self, older: InputState) -> dict[str, Any]:
+        """A fold keeps the steps an older state asked for unless this one asks again (None: unchanged)."""
+        kept = older.steps if isinstance(older, ControlState) else None
+        return {} if self.steps is not None else {"steps": kept}
 
 
 class Close(_Msg, tag="close"):
