@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterator
 
 from ipc import protocol
-from ipc.protocol import Stage, clip
+from ipc.protocol import clip
 from runtime.capacity import Seat
 from runtime.config import ServerConfig
 from runtime.core_types import (
@@ -31,7 +31,7 @@ from runtime.core_types import (
 )
 from runtime.late_writes import LateWrites
 from runtime.parts import Answer, Hold, Part, ToOwner
-from runtime.placement import STAGES, Placement, identity
+from runtime.placement import Placement, identity
 from runtime.scheduler import SessionState
 from runtime.session import Session
 from runtime.snapshot_folder import FolderBudget
@@ -109,7 +109,7 @@ class Saves(Part):
         if wait is not None:
             raise ClientError("busy", f"session {sid} saved as often as this server allows (snapshots.save_burst, "
                               f"saves_per_minute); the next save in {wait:.1f} s", retry_after_s=wait)
-        parts = frozenset((rank, STAGES[stage].role) for stage in Stage for rank in self.where.ranks_of(stage))
+        parts = self.identity.parts()  # every stage worker of the placement writes its file
         save = PendingSave(new_snapshot_id(), sid, who, message.req, chunk, parts, now)
         save.facts = {  # what rank 0 keeps of the session, as it is at the boundary (its prompt: at ``start``)
             "seed": session.seed, "num_chunks": session.num_chunks,
