@@ -31,8 +31,8 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final
 
 import torch
 
@@ -66,9 +66,9 @@ def stage_chunks(backend: Backend, stage: Stage) -> int:
 
 
 def stages_of(backend: Backend) -> list[Stage]:
-    """The stages this backend runs, denoise first."""
-    present = {Stage.DENOISE: backend.denoise, Stage.CONDITION: backend.condition, Stage.DECODE: backend.decode}
-    return [stage for stage, built in present.items() if built is not None]
+    """The stages this backend runs, denoise first, then in pipeline order."""
+    order = list(Stage)
+    return sorted(backend, key=lambda stage: (stage is not Stage.DENOISE, order.index(stage)))
 
 
 def warm_up(backend: Backend, sizes: tuple[Size, ...], device: torch.device, streams: RoleStreams,
@@ -89,18 +89,14 @@ def warm_stage(backend: Backend, stage: Stage, sizes: tuple[Size, ...], device: 
     """Run ``stage`` at every size of ``sizes`` in the calling thread, on its current stream; what ran, with its
     seconds, its thread, and why a size failed (out of memory: this rank then does not serve that size)."""
     chunks = stage_chunks(backend, stage)
-    run: Callable[[StreamGeometry], None] = {
-        Stage.DENOISE: lambda g: _denoise(backend, g, device, chunks, dit_group),
-        Stage.CONDITION: lambda g: _condition(backend, g, chunks),
-        Stage.DECODE: lambda g: _decode(backend, g, device, chunks),
-    }[stage]
+    runner = RUNNERS[stage]
     thread = threading.current_thread().name
     runs: list[WarmUp] = []
     for height, width in sizes:
         started = time.monotonic()
         failed = ""
         try:
-            run(backend.geometry.with_size(height, width))
+            runner(backend, backend.geometry.with_size(height, width), device, chunks, dit_group)
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
         except (torch.OutOfMemoryError, SessionInputError) as error:  # the latter: the DiT group agreed on an OOM
@@ -166,7 +162,8 @@ class StartGate:
         return True
 
 
-def _condition(backend: Backend, geometry: StreamGeometry, chunks: int) -> None:
+def _condition(backend: Backend, geometry: StreamGeometry, _device: torch.device, chunks: int,
+               _dit_group: Any | None) -> None:  # fmt: skip
     stage = backend.condition
     assert stage is not None
     sid = session_id(geometry.height, geometry.width)
@@ -204,7 +201,8 @@ def _denoise(backend: Backend, geometry: StreamGeometry, device: torch.device, c
         stage.release(sid)
 
 
-def _decode(backend: Backend, geometry: StreamGeometry, device: torch.device, chunks: int) -> None:
+def _decode(backend: Backend, geometry: StreamGeometry, device: torch.device, chunks: int,
+            _dit_group: Any | None) -> None:  # fmt: skip
     stage = backend.decode
     assert stage is not None
     sid = session_id(geometry.height, geometry.width)
@@ -214,3 +212,10 @@ def _decode(backend: Backend, geometry: StreamGeometry, device: torch.device, ch
             stage.decode(sid, index, _zeros(geometry.latent_shape, geometry, device))
     finally:
         stage.release(sid)
+
+
+# a throwaway session of each stage: ``(backend, geometry, device, chunks, the DiT group)``, the stage's own calls
+# with zeros for what other ranks would send
+Runner = Callable[[Backend, StreamGeometry, torch.device, int, Any], None]
+RUNNERS: Final[Mapping[Stage, Runner]] = {Stage.CONDITION: _condition, Stage.DENOISE: _denoise, Stage.DECODE: _decode}
+assert set(RUNNERS) == set(Stage), "every stage warms up"
