@@ -76,7 +76,7 @@ def file_name(rank: int, role: str) -> str:
     return f"rank{rank}-{role}.safetensors"
 
 
-class Identity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Identity(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """What a server must share with the one that saved a snapshot to restore it."""
 
     model: str  # model.kind, preset and checkpoint (``model_identity``)
@@ -85,28 +85,33 @@ class Identity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     condition: int  # the rank of each stage: a file belongs to the rank that wrote it
     decode: int
     dit: tuple[int, ...]  # the DiT group; its size is the sequence-parallel degree the KV ring is split by
+    # the ranks of every other stage (one the fields above do not name), by its name; empty, and then not written
+    # (a manifest's bytes as before), while the three stages are all there are
+    stages: dict[str, tuple[int, ...]] = {}
 
     @classmethod
     def of(cls, model: str, layout: str, where: Placement) -> Identity:
         """This server's identity: its model and the placement of its stages (the layout's ranks of each)."""
-        ranks = {name: where.ranks_of(stage) for stage, name in _RANK_FIELDS.items()}
-        return cls(model=model, layout=layout, world_size=where.world_size,
-                   **{name: r if name in _GROUPS else r[0] for name, r in ranks.items()})  # type: ignore[arg-type]
+        named = {name: where.ranks_of(stage) for stage, name in _RANK_FIELDS.items()}
+        others = {stage.value: where.ranks_of(stage) for stage in Stage if stage not in _RANK_FIELDS}
+        return cls(model=model, layout=layout, world_size=where.world_size, stages=others,
+                   **{name: r if name in _GROUPS else r[0] for name, r in named.items()})  # type: ignore[arg-type]
 
     def ranks_of(self, stage: Stage) -> tuple[int, ...]:
+        if stage not in _RANK_FIELDS:
+            return tuple(self.stages.get(stage.value, ()))
         ranks = getattr(self, _RANK_FIELDS[stage])
         return tuple(ranks) if isinstance(ranks, tuple | list) else (ranks,)
 
     def parts(self) -> frozenset[tuple[int, str]]:
         """The (rank, stage worker) pairs that each write a file of a snapshot saved under this identity."""
-        return frozenset((rank, stage.value) for stage in _RANK_FIELDS for rank in self.ranks_of(stage))
+        return frozenset((rank, stage.value) for stage in Stage for rank in self.ranks_of(stage))
 
 
-# the field of ``Identity`` that holds each stage's ranks (the manifest's names, format 1); a stage of several ranks
-# (a group) holds them all, in the placement's order, the others their one rank
+# the field of ``Identity`` that holds a stage's ranks in format 1 (the others are in ``stages``); a stage of several
+# ranks (a group) holds them all, in the placement's order, the others their one rank
 _RANK_FIELDS: dict[Stage, str] = {Stage.CONDITION: "condition", Stage.DENOISE: "dit", Stage.DECODE: "decode"}
 _GROUPS = frozenset({"dit"})
-assert set(_RANK_FIELDS) == set(Stage), "every stage's ranks are part of a snapshot's identity"
 
 
 class Geometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -222,7 +227,7 @@ def refusal(manifest: Manifest, identity: Identity, geometry: Geometry | None) -
         differs.append(f"model {saved.model!r} (this server: {here.model!r})")
     if len(saved.dit) != len(here.dit):
         differs.append(f"DiT sequence-parallel degree {len(saved.dit)} (this server: {len(here.dit)})")
-    for name in ("layout", "world_size", *_RANK_FIELDS.values()):
+    for name in ("layout", "world_size", *_RANK_FIELDS.values(), "stages"):
         if getattr(saved, name) != getattr(here, name) and not (name == "dit" and len(saved.dit) != len(here.dit)):
             differs.append(f"layout {name} {getattr(saved, name)!r} (this server: {getattr(here, name)!r})")
     m = manifest.geometry

@@ -63,7 +63,8 @@ def test_a_servers_snapshot_identity_and_the_files_it_expects_derive_from_its_pl
     where = placement_of(LayoutConfig(name="cpu-tiny", world_size=7, coordinator=0, condition=0, decode=1,
                                       dit=[2, 3, 4, 5, 6]))
     here = Identity.of("", "cpu-tiny", where)
-    assert msgspec.json.encode(here) == msgspec.json.encode(IDENTITY)
+    assert msgspec.json.encode(here) == msgspec.json.encode(IDENTITY) == (
+        b'{"model":"","layout":"cpu-tiny","world_size":7,"condition":0,"decode":1,"dit":[2,3,4,5,6]}')  # format 1's
     assert here.parts() == PARTS == {(r, str(stage.value)) for stage in p.Stage for r in where.ranks_of(stage)}
     one = Identity.of("m", "one", placement_of(LayoutConfig(name="one", world_size=1, coordinator=0, condition=0,
                                                             decode=0, dit=[0])))
