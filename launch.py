@@ -160,6 +160,7 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     import zmq
 
     from ipc import transport
+    from ipc.protocol import Stage
     from ipc.streams import RoleStreams
     from ipc.tensor_plane import build_groups, handshake
     from models import precision
@@ -213,7 +214,8 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     dist.broadcast_object_list(shared, src=lay.coordinator, group=groups.control)
     rank_roles = lay.roles_of(rank)
     precision.apply(device, cfg.model.vae_dtype, holds_vae=bool({"condition", "decode"} & set(rank_roles)))
-    built = backend_mod.build(cfg.model, cfg.stream, cfg.synthetic, cfg.controls, rank_roles, device, groups.dit)
+    built = backend_mod.build(cfg.model, cfg.stream, cfg.synthetic, cfg.controls, rank_roles, device,
+                              groups.of_stage(Stage.DENOISE))
     if device.type == "cuda":  # the weights were written on the legacy default stream; the role streams don't wait
         torch.cuda.synchronize(device)
     began = time.monotonic()

@@ -21,9 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import zmq
 import zmq.asyncio
@@ -44,7 +44,7 @@ from ipc.client_core import (
     Tell,
 )
 from ipc.client_errors import OutboxFull, ServerError, SessionMigrated
-from ipc.client_requests import LiveInput
+from ipc.client_requests import ControlFields, LiveInput, chunk_control
 from ipc.client_results import ChunkResult, SessionInfo, Snapshot, session_info, snapshot_of
 from ipc.metrics_types import ServerStats, SessionSummary
 from ipc.outgoing import MAX_IN_FLIGHT
@@ -117,11 +117,11 @@ class AsyncClient(ClientSettings):
         """Save the session at its next chunk boundary; see ``Client.save``."""
         return snapshot_of(await self._request(self._core.requests.save(session)))
 
-    async def control(self, session: str, index: int, keys: Iterable[str] = (),
-                      mouse: tuple[float, float] = (0.0, 0.0), poses: list[list[float]] | None = None,
-                      wait: bool = True, steps: int | None = None) -> None:
+    async def control(self, session: str, index: int, control: protocol.ChunkControl | None = None, *,
+                      wait: bool = True, steps: int | None = None, **fields: Unpack[ControlFields]) -> None:
         """Send control[index]; see ``Client.control`` (backpressure is retried until the client timeout)."""
-        await self._run(self._core.control(session, index, keys, mouse, poses, wait, steps, self.timeout_s))
+        await self._run(self._core.control(session, index, chunk_control(control, session, **fields), wait, steps,
+                                           self.timeout_s))
 
     def control_state(self, session: str, state: protocol.InputState, steps: int | None = None) -> None:
         """Live mode, fire and forget (call it from the loop's thread); never refused: a state not sent yet is

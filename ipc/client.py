@@ -41,9 +41,9 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Unpack
 
 import zmq
 
@@ -88,6 +88,7 @@ from ipc.client_errors import (
 )
 from ipc.client_requests import (
     REPLIES,
+    ControlFields,
     LiveInput,
     Requests,
     StateSink,
@@ -112,7 +113,8 @@ from ipc.outgoing import MAX_IN_FLIGHT, InFlight
 # the SDK's names, wherever they live now (``from ipc.client import X`` reads them all, as before the split)
 __all__ = [
     "KEEP_QUIET_REQS", "KEEP_REVISIONS", "MAX_OUTBOX", "REPLIES", "BadRequest", "BadSnapshot", "Busy",
-    "ChunkResult", "Client", "ClientCore", "ControlBackpressure", "EventQueue", "InputToPhoton", "LiveInput",
+    "ChunkResult", "Client", "ClientCore", "ControlBackpressure", "ControlFields", "EventQueue", "InputToPhoton",
+    "LiveInput",
     "OutboxFull", "PendingReply", "PromptBackpressure", "RejectedControl", "Requests", "SaveFailed",
     "ServerError", "ServerGone", "SessionClosed", "SessionFailed", "SessionInfo", "SessionMigrated",
     "SessionState", "Snapshot", "StaleRevision", "StateSink", "UnknownSession", "Watch", "WatchOnly",
@@ -173,16 +175,18 @@ class Client(ClientSettings):
         saved = self._wait(self._ask(self._core.requests.save(session)), timeout_s or self.timeout_s)
         return snapshot_of(saved)
 
-    def control(self, session: str, index: int, keys: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0.0),
-                poses: list[list[float]] | None = None, wait: bool = True, steps: int | None = None) -> None:
-        """Send control[index]; with ``wait`` block until the server accepted it (or raise its error).
+    def control(self, session: str, index: int, control: protocol.ChunkControl | None = None, *, wait: bool = True,
+                steps: int | None = None, **fields: Unpack[ControlFields]) -> None:
+        """Send control[index], a ``ChunkControl`` or its keyword form (``keys="w", mouse=(2, 0), poses=...``); with
+        ``wait`` block until the server accepted it (or raise its error).
 
         A control that meets a full edge (code ``control_backpressure``) is resent after the server's hint until
         it is accepted or the client's timeout passes: a scripted client may send as fast as it likes. Without
         ``wait`` an error arrives through ``error()``. An invalid control (unknown keys, a mouse turn beyond a full
         turn, poses that are not 4x4) raises ``BadRequest`` before anything is sent. ``steps``: the session's best
         quality from this chunk on (4, 2, 1; None: unchanged)."""
-        self._run(self._core.control(session, index, keys, mouse, poses, wait, steps, self.timeout_s))
+        self._run(self._core.control(session, index, chunk_control(control, session, **fields), wait, steps,
+                                     self.timeout_s))
 
     def control_state(self, session: str, state: protocol.InputState, steps: int | None = None) -> None:
         """Live mode: the whole held-key state (``input_state(keys, revision, ...)``), sent whenever input changes

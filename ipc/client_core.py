@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, Union, cast
 
@@ -37,7 +37,7 @@ from ipc.client_errors import (
     closed_summary,
     outbox_room,
 )
-from ipc.client_requests import REPLIES, Requests, _tag, chunk_control
+from ipc.client_requests import REPLIES, Requests, _tag
 from ipc.client_results import ChunkResult, InputToPhoton, SessionInfo, session_info
 from ipc.error_codes import ErrorCode
 from ipc.metrics_types import SessionSummary
@@ -194,12 +194,12 @@ class ClientCore(Generic[Q, F]):
 
     # ------------------------------------------------------------------------------------------ plans
 
-    def control(self, session: str, index: int, keys: Iterable[str], mouse: tuple[float, float],
-                poses: list[list[float]] | None, wait: bool, steps: int | None, timeout_s: float) -> Plan[None]:
-        """Send control[index] (``Client.control``). The retry policy: a control that meets a full edge
-        (``ControlBackpressure``) is sent again, as a new request, after the server's hint until it is accepted or
-        ``timeout_s`` passed. An invalid control raises ``BadRequest`` before anything is sent."""
-        control = chunk_control(keys, mouse, poses, session)
+    def control(self, session: str, index: int, control: protocol.ChunkControl, wait: bool, steps: int | None,
+                timeout_s: float) -> Plan[None]:
+        """Send control[index] (``Client.control``; its keyword form is built by ``chunk_control``). The retry
+        policy: a control that meets a full edge (``ControlBackpressure``) is sent again, as a new request, after the
+        server's hint until it is accepted or ``timeout_s`` passed. Invalid steps raise ``BadRequest`` before
+        anything is sent."""
         if (problem := protocol.steps_problem(steps)) is not None:
             raise BadRequest(ErrorCode.BAD_CONTROL, problem, session)
         deadline = self._clock() + timeout_s

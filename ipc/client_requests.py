@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Protocol, TypedDict, Unpack
 
 from ipc import protocol
 from ipc.client_errors import BadRequest
@@ -77,11 +77,26 @@ def input_state(keys: Iterable[str], revision: int, mouse: tuple[float, float] =
                                taps=sorted(_norm(taps)), revision=revision)
 
 
-def chunk_control(keys: Iterable[str] = (), mouse: tuple[float, float] = (0.0, 0.0),
-                  poses: Iterable[Iterable[float]] | None = None, session: str | None = None) -> protocol.ChunkControl:
-    """The control of one chunk as it travels (``"wd"`` or ``["w", "D"]`` for keys); ``BadRequest`` (code
-    ``bad_control``) when it is not a valid control, before anything is sent."""
+class ControlFields(TypedDict, total=False):
+    """A chunk's control in keyword form (``client.control(sid, i, keys="w", mouse=(2, 0))``): the SDK's sugar for a
+    ``protocol.ChunkControl``, spelled here only (``chunk_control`` builds the value both clients send)."""
+
+    keys: Iterable[str]  # ``"wd"`` or ``["w", "D"]``
+    mouse: tuple[float, float]
+    poses: Iterable[Iterable[float]] | None
+
+
+def chunk_control(control: protocol.ChunkControl | None = None, session: str | None = None,
+                  **fields: Unpack[ControlFields]) -> protocol.ChunkControl:
+    """The control of one chunk as it travels: ``control`` as given, or one built from its keyword form (the two
+    are not mixed); ``BadRequest`` (code ``bad_control``) when it is not a valid control, before anything is sent."""
+    if control is not None:
+        if fields:
+            raise BadRequest("bad_control", f"give a ChunkControl or its fields ({', '.join(sorted(fields))}), "
+                                            "not both", session)
+        return control
     try:
+        keys, mouse, poses = fields.get("keys", ()), fields.get("mouse", (0.0, 0.0)), fields.get("poses")
         return protocol.ChunkControl(keys=_norm(keys), mouse=(float(mouse[0]), float(mouse[1])),
                                      poses=None if poses is None else tuple(tuple(map(float, p)) for p in poses))
     except (ValueError, TypeError) as error:

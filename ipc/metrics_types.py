@@ -202,14 +202,9 @@ class WarmUpStage(_Metric):
     failed: dict[str, dict[str, str]] = {}  # rank -> size -> why
 
 
-class WarmUpStages(_Metric):
-    condition: WarmUpStage = field(default_factory=WarmUpStage)
-    denoise: WarmUpStage = field(default_factory=WarmUpStage)
-    decode: WarmUpStage = field(default_factory=WarmUpStage)
-
-    def by_stage(self) -> dict[str, WarmUpStage]:
-        """Each stage's warm-up, by the stage's name."""
-        return msgspec.structs.asdict(self)
+# each stage's warm-up by the stage's name (``Stage`` values, in pipeline order: the map the struct of one field per
+# stage encoded to); a name this reader does not know is a newer server's stage, read like the others
+WarmUpStages = dict[str, WarmUpStage]
 
 
 class SeatStats(_Metric):

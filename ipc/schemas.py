@@ -121,6 +121,11 @@ class ControlState(InputState, tag_field="type", tag="control_state", kw_only=Tr
         if why is not None:
             raise ValueError(why)
 
+    def _folded_over(self, older: InputState) -> dict[str, Any]:
+        """A fold keeps the steps an older state asked for unless this one asks again (None: unchanged)."""
+        kept = older.steps if isinstance(older, ControlState) else None
+        return {} if self.steps is not None else {"steps": kept}
+
 
 class Close(_Request, tag="close"):
     req: int

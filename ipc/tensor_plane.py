@@ -46,14 +46,15 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ipc.protocol import Stage
+from ipc.protocol import Edge, Stage
 from ipc.streams import Handoff, hand_off, take_over
 from runtime.config import LayoutConfig
 from runtime.placement import GROUP_NAMES, STAGES, group_members
@@ -66,15 +67,16 @@ class Groups:
     rank: int
     device: torch.device
     control: Any
-    dit: Any | None
-    condition: Any | None
-    latent: Any | None
-    frames: Any | None
+    made: Mapping[str, Any] = field(default_factory=dict)  # by the stage table's names (``GROUP_NAMES``)
 
     def of_stage(self, stage: Stage) -> Any | None:
         """The stage's own group (the DiT's Ulysses group), None for a stage without one."""
         name = STAGES[stage].group
-        return None if name is None else getattr(self, name)
+        return None if name is None else self.made.get(name)
+
+    def of_edge(self, edge: Edge) -> Any | None:
+        """The group a stage's out edge moves its tensors on (the prompt context: the condition's)."""
+        return self.made.get(edge.value)
 
 
 def build_groups(layout: LayoutConfig, backend: str, timeout_s: float, device: torch.device) -> Groups:
@@ -89,7 +91,7 @@ def build_groups(layout: LayoutConfig, backend: str, timeout_s: float, device: t
             continue
         group = dist.new_group(ranks, timeout=timeout, backend=backend)
         made[name] = group if rank in ranks else None
-    return Groups(rank=rank, device=device, control=control, **made)
+    return Groups(rank=rank, device=device, control=control, made=made)
 
 
 def handshake(groups: Groups) -> list[str]:
@@ -101,7 +103,7 @@ def handshake(groups: Groups) -> list[str]:
     of the groups, in order."""
     made = []
     for name in ("control", *GROUP_NAMES):
-        group = getattr(groups, name)
+        group = groups.control if name == "control" else groups.made.get(name)
         if group is None:
             continue
         device = torch.device("cpu") if name == "control" else groups.device  # control is gloo everywhere

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, Any, Self
 
 import msgspec
 
@@ -48,7 +48,8 @@ QUALITY_STEPS = (4, 2, 1)
 Steps = Annotated[int, msgspec.Meta(ge=1, le=4)]  # one of QUALITY_STEPS (checked after decoding)
 SessionId = Annotated[str, msgspec.Meta(max_length=64)]
 Key = Annotated[str, msgspec.Meta(max_length=8)]
-KeyList = Annotated[list[Key], msgspec.Meta(max_length=16)]
+MAX_HELD_KEYS = 16  # keys or taps in one live input state
+KeyList = Annotated[list[Key], msgspec.Meta(max_length=MAX_HELD_KEYS)]
 
 
 def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
@@ -130,6 +131,29 @@ class InputState(_Value, kw_only=True):
     mouse: tuple[float, float] = (0.0, 0.0)  # mouse motion (yaw, pitch degrees) since the previous state
     taps: KeyList = []  # keys pressed and released since the previous state
     revision: int = 0  # client input revision, strictly increasing; echoed on the chunk that applied it
+
+    def fold(self, newer: Self) -> Self:
+        """This input and ``newer`` as one state, the one rule rank 0 (``runtime.control_service``) and the router
+        (live input that meets a full replica link) fold by: the later revision's held keys (and its own fields, a
+        message's request id), the taps of both once each, the mouse motion of both held to ±``MAX_MOUSE_DEGREES``
+        (as a cut's turn is: a fold must never make two valid states one the server refuses). Key names come out
+        lower-case. The later revision is the newer whichever way round it is called (an equal one: ``newer``)."""
+        older, later = (self, newer) if self.revision <= newer.revision else (newer, self)
+        return msgspec.structs.replace(
+            later, keys=list(dict.fromkeys(k.lower() for k in later.keys)),
+            taps=list(dict.fromkeys(k.lower() for k in (*older.taps, *later.taps)))[:MAX_HELD_KEYS],
+            mouse=(clamp_turn(older.mouse[0] + later.mouse[0]), clamp_turn(older.mouse[1] + later.mouse[1])),
+            **later._folded_over(older),
+        )
+
+    def _folded_over(self, older: InputState) -> dict[str, Any]:
+        """What else of ``older`` a fold keeps where this later state leaves it unsaid (a message's own fields)."""
+        return {}
+
+
+def clamp_turn(degrees: float) -> float:
+    """A turn held to ±``MAX_MOUSE_DEGREES`` (more in one chunk is clamped, never an error on the model's path)."""
+    return max(-MAX_MOUSE_DEGREES, min(MAX_MOUSE_DEGREES, degrees))
 
 
 class InputStateError(ValueError):

@@ -17,12 +17,13 @@ sequence-parallel process group at construction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import torch
 
+from ipc.protocol import Stage
 from models.controls import ChunkControl
 from models.geometry import StreamGeometry, frame_size  # noqa: F401  # torch-free (rank 0 plans with them), re-exported
 
@@ -146,3 +147,70 @@ def run_in_process(condition: ConditionStage, denoise: DenoiseStage, decode: Dec
         decode.release(session)
         denoise.release(session)
         condition.release(session)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# warm-up: a throwaway session through each stage (``ranks.warmup``), the stage's own calls with zeros for what
+# other ranks would send
+
+GRAY = 128
+
+
+def warm_up_session(height: int, width: int) -> str:
+    return f"warmup:{height}x{width}"  # never a real id (those are 12 hex digits)
+
+
+def _zeros(shape: tuple[int, ...], geometry: StreamGeometry, device: torch.device) -> torch.Tensor:
+    """A tensor as it travels on the tensor plane (the geometry names its dtype)."""
+    return torch.zeros(shape, dtype=getattr(torch, geometry.dtype), device=device)
+
+
+def _warm_condition(stage: ConditionStage, geometry: StreamGeometry, _device: torch.device, chunks: int,
+                    _dit_group: Any | None) -> None:  # fmt: skip
+    image = torch.full((geometry.height, geometry.width, 3), GRAY, dtype=torch.uint8)
+    spec = SessionSpec(warm_up_session(geometry.height, geometry.width), 0, "", image, geometry.height, geometry.width)
+    _throwaway(stage, spec, chunks, stage.encode)
+
+
+def _throwaway(stage: ConditionStage | DecodeStage, spec: SessionSpec, chunks: int,
+               run: Callable[[str, int], object]) -> None:  # fmt: skip
+    """Open ``spec`` on ``stage``, run ``chunks`` of it, release it (also when a chunk failed)."""
+    try:
+        stage.open(spec)
+        for index in range(chunks):
+            run(spec.session, index)
+    finally:
+        stage.release(spec.session)
+
+
+def _warm_denoise(stage: DenoiseStage, geometry: StreamGeometry, device: torch.device, chunks: int,
+                  dit_group: Any | None) -> None:  # fmt: skip
+    sid = warm_up_session(geometry.height, geometry.width)
+    try:
+        error: torch.OutOfMemoryError | None = None
+        try:
+            context = _zeros(geometry.context_shape, geometry, device)
+            stage.open(SessionSpec(sid, 0, "", height=geometry.height, width=geometry.width), context)
+        except torch.OutOfMemoryError as e:  # the KV ring, a session's largest allocation
+            error = e
+        agree_prepared(dit_group, device, error)  # every DiT rank opened it, or all fail this size alike
+        for index in range(chunks):
+            condition = _zeros(geometry.condition_shape, geometry, device)
+            stage.denoise(sid, index, condition, ChunkControl())
+    finally:
+        stage.release(sid)
+
+
+def _warm_decode(stage: DecodeStage, geometry: StreamGeometry, device: torch.device, chunks: int,
+                 _dit_group: Any | None) -> None:  # fmt: skip
+    spec = SessionSpec(warm_up_session(geometry.height, geometry.width), 0, "", height=geometry.height,
+                       width=geometry.width)
+    _throwaway(stage, spec, chunks, lambda sid, index: stage.decode(sid, index, _zeros(geometry.latent_shape,
+                                                                                         geometry, device)))
+
+
+# each stage's warm-up run: ``(the stage, geometry, device, chunks, the DiT group)``
+WarmUpRun = Callable[[Any, StreamGeometry, torch.device, int, Any], None]
+WARM_UPS: Final[Mapping[Stage, WarmUpRun]] = {Stage.CONDITION: _warm_condition, Stage.DENOISE: _warm_denoise,
+                                              Stage.DECODE: _warm_decode}
+assert set(WARM_UPS) == set(Stage), "every stage warms up"

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from ipc.protocol import Stage
 from models.controls import motion_speeds
 from models.stages import ConditionStage, DecodeStage, DenoiseStage, StreamGeometry
 from models.synthetic import SyntheticCondition, SyntheticDecode, SyntheticDenoise, synthetic_geometry
@@ -22,12 +22,25 @@ from runtime.config import ControlsConfig, ModelConfig, StreamConfig, SyntheticC
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Backend:
-    geometry: StreamGeometry  # at stream.height x stream.width; a session's is ``geometry.with_size(h, w)``
-    condition: ConditionStage | None = None
-    denoise: DenoiseStage | None = None
-    decode: DecodeStage | None = None
+class Backend(dict[Stage, Any]):
+    """The stages one rank runs, keyed by ``Stage`` (what is stage-shaped iterates it: warm-up, memory), and the
+    geometry they share; ``condition``, ``denoise`` and ``decode`` read one with its type (None: not on this rank)."""
+
+    def __init__(self, geometry: StreamGeometry, stages: Mapping[Stage, Any] | None = None) -> None:
+        super().__init__(stages or {})
+        self.geometry = geometry  # at stream.height x stream.width; a session's is ``geometry.with_size(h, w)``
+
+    @property
+    def condition(self) -> ConditionStage | None:
+        return self.get(Stage.CONDITION)
+
+    @property
+    def denoise(self) -> DenoiseStage | None:
+        return self.get(Stage.DENOISE)
+
+    @property
+    def decode(self) -> DecodeStage | None:
+        return self.get(Stage.DECODE)
 
 
 Builder = Callable[[ModelConfig, StreamConfig, SyntheticConfig, ControlsConfig, list[str], torch.device, Any], Backend]
@@ -48,14 +61,14 @@ def build(model: ModelConfig, stream: StreamConfig, synthetic: SyntheticConfig, 
 def build_synthetic(model: ModelConfig, stream: StreamConfig, costs: SyntheticConfig, controls: ControlsConfig,
                     roles: list[str], device: torch.device, dit_group: Any | None) -> Backend:
     geometry = synthetic_geometry(stream.height, stream.width, stream.chunk_latent_frames)
-    backend = Backend(geometry=geometry)
+    backend = Backend(geometry)
     if "condition" in roles:
-        backend.condition = SyntheticCondition(geometry, costs.encode_s, costs.cold_s)
+        backend[Stage.CONDITION] = SyntheticCondition(geometry, costs.encode_s, costs.cold_s)
     if "denoise" in roles:
-        backend.denoise = SyntheticDenoise(geometry, costs.denoise_s, dit_group, motion_speeds(controls),
-                                           costs.cold_s)
+        backend[Stage.DENOISE] = SyntheticDenoise(geometry, costs.denoise_s, dit_group, motion_speeds(controls),
+                                                  costs.cold_s)
     if "decode" in roles:
-        backend.decode = SyntheticDecode(geometry, costs.decode_s, costs.cold_s)
+        backend[Stage.DECODE] = SyntheticDecode(geometry, costs.decode_s, costs.cold_s)
     return backend
 
 
@@ -63,14 +76,14 @@ def build_lingbot(model: ModelConfig, stream: StreamConfig, controls: ControlsCo
                   roles: list[str], device: torch.device, dit_group: Any | None) -> Backend:
     from models import lingbot
 
-    backend = Backend(geometry=lingbot.lingbot_geometry(model, stream))
+    backend = Backend(lingbot.lingbot_geometry(model, stream))
     # The DiT first: its build ends in a collective of the DiT group (the attention choice, on CUDA), which every
     # DiT rank then reaches after loading the same DiT, not a co-located rank after also loading umT5-XXL and a VAE
     # (over a minute on fast4's rank 0, past timeouts.collective_s). The launcher's start-up barrier covers the rest.
     if "denoise" in roles:
-        backend.denoise = lingbot.build_denoise(model, stream, controls, device, dit_group)
+        backend[Stage.DENOISE] = lingbot.build_denoise(model, stream, controls, device, dit_group)
     if "condition" in roles:
-        backend.condition = lingbot.build_condition(model, stream, device)
+        backend[Stage.CONDITION] = lingbot.build_condition(model, stream, device)
     if "decode" in roles:
-        backend.decode = lingbot.build_decode(model, stream, device)
+        backend[Stage.DECODE] = lingbot.build_decode(model, stream, device)
     return backend

@@ -183,7 +183,7 @@ class Coordinator:
                 assert self.core is not None
                 self.offloop.start(output, self.core.saving.store)
             elif isinstance(output, ct.DropTensors):
-                self.ctx.frames.drop_session(output.session)
+                self.ctx.inbox[protocol.Edge.FRAMES].drop_session(output.session)
             elif isinstance(output, ct.Stop):
                 self._lost(self.lines.flush(), unreachable)  # what the clients can still take before the end
                 self._flush_feeds()  # what the watchers can still take (their closed) before the end
@@ -212,7 +212,7 @@ class Coordinator:
     def _emit(self, output: ct.EmitChunk, unreachable: set[tuple[bytes, str]]) -> None:
         index = output.facts.index
         try:  # present by now (decode counts as done once they arrived): never stall on them
-            frames = self.ctx.frames.take((output.session, index), EMIT_WAIT_S)
+            frames = self.ctx.inbox[protocol.Edge.FRAMES].take((output.session, index), EMIT_WAIT_S)
         except (TimeoutError, tp.Dropped) as error:
             self.carried.append(ct.FramesMissing(output.session, index, str(error)))
             return

@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from ipc.protocol import Stage
 from models import memory
 from runtime.memory_admission import GIB, UNLIMITED, gib
+from runtime.placement import STAGES
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +45,10 @@ def room_bytes(config: Any, rank: int, device: torch.device) -> int:
     return min(room, budget) if budget > 0 else room
 
 
-def _stages(backend: Any) -> list[Any]:
-    return [s for s in (backend.condition, backend.denoise, backend.decode) if s is not None]
-
-
 def held_bytes(backend: Any) -> int:
     """Bytes of every open session's caches on this rank (stages that do not count them add nothing)."""
     total = 0
-    for stage in _stages(backend):
+    for stage in backend.values():
         count = getattr(stage, "sessions_nbytes", None)
         if count is not None:
             with contextlib.suppress(RuntimeError, KeyError):  # a session opened or closed meanwhile: next beat
@@ -78,9 +76,7 @@ def check_session(config: Any, rank: int, role: str, stage: Any, session: str, h
     if count is None or not memory.priced(config, device):
         return
     items = memory.session_items(config, rank, height, width, device)
-    keys = {"denoise": ("kv_cache", "text_cache"), "decode": ("decode_cache",),
-            "condition": ("encode_cache", "encode_snapshot")}[role]
-    expected = sum(items.get(k, 0) for k in keys)
+    expected = sum(items.get(k, 0) for k in STAGES[Stage(role)].memory_items)
     try:
         measured = count(session)
     except KeyError:  # already released

@@ -20,7 +20,7 @@ import torch
 
 from ipc import protocol
 from ipc import tensor_plane as tp
-from ipc.protocol import Stage, TensorSpec
+from ipc.protocol import Edge, Stage, TensorSpec
 from models import snapshot_io
 from models.stages import SessionInputError, SessionSpec
 from ranks import snapshot_checks, snapshot_saver
@@ -67,19 +67,19 @@ def condition_worker(ctx: RankContext) -> None:
                 context = stage.load_state(SessionSpec(task.session, task.seed, task.prompt, None, task.height,
                                                        task.width), state)
             replay[task.session] = pending
-            ctx.contexts.put((task.session, CONTEXT_INDEX), context)
+            ctx.outbox[Edge.CONTEXT].put((task.session, CONTEXT_INDEX), context)
             return
         image = torch.from_numpy(np.frombuffer(task.image, dtype=np.uint8).copy()).view(
             task.image_height, task.image_width, 3)  # the start image at its own size; the stage resizes it
         with spans.span("condition.init"):
             context = stage.open(SessionSpec(task.session, task.seed, task.prompt, image, task.height, task.width))
-        ctx.contexts.put((task.session, CONTEXT_INDEX), context)
+        ctx.outbox[Edge.CONTEXT].put((task.session, CONTEXT_INDEX), context)
 
     def reprompt(task: protocol.EncodePrompt, spans: Spans) -> None:
         """A ``set_prompt``'s context, for its broadcast (announced once this task is answered)."""
         with spans.span("condition.prompt"):
             context = stage.context(task.prompt)
-        ctx.contexts.put((task.session, task.index), context)
+        ctx.outbox[Edge.CONTEXT].put((task.session, task.index), context)
         kept = prompts.setdefault(task.session, {})
         kept[protocol.revision_of(task.index)] = context
         for old in sorted(kept)[:-(MAX_PENDING + 1)]:
@@ -93,7 +93,7 @@ def condition_worker(ctx: RankContext) -> None:
         kept[task.index] = condition
         for old in [i for i in kept if i <= task.index - PREFETCH_KEPT]:
             del kept[old]
-        ctx.conditions.put((task.session, task.index), condition)
+        ctx.outbox[Edge.CONDITION].put((task.session, task.index), condition)
         if task.index == STEADY_CHUNK and ctx.check_memory is not None:  # the encoder cache and its snapshot
             h, w = condition.shape[-2:]
             ctx.check_memory("condition", stage, task.session, h * SPATIAL_STRIDE, w * SPATIAL_STRIDE)
@@ -121,8 +121,8 @@ def condition_worker(ctx: RankContext) -> None:
         recent.pop(task.session, None)
         replay.pop(task.session, None)
         prompts.pop(task.session, None)
-        ctx.conditions.drop_session(task.session)
-        ctx.contexts.drop_session(task.session)
+        ctx.outbox[Edge.CONDITION].drop_session(task.session)
+        ctx.outbox[Edge.CONTEXT].drop_session(task.session)
 
     serve(ctx, Stage.CONDITION.value, Stage.CONDITION,
           {protocol.InitCondition: init, protocol.ConditionChunk: encode, protocol.Release: release,
@@ -144,7 +144,7 @@ def condition_edge(ctx: RankContext) -> None:
         with tensor_plane(f"{task.edge.value} of {task.session}/{task.index}"):  # the peers wait: a miss is fatal
             tensor = None
             if source:
-                box = ctx.contexts if context else ctx.conditions
+                box = ctx.outbox[Edge.CONTEXT if context else Edge.CONDITION]
                 try:
                     tensor = box.take(key, ctx.timeouts.stage_s)
                 except tp.Dropped:  # released meanwhile: the peers still wait, send zeros they will discard
@@ -152,9 +152,10 @@ def condition_edge(ctx: RankContext) -> None:
             # on this thread's own stream: the span ends when this transfer did, not the rank's compute; a sent
             # condition waited (on the GPU) only for the event of its encode, taken from the mailbox
             with spans.span(f"transfer:{task.edge.value}"):
-                tensor = tp.broadcast(tensor, shape, dtype, lay.condition, ctx.groups, ctx.groups.condition)
+                tensor = tp.broadcast(tensor, shape, dtype, lay.condition, ctx.groups,
+                                      ctx.groups.of_edge(Edge.CONDITION))
         if dit:
-            ctx.dit_inputs.put(key, tensor)
+            ctx.inbox[task.edge].put(key, tensor)
 
     serve(ctx, CONDITION_EDGE, None, {protocol.BroadcastContext: move, protocol.BroadcastCondition: move},
           answers=source)
@@ -162,7 +163,7 @@ def condition_edge(ctx: RankContext) -> None:
 
 def _dit_input(ctx: RankContext, session: str, index: int) -> torch.Tensor:
     with tensor_plane(f"{'context' if index < 0 else 'condition'} of {session}/{index} never arrived"):
-        return ctx.dit_inputs.take((session, index), ctx.timeouts.stage_s)
+        return ctx.inbox[Edge.CONTEXT if index < 0 else Edge.CONDITION].take((session, index), ctx.timeouts.stage_s)
 
 
 def denoise_worker(ctx: RankContext) -> None:
@@ -200,7 +201,7 @@ def denoise_worker(ctx: RankContext) -> None:
             return
         context = _dit_input(ctx, task.session, protocol.context_index(task.prompt_revision))
         for skipped in range(held + 1, task.prompt_revision):  # announced earlier, on this edge: already here
-            ctx.dit_inputs.discard((task.session, protocol.context_index(skipped)))
+            ctx.inbox[Edge.CONTEXT].discard((task.session, protocol.context_index(skipped)))
         stage.set_context(task.session, context)
         prompts[task.session] = task.prompt_revision
 
@@ -226,10 +227,10 @@ def denoise_worker(ctx: RankContext) -> None:
     def deliver_latent(task: protocol.DenoiseChunk, spans: Spans, latent: torch.Tensor) -> None:
         """The announced transfer always happens (zeros after a failure), so the edge stays in step."""
         if lay.decode == ctx.rank:
-            ctx.latents.put((task.session, task.index), latent)
+            ctx.inbox[Edge.LATENT].put((task.session, task.index), latent)
         else:
             with spans.span("transfer:latent"), tensor_plane(f"send latent {task.session}/{task.index}"):
-                tp.send(latent, lay.decode, ctx.groups, ctx.groups.latent)
+                tp.send(latent, lay.decode, ctx.groups, ctx.groups.of_edge(Edge.LATENT))
 
     def save(task: protocol.SaveState, spans: Spans) -> None:
         saver.ensure_room()
@@ -240,7 +241,7 @@ def denoise_worker(ctx: RankContext) -> None:
     def release(task: protocol.Release, spans: Spans) -> None:
         with spans.span("denoise.release"):
             stage.release(task.session)
-        ctx.dit_inputs.drop_session(task.session)  # conditions broadcast for chunks the session never reached
+        ctx.inbox[Edge.CONDITION].drop_session(task.session)  # conditions for chunks it never reached, its contexts
         prompts.pop(task.session, None)
 
     # Every DiT rank answers: its spans reach the timeline, its init and release are joined by the coordinator.
@@ -255,8 +256,8 @@ def latent_receiver(ctx: RankContext) -> None:
     def receive(task: protocol.ReceiveLatent, spans: Spans) -> None:
         with spans.span("transfer:latent"), tensor_plane(f"receive latent {task.session}/{task.index}"):
             latent = tp.recv(tuple(task.tensor.shape), dtype_of(task.tensor), ctx.layout.dit_leader, ctx.groups,
-                             ctx.groups.latent)
-        ctx.latents.put((task.session, task.index), latent)
+                             ctx.groups.of_edge(Edge.LATENT))
+        ctx.inbox[Edge.LATENT].put((task.session, task.index), latent)
 
     serve(ctx, LATENT_RECEIVER, None, {protocol.ReceiveLatent: receive}, answers=False)  # the leader answers
 
@@ -286,7 +287,7 @@ def decode_worker(ctx: RankContext) -> None:
 
     def decode(task: protocol.DecodeChunk, spans: Spans) -> None:
         with tensor_plane(f"latent {task.session}/{task.index} never arrived"):
-            latent = ctx.latents.take((task.session, task.index), ctx.timeouts.stage_s)
+            latent = ctx.inbox[Edge.LATENT].take((task.session, task.index), ctx.timeouts.stage_s)
         failure: Exception | None = None
         try:
             with spans.span("decode"):
@@ -297,17 +298,17 @@ def decode_worker(ctx: RankContext) -> None:
         if failure is None and task.index == STEADY_CHUNK and ctx.check_memory is not None:
             ctx.check_memory("decode", stage, task.session, *task.frames.shape[1:3])
         if lay.coordinator == ctx.rank:  # the copy to the host on this thread's stream, behind this decode only
-            ctx.frames.put((task.session, task.index), frames.cpu())
+            ctx.inbox[Edge.FRAMES].put((task.session, task.index), frames.cpu())
         else:
             with spans.span("transfer:frames"), tensor_plane(f"send frames {task.session}/{task.index}"):
-                tp.send(frames, lay.coordinator, ctx.groups, ctx.groups.frames)
+                tp.send(frames, lay.coordinator, ctx.groups, ctx.groups.of_edge(Edge.FRAMES))
         if failure is not None:
             raise failure
 
     def release(task: protocol.Release, spans: Spans) -> None:
         with spans.span("decode.release"):
             stage.release(task.session)
-        ctx.latents.drop_session(task.session)
+        ctx.inbox[Edge.LATENT].drop_session(task.session)
 
     serve(ctx, Stage.DECODE.value, Stage.DECODE,
           {protocol.InitDecode: init, protocol.DecodeChunk: decode, protocol.Release: release,
@@ -319,9 +320,10 @@ def frames_receiver(ctx: RankContext) -> None:
 
     def receive(task: protocol.ReceiveFrames, spans: Spans) -> None:
         with spans.span("transfer:frames"), tensor_plane(f"receive frames {task.session}/{task.index}"):
-            frames = tp.recv(tuple(task.tensor.shape), torch.uint8, ctx.layout.decode, ctx.groups, ctx.groups.frames)
+            frames = tp.recv(tuple(task.tensor.shape), torch.uint8, ctx.layout.decode, ctx.groups,
+                             ctx.groups.of_edge(Edge.FRAMES))
             frames = frames.cpu()  # on this thread's stream (the side stream of the transfer), not a stage's
-        ctx.frames.put((task.session, task.index), frames)
+        ctx.inbox[Edge.FRAMES].put((task.session, task.index), frames)
 
     serve(ctx, FRAMES_RECEIVER, None, {protocol.ReceiveFrames: receive})
 

@@ -11,13 +11,14 @@ serving one cold: each stage thread warms itself (``warm_stage``, called by ``ra
 more (``stage_chunks``), so no compile lands on a session. (Module loads are done before: the launcher sets
 ``CUDA_MODULE_LOADING=EAGER``.)
 
-The session: ``WARMUP_CHUNKS`` chunks through the real stage code (chunk 0 runs the first latent frame's path,
-chunk 1 the path with the causal caches filled: the tiny VAE meets new convolution shapes in both and none after,
-``tests/test_warm_start.py``), seed 0, an empty prompt, a mid-gray start image on the condition rank and zeros for
-what other ranks would send (context, condition, latent). Every DiT rank's denoise thread runs the same sizes in the
-same order, so the group's collectives pair up (the argument for co-located stages is in ``StartGate``). Every cache
-is released afterwards and the launcher restores the RNG state around the whole warm-up: no real session sees a
-trace of it (sessions seed their own generators, and the golden and bit-identity tests run through warmed servers).
+The session (``models.stages.WARM_UPS``, one run per stage): ``WARMUP_CHUNKS`` chunks through the real stage code
+(chunk 0 runs the first latent frame's path, chunk 1 the path with the causal caches filled: the tiny VAE meets new
+convolution shapes in both and none after, ``tests/test_warm_start.py``), seed 0, an empty prompt, a mid-gray start
+image on the condition rank and zeros for what other ranks would send (context, condition, latent). Every DiT rank's
+denoise thread runs the same sizes in the same order, so the group's collectives pair up (the argument for
+co-located stages is in ``StartGate``). Every cache is released afterwards and the launcher restores the RNG state
+around the whole warm-up: no real session sees a trace of it (sessions seed their own generators, and the golden and
+bit-identity tests run through warmed servers).
 
 A size that runs out of memory (a card too small for it) is reported as not warm, with why, and the rank goes on:
 rank 0 refuses sessions at that size naming the rank, and the sizes that fit are served. On a DiT group the ranks
@@ -31,25 +32,21 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from ipc.protocol import ChunkControl, Stage, WarmUp
+from ipc.protocol import Stage, WarmUp
 from ipc.streams import RoleStreams
-from models.stages import SessionInputError, SessionSpec, StreamGeometry, agree_prepared
+from models.stages import WARM_UPS, SessionInputError
+from models.stages import warm_up_session as session_id  # noqa: F401  # the throwaway session's id, re-exported
 from ranks.backend import Backend
 from runtime.sizes import Size
 
 log = logging.getLogger(__name__)
 
 WARMUP_CHUNKS = 2
-GRAY = 128
-
-
-def session_id(height: int, width: int) -> str:
-    return f"warmup:{height}x{width}"  # never a real id (those are 12 hex digits)
 
 
 def stage_chunks(backend: Backend, stage: Stage) -> int:
@@ -66,9 +63,9 @@ def stage_chunks(backend: Backend, stage: Stage) -> int:
 
 
 def stages_of(backend: Backend) -> list[Stage]:
-    """The stages this backend runs, denoise first."""
-    present = {Stage.DENOISE: backend.denoise, Stage.CONDITION: backend.condition, Stage.DECODE: backend.decode}
-    return [stage for stage, built in present.items() if built is not None]
+    """The stages this backend runs, denoise first, then in pipeline order."""
+    order = list(Stage)
+    return sorted(backend, key=lambda stage: (stage is not Stage.DENOISE, order.index(stage)))
 
 
 def warm_up(backend: Backend, sizes: tuple[Size, ...], device: torch.device, streams: RoleStreams,
@@ -89,18 +86,14 @@ def warm_stage(backend: Backend, stage: Stage, sizes: tuple[Size, ...], device: 
     """Run ``stage`` at every size of ``sizes`` in the calling thread, on its current stream; what ran, with its
     seconds, its thread, and why a size failed (out of memory: this rank then does not serve that size)."""
     chunks = stage_chunks(backend, stage)
-    run: Callable[[StreamGeometry], None] = {
-        Stage.DENOISE: lambda g: _denoise(backend, g, device, chunks, dit_group),
-        Stage.CONDITION: lambda g: _condition(backend, g, chunks),
-        Stage.DECODE: lambda g: _decode(backend, g, device, chunks),
-    }[stage]
+    runner = WARM_UPS[stage]
     thread = threading.current_thread().name
     runs: list[WarmUp] = []
     for height, width in sizes:
         started = time.monotonic()
         failed = ""
         try:
-            run(backend.geometry.with_size(height, width))
+            runner(backend[stage], backend.geometry.with_size(height, width), device, chunks, dit_group)
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
         except (torch.OutOfMemoryError, SessionInputError) as error:  # the latter: the DiT group agreed on an OOM
@@ -164,53 +157,3 @@ class StartGate:
             if stop.is_set():
                 return False
         return True
-
-
-def _condition(backend: Backend, geometry: StreamGeometry, chunks: int) -> None:
-    stage = backend.condition
-    assert stage is not None
-    sid = session_id(geometry.height, geometry.width)
-    image = torch.full((geometry.height, geometry.width, 3), GRAY, dtype=torch.uint8)
-    try:
-        stage.open(SessionSpec(sid, 0, "", image, geometry.height, geometry.width))
-        for index in range(chunks):
-            stage.encode(sid, index)
-    finally:
-        stage.release(sid)
-
-
-def _zeros(shape: tuple[int, ...], geometry: StreamGeometry, device: torch.device) -> torch.Tensor:
-    """A tensor as it travels on the tensor plane (the geometry names its dtype)."""
-    return torch.zeros(shape, dtype=getattr(torch, geometry.dtype), device=device)
-
-
-def _denoise(backend: Backend, geometry: StreamGeometry, device: torch.device, chunks: int,
-             dit_group: Any | None) -> None:  # fmt: skip
-    stage = backend.denoise
-    assert stage is not None
-    sid = session_id(geometry.height, geometry.width)
-    try:
-        error: torch.OutOfMemoryError | None = None
-        try:
-            context = _zeros(geometry.context_shape, geometry, device)
-            stage.open(SessionSpec(sid, 0, "", height=geometry.height, width=geometry.width), context)
-        except torch.OutOfMemoryError as e:  # the KV ring, a session's largest allocation
-            error = e
-        agree_prepared(dit_group, device, error)  # every DiT rank opened it, or all fail this size alike
-        for index in range(chunks):
-            condition = _zeros(geometry.condition_shape, geometry, device)
-            stage.denoise(sid, index, condition, ChunkControl())
-    finally:
-        stage.release(sid)
-
-
-def _decode(backend: Backend, geometry: StreamGeometry, device: torch.device, chunks: int) -> None:
-    stage = backend.decode
-    assert stage is not None
-    sid = session_id(geometry.height, geometry.width)
-    try:
-        stage.open(SessionSpec(sid, 0, "", height=geometry.height, width=geometry.width))
-        for index in range(chunks):
-            stage.decode(sid, index, _zeros(geometry.latent_shape, geometry, device))
-    finally:
-        stage.release(sid)

@@ -26,7 +26,7 @@ import torch
 import zmq
 
 from ipc import protocol
-from ipc.protocol import Phase, Stage, WarmUp, WorkerSpan
+from ipc.protocol import Edge, Phase, Stage, WarmUp, WorkerSpan
 from ipc.streams import RoleStreams
 from ipc.tensor_plane import Groups, Mailbox
 from ipc.transport import WorkerLink
@@ -34,6 +34,7 @@ from ranks.backend import Backend
 from ranks.memory import held_bytes
 from ranks.warmup import StartGate, warm_stage
 from runtime.config import LayoutConfig, TimeoutsConfig
+from runtime.placement import CONTEXT_CARRIER
 from runtime.sizes import Size
 
 log = logging.getLogger(__name__)
@@ -65,16 +66,23 @@ class RankContext:
     # (role, stage, session, height, width): compares a session's bytes with the memory model (ranks.memory)
     check_memory: Callable[[str, Any, str, int, int], None] | None = None
     stop: threading.Event = field(default_factory=threading.Event)
-    conditions: Mailbox = field(default_factory=Mailbox)  # (session, index) -> condition, on the condition rank
-    contexts: Mailbox = field(default_factory=Mailbox)  # (session, -1) -> prompt context, on the condition rank
-    dit_inputs: Mailbox = field(default_factory=Mailbox)  # contexts and conditions received, on DiT ranks
-    latents: Mailbox = field(default_factory=Mailbox)  # (session, index) -> latent, on the decode rank
-    frames: Mailbox = field(default_factory=Mailbox)  # (session, index) -> frames, on the coordinator rank
+    # each edge's tensors by (session, index): ``outbox`` on a broadcast edge's sender until its edge thread sends
+    # them, ``inbox`` where they arrive (a receiver, or the sender's own rank for a local hand-off)
+    outbox: dict[Edge, Mailbox] = field(default_factory=lambda: {edge: Mailbox() for edge in Edge})
+    inbox: dict[Edge, Mailbox] = field(default_factory=lambda: edge_mailboxes())
     snapshots_dir: str = "out/snapshots"  # [snapshots] dir: where this rank writes and reads its snapshot files
 
     def __post_init__(self) -> None:
         if self.streams is None:
             self.streams = RoleStreams(self.groups.device)
+
+
+def edge_mailboxes() -> dict[Edge, Mailbox]:
+    """One mailbox per edge; a session's prompt context arrives in the one of the edge it travels over (its index
+    is negative: never a chunk's)."""
+    boxes = {edge: Mailbox() for edge in Edge}
+    boxes[Edge.CONTEXT] = boxes[CONTEXT_CARRIER]
+    return boxes
 
 
 FATAL_GRACE_S = 2.0

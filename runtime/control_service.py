@@ -29,7 +29,9 @@ range ``reason="malformed"``, and nothing changes (types are the decoder's).
    if the key was already released. A tap acts as a held key for that whole chunk (several taps folded in
    before one cut all land in that chunk).
 5. **Mouse motion is accumulated between cuts and goes into the next snapshot only**, then the accumulator is
-   zeroed: across all snapshots the motion sums to the motion received (never lost, never counted twice).
+   zeroed: across all snapshots the motion sums to the motion received (never lost, never counted twice), except
+   that a chunk turns at most ``MAX_MOUSE_DEGREES``: each fold holds the sum to it (``InputState.fold``, the rule
+   the router folds by too, so input folded on its way here and input folded here come to the same state).
 6. **Idle.** With no key held the world keeps running with a still camera (an empty snapshot). With
    ``pause_when_idle`` the service is paused while idle (no key held, no pending tap, no pending mouse motion):
    ``cut`` returns ``None`` until the next input makes it non-idle.
@@ -44,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ipc.error_codes import ErrorCode
-from ipc.protocol import MAX_MOUSE_DEGREES, ChunkControl, InputState, InputStateError, check_input_state
+from ipc.protocol import ChunkControl, InputState, InputStateError, check_input_state
 
 NO_REVISION = -1  # revision of snapshots cut before any client state arrived
 
@@ -62,10 +64,9 @@ class LiveControls:
 
     def __init__(self, pause_when_idle: bool = False) -> None:
         self.pause_when_idle = pause_when_idle
-        self._held: frozenset[str] = frozenset()
-        self._taps: set[str] = set()  # taps folded in since the last cut
-        self._mouse = (0.0, 0.0)  # motion folded in since the last cut
-        self._revision = NO_REVISION  # latest revision folded in
+        # the input folded in (``InputState.fold``, the router's rule too): the keys held now and the latest
+        # revision, the taps and the motion since the last cut
+        self._input = InputState(revision=NO_REVISION)
         self._next_index = 0  # next chunk index to cut
         self._recut: dict[int, ChunkControl] = {}  # a restored session's snapshots cut before its save
 
@@ -78,14 +79,15 @@ class LiveControls:
         session had already cut for its chunks from ``next_index`` on (taps and motion included); they are cut
         again, as they were, before any from this session's own input."""
         controls = cls(pause_when_idle=pause_when_idle)
-        controls._held, controls._next_index = frozenset(held), next_index
+        controls._input = InputState(keys=sorted(held), revision=NO_REVISION)
+        controls._next_index = next_index
         controls._recut = {next_index + i: snapshot for i, snapshot in enumerate(cut)}
         return controls
 
     @property
     def held(self) -> frozenset[str]:
         """The keys held now."""
-        return self._held
+        return frozenset(self._input.keys)
 
     @property
     def next_index(self) -> int:
@@ -95,27 +97,24 @@ class LiveControls:
     @property
     def revision(self) -> int:
         """The latest client revision folded in (``NO_REVISION`` before the first state)."""
-        return self._revision
+        return self._input.revision
 
     @property
     def idle(self) -> bool:
         """No key held, no pending tap, no pending mouse motion."""
-        return not self._held and not self._taps and self._mouse == (0.0, 0.0)
+        return not self._input.keys and not self._input.taps and self._input.mouse == (0.0, 0.0)
 
     def update(self, state: InputState) -> None:
         """Fold in a client's new input state (a decoded ``control_state`` message; key names case-insensitive).
         Raises ``ControlStateError`` (state unchanged) on unknown keys, bad motion, a revision out of range or a
         stale one."""
         check_input_state(state)
-        if state.revision <= self._revision:
+        if state.revision <= self.revision:
             raise ControlStateError(
-                ErrorCode.STALE_REVISION, f"revision {state.revision} is not newer than {self._revision}, the last one "
+                ErrorCode.STALE_REVISION, f"revision {state.revision} is not newer than {self.revision}, the last one "
                                   "the server folded in"
             )
-        self._held = frozenset(k.lower() for k in state.keys)
-        self._taps.update(k.lower() for k in state.taps)
-        self._mouse = (self._mouse[0] + state.mouse[0], self._mouse[1] + state.mouse[1])
-        self._revision = state.revision
+        self._input = self._input.fold(state)
 
     def may_cut(self, index: int, current_chunk_index: int) -> bool:
         """Whether ``cut(index, current_chunk_index)`` would return a snapshot now (a pure query)."""
@@ -138,12 +137,10 @@ class LiveControls:
         if recut is not None:
             self._next_index += 1
             return recut
-        # A chunk turns at most MAX_MOUSE_DEGREES: motion beyond is clamped, never an error on the model's path.
-        mouse = tuple(max(-MAX_MOUSE_DEGREES, min(MAX_MOUSE_DEGREES, m)) for m in self._mouse)
-        snapshot = ChunkControl(keys=self._held | self._taps, mouse=mouse, revision=self._revision)  # type: ignore[arg-type]
+        held = self._input
+        snapshot = ChunkControl(keys=frozenset((*held.keys, *held.taps)), mouse=held.mouse, revision=held.revision)
         # Consumed: taps and motion belong to this snapshot only (rules 4 and 5).
-        self._taps.clear()
-        self._mouse = (0.0, 0.0)
+        self._input = InputState(keys=held.keys, revision=held.revision)
         self._next_index += 1
         return snapshot
 

@@ -153,9 +153,8 @@ class CoordinatorCore:
         self.stopped = False
         self._out: list[Output] = []
         # saved sessions (``runtime.snapshots``): the folder, what a snapshot must match here, the saves in flight
-        self.saving = Saves(snapshots or SnapshotStore("out/snapshots"), Identity(
-            model=model, layout=layout.name, world_size=layout.world_size, condition=layout.condition,
-            decode=layout.decode, dit=tuple(layout.dit)), self.where, server, timeouts.stage_s)
+        self.saving = Saves(snapshots or SnapshotStore("out/snapshots"), Identity.of(model, layout.name, self.where),
+                            self.where, server, timeouts.stage_s)
         # in the order a close answers: a save in flight before the client's closed, the watchers' end after it
         self.parts: tuple[Part, ...] = (self.metrics, self.saving, self.admitting, self.clients, self.watchers)
         self.restored = 0  # sessions restored from a snapshot so far (``/metrics``)

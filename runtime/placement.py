@@ -138,6 +138,9 @@ class StageSpec:
     context: bool = False  # its init first takes the session's prompt context over its input edge
     controlled: bool = False  # its chunk takes a client's control, steps and prompt revision (fixed at dispatch)
     image: bool = False  # its init takes the session's start image (rank 0 drops its copy once it is sent)
+    # the items of a session's cost (``models.memory.session_items``) its stage object holds and counts itself
+    # (``session_nbytes``): what a rank checks the memory model against; the rest is in its edges' mailboxes
+    memory_items: tuple[str, ...] = ()
 
     @property
     def role(self) -> str:
@@ -201,18 +204,18 @@ STAGES: Final[Mapping[Stage, StageSpec]] = {  # in pipeline order (``Stage``'s)
         chunk_task=protocol.ConditionChunk, chunk=_condition_chunk,
         out=EdgeSpec(Edge.CONDITION, CONDITION_EDGE, protocol.BroadcastCondition, to=Stage.DENOISE, broadcast=True,
                      answers=False, tensor=lambda g, _index: TensorSpec(shape=g.condition_shape, dtype=_dtype(g))),
-        image=True),
+        image=True, memory_items=("encode_cache", "encode_snapshot")),
     Stage.DENOISE: StageSpec(
         Stage.DENOISE, ranks=lambda lay: tuple(lay.dit), init=_init_denoise,
         chunk_task=protocol.DenoiseChunk, chunk=_denoise_chunk,
         out=EdgeSpec(Edge.LATENT, LATENT_RECEIVER, protocol.ReceiveLatent, to=Stage.DECODE, broadcast=False,
                      answers=False, tensor=_latent),
-        group="dit", context=True, controlled=True),
+        group="dit", context=True, controlled=True, memory_items=("kv_cache", "text_cache")),
     Stage.DECODE: StageSpec(
         Stage.DECODE, ranks=lambda lay: (lay.decode,), init=_init_decode,
         chunk_task=protocol.DecodeChunk, chunk=_decode_chunk,
         out=EdgeSpec(Edge.FRAMES, FRAMES_RECEIVER, protocol.ReceiveFrames, to=None, broadcast=False, answers=True,
-                     tensor=_frames)),
+                     tensor=_frames), memory_items=("decode_cache",)),
 }
 assert tuple(STAGES) == tuple(Stage), "the table lists every stage, in pipeline order"
 
@@ -351,6 +354,10 @@ def plan(action: StageAction, session: SessionFacts, where: Placement,
 def _input_of(stage: Stage) -> Stage:
     """The stage whose out edge feeds ``stage``."""
     return next(source for source, spec in STAGES.items() if spec.out.to is stage)
+
+
+# the edge a session's prompt context travels over: the input edge of the stage whose init takes it
+CONTEXT_CARRIER: Final = next(STAGES[_input_of(stage)].out.edge for stage, spec in STAGES.items() if spec.context)
 
 
 def key_of(action: StageAction) -> JoinKey:

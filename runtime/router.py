@@ -67,7 +67,7 @@ from runtime.replicas import (
 )
 from runtime.router_config import ReplicaEntry, RouterSection, chunk_limit
 from runtime.router_migration import NOT_NOW, SESSION_RETRY_S, Migration, Moves
-from runtime.router_sessions import PendingOpen, RoutedSession, fold
+from runtime.router_sessions import PendingOpen, RoutedSession
 from runtime.router_types import (
     ChunkHead,
     ClientSent,
@@ -202,7 +202,7 @@ class RouterCore:
                 self._open(who, message, now)
             case protocol.ControlState() if self.clients.owned(who, message.session).migration.migrating:
                 session = self.sessions[message.session]  # live input waits for its restore, folded
-                session.state = message if session.state is None else fold(session.state, message)
+                session.state = message if session.state is None else session.state.fold(message)
             case protocol.Control() | protocol.SetPrompt() | protocol.Save() \
                     if self.clients.owned(who, message.session).migration.migrating:
                 raise self.migration.not_now(self.sessions[message.session], str(type(message).__struct_config__.tag))
@@ -210,7 +210,7 @@ class RouterCore:
                 self._end_migrating(self.sessions[message.session], "client", None)
             case protocol.ControlState() if self.clients.owned(who, message.session).state is not None:
                 session = self.sessions[message.session]  # earlier input waits for a full link: this goes after
-                session.state = fold(session.state, message)  # type: ignore[arg-type]
+                session.state = session.state.fold(message)  # type: ignore[union-attr]
                 self._send_state(session)
             case (protocol.Control() | protocol.ControlState() | protocol.Close() | protocol.SetPrompt()
                   | protocol.Save()):
@@ -324,7 +324,7 @@ class RouterCore:
             replica = self.replicas[session.replica]
             upstream = msgspec.structs.replace(state, session=session.rid)
             self._emit(ToReplica(replica.name, replica.generation, upstream,
-                                 SessionOrigin(session.client, state.req, session.id, "control_state")))
+                                 SessionOrigin(session.client, state.req, session.id, "control_state", state)))
 
     def _add_session(self, session: RoutedSession, now: float) -> None:
         self.clients.add(session, now)
@@ -505,7 +505,7 @@ class RouterCore:
             session.closing, session.close_due = True, now
         elif origin.kind == "control_state":  # nor valid live input: it is folded and sent when the link drains
             if origin.state is not None:
-                session.state = origin.state if session.state is None else fold(origin.state, session.state)
+                session.state = origin.state if session.state is None else origin.state.fold(session.state)
         elif not self.migration.not_sent(session, origin.kind, origin.req):  # (the router's own: tried again)
             # what a server answers a control, a new prompt or a save it cannot take now
             code = NOT_NOW.get(origin.kind, ErrorCode.CONTROL_BACKPRESSURE)

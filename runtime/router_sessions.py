@@ -1,12 +1,10 @@
-"""The router core's records (``runtime.router``): a routed session and an open on its way to a replica, and the
-fold of a session's live input that waits for its replica link. Plain data and one pure rule; the core alone
+"""The router core's records (``runtime.router``): a routed session and an open on its way to a replica. Plain
+data (a session's live input that waits for its replica link is folded by ``InputState.fold``); the core alone
 changes these records (a session's ``migration`` is the migration part's, ``runtime.router_migration``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import msgspec
 
 from ipc import protocol
 from runtime.router_migration import Moves
@@ -42,15 +40,3 @@ class PendingOpen:
     tried: set[str] = field(default_factory=set)  # replicas asked already (busy or unreachable)
     migrating: str | None = None  # the restore of this (client-facing) session after its replica went down
 
-
-def fold(a: protocol.ControlState, b: protocol.ControlState) -> protocol.ControlState:
-    """Two live inputs of a session as one, as the server folds them: the later one's held keys and revision (and
-    request id), the mouse motion of both (held to one state's limit, as the server clamps a cut's turn: a fold
-    must not make two valid states one the server refuses), the taps of both, the later steps request given."""
-    older, newer = (a, b) if a.revision <= b.revision else (b, a)
-    taps = list(dict.fromkeys([*older.taps, *newer.taps]))[:16]
-    limit = protocol.MAX_MOUSE_DEGREES
-    mouse = (max(-limit, min(limit, older.mouse[0] + newer.mouse[0])),
-             max(-limit, min(limit, older.mouse[1] + newer.mouse[1])))
-    steps = newer.steps if newer.steps is not None else older.steps
-    return msgspec.structs.replace(newer, mouse=mouse, taps=taps, steps=steps)

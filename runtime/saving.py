@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from ipc import protocol
 from ipc.error_codes import ErrorCode
-from ipc.protocol import Stage, clip
+from ipc.protocol import clip
 from runtime.capacity import Seat
 from runtime.config import ServerConfig
 from runtime.core_types import (
@@ -32,7 +32,7 @@ from runtime.core_types import (
 )
 from runtime.late_writes import LateWrites
 from runtime.parts import Answer, Hold, Part, ToOwner
-from runtime.placement import STAGES, Placement, identity
+from runtime.placement import Placement, identity
 from runtime.scheduler import SessionState
 from runtime.session import Session
 from runtime.snapshot_folder import FolderBudget
@@ -115,7 +115,7 @@ class Saves(Part):
             raise ClientError(ErrorCode.BUSY, f"session {sid} saved as often as this server allows "
                               f"(snapshots.save_burst, saves_per_minute); the next save in {wait:.1f} s",
                               retry_after_s=wait)
-        parts = frozenset((rank, STAGES[stage].role) for stage in Stage for rank in self.where.ranks_of(stage))
+        parts = self.identity.parts()  # every stage worker of the placement writes its file
         save = PendingSave(new_snapshot_id(), sid, who, message.req, chunk, parts, now)
         save.facts = SavedSession(  # the session as it is at the request (its prompt and input: at ``start``)
             geometry=geometry_of(session.geometry), seed=session.seed, num_chunks=session.num_chunks,

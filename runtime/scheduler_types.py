@@ -25,7 +25,8 @@ class Mode(str, Enum):
 
 
 # ``Stage`` lists the stages in pipeline order (each chunk goes condition -> denoise -> decode).
-INIT_ORDER: Final = (Stage.CONDITION, Stage.DECODE, Stage.DENOISE)  # the DiT's init takes the condition's context
+# every stage's init in pipeline order, the DiT's last: it takes the condition's context
+INIT_ORDER: Final = (*(stage for stage in Stage if stage is not Stage.DENOISE), Stage.DENOISE)
 RELEASE_ORDER: Final = tuple(reversed(Stage))  # downstream first: decode -> denoise -> condition
 
 

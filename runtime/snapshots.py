@@ -43,17 +43,18 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ipc.protocol import ChunkControl, intrinsics_problem, steps_problem
+from ipc.protocol import ChunkControl, Stage, intrinsics_problem, steps_problem
 from runtime.save_rate import SaveRate
 
 if TYPE_CHECKING:
     from runtime.control_service import LiveControls
+    from runtime.placement import Placement
 
 FORMAT = 1  # the snapshot format; a manifest of another format is refused
 MANIFEST = "manifest.json"
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{22}")  # what secrets.token_urlsafe(16) gives, and nothing else
 MAX_MANIFEST_BYTES = 1 << 20
-ROLES = ("condition", "denoise", "decode")  # the stage workers that write a file (``ipc.protocol.Stage`` values)
+ROLES = frozenset(stage.value for stage in Stage)  # the stage workers that write a file (a stage's worker: its name)
 
 
 class SnapshotError(ValueError):
@@ -75,7 +76,7 @@ def file_name(rank: int, role: str) -> str:
     return f"rank{rank}-{role}.safetensors"
 
 
-class Identity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Identity(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """What a server must share with the one that saved a snapshot to restore it."""
 
     model: str  # model.kind, preset and checkpoint (``model_identity``)
@@ -84,6 +85,33 @@ class Identity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     condition: int  # the rank of each stage: a file belongs to the rank that wrote it
     decode: int
     dit: tuple[int, ...]  # the DiT group; its size is the sequence-parallel degree the KV ring is split by
+    # the ranks of every other stage (one the fields above do not name), by its name; empty, and then not written
+    # (a manifest's bytes as before), while the three stages are all there are
+    stages: dict[str, tuple[int, ...]] = {}
+
+    @classmethod
+    def of(cls, model: str, layout: str, where: Placement) -> Identity:
+        """This server's identity: its model and the placement of its stages (the layout's ranks of each)."""
+        named = {name: where.ranks_of(stage) for stage, name in _RANK_FIELDS.items()}
+        others = {stage.value: where.ranks_of(stage) for stage in Stage if stage not in _RANK_FIELDS}
+        return cls(model=model, layout=layout, world_size=where.world_size, stages=others,
+                   **{name: r if name in _GROUPS else r[0] for name, r in named.items()})  # type: ignore[arg-type]
+
+    def ranks_of(self, stage: Stage) -> tuple[int, ...]:
+        if stage not in _RANK_FIELDS:
+            return tuple(self.stages.get(stage.value, ()))
+        ranks = getattr(self, _RANK_FIELDS[stage])
+        return tuple(ranks) if isinstance(ranks, tuple | list) else (ranks,)
+
+    def parts(self) -> frozenset[tuple[int, str]]:
+        """The (rank, stage worker) pairs that each write a file of a snapshot saved under this identity."""
+        return frozenset((rank, stage.value) for stage in Stage for rank in self.ranks_of(stage))
+
+
+# the field of ``Identity`` that holds a stage's ranks in format 1 (the others are in ``stages``); a stage of several
+# ranks (a group) holds them all, in the placement's order, the others their one rank
+_RANK_FIELDS: dict[Stage, str] = {Stage.CONDITION: "condition", Stage.DENOISE: "dit", Stage.DECODE: "decode"}
+_GROUPS = frozenset({"dit"})
 
 
 class Geometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -199,7 +227,7 @@ def refusal(manifest: Manifest, identity: Identity, geometry: Geometry | None) -
         differs.append(f"model {saved.model!r} (this server: {here.model!r})")
     if len(saved.dit) != len(here.dit):
         differs.append(f"DiT sequence-parallel degree {len(saved.dit)} (this server: {len(here.dit)})")
-    for name in ("layout", "world_size", "condition", "decode", "dit"):
+    for name in ("layout", "world_size", *_RANK_FIELDS.values(), "stages"):
         if getattr(saved, name) != getattr(here, name) and not (name == "dit" and len(saved.dit) != len(here.dit)):
             differs.append(f"layout {name} {getattr(saved, name)!r} (this server: {getattr(here, name)!r})")
     m = manifest.geometry
@@ -209,9 +237,7 @@ def refusal(manifest: Manifest, identity: Identity, geometry: Geometry | None) -
         fields = [f for f in Geometry.__struct_fields__ if getattr(m, f) != getattr(geometry, f)]
         differs.append("geometry " + ", ".join(f"{f} {getattr(m, f)} (this server: {getattr(geometry, f)})"
                                                for f in fields))
-    expected = {(r, "condition") for r in (here.condition,)} | {(r, "denoise") for r in here.dit} | \
-        {(here.decode, "decode")}
-    if not differs and {(f.rank, f.role) for f in manifest.files} != expected:
+    if not differs and {(f.rank, f.role) for f in manifest.files} != here.parts():
         differs.append("its files do not cover this layout's stage workers")
     return "; ".join(differs) if differs else None
 

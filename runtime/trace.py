@@ -21,10 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ipc.protocol import ChunkFacts, Span, to_builtins
+from ipc.protocol import ChunkFacts, Span, Stage, to_builtins
 from runtime.metrics import window
 
-ROLE_TIDS = {"coordinator": 0, "condition": 1, "denoise": 2, "decode": 3, "transfer": 4, "chunks": 9}
+# a track per stage in pipeline order (its worker's role is the stage's name), the coordinator's above them, the
+# transfer threads' below, the chunk windows last; a role not named here gets the next free track
+ROLE_TIDS = {"coordinator": 0, **{stage.value: i for i, stage in enumerate(Stage, 1)}, "transfer": len(Stage) + 1,
+             "chunks": 9}
 WINDOW_ROLE = "chunks"
 
 

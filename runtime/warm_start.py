@@ -68,7 +68,7 @@ class WarmStart:
                 seconds=round(self.seconds(stage), 3), chunks_per_size=max(chunks, default=0),
                 ranks={str(rank): self._sizes_of(stage, rank) for rank in ranks},
                 threads={str(rank): sorted({r.thread for r in rs}) for rank, rs in runs.items()}, failed=failed)
-        return WarmUpStages(**out)
+        return out
 
     def describe(self) -> str:
         seconds = ", ".join(f"{stage.value} {self.seconds(stage):.2f} s" for stage in Stage)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ipc.protocol import Stage
 from models.stages import SessionSpec
 from models.synthetic import SyntheticCondition, SyntheticDecode, SyntheticDenoise
 from ranks.backend import Backend, build_synthetic
@@ -104,9 +105,9 @@ def build(model: ModelConfig, stream: StreamConfig, costs: SyntheticConfig, cont
           device: torch.device, dit_group: Any | None) -> Backend:
     backend = build_synthetic(model, stream, costs, controls, roles, device, dit_group)
     if backend.condition is not None:
-        backend.condition = FaultyCondition(backend.geometry, costs.encode_s)
+        backend[Stage.CONDITION] = FaultyCondition(backend.geometry, costs.encode_s)
     if backend.denoise is not None:
-        backend.denoise = FaultyDenoise(backend.geometry, costs.denoise_s, dit_group)
+        backend[Stage.DENOISE] = FaultyDenoise(backend.geometry, costs.denoise_s, dit_group)
     return backend
 
 
@@ -165,7 +166,7 @@ def build_small_card(model: ModelConfig, stream: StreamConfig, costs: SyntheticC
     backend = build(model, stream, costs, controls, roles, device, dit_group)
     stage = os.environ.get("FAULTY_OOM_STAGE", "decode")
     if backend.decode is not None and stage == "decode":
-        backend.decode = SmallCardDecode(backend.geometry, costs.decode_s, costs.cold_s)
+        backend[Stage.DECODE] = SmallCardDecode(backend.geometry, costs.decode_s, costs.cold_s)
     if backend.denoise is not None and stage == "denoise":
-        backend.denoise = SmallCardDenoise(backend.geometry, costs.denoise_s, dit_group)
+        backend[Stage.DENOISE] = SmallCardDenoise(backend.geometry, costs.denoise_s, dit_group)
     return backend

@@ -17,12 +17,16 @@ from ipc.client import (
     ChunkResult,
     ClientCore,
     ControlBackpressure,
+    Requests,
     ServerGone,
     SessionClosed,
     SessionMigrated,
     UnknownSession,
+    chunk_control,
 )
 from ipc.client_core import Ask, NextEvent, Pause, Running, Start, Tell
+
+W = protocol.ChunkControl(keys=frozenset("w"))
 
 
 class Clock:
@@ -52,7 +56,7 @@ def closed(session: str) -> protocol.Closed:
 
 def test_a_backpressured_control_is_asked_again_as_a_new_request_after_the_servers_hint_until_accepted() -> None:
     clock = Clock()
-    running = Running(make_core(clock).control("s", 3, "w", (0.0, 0.0), None, True, None, timeout_s=5.0))
+    running = Running(make_core(clock).control("s", 3, W, True, None, timeout_s=5.0))
     first = running.step
     assert isinstance(first, Ask) and first.message.index == 3 and first.timeout_s == 5.0
     running.answer(None, backpressure())
@@ -67,21 +71,33 @@ def test_a_backpressured_control_is_asked_again_as_a_new_request_after_the_serve
 
 def test_a_control_still_backpressured_past_the_timeout_raises_the_servers_error() -> None:
     clock = Clock()
-    running = Running(make_core(clock).control("s", 0, "", (0.0, 0.0), None, True, None, timeout_s=1.0))
+    running = Running(make_core(clock).control("s", 0, protocol.ChunkControl(), True, None, timeout_s=1.0))
     clock.now = 1.5
     with pytest.raises(ControlBackpressure):
         running.answer(None, backpressure())
 
 
 def test_an_unwaited_control_is_told_once_and_an_invalid_one_raises_before_any_step() -> None:
-    running = Running(make_core().control("s", 0, "w", (0.0, 0.0), None, False, None, timeout_s=1.0))
+    running = Running(make_core().control("s", 0, W, False, None, timeout_s=1.0))
     assert isinstance(running.step, Tell)
     running.answer(None)
     assert running.done
     with pytest.raises(BadRequest):
-        Running(make_core().control("s", 0, "q", (0.0, 0.0), None, True, None, timeout_s=1.0))
+        chunk_control(keys="q")  # the keyword form is checked as it is built, before any plan runs
     with pytest.raises(BadRequest):
-        Running(make_core().control("s", 0, "w", (0.0, 0.0), None, True, 3, timeout_s=1.0))
+        Running(make_core().control("s", 0, W, True, 3, timeout_s=1.0))
+
+
+def test_the_keyword_form_of_a_control_is_sugar_for_the_value_and_the_two_do_not_mix() -> None:
+    """``client.control(sid, i, keys="Wd", mouse=(1, 2))`` sends the bytes ``control(sid, i, ChunkControl(...))``
+    sends: one request builder, the keyword form built in one place (``chunk_control``)."""
+    value = protocol.ChunkControl(keys=frozenset("wd"), mouse=(1.0, 2.0))
+    assert chunk_control(keys="Wd", mouse=(1, 2)) == value and chunk_control(value) is value
+    sugar, plain = Requests(), Requests()
+    assert protocol.encode(sugar.control("s", 0, chunk_control(keys=["W", "d"], mouse=(1, 2)))) == \
+        protocol.encode(plain.control("s", 0, value))
+    with pytest.raises(BadRequest, match="not both"):
+        chunk_control(value, "s", keys="w")
 
 
 def test_close_waits_for_the_sessions_closed_and_forgets_its_request() -> None:

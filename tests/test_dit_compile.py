@@ -244,9 +244,9 @@ def test_the_warm_up_of_a_compiled_dit_runs_every_fill_level_so_no_session_compi
     """The tiny window fills in 3 chunks: a compiled DiT's warm-up runs them and one steady chunk (4, not the 2 of an
     eager one), so every graph is compiled at start and a session's first chunks compile nothing."""
     stage = _stage("blocks", compile_backend="eager")  # dynamo counts its graphs whatever the backend; eager is quick
-    backend = Backend(GEOMETRY, denoise=stage)
+    backend = Backend(GEOMETRY, {Stage.DENOISE: stage})
     assert stage_chunks(backend, Stage.DENOISE) == 4
-    assert stage_chunks(Backend(GEOMETRY, denoise=_stage("off")), Stage.DENOISE) == WARMUP_CHUNKS
+    assert stage_chunks(Backend(GEOMETRY, {Stage.DENOISE: _stage("off")}), Stage.DENOISE) == WARMUP_CHUNKS
     runs = warm_stage(backend, Stage.DENOISE, ((GEOMETRY.height, GEOMETRY.width),), torch.device("cpu"))
     assert [(r.chunks, r.failed) for r in runs] == [(4, "")]
     warmed = _graphs()

@@ -11,6 +11,7 @@ from models.synthetic import synthetic_geometry
 from ranks.worker import completion
 from runtime.config import LayoutConfig
 from runtime.placement import (
+    CONTEXT_CARRIER,
     STAGES,
     NewPrompt,
     SessionFacts,
@@ -83,3 +84,14 @@ def test_each_chunk_task_counts_its_queue_time_under_its_stage_and_each_transfer
         assert steps == {stage, STAGES[stage].out.edge}
     context = plan(InitCache("s", Stage.DENOISE), FACTS, where)
     assert {step_of(task) for _, task in context.sends} == {None}  # session-wide: off the chunk timeline
+
+
+def test_each_edges_tensors_wait_in_a_mailbox_of_their_own_and_the_context_in_its_carriers() -> None:
+    """A rank's mailboxes are keyed by edge (``RankContext.inbox``/``outbox``): every edge has one, and the prompt
+    context arrives in the mailbox of the edge it travels over (its negative index never meets a chunk's)."""
+    from ranks.worker import edge_mailboxes
+
+    inbox = edge_mailboxes()
+    assert set(inbox) == set(protocol.Edge) and CONTEXT_CARRIER is protocol.Edge.CONDITION
+    assert inbox[protocol.Edge.CONTEXT] is inbox[CONTEXT_CARRIER]
+    assert len({id(box) for box in inbox.values()}) == len(protocol.Edge) - 1

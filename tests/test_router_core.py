@@ -17,7 +17,7 @@ from runtime.clients import MAX_PEERS
 from runtime.config import ConfigError
 from runtime.core_types import ClientError
 from runtime.replicas import IllegalTransition, Replica, ReplicaStatsReply, State
-from runtime.router import MAX_REASONS, RouterCore, fold
+from runtime.router import MAX_REASONS, RouterCore
 from runtime.router_config import ReplicaEntry, RouterSection, load
 from runtime.router_types import (
     ChunkHead,
@@ -682,7 +682,7 @@ def test_a_fold_of_two_valid_live_inputs_is_one_the_server_accepts_and_keeps_the
     turn = p.MAX_MOUSE_DEGREES - 60
     first = p.ControlState(req=1, session="s", keys=["w"], mouse=(turn, -turn), taps=["a"], revision=3, steps=2)
     second = p.ControlState(req=2, session="s", keys=["d"], mouse=(turn, -turn), taps=["j"], revision=4)
-    folded = fold(first, second)
+    folded = first.fold(second)
     p.check_input_state(folded)  # would raise "mouse yaw must be finite and within ±360" unclamped
     assert folded.mouse == (p.MAX_MOUSE_DEGREES, -p.MAX_MOUSE_DEGREES)
     assert (folded.keys, folded.taps, folded.revision, folded.req, folded.steps) == (["d"], ["a", "j"], 4, 2, 2)

@@ -95,7 +95,7 @@ def test_every_stage_of_every_rank_is_warm_at_every_allowed_size_before_serving(
     with Client(server.endpoint) as client:
         stats = client.stats()
     assert stats.warm is True and stats.sizes == [(160, 240), (240, 160)]
-    warm = stats.warm_up.by_stage()
+    warm = stats.warm_up
     assert {name: stage.ranks for name, stage in warm.items()} == {
         "condition": {"0": SIZES}, "decode": {"1": SIZES}, "denoise": {str(r): SIZES for r in range(2, 7)}}
     for name, stage in warm.items():

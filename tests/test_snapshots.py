@@ -15,7 +15,9 @@ from models import snapshot_io
 from models.stages import SessionSpec
 from models.synthetic import SyntheticCondition, SyntheticDecode, SyntheticDenoise, synthetic_geometry
 from runtime import scheduler as sch
+from runtime.config import LayoutConfig
 from runtime.core_types import DropSnapshotFiles, WorkerSent
+from runtime.placement import placement_of
 from runtime.snapshots import (
     FORMAT,
     MANIFEST,
@@ -53,6 +55,20 @@ def manifest(sid: str = "", files: tuple[FileEntry, ...] | None = None, **change
 
 
 # ---- ids and the manifest
+
+
+def test_a_servers_snapshot_identity_and_the_files_it_expects_derive_from_its_placement() -> None:
+    """The identity is built from the placement of the stages (the manifest's bytes as the hand-built one's), and
+    the files a restore expects are the placement's stage workers, the ones a save asks for."""
+    where = placement_of(LayoutConfig(name="cpu-tiny", world_size=7, coordinator=0, condition=0, decode=1,
+                                      dit=[2, 3, 4, 5, 6]))
+    here = Identity.of("", "cpu-tiny", where)
+    assert msgspec.json.encode(here) == msgspec.json.encode(IDENTITY) == (
+        b'{"model":"","layout":"cpu-tiny","world_size":7,"condition":0,"decode":1,"dit":[2,3,4,5,6]}')  # format 1's
+    assert here.parts() == PARTS == {(r, str(stage.value)) for stage in p.Stage for r in where.ranks_of(stage)}
+    one = Identity.of("m", "one", placement_of(LayoutConfig(name="one", world_size=1, coordinator=0, condition=0,
+                                                            decode=0, dit=[0])))
+    assert (one.condition, one.decode, one.dit, one.parts()) == (0, 0, (0,), {(0, s.value) for s in p.Stage})
 
 
 def test_snapshot_ids_are_unguessable_and_nothing_shaped_like_a_path_passes_as_one() -> None:

@@ -95,10 +95,12 @@ def test_each_stage_warms_up_in_the_thread_that_serves_it_and_says_hello_with_th
         router: tuple[zmq.Context, zmq.Socket, str]) -> None:
     context, sock, endpoint = router
     geometry = synthetic_geometry(*SIZES[0], 3)
-    backend = Backend(geometry, SeenCondition(geometry, 0.0), SeenDenoise(geometry, 0.0), SeenDecode(geometry, 0.0))
+    backend = Backend(geometry, {protocol.Stage.CONDITION: SeenCondition(geometry, 0.0),
+                                 protocol.Stage.DENOISE: SeenDenoise(geometry, 0.0),
+                                 protocol.Stage.DECODE: SeenDecode(geometry, 0.0)})
     start = StartGate(stages_of(backend))
     ctx = RankContext(layout=ONE_RANK, timeouts=TimeoutsConfig(), rank=0, roles=ONE_RANK.roles_of(0),
-                      endpoint=endpoint, zmq=context, groups=Groups(0, CPU, None, None, None, None, None),
+                      endpoint=endpoint, zmq=context, groups=Groups(0, CPU, None),
                       backend=backend, sizes=SIZES, start=start)
     workers = {"condition": roles.condition_worker, "denoise": roles.denoise_worker, "decode": roles.decode_worker}
     threads = [threading.Thread(target=work, args=(ctx,), name=name, daemon=True) for name, work in workers.items()]
@@ -118,7 +120,7 @@ def test_each_stage_warms_up_in_the_thread_that_serves_it_and_says_hello_with_th
             (role, h, w, role, "") for h, w in SIZES]
     # a real session: each stage opens it in the thread that warmed it up (not the main thread)
     image = torch.zeros(SIZES[0] + (3,), dtype=torch.uint8)
-    ctx.dit_inputs.put(("real", -1), torch.zeros(geometry.context_shape))
+    ctx.inbox[protocol.Edge.CONTEXT].put(("real", -1), torch.zeros(geometry.context_shape))
     tasks = {"condition": protocol.InitCondition(session="real", seed=1, prompt="", image=image.numpy().tobytes(),
                                                  image_height=SIZES[0][0], image_width=SIZES[0][1],
                                                  height=SIZES[0][0], width=SIZES[0][1]),
@@ -142,7 +144,7 @@ def test_a_size_out_of_memory_in_a_stage_warm_up_is_reported_and_the_others_stil
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAULTY_OOM_SIZE", "96x64")
     geometry = synthetic_geometry(*SIZES[0], 3)
-    backend = Backend(geometry, decode=SmallCardDecode(geometry, 0.0))
+    backend = Backend(geometry, {protocol.Stage.DECODE: SmallCardDecode(geometry, 0.0)})
     runs = warm_stage(backend, stages_of(backend)[0], SIZES, CPU)
     assert [(r.height, r.width, bool(r.failed)) for r in runs] == [(64, 96, False), (96, 64, True)]
     assert "OutOfMemoryError" in runs[1].failed and "96x64" in runs[1].failed

@@ -60,10 +60,10 @@ def test_a_size_a_rank_cannot_warm_up_is_refused_naming_the_rank_and_the_others_
             Client(server.endpoint) as client:  # fmt: skip
         stats = client.stats()
         assert stats.warm is False
-        failed = stats.warm_up.by_stage()[stage].failed
+        failed = stats.warm_up[stage].failed
         assert sorted(failed) == failed_ranks and all(list(f) == ["240x160"] for f in failed.values()), failed
         assert "OutOfMemoryError: injected" in failed[str(rank)]["240x160"]
-        assert set(map(tuple, stats.warm_up.by_stage()[stage].ranks.values())) == {("160x240",)}
+        assert set(map(tuple, stats.warm_up[stage].ranks.values())) == {("160x240",)}
         with pytest.raises(Busy) as refused:
             client.open(png(200, 300))  # portrait: 240x160
         why = refused.value.message

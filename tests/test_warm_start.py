@@ -12,7 +12,7 @@ import torch
 
 import launch
 from ipc.metrics_types import WarmUpStage
-from ipc.protocol import ChunkControl, WarmUp
+from ipc.protocol import ChunkControl, Stage, WarmUp
 from ipc.streams import RoleStreams
 from models import lingbot
 from models.stages import SessionSpec, run_in_process
@@ -31,9 +31,10 @@ CONTROLS = [ChunkControl(keys=frozenset(k)) for k in ("w", "wl", "d", "a")]
 def backend() -> Backend:
     model = ModelConfig(kind="lingbot-fast", preset="tiny", attention="sdpa", dtype="float32")
     stream = StreamConfig(height=SIZE[0], width=SIZE[1])
-    return Backend(lingbot.lingbot_geometry(model, stream), lingbot.build_condition(model, stream, CPU),
-                   lingbot.build_denoise(model, stream, ControlsConfig(), CPU, None),
-                   lingbot.build_decode(model, stream, CPU))
+    return Backend(lingbot.lingbot_geometry(model, stream), {
+        Stage.CONDITION: lingbot.build_condition(model, stream, CPU),
+        Stage.DENOISE: lingbot.build_denoise(model, stream, ControlsConfig(), CPU, None),
+        Stage.DECODE: lingbot.build_decode(model, stream, CPU)})
 
 
 def session(backend: Backend, height: int, width: int, chunks: int) -> list[torch.Tensor]:
@@ -93,9 +94,10 @@ def test_a_job_is_warm_only_once_every_rank_of_every_stage_warmed_every_size() -
     warm.add(6, [WarmUp("denoise", *sizes[1], 2, 0.5)])
     assert warm.warm
     summary = warm.stages()
-    assert summary.denoise.seconds == 3.0  # the slowest rank (4): the job's start waited for it
-    assert summary.condition == WarmUpStage(seconds=1.0, chunks_per_size=2, ranks={"0": ["160x240", "240x160"]},
-                                            threads={"0": [""]}, failed={})
+    assert summary[Stage.DENOISE.value].seconds == 3.0  # the slowest rank (4): the job's start waited for it
+    assert summary[Stage.CONDITION.value] == WarmUpStage(seconds=1.0, chunks_per_size=2,
+                                                         ranks={"0": ["160x240", "240x160"]}, threads={"0": [""]},
+                                                         failed={})
 
 
 def test_the_launcher_loads_cuda_modules_eagerly_and_expands_segments_unless_the_user_chose_otherwise(
