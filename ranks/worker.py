@@ -34,6 +34,7 @@ from ranks.backend import Backend
 from ranks.memory import held_bytes
 from ranks.warmup import StartGate, warm_stage
 from runtime.config import LayoutConfig, TimeoutsConfig
+from runtime.placement import STAGES
 from runtime.sizes import Size
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,8 @@ def serve(ctx: RankContext, role: str, stage: Stage | None, handlers: dict[type,
         warmed: tuple[WarmUp, ...] = ()
         if ctx.start is not None:
             if stage is not None:  # here, in the thread that serves the stage: cuDNN's autotune cache is per thread
-                warmed = warm_stage(ctx.backend, stage, ctx.sizes, ctx.groups.device, ctx.groups.of_stage(stage))
+                own = ctx.groups.named(STAGES[stage].group)  # the stage's own group (the DiT's Ulysses group) or None
+                warmed = warm_stage(ctx.backend, stage, ctx.sizes, ctx.groups.device, own)
                 ctx.start.warmed(stage, warmed)
             if not ctx.start.wait_ready(ctx.stop):  # the rank's room, measured once every stage thread warmed
                 return

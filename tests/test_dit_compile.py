@@ -19,7 +19,7 @@ from models.compiled import CompiledBlocks, CudaGraphPasses, compile_dit
 from models.controls import ChunkControl
 from models.dit import DiTConfig, WanModelFast
 from models.kv_cache import KVCache
-from models.lingbot import dit_config
+from models.lingbot_config import dit_config
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.rope import apply_rope, rope_angles, rope_freqs
 from models.stages import SessionSpec, StreamGeometry

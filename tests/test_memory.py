@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from models import lingbot, memory
+from models import lingbot, lingbot_config, memory
 from models.controls import ChunkControl
 from models.stages import SessionSpec
 from runtime import config as config_mod
@@ -42,7 +42,7 @@ def test_session_items_equal_the_bytes_a_real_tiny_session_holds_after_two_chunk
     assert decode.session_nbytes("s") == items["decode_cache"]
     # after two chunks the encoder holds its cache and the fixed-point snapshot (until it freezes)
     assert condition.session_nbytes("s") == items["encode_cache"] + items["encode_snapshot"]
-    g = lingbot.lingbot_geometry(cfg.model, cfg.stream).with_size(height, width)
+    g = lingbot_config.lingbot_geometry(cfg.model, cfg.stream).with_size(height, width)
     assert items["dit_inputs"] == 4 * (int(np.prod(g.context_shape)) + 2 * int(np.prod(g.condition_shape)))
     assert items["context"] == context.numel() * context.element_size()
 
