@@ -31,7 +31,7 @@ from ipc.streams import RoleStreams
 from ipc.tensor_plane import Groups, Mailbox
 from ipc.transport import WorkerLink
 from ranks.backend import Backend
-from ranks.memory import held_bytes
+from ranks.memory import cache_bytes
 from ranks.warmup import StartGate, warm_stage
 from runtime.config import LayoutConfig, TimeoutsConfig
 from runtime.placement import STAGES
@@ -244,7 +244,7 @@ def heartbeat(ctx: RankContext) -> None:
                 rss, peak, cuda = memory_facts()
                 link.send(protocol.Beat(rank=ctx.rank, seq=message.seq, echo=message.sent, received=now,
                                         sent=time.monotonic(), rss=rss, peak_rss=peak, cuda_peak=cuda,
-                                        room=ctx.room, held=held_bytes(ctx.backend)))
+                                        room=ctx.room, cache_bytes=cache_bytes(ctx.backend)))
             elif isinstance(message, protocol.Shutdown):
                 link.send(protocol.ShutdownDone(rank=ctx.rank, role="heartbeat"))
                 return
