@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from models.checkpoints import CheckpointNames, resolve_checkpoint_dir
-from models.dit import DiTConfig
 from models.dit_checkpoint import config_from_dict
+from models.dit_config import MODEL_PRESETS, DiTConfig
 from models.stages import StreamGeometry
 from models.t5 import T5Config
 from models.vae import VAEConfig
@@ -39,11 +39,11 @@ class Preset:
 
 def _presets() -> dict[str, Preset]:
     return {
-        "tiny": Preset("tiny", VAEConfig.preset("tiny"), T5Config.preset("tiny")),
-        "small": Preset("small", VAEConfig.preset("small"),
+        "tiny": Preset(MODEL_PRESETS["tiny"], VAEConfig.preset("tiny"), T5Config.preset("tiny")),
+        "small": Preset(MODEL_PRESETS["small"], VAEConfig.preset("small"),
                         T5Config(vocab=1024, dim=64, dim_attn=64, dim_ffn=160, num_heads=4, num_layers=2)),
-        "v1": Preset("lingbot-world-fast-v1", VAEConfig.preset("wan2.1"), T5Config.preset("umt5-xxl")),
-        "v2": Preset("lingbot-world-fast-v2", VAEConfig.preset("wan2.1"), T5Config.preset("umt5-xxl")),
+        "v1": Preset(MODEL_PRESETS["v1"], VAEConfig.preset("wan2.1"), T5Config.preset("umt5-xxl")),
+        "v2": Preset(MODEL_PRESETS["v2"], VAEConfig.preset("wan2.1"), T5Config.preset("umt5-xxl")),
     }
 
 
@@ -66,7 +66,7 @@ def dit_config(model: Any, stream: Any) -> DiTConfig:
 
 def _recipe(model: Any, stream: Any) -> DiTConfig:
     base = DiTConfig.from_name(preset(model.preset).dit)
-    window, sink, eviction = base.local_attn_size, base.sink_size, True
+    window, sink, eviction = base.kv_window, base.kv_sink, True
     if model.kv_window == "full":  # the official v1: the whole clip stays, nothing is evicted, no sink
         window, sink, eviction = model.kv_full_frames, 0, False
     elif isinstance(model.kv_window, int):
@@ -75,7 +75,7 @@ def _recipe(model: Any, stream: Any) -> DiTConfig:
         sink = model.kv_sink
     try:
         return replace(base, chunk_size=stream.chunk_latent_frames, attention=model.attention, compile=model.compile,
-                       local_attn_size=window, sink_size=sink, kv_eviction=eviction)  # fmt: skip
+                       kv_window=window, kv_sink=sink, kv_eviction=eviction)  # fmt: skip
     except AssertionError as error:
         raise ValueError(f"model.kv_window = {window}, kv_sink = {sink} with chunks of {stream.chunk_latent_frames} "
                          f"latent frames: {error}") from None

@@ -19,7 +19,7 @@ def test_condition_and_decode_ranks_build_the_same_random_vae() -> None:
 
 @pytest.mark.parametrize("name", ["tiny", "small", "v1", "v2"])
 def test_every_preset_pairs_a_text_encoder_as_wide_as_the_dit_context(name: str) -> None:
-    from models.dit import DiTConfig
+    from models.dit_config import DiTConfig
 
     chosen = lingbot_config.preset(name)
     assert DiTConfig.from_name(chosen.dit).text_dim == chosen.t5.dim

@@ -19,8 +19,8 @@ import torch
 
 from ipc.client import Client
 from models.controls import ChunkControl, motion_speeds
-from models.dit import DiTConfig
 from models.dit_checkpoint import random_dit, save_dit
+from models.dit_config import DiTConfig
 from models.schedule import FlowMatchSchedule
 from models.stages import SessionSpec, run_in_process
 from models.t5 import T5Config, T5Encoder
