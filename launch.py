@@ -168,7 +168,7 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     from ranks import memory, roles
     from ranks.warmup import StartGate, stages_of
     from ranks.worker import RankContext, run_thread
-    from runtime.placement import placement_of
+    from runtime.placement import STAGES, group_members, placement_of
     from runtime.sizes import served_sizes
 
     cfg = config_mod.load(args.config, overrides)
@@ -194,7 +194,7 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     # there together), not at its first use by some role thread mid-session
     dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
                             device_id=device if backend == "nccl" else None)
-    groups = build_groups(lay, backend, cfg.timeouts.collective_s, device)
+    groups = build_groups(group_members(lay), lay.world_size, backend, cfg.timeouts.collective_s, device)
     # every rank waits here for the slowest to build its stages (umT5-XXL and a VAE before a DiT on some ranks):
     # gloo, with the start-up deadline, not the collective one the first DiT collective would otherwise time out on
     start_group = dist.new_group(list(range(world)), timeout=timedelta(seconds=cfg.timeouts.startup_s),
@@ -215,7 +215,7 @@ def run_rank(args: argparse.Namespace, overrides: list[str], rank: int, world: i
     rank_roles = lay.roles_of(rank)
     precision.apply(device, cfg.model.vae_dtype, holds_vae=bool({"condition", "decode"} & set(rank_roles)))
     built = backend_mod.build(cfg.model, cfg.stream, cfg.synthetic, cfg.controls, rank_roles, device,
-                              groups.of_stage(Stage.DENOISE))
+                              groups.named(STAGES[Stage.DENOISE].group))
     if device.type == "cuda":  # the weights were written on the legacy default stream; the role streams don't wait
         torch.cuda.synchronize(device)
     began = time.monotonic()

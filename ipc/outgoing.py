@@ -90,22 +90,22 @@ class InFlight:
         if limit < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {limit}")
         self.limit = limit
-        self._held: set[int] = set()
+        self._in_flight: set[int] = set()
         self._free = threading.Condition()
 
     def enter(self, req: int, timeout_s: float) -> None:
         """Take a slot for request ``req``; ``TimeoutError`` when none freed within ``timeout_s`` (nothing sent)."""
         with self._free:
-            if not self._free.wait_for(lambda: len(self._held) < self.limit, timeout_s):
+            if not self._free.wait_for(lambda: len(self._in_flight) < self.limit, timeout_s):
                 raise TimeoutError(f"{self.limit} requests of this client waited {timeout_s:.1f} s for their "
                                    "answers: this one was not sent")
-            self._held.add(req)
+            self._in_flight.add(req)
 
     def leave(self, req: int) -> None:
         with self._free:
-            if req in self._held:
-                self._held.discard(req)
+            if req in self._in_flight:
+                self._in_flight.discard(req)
                 self._free.notify()
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._in_flight)

@@ -565,7 +565,8 @@ class Beat(_Msg, tag="beat"):
     peak_rss: int = 0  # peak resident memory, bytes
     cuda_peak: int = 0  # torch.cuda.max_memory_allocated, bytes (0 without CUDA)
     room: int = -1  # bytes this rank can give to sessions (as in its hello); -1: unlimited
-    held: int = 0  # bytes the sessions' caches hold on this rank now, as its stages count them
+    # bytes the sessions' caches hold on this rank now, as its stages count them (``held`` on the wire)
+    cache_bytes: int = msgspec.field(default=0, name="held")
 
 
 WorkerMessage = Union[Hello, InitDone, ChunkDone, ReleaseDone, TransferDone, TaskFailed, ShutdownDone, Beat,  # noqa: UP007

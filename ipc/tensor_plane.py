@@ -2,8 +2,8 @@
 
 All groups are created once at start-up by every rank, in one fixed order, each with an explicit timeout
 (``new_group``'s default is 30 minutes, not the world's). Their members follow from the stage table
-(``runtime.placement.group_members``): a stage's own group, then the out edge of each stage. Each group is used
-from one thread per rank only:
+(``runtime.placement.group_members``, which the launcher hands to ``build_groups``): a stage's own group, then the
+out edge of each stage. Each group is used from one thread per rank only:
 
 - ``dit``: the DiT ranks (Ulysses all-to-all), used by the denoise worker thread;
 - ``condition``: the condition rank plus the DiT ranks; the condition rank broadcasts the session's prompt
@@ -54,10 +54,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ipc.protocol import Edge, Stage
+from ipc.protocol import Edge
 from ipc.streams import Handoff, hand_off, take_over
-from runtime.config import LayoutConfig
-from runtime.placement import GROUP_NAMES, STAGES, group_members
+
+# A group to make: its name (a ``Groups`` field), its ranks, and whether it is a stage's own group (made even with one
+# rank) rather than an edge between stages (local when it has one rank). The launcher takes them from the stage table
+# (``runtime.placement.group_members``), in their creation order.
+GroupMembers = tuple[str, list[int], bool]
 
 
 @dataclass(frozen=True)
@@ -67,11 +70,10 @@ class Groups:
     rank: int
     device: torch.device
     control: Any
-    made: Mapping[str, Any] = field(default_factory=dict)  # by the stage table's names (``GROUP_NAMES``)
+    made: Mapping[str, Any] = field(default_factory=dict)  # by the stage table's names, in creation order
 
-    def of_stage(self, stage: Stage) -> Any | None:
-        """The stage's own group (the DiT's Ulysses group), None for a stage without one."""
-        name = STAGES[stage].group
+    def named(self, name: str | None) -> Any | None:
+        """The group called ``name`` (a stage's ``group`` in the stage table), None for no name or no member."""
         return None if name is None else self.made.get(name)
 
     def of_edge(self, edge: Edge) -> Any | None:
@@ -79,13 +81,15 @@ class Groups:
         return self.made.get(edge.value)
 
 
-def build_groups(layout: LayoutConfig, backend: str, timeout_s: float, device: torch.device) -> Groups:
-    """Create every group, in the same order on every rank. Call once, after ``init_process_group``."""
+def build_groups(members: list[GroupMembers], world_size: int, backend: str, timeout_s: float,
+                 device: torch.device) -> Groups:  # fmt: skip
+    """Create every group, in the order of ``members`` (the same on every rank). Call once, after
+    ``init_process_group``."""
     rank = dist.get_rank()
     timeout = timedelta(seconds=timeout_s)
-    control = dist.new_group(list(range(layout.world_size)), timeout=timeout, backend="gloo")
+    control = dist.new_group(list(range(world_size)), timeout=timeout, backend="gloo")
     made: dict[str, Any] = {}
-    for name, ranks, own in group_members(layout):  # the stage table's: runtime.placement.STAGES
+    for name, ranks, own in members:
         if len(ranks) == 1 and not own:
             made[name] = None  # local hand-off; every rank skips it alike, so the order stays the same
             continue
@@ -102,7 +106,7 @@ def handshake(groups: Groups) -> list[str]:
     while another thread of the rank waits in a collective for a peer, can deadlock a co-located rank). The names
     of the groups, in order."""
     made = []
-    for name in ("control", *GROUP_NAMES):
+    for name in ("control", *groups.made):
         group = groups.control if name == "control" else groups.made.get(name)
         if group is None:
             continue

@@ -27,7 +27,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.dit import ARCH_FIELDS, DiTConfig, WanModelFast
+from models.dit import WanModelFast
+from models.dit_config import ARCH_FIELDS, DiTConfig
 from models.random_init import random_module
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Per-session caches of the DiT: the rolling self-attention KV cache with sink frames, and the text cache.
 
-Semantics (the reference, ``shared/fixtures/golden/README.md`` section 6): a window of ``S = window_frames * fs``
-token slots; the ``sink = sink_frames * fs`` first tokens of the stream stay forever; when a chunk's first call
+Semantics (the reference, ``shared/fixtures/golden/README.md`` section 6): a window of ``S = kv_window * fs``
+token slots; the ``sink = kv_sink * fs`` first tokens of the stream stay forever; when a chunk's first call
 does not fit, the oldest non-sink tokens leave; the chunk's later calls (the other denoising passes and the t = 0
 refresh) rewrite the same tokens; attention reads every valid token. Keys are stored after RoPE, so a cached key
 keeps the position it was written with.
@@ -151,8 +151,8 @@ class TextCache:
 
 def new_kv_cache(
     layers: int,
-    window_frames: int,
-    sink_frames: int,
+    kv_window: int,
+    kv_sink: int,
     tokens_per_frame: int,
     heads: int,
     head_dim: int,
@@ -161,12 +161,12 @@ def new_kv_cache(
     evict: bool = True,
 ) -> KVCache:
     """The rolling cache of a session (``heads`` is the rank's local head count)."""
-    assert window_frames > 0, "the streaming cache needs a finite window (in latent frames)"
-    return KVCache(layers, window_frames * tokens_per_frame, sink_frames * tokens_per_frame, heads, head_dim, device,
+    assert kv_window > 0, "the streaming cache needs a finite window (in latent frames)"
+    return KVCache(layers, kv_window * tokens_per_frame, kv_sink * tokens_per_frame, heads, head_dim, device,
                    dtype, evict)  # fmt: skip
 
 
-def kv_cache_bytes(layers: int, window_frames: int, tokens_per_frame: int, heads: int, head_dim: int,
+def kv_cache_bytes(layers: int, kv_window: int, tokens_per_frame: int, heads: int, head_dim: int,
                    dtype: torch.dtype) -> int:  # fmt: skip
     """Bytes of one session's cache on one rank: keys and values of every layer over the whole window."""
-    return 2 * layers * heads * window_frames * tokens_per_frame * head_dim * torch.finfo(dtype).bits // 8
+    return 2 * layers * heads * kv_window * tokens_per_frame * head_dim * torch.finfo(dtype).bits // 8

@@ -37,8 +37,9 @@ from models.attention import AttentionShapes, Timing, pin_sdpa_backend, resolve_
 from models.camera import StreamingCamera
 from models.compiled import compile_dit
 from models.controls import OFFICIAL_INTRINSICS, ChunkControl, MotionSpeeds, integrate
-from models.dit import ARCH_FIELDS, ChunkCamera, DiTConfig, WanModelFast, apply_sequence_parallel
+from models.dit import ChunkCamera, WanModelFast, apply_sequence_parallel
 from models.dit_checkpoint import load_dit, load_state_dict_strict, random_dit
+from models.dit_config import ARCH_FIELDS, DiTConfig
 from models.kv_cache import KVCache, TextCache, kv_cache_bytes, new_kv_cache
 from models.memory import dit_working_bytes, ensure_headroom
 from models.schedule import FlowMatchSchedule, Step, renoise, step_subset, x0_from_velocity
@@ -159,8 +160,8 @@ class LingbotDenoiseStage:
         cfg = self.cfg
         log.info("DiT %d layers x %d heads (dim %d), %s on %s: chunks of %d latent frames, timesteps %s, KV window %d "
                  "latent frames %s, attention %s (SDPA kernel %s), compile %s", cfg.num_layers, cfg.num_heads, cfg.dim,
-                 dtype, self.device, cfg.chunk_size, [s.timestep for s in self.steps], cfg.local_attn_size,
-                 f"with {cfg.sink_size} sink" if cfg.kv_eviction else "(full: no eviction)", self.attention,
+                 dtype, self.device, cfg.chunk_size, [s.timestep for s in self.steps], cfg.kv_window,
+                 f"with {cfg.kv_sink} sink" if cfg.kv_eviction else "(full: no eviction)", self.attention,
                  self.sdpa_backend if self.sdpa_backend != "sdpa" else "in PyTorch's order", self.compile)  # fmt: skip
 
     def attention_shapes(self) -> AttentionShapes:
@@ -169,7 +170,7 @@ class LingbotDenoiseStage:
         tokens = cs * (h // 2) * (w // 2)
         sp = self.model.sp
         return AttentionShapes(heads=sp.local_heads(self.cfg.num_heads), tokens=tokens,
-                               window=self.cfg.local_attn_size * (h // 2) * (w // 2), head_dim=self.cfg.head_dim,
+                               window=self.cfg.kv_window * (h // 2) * (w // 2), head_dim=self.cfg.head_dim,
                                cross_heads=self.cfg.num_heads, local_tokens=sp.padded(tokens) // sp.size,
                                text_len=self.cfg.text_len)  # fmt: skip
 
@@ -190,7 +191,7 @@ class LingbotDenoiseStage:
 
     def kv_cache_bytes(self, height: int, width: int) -> int:
         """Bytes of one session's KV cache on this rank at a ``height x width`` frame size."""
-        return kv_cache_bytes(self.cfg.num_layers, self.cfg.local_attn_size, (height // 16) * (width // 16),
+        return kv_cache_bytes(self.cfg.num_layers, self.cfg.kv_window, (height // 16) * (width // 16),
                               self.model.sp.local_heads(self.cfg.num_heads), self.cfg.head_dim, self.dtype)
 
     @torch.no_grad()
@@ -204,7 +205,7 @@ class LingbotDenoiseStage:
         geometry = self.geometry.with_size(spec.height, spec.width) if spec.height else self.geometry
         _, _, h, w = geometry.latent_shape
         heads = self.model.sp.local_heads(self.cfg.num_heads)
-        cache = new_kv_cache(self.cfg.num_layers, self.cfg.local_attn_size, self.cfg.sink_size, (h // 2) * (w // 2),
+        cache = new_kv_cache(self.cfg.num_layers, self.cfg.kv_window, self.cfg.kv_sink, (h // 2) * (w // 2),
                              heads, self.cfg.head_dim, self.device, self.dtype, evict=self.cfg.kv_eviction)
         self.sessions[spec.session] = _Session(
             geometry=geometry,
@@ -259,7 +260,7 @@ class LingbotDenoiseStage:
         cap = self.cfg.max_chunks
         if cap is not None and index >= cap:
             raise ValueError(f"chunk {index} is past what the full KV cache holds ({cap} chunks: "
-                             f"{self.cfg.local_attn_size} latent frames); use a rolling model.kv_window for longer")
+                             f"{self.cfg.kv_window} latent frames); use a rolling model.kv_window for longer")
         # A chunk's passes cannot fail on one rank alone (the others would wait in its all-to-all): an OOM is raised
         # here instead, where the group agrees on it and only the session fails.
         ensure_headroom(self.device, st.working, f"chunk {index} of {session}")

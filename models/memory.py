@@ -165,20 +165,21 @@ class Setting:
 
 def setting(config: Any, device_type: str) -> Setting:
     """The ``Setting`` of a ``runtime.config.Config`` on ranks of ``device_type`` ("cuda" or "cpu")."""
-    from models import lingbot
+    from models import lingbot_config
 
     device = torch.device(device_type)
     model = config.model
     return Setting(preset=model.preset, kv_window=model.kv_window, kv_sink=model.kv_sink,
                    kv_full_frames=model.kv_full_frames, chunk_latent_frames=config.stream.chunk_latent_frames,
-                   dit_dtype=lingbot.compute_dtype(model, device), vae_dtype=lingbot.vae_dtype(model, device),
+                   dit_dtype=lingbot_config.compute_dtype(model, device),
+                   vae_dtype=lingbot_config.vae_dtype(model, device),
                    t5_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                    dit_ranks=len(config.layout.dit), latent_capacity=config.scheduler.latent_capacity,
                    compile=model.compile, cuda=device.type == "cuda")
 
 
 class _Model:
-    """``runtime.config`` sections rebuilt from a ``Setting`` (what ``models.lingbot`` reads)."""
+    """``runtime.config`` sections rebuilt from a ``Setting`` (what ``models.lingbot_config`` reads)."""
 
     def __init__(self, s: Setting) -> None:
         self.preset, self.kv_window, self.kv_sink, self.kv_full_frames = (s.preset, s.kv_window, s.kv_sink,
@@ -195,10 +196,10 @@ def _meta() -> Iterator[None]:
 
 
 def _dit(s: Setting) -> Any:
-    from models import lingbot
+    from models import lingbot_config
 
     m = _Model(s)
-    return _dit_model(lingbot.dit_config(m, m), s.dit_dtype, s.dit_ranks)
+    return _dit_model(lingbot_config.dit_config(m, m), s.dit_dtype, s.dit_ranks)
 
 
 @functools.lru_cache(maxsize=8)
@@ -220,28 +221,28 @@ def _dit_model(cfg: Any, dtype: torch.dtype, ranks: int) -> Any:
 
 @functools.lru_cache(maxsize=8)
 def _vae(s: Setting) -> Any:
-    from models import lingbot
+    from models import lingbot_config
     from models.vae import WanVAE
 
     with _meta():
-        return WanVAE(lingbot.preset(s.preset).vae).to(s.vae_dtype)
+        return WanVAE(lingbot_config.preset(s.preset).vae).to(s.vae_dtype)
 
 
 @functools.lru_cache(maxsize=4)
 def _t5_bytes(s: Setting) -> int:
-    from models import lingbot
+    from models import lingbot_config
     from models.t5 import T5Encoder
 
     with _meta():
-        return nbytes(list(T5Encoder(lingbot.preset(s.preset).t5).to(s.t5_dtype).parameters()))
+        return nbytes(list(T5Encoder(lingbot_config.preset(s.preset).t5).to(s.t5_dtype).parameters()))
 
 
 def _geometry(s: Setting, height: int, width: int) -> Any:
-    from models import lingbot
+    from models import lingbot_config
 
     m = _Model(s)
     stream = type("Stream", (), {"height": height, "width": width, "chunk_latent_frames": s.chunk_latent_frames})
-    return lingbot.lingbot_geometry(m, stream)
+    return lingbot_config.lingbot_geometry(m, stream)
 
 
 def _wire(shape: tuple[int, ...]) -> int:
@@ -256,7 +257,7 @@ def _dit_session(s: Setting, height: int, width: int) -> dict[str, int]:
     cfg = model.cfg
     _, _, h, w = g.latent_shape
     with _meta():
-        cache = new_kv_cache(cfg.num_layers, cfg.local_attn_size, cfg.sink_size, (h // 2) * (w // 2),
+        cache = new_kv_cache(cfg.num_layers, cfg.kv_window, cfg.kv_sink, (h // 2) * (w // 2),
                              model.sp.local_heads(cfg.num_heads), cfg.head_dim, "meta", s.dit_dtype,
                              evict=cfg.kv_eviction)
         text = model.text_cache(torch.empty(g.context_shape))
@@ -265,17 +266,17 @@ def _dit_session(s: Setting, height: int, width: int) -> dict[str, int]:
 
 
 def _dit_working(s: Setting, height: int, width: int) -> int:
-    from models import lingbot
+    from models import lingbot_config
 
     m = _Model(s)
-    return dit_working_bytes(lingbot.dit_config(m, m), s.dit_dtype, s.dit_ranks, height, width)
+    return dit_working_bytes(lingbot_config.dit_config(m, m), s.dit_dtype, s.dit_ranks, height, width)
 
 
 def _graphs(s: Setting, height: int, width: int) -> dict[str, int]:
-    from models import lingbot
+    from models import lingbot_config
 
     m = _Model(s)
-    return graphs_bytes(lingbot.dit_config(m, m), s.dit_dtype, s.dit_ranks, height, width)
+    return graphs_bytes(lingbot_config.dit_config(m, m), s.dit_dtype, s.dit_ranks, height, width)
 
 
 def _full_window(model: Any, cfg: Any, dtype: torch.dtype, h: int, w: int) -> tuple[Any, Any, int]:
@@ -284,10 +285,10 @@ def _full_window(model: Any, cfg: Any, dtype: torch.dtype, h: int, w: int) -> tu
     from models.kv_cache import new_kv_cache
 
     cs, fs = cfg.chunk_size, (h // 2) * (w // 2)
-    cache = new_kv_cache(cfg.num_layers, cfg.local_attn_size, cfg.sink_size, fs, model.sp.local_heads(cfg.num_heads),
+    cache = new_kv_cache(cfg.num_layers, cfg.kv_window, cfg.kv_sink, fs, model.sp.local_heads(cfg.num_heads),
                          cfg.head_dim, "meta", dtype, evict=cfg.kv_eviction)
     text = model.text_cache(torch.empty(cfg.text_len, cfg.text_dim))
-    chunk = max(0, cfg.local_attn_size // cs - 1)  # the window is full once this chunk is placed
+    chunk = max(0, cfg.kv_window // cs - 1)  # the window is full once this chunk is placed
     for k in range(chunk):
         cache.begin(k * cs * fs, cs * fs)
     return cache, text, chunk
@@ -353,10 +354,10 @@ def headroom_error(unused: int, need: int, what: str, device: torch.device) -> t
 
 @functools.lru_cache(maxsize=64)
 def _vae_runs(s: Setting, height: int, width: int) -> dict[str, int]:
-    from models import lingbot
+    from models import lingbot_config
 
     g = _geometry(s, height, width)
-    return vae_run_bytes(lingbot.preset(s.preset).vae, s.vae_dtype, tuple(g.latent_shape), height, width,
+    return vae_run_bytes(lingbot_config.preset(s.preset).vae, s.vae_dtype, tuple(g.latent_shape), height, width,
                          s.chunk_latent_frames)  # fmt: skip
 
 

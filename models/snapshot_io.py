@@ -12,6 +12,7 @@ import hashlib
 import os
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from runtime.snapshots import FileEntry, SnapshotError, SnapshotStore, file_name
+from models.snapshot_files import FileEntry, SnapshotError, file_name
 
 HASH_BLOCK = 1 << 22
 
@@ -134,13 +135,13 @@ def write(folder: Path, rank: int, role: str, tensors: dict[str, torch.Tensor]) 
     return entry, time.monotonic() - started
 
 
-def load(store: SnapshotStore, snapshot: str, rank: int, role: str) -> dict[str, torch.Tensor]:
-    """The state (rank, role) saved in ``snapshot``, its manifest and hash checked first."""
-    manifest = store.read(snapshot)
-    entries = [f for f in manifest.files if (f.rank, f.role) == (rank, role)]
+def load(folder: Path, files: Iterable[FileEntry], snapshot: str, rank: int, role: str) -> dict[str, torch.Tensor]:
+    """The state (rank, role) saved in ``snapshot`` (its ``folder`` and the ``files`` its manifest lists, checked
+    against the disk by the caller: ``runtime.snapshots.SnapshotStore.read``), its hash checked first."""
+    entries = [f for f in files if (f.rank, f.role) == (rank, role)]
     if not entries:
         raise SnapshotError(f"snapshot {snapshot} holds no state of rank {rank} {role}")
-    path = store.folder(snapshot) / entries[0].name
+    path = folder / entries[0].name
     try:
         digest = sha256_of(path)
     except OSError as error:  # deleted meanwhile (another replica's budget): named without the server's folder

@@ -74,9 +74,9 @@ def build_synthetic(model: ModelConfig, stream: StreamConfig, costs: SyntheticCo
 
 def build_lingbot(model: ModelConfig, stream: StreamConfig, controls: ControlsConfig,
                   roles: list[str], device: torch.device, dit_group: Any | None) -> Backend:
-    from models import lingbot
+    from models import lingbot, lingbot_config
 
-    backend = Backend(lingbot.lingbot_geometry(model, stream))
+    backend = Backend(lingbot_config.lingbot_geometry(model, stream))
     # The DiT first: its build ends in a collective of the DiT group (the attention choice, on CUDA), which every
     # DiT rank then reaches after loading the same DiT, not a co-located rank after also loading umT5-XXL and a VAE
     # (over a minute on fast4's rank 0, past timeouts.collective_s). The launcher's start-up barrier covers the rest.

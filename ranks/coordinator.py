@@ -20,7 +20,7 @@ from ipc.transport import send_or_why, send_to
 from ranks import probe_server, prometheus
 from ranks.coordinator_inputs import WORKER_MESSAGE_BYTES, await_hellos, drain_clients, drain_workers
 from ranks.coordinator_setup import build_core, write_port_file
-from ranks.memory import held_bytes
+from ranks.memory import cache_bytes
 from ranks.offloop import OffLoop
 from ranks.processes import DeathHold, RankWatch
 from ranks.worker import RankContext, memory_facts
@@ -148,7 +148,7 @@ class Coordinator:
         events += self.offloop.done()
         if now >= self.next_memory:  # rank 0 has no heartbeat thread of its own
             self.next_memory = now + self.timeouts.heartbeat_s
-            events.append(ct.MemorySampled(self.ctx.rank, *memory_facts(), held=held_bytes(self.ctx.backend)))
+            events.append(ct.MemorySampled(self.ctx.rank, *memory_facts(), cache_bytes=cache_bytes(self.ctx.backend)))
             events.append(ct.WatchDropped(self.feeds.dropped))
             self._publish()
         if now >= self.next_probe:  # often: a dead rank is named before the launcher tears the others down

@@ -6,7 +6,7 @@
   runs (``models.memory.working_bytes``: they must stay free for a chunk to run) and ``memory.margin_gb``;
   ``memory.budget_gb`` caps it when set. On CPU: ``memory.budget_gb`` (0: unlimited), so tests can exercise
   admission.
-- ``held_bytes``: the bytes the open sessions' caches hold now, as the stages count them (shown in ``stats``).
+- ``cache_bytes``: the bytes the open sessions' caches hold now, as the stages count them (shown in ``stats``).
 - ``check_session``: once a session's caches reached their steady size on this rank, the bytes of its tensors (on
   CUDA what the allocator gave them, to its 512-byte rounding) against the model's; a model that under-estimates
   by more than ``memory.tolerance`` logs a warning, since admission trusts it.
@@ -45,7 +45,7 @@ def room_bytes(config: Any, rank: int, device: torch.device) -> int:
     return min(room, budget) if budget > 0 else room
 
 
-def held_bytes(backend: Any) -> int:
+def cache_bytes(backend: Any) -> int:
     """Bytes of every open session's caches on this rank (stages that do not count them add nothing)."""
     total = 0
     for stage in backend.values():

@@ -108,13 +108,13 @@ class DeathHold:
 
     def __init__(self, hold_s: float) -> None:
         self.hold_s = hold_s
-        self.held: list[ct.Event] = []
+        self.withheld: list[ct.Event] = []
         self.until = math.inf
 
     def sift(self, arrived: list[ct.Event], dead: Callable[[], list[ct.Event]],
              now: float) -> tuple[list[ct.Event], list[ct.Event]]:  # fmt: skip
         """(the dead ranks found: they go first, what goes on now); job-ending reports are held while none shows."""
-        arrived, self.held = self.held + arrived, []
+        arrived, self.withheld = self.withheld + arrived, []
         if not any(breaks_the_job(e) for e in arrived):
             return [], arrived
         found = dead()
@@ -122,5 +122,5 @@ class DeathHold:
             self.until = math.inf
             return found, arrived
         self.until = min(self.until, now + self.hold_s)
-        self.held = [e for e in arrived if breaks_the_job(e)]
+        self.withheld = [e for e in arrived if breaks_the_job(e)]
         return [], [e for e in arrived if not breaks_the_job(e)]

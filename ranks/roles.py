@@ -196,11 +196,11 @@ def denoise_worker(ctx: RankContext) -> None:
     def switch_prompt(task: protocol.DenoiseChunk) -> None:
         """The first chunk of a newer prompt revision: its context (waited for: the broadcast may still be moving)
         replaces the session's text before the passes; contexts of revisions it superseded are dropped unused."""
-        held = prompts.get(task.session, 0)
-        if task.prompt_revision == held:
+        current = prompts.get(task.session, 0)
+        if task.prompt_revision == current:
             return
         context = _dit_input(ctx, task.session, protocol.context_index(task.prompt_revision))
-        for skipped in range(held + 1, task.prompt_revision):  # announced earlier, on this edge: already here
+        for skipped in range(current + 1, task.prompt_revision):  # announced earlier, on this edge: already here
             ctx.inbox[Edge.CONTEXT].discard((task.session, protocol.context_index(skipped)))
         stage.set_context(task.session, context)
         prompts[task.session] = task.prompt_revision

@@ -87,7 +87,9 @@ class Saver:
 def load(ctx: RankContext, snapshot: str, stage: Stage) -> dict[str, torch.Tensor]:
     """This rank's state of ``stage`` in ``snapshot`` (hash checked, every tensor finite); a bad file raises
     ``SnapshotError``."""
-    state = snapshot_io.load(SnapshotStore(ctx.snapshots_dir), snapshot, ctx.rank, stage.value)
+    store = SnapshotStore(ctx.snapshots_dir)
+    manifest = store.read(snapshot)  # the files it lists, each on disk at the size it lists
+    state = snapshot_io.load(store.folder(snapshot), manifest.files, snapshot, ctx.rank, stage.value)
     snapshot_checks.check_finite(state, f"snapshot {snapshot}: rank {ctx.rank} {stage.value}")
     return state
 

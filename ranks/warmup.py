@@ -56,7 +56,7 @@ def stage_chunks(backend: Backend, stage: Stage) -> int:
     if stage is not Stage.DENOISE or getattr(denoise, "compile", "off") == "off":
         return WARMUP_CHUNKS
     cfg = denoise.cfg  # type: ignore[union-attr]
-    chunks = -(-cfg.local_attn_size // cfg.chunk_size) + 1
+    chunks = -(-cfg.kv_window // cfg.chunk_size) + 1
     if cfg.max_chunks is not None:  # a full (non-evicting) window holds no more
         chunks = min(chunks, cfg.max_chunks)
     return max(chunks, WARMUP_CHUNKS)

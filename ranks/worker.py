@@ -31,10 +31,10 @@ from ipc.streams import RoleStreams
 from ipc.tensor_plane import Groups, Mailbox
 from ipc.transport import WorkerLink
 from ranks.backend import Backend
-from ranks.memory import held_bytes
+from ranks.memory import cache_bytes
 from ranks.warmup import StartGate, warm_stage
 from runtime.config import LayoutConfig, TimeoutsConfig
-from runtime.placement import CONTEXT_CARRIER
+from runtime.placement import CONTEXT_CARRIER, STAGES
 from runtime.sizes import Size
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,8 @@ def serve(ctx: RankContext, role: str, stage: Stage | None, handlers: dict[type,
         warmed: tuple[WarmUp, ...] = ()
         if ctx.start is not None:
             if stage is not None:  # here, in the thread that serves the stage: cuDNN's autotune cache is per thread
-                warmed = warm_stage(ctx.backend, stage, ctx.sizes, ctx.groups.device, ctx.groups.of_stage(stage))
+                own = ctx.groups.named(STAGES[stage].group)  # the stage's own group (the DiT's Ulysses group) or None
+                warmed = warm_stage(ctx.backend, stage, ctx.sizes, ctx.groups.device, own)
                 ctx.start.warmed(stage, warmed)
             if not ctx.start.wait_ready(ctx.stop):  # the rank's room, measured once every stage thread warmed
                 return
@@ -250,7 +251,7 @@ def heartbeat(ctx: RankContext) -> None:
                 rss, peak, cuda = memory_facts()
                 link.send(protocol.Beat(rank=ctx.rank, seq=message.seq, echo=message.sent, received=now,
                                         sent=time.monotonic(), rss=rss, peak_rss=peak, cuda_peak=cuda,
-                                        room=ctx.room, held=held_bytes(ctx.backend)))
+                                        room=ctx.room, cache_bytes=cache_bytes(ctx.backend)))
             elif isinstance(message, protocol.Shutdown):
                 link.send(protocol.ShutdownDone(rank=ctx.rank, role="heartbeat"))
                 return

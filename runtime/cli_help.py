@@ -202,7 +202,7 @@ def check(config: config_mod.Config, where: str) -> list[str]:
         lines.append("  model.checkpoint_dir is empty: seeded random weights (noise frames, real timings)")
         return lines
     from models.checkpoints import CheckpointError, resolve_checkpoint_dir
-    from models.lingbot import checkpoint_names
+    from models.lingbot_config import checkpoint_names
 
     try:
         paths = resolve_checkpoint_dir(model.checkpoint_dir, checkpoint_names(model))

@@ -66,16 +66,17 @@ class Clients(Part, Generic[S]):
         self.max_peers = max_peers
         self.sessions: dict[str, S] = {}
         self._of: dict[bytes, dict[str, None]] = {}  # identity -> its sessions, in the order they were added
-        self._held: OrderedDict[bytes, float] = OrderedDict()  # identity with sessions -> last heard, oldest first
+        # identity with sessions -> last heard, oldest first
+        self._with_sessions: OrderedDict[bytes, float] = OrderedDict()
         self._idle: OrderedDict[bytes, None] = OrderedDict()  # identities without a session, least recent first
 
     # ------------------------------------------------------------------------------------------ membership
 
     def heard(self, who: bytes, now: float) -> None:
         """Any message from ``who``: it is remembered, and its sessions' client timeout starts again."""
-        if who in self._held:
-            self._held[who] = now
-            self._held.move_to_end(who)
+        if who in self._with_sessions:
+            self._with_sessions[who] = now
+            self._with_sessions.move_to_end(who)
             return
         self._idle[who] = None
         self._idle.move_to_end(who)
@@ -107,7 +108,7 @@ class Clients(Part, Generic[S]):
     @property
     def peers(self) -> set[bytes]:
         """Every identity remembered (with sessions or not)."""
-        return {*self._held, *self._idle}
+        return {*self._with_sessions, *self._idle}
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -156,7 +157,7 @@ class Clients(Part, Generic[S]):
     def silent(self, now: float) -> list[S]:
         """The sessions of every client silent for longer than the client timeout, the longest silent first."""
         out: list[S] = []
-        for who, heard in self._held.items():
+        for who, heard in self._with_sessions.items():
             if now - heard <= self.timeout_s:
                 break  # in order of last heard: every later one was heard more recently
             out += self.of(who)
@@ -179,7 +180,7 @@ class Clients(Part, Generic[S]):
             if closed is not None:
                 out.append(ToClient(session.client, closed(session), session.id))
         out += [ToClient(who, protocol.Error(code=code, message=message))
-                for who in (*self._held, *self._idle) if who not in told]
+                for who in (*self._with_sessions, *self._idle) if who not in told]
         return out
 
     # ------------------------------------------------------------------------------------------ the index
@@ -187,8 +188,8 @@ class Clients(Part, Generic[S]):
     def _attach(self, who: bytes, sid: str, now: float) -> None:
         self._idle.pop(who, None)
         self._of.setdefault(who, {})[sid] = None
-        self._held[who] = now
-        self._held.move_to_end(who)
+        self._with_sessions[who] = now
+        self._with_sessions.move_to_end(who)
 
     def _detach(self, who: bytes, sid: str) -> None:
         owned = self._of.get(who)
@@ -197,12 +198,12 @@ class Clients(Part, Generic[S]):
         owned.pop(sid, None)
         if not owned:  # it owns nothing now: an ordinary remembered identity, the most recent one
             del self._of[who]
-            del self._held[who]
+            del self._with_sessions[who]
             self._idle[who] = None
             self._trim()
 
     def _trim(self) -> None:
-        while self._idle and len(self._idle) + len(self._held) > self.max_peers:
+        while self._idle and len(self._idle) + len(self._with_sessions) > self.max_peers:
             self._idle.popitem(last=False)
 
 

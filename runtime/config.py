@@ -22,6 +22,8 @@ import msgspec
 from ipc import auth
 from ipc.protocol import intrinsics_problem
 from models.controls import OFFICIAL_INTRINSICS, MotionSpeeds
+from models.dit_config import MODEL_PRESETS
+from models.dit_config import PRESETS as DIT_PRESETS
 from runtime.sizes import check_sizes
 
 if sys.version_info >= (3, 11):
@@ -404,10 +406,10 @@ def validate(config: Config, where: str) -> Config:
 
 BUILTIN_BACKENDS = frozenset({"synthetic", "lingbot-fast"})
 
-# Head counts and chunk sizes of the model presets, so a config is checked without importing torch.
-PRESET_HEADS = {"tiny": 5, "small": 10, "v1": 40, "v2": 40}
+# The DiT of each model preset (``models.dit_config``: torch-free, so a config is checked without importing torch)
+PRESET_DIT = {name: DIT_PRESETS[dit] for name, dit in MODEL_PRESETS.items()}
+PRESET_HEADS = {name: dit.num_heads for name, dit in PRESET_DIT.items()}
 RELEASED_CHUNK = {"v1": 3, "v2": 4}  # latent frames per chunk the released models were distilled for
-PRESET_WINDOW = {"tiny": (8, 2), "small": (8, 2), "v1": (18, 6), "v2": (18, 6)}  # (window, sink) latent frames
 
 
 def _validate_model(config: Config, where: str) -> None:
@@ -429,8 +431,8 @@ def _validate_model(config: Config, where: str) -> None:
         if model.kv_full_frames < cs:
             raise ConfigError(f"{where}: model.kv_full_frames must hold at least one chunk ({cs} latent frames)")
         return
-    window = model.kv_window if isinstance(model.kv_window, int) else PRESET_WINDOW[model.preset][0]
-    sink = model.kv_sink if model.kv_sink >= 0 else PRESET_WINDOW[model.preset][1]
+    window = model.kv_window if isinstance(model.kv_window, int) else PRESET_DIT[model.preset].kv_window
+    sink = model.kv_sink if model.kv_sink >= 0 else PRESET_DIT[model.preset].kv_sink
     if not 0 <= sink < window or cs > window - sink:
         raise ConfigError(f"{where}: a KV window of {window} latent frames with {sink} sink frames cannot hold a "
                           f"chunk of {cs} beside the sink (model.kv_window, model.kv_sink)")

@@ -231,7 +231,7 @@ class CoordinatorCore:
                 self._answer(self.saving.listed(event, restoring, now), now)
             case WorkerSent(message=protocol.Beat() as beat):
                 self.health.beat(beat, now)
-                self.admitting.memory.report(beat.rank, beat.room, beat.held)
+                self.admitting.memory.report(beat.rank, beat.room, beat.cache_bytes)
             case WorkerSent(message=protocol.SaveCaptured() | protocol.SaveWritten() as saved):
                 self._guarded(saved.session, lambda: self._answer(self.saving.progress(saved, now), now), now)
             case WorkerSent(message=protocol.TaskFailed(phase=Phase.SAVE) as failed):
@@ -243,10 +243,10 @@ class CoordinatorCore:
             case FramesMissing(session=sid, index=index, error=error):
                 self._contain(sid, None, None, RuntimeError(f"frames of chunk {index} never reached rank 0: {error}"),
                               now)
-            case MemorySampled(rank=rank, held=held):
+            case MemorySampled(rank=rank, cache_bytes=cache_bytes):
                 self.health.sampled(event)
-                if held is not None:
-                    self.admitting.memory.measured[rank] = held
+                if cache_bytes is not None:
+                    self.admitting.memory.measured[rank] = cache_bytes
             case Tick():
                 self._timers(now)
             case RankLost(reason=reason):

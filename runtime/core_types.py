@@ -89,7 +89,7 @@ class MemorySampled:
     rss: int
     peak_rss: int
     cuda_peak: int
-    held: int | None = None  # bytes the sessions' caches hold on this rank, as its stages count them
+    cache_bytes: int | None = None  # bytes the sessions' caches hold on this rank, as its stages count them
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ sessions (on CUDA what is free after weights and warm-up less its working peaks 
 model (``models.memory.session_costs``, handed in as a function). Rank 0 keeps what it admitted: a rank's free
 bytes are its room less the costs of the sessions it holds, so two sessions opened back to back never both count
 the same bytes, and a closed session's bytes are free again at once. The ranks' own measure of what their sessions
-hold (``Beat.held``) is shown beside it in ``stats``.
+hold (``Beat.cache_bytes``) is shown beside it in ``stats``.
 """
 
 from __future__ import annotations
@@ -28,18 +28,18 @@ def gib(n: int) -> str:
 class MemoryAdmission:
     cost: Cost | None = None  # None: sessions cost nothing here (no memory model for this backend)
     rooms: dict[int, int] = field(default_factory=dict)  # rank -> bytes for sessions (absent or -1: unlimited)
-    held: dict[str, dict[int, int]] = field(default_factory=dict)  # session -> bytes admitted on each rank
+    admitted: dict[str, dict[int, int]] = field(default_factory=dict)  # session -> bytes admitted on each rank
     measured: dict[int, int] = field(default_factory=dict)  # rank -> bytes its sessions hold, as the rank measures
     # (height, width) -> why no session of that size can open (a rank ran out of memory warming it up: ranks.warmup)
     unservable_sizes: dict[tuple[int, int], str] = field(default_factory=dict)
 
-    def report(self, rank: int, room: int, held: int | None = None) -> None:
+    def report(self, rank: int, room: int, cache_bytes: int | None = None) -> None:
         self.rooms[rank] = room
-        if held is not None:
-            self.measured[rank] = held
+        if cache_bytes is not None:
+            self.measured[rank] = cache_bytes
 
     def session_bytes(self, rank: int) -> int:
-        return sum(costs.get(rank, 0) for costs in self.held.values())
+        return sum(costs.get(rank, 0) for costs in self.admitted.values())
 
     def free_bytes(self, rank: int) -> int | None:
         room = self.rooms.get(rank, UNLIMITED)
@@ -54,7 +54,7 @@ class MemoryAdmission:
         for rank, need in sorted(self.cost(height, width).items()):
             free = self.free_bytes(rank)
             if free is not None and need > free:
-                holding = sum(1 for costs in self.held.values() if costs.get(rank, 0))
+                holding = sum(1 for costs in self.admitted.values() if costs.get(rank, 0))
                 return (f"rank {rank} has no room for another {height}x{width} session: it needs {need} bytes "
                         f"({gib(need)}) and has {max(free, 0)} bytes ({gib(max(free, 0))}) free; {holding} open "
                         f"sessions hold {gib(self.session_bytes(rank))} of its {gib(self.rooms[rank])}")
@@ -63,7 +63,7 @@ class MemoryAdmission:
     def unservable(self, sizes: Iterable[tuple[int, int]]) -> list[str]:
         """Why each of ``sizes`` cannot hold even one session, whatever closes (asked once at start: a layout too
         big for its cards should say so in its log, not only in every refused ``open``)."""
-        if self.held:
+        if self.admitted:
             raise RuntimeError("unservable() answers for an empty server; sessions are open")
         reasons = ((f"{h}x{w}", self.refusal(h, w)) for h, w in sizes)
         return [f"no {size} session can open on this server: {why}" for size, why in reasons if why is not None]
@@ -71,10 +71,10 @@ class MemoryAdmission:
     def admit(self, session: str, height: int, width: int) -> None:
         """Hold the session's bytes on every rank (call once ``refusal`` said it fits)."""
         if self.cost is not None:
-            self.held[session] = {rank: n for rank, n in self.cost(height, width).items() if n}
+            self.admitted[session] = {rank: n for rank, n in self.cost(height, width).items() if n}
 
     def release(self, session: str) -> None:
-        self.held.pop(session, None)
+        self.admitted.pop(session, None)
 
     def stats(self, rank: int) -> dict[str, int | None]:
         return {"session_bytes": self.session_bytes(rank), "free_bytes": self.free_bytes(rank),

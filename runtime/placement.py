@@ -286,10 +286,6 @@ def placement_of(layout: LayoutConfig) -> Placement:
                      coordinator=layout.coordinator, world_size=layout.world_size)
 
 
-GROUP_NAMES: Final = (*(spec.group for spec in STAGES.values() if spec.group is not None),
-                      *(spec.out.edge.value for spec in STAGES.values()))  # in creation order (``group_members``)
-
-
 def group_members(layout: LayoutConfig) -> list[tuple[str, list[int], bool]]:
     """The tensor-plane groups in their fixed creation order, with their ranks and whether it is a stage's own
     group: each stage's own group (``group``), then each stage's out edge (named after its ``Edge``), in pipeline

@@ -178,7 +178,7 @@ class Replica:
     shown: dict[str, Any] = field(default_factory=dict)  # what that reply says besides, for operators
     stats_at: float | None = None
     fresh: bool = False  # a stats reply was read on the current connection: its load is known
-    held_until: float = 0.0  # it said nonsense: it stays down until then
+    down_until: float = 0.0  # it said nonsense: it stays down until then
     is_router: bool = False  # its endpoint answered with the router's own id (a loop): never up
     sessions: set[str] = field(default_factory=set)  # the router's sessions on it
     opening: int = 0  # opens sent, not answered
@@ -278,7 +278,7 @@ class Replica:
             return (f"the name {self.name} is held by a live replica at {self.endpoint} (answering as server "
                     f"{self.server}); choose another replica.name")
         log.info("replica %s moves from %s to %s", self.name, self.endpoint, endpoint)
-        self.endpoint, self.server, self.held_until, self.is_router = endpoint, "", 0.0, False
+        self.endpoint, self.server, self.down_until, self.is_router = endpoint, "", 0.0, False
         self.down_reason = "not answering yet"
         return None
 
@@ -307,7 +307,7 @@ class Replica:
             if self.state is State.UP:
                 return f"restarted (it answers as server {server}, was {before})", False
         self.server = server or self.server
-        if self.state is State.UP or self.is_router or now < self.held_until:
+        if self.state is State.UP or self.is_router or now < self.down_until:
             return None, False
         if not self.known:
             self.down_reason = (f"answers as server {self.server or '(no id)'}, registered as "

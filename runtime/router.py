@@ -522,13 +522,13 @@ class RouterCore:
         except UnusableStats as error:  # never trusted, never fatal: down (its sessions end) and held down a while
             why = f"sent unusable stats ({error})"
             self._down(replica, why, now)
-            replica.down_reason, replica.held_until = why, now + self.config.replica_dead_s
+            replica.down_reason, replica.down_until = why, now + self.config.replica_dead_s
             return
         if not replica.fold_stats(stats, shown, now):
             self._end_sessions(replica, "restarted (its uptime went back)", ErrorCode.RANK_FAILED, now)
             for pending in [p for p in self.opens.values() if p.replica == replica.name]:
                 self._retry_open(pending, now)
-        if replica.state is State.DOWN and replica.known and not replica.is_router and now >= replica.held_until:
+        if replica.state is State.DOWN and replica.known and not replica.is_router and now >= replica.down_until:
             replica.move(State.UP, now)  # it answered as a known process and its load is read: it takes sessions
             log.info("replica %s is up at %s", replica.name, replica.endpoint)
             self._emit(ReplicaUp(replica.name, replica.endpoint))

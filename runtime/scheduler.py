@@ -231,7 +231,7 @@ class _Session:
     leaked: list[Stage] = field(default_factory=list)
     finished: bool = False  # SessionClosed was emitted (only poisoned tombstones keep this True)
     start: int = 0  # its first chunk (a restored session continues its snapshot's numbering)
-    held: bool = False  # a save holds the denoise of chunk next_denoise until its save tasks are queued before it
+    save_hold: bool = False  # a save holds the denoise of chunk next_denoise until its save tasks are queued before it
 
     def __post_init__(self) -> None:
         self.controls = InOrder(start=self.start, memory=self.control_memory)
@@ -390,10 +390,10 @@ class Scheduler:
         self._maybe_drained(s, out)
         return self._finish_event(self._pump(now, out), now)
 
-    def hold(self, session: str, held: bool, now: float) -> list[Action]:
+    def hold(self, session: str, on: bool, now: float) -> list[Action]:
         """Hold (or let go) the denoise of the session's next chunk: a save captures its state meanwhile."""
         s = self._get(session)
-        s.held = held
+        s.save_hold = on
         return self._finish_event(self._pump(now, []), now)
 
     def stage_failed(self, session: str, stage: Stage, index: int | None, error: str, now: float) -> list[Action]:
@@ -588,7 +588,7 @@ class Scheduler:
     def _denoise_blocker(self, s: _Session) -> IdleCause | None:
         """Why chunk ``next_denoise`` of a READY session cannot start on the DiT now (None: it can)."""
         d = s.next_denoise
-        if s.held:
+        if s.save_hold:
             return IdleCause.SAVE
         if d not in s.accepted:
             return IdleCause.CONTROL

@@ -15,10 +15,8 @@ the VAE's convolutions once per shape, with device-wide syncs (first decodes at 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from runtime.config import StreamConfig
+from collections.abc import Sequence
+from typing import Protocol
 
 Size = tuple[int, int]  # (height, width) in pixels
 
@@ -47,7 +45,23 @@ def default_sizes(height: int, width: int, area: int) -> tuple[Size, ...]:
     return tuple(sizes)
 
 
-def served_sizes(stream: StreamConfig) -> tuple[Size, ...]:
+class SizedStream(Protocol):
+    """What of ``runtime.config.StreamConfig`` the served sizes follow from (stated here: the config imports this
+    module to check ``sizes``, so this module does not import the config)."""
+
+    @property
+    def size(self) -> str: ...  # "fixed" or "image"
+    @property
+    def sizes(self) -> Sequence[tuple[int, int]]: ...
+    @property
+    def height(self) -> int: ...
+    @property
+    def width(self) -> int: ...
+    @property
+    def area(self) -> int: ...
+
+
+def served_sizes(stream: SizedStream) -> tuple[Size, ...]:
     """Every frame size a server with this ``[stream]`` section can stream at, the configured one first."""
     if stream.size == "fixed":
         return ((stream.height, stream.width),)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ipc.protocol import ChunkControl, Stage, intrinsics_problem, steps_problem
+from models.snapshot_files import FileEntry, SnapshotError, file_name
 from runtime.save_rate import SaveRate
 
 if TYPE_CHECKING:
@@ -57,10 +58,6 @@ MAX_MANIFEST_BYTES = 1 << 20
 ROLES = frozenset(stage.value for stage in Stage)  # the stage workers that write a file (a stage's worker: its name)
 
 
-class SnapshotError(ValueError):
-    """A snapshot cannot be saved or restored; the message says what differs or what is wrong."""
-
-
 def new_snapshot_id() -> str:
     return secrets.token_urlsafe(16)
 
@@ -70,10 +67,6 @@ def check_id(text: str) -> str:
     if not isinstance(text, str) or not ID_PATTERN.fullmatch(text):
         raise SnapshotError(f"{str(text)[:40]!r} is not a snapshot id (22 characters of A-Z a-z 0-9 _ -)")
     return text
-
-
-def file_name(rank: int, role: str) -> str:
-    return f"rank{rank}-{role}.safetensors"
 
 
 class Identity(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -143,14 +136,6 @@ def live_state(live: LiveControls | None, controls: Mapping[int, ChunkControl], 
     cut = tuple(controls[i] for i in range(chunk, live.next_index) if i in controls)
     return LiveState(held=tuple(sorted(live.held)), revision=live.revision, pause_when_idle=live.pause_when_idle,
                      cut=cut)
-
-
-class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    rank: int
-    role: str  # the stage whose state it holds
-    name: str
-    bytes: int
-    sha256: str
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -35,8 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.controls import ChunkControl
-from models.dit import DiTConfig, chunk_flops
+from models.dit import chunk_flops
 from models.dit_checkpoint import random_dit
+from models.dit_config import DiTConfig
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.stages import SessionSpec, StreamGeometry
 
@@ -83,7 +84,7 @@ def run_mode(mode: str, cfg: DiTConfig, model: torch.nn.Module, geometry: Stream
     g = torch.Generator().manual_seed(1)
     stage.open(SessionSpec("bench", 0, ""), torch.randn(cfg.text_len, cfg.text_dim, generator=g))
     condition = torch.randn(geometry.condition_shape, generator=g).to(device)
-    full = math.ceil(cfg.local_attn_size / cfg.chunk_size) - 1  # the first chunk with the window full (it evicts)
+    full = math.ceil(cfg.kv_window / cfg.chunk_size) - 1  # the first chunk with the window full (it evicts)
     times, graphs = [], []
     for k in range(full + 1 + chunks):
         sync(device)

@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.dit import DiTConfig, WanModelFast, apply_sequence_parallel, chunk_flops
+from models.dit import WanModelFast, apply_sequence_parallel, chunk_flops
+from models.dit_config import DiTConfig
 from models.kv_cache import new_kv_cache
 from models.lingbot_denoise import NoiseSource, denoise_chunk
 from models.schedule import FlowMatchSchedule
@@ -42,7 +43,7 @@ def measure(preset: str, lat_h: int, lat_w: int, chunks: int, group: dist.Proces
     model = apply_sequence_parallel(WanModelFast(cfg).eval(), group)
     fs = (lat_h // 2) * (lat_w // 2)
     heads = model.sp.local_heads(cfg.num_heads)
-    cache = new_kv_cache(cfg.num_layers, cfg.local_attn_size, cfg.sink_size, fs, heads, cfg.head_dim, "cpu",
+    cache = new_kv_cache(cfg.num_layers, cfg.kv_window, cfg.kv_sink, fs, heads, cfg.head_dim, "cpu",
                            torch.float32)  # fmt: skip
     steps = FlowMatchSchedule.build(cfg.shift).steps(cfg.timestep_indices)
     g = torch.Generator().manual_seed(1)

@@ -59,8 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models import memory, precision
 from models.attention import _load_sage, pinned_backend
 from models.controls import ChunkControl
-from models.dit import DiTConfig, chunk_flops
+from models.dit import chunk_flops
 from models.dit_checkpoint import random_dit
+from models.dit_config import DiTConfig
 from models.kv_cache import kv_cache_bytes
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.stages import SessionSpec
@@ -105,7 +106,7 @@ def sdpa_backends(sizes: Sizes, device: torch.device, repeat: int = 10) -> dict[
 
     cfg = DiTConfig.from_name(sizes.dit["v1"])
     fs = (sizes.height // 16) * (sizes.width // 16)
-    n, kv = cfg.chunk_size * fs, cfg.local_attn_size * fs
+    n, kv = cfg.chunk_size * fs, cfg.kv_window * fs
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)  # drawn on the device: no host round trip for the 0.6 GB of k/v
     q = torch.randn(1, n, cfg.num_heads, cfg.head_dim, device=device, dtype=dtype).transpose(1, 2)
@@ -173,7 +174,7 @@ def dit_steady(sizes: Sizes, device: torch.device, attention: list[str]) -> dict
     for recipe in ("v1", "v2"):
         cfg = base if recipe == "v1" else replace(base, **sizes.v2_recipe)
         geometry = geometry_of(cfg, sizes.height, sizes.width)
-        fill = math.ceil(cfg.local_attn_size / cfg.chunk_size)  # chunks until the window is full
+        fill = math.ceil(cfg.kv_window / cfg.chunk_size)  # chunks until the window is full
         for kind in attention:
             name = f"{recipe}_{kind}"
             stage: LingbotDenoiseStage | None = None
@@ -353,7 +354,7 @@ def kv_bytes(sizes: Sizes) -> dict[str, Any]:
         cfg = DiTConfig.from_name(name)
         for layout, (ranks, _) in LAYOUTS.items():
             heads = math.ceil(cfg.num_heads / ranks)
-            nbytes = kv_cache_bytes(cfg.num_layers, cfg.local_attn_size, fs, heads, cfg.head_dim, torch.bfloat16)
+            nbytes = kv_cache_bytes(cfg.num_layers, cfg.kv_window, fs, heads, cfg.head_dim, torch.bfloat16)
             out[f"{recipe}_{layout}_gib"] = nbytes / 2**30
     return out
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from models.dit import DiTConfig
 from models.dit_checkpoint import random_dit
+from models.dit_config import DiTConfig
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.stages import SessionSpec
 from scripts.gpu_base import Sizes, chunk_times, geometry_of, peak_gib, reset_peak
@@ -52,7 +52,7 @@ def split_rank(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     cfg = replace(DiTConfig.from_name(sizes.dit["v1"]), attention="sdpa")
     model = random_dit(cfg, device, dtype, seed=0)
     geometry = geometry_of(cfg, sizes.height, sizes.width)
-    fill = math.ceil(cfg.local_attn_size / cfg.chunk_size)
+    fill = math.ceil(cfg.kv_window / cfg.chunk_size)
     out: dict[str, Any] = {}
     for sp in (5, 8):
         if cfg.num_heads % sp:

@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 
 from models.camera import clip_control
 from models.compiled import compile_dit
-from models.dit import DiTConfig, WanModelFast
+from models.dit import WanModelFast
 from models.dit_checkpoint import config_from_dict, load_state_dict_strict
+from models.dit_config import DiTConfig
 from models.kv_cache import new_kv_cache
 from models.lingbot_denoise import denoise_chunk
 from models.schedule import FlowMatchSchedule
@@ -51,8 +52,8 @@ def load_model(fixture_dir: Path, compile: str = "off") -> WanModelFast:
     whole_clip = constructor["local_attn_size"] < 0  # the official "full" cache: nothing is ever evicted
     # The streaming settings as the reference ran them; the constructor decides the architecture only.
     streaming = DiTConfig(
-        local_attn_size=stream["kv_cache_size_tokens"] // fs,
-        sink_size=0 if whole_clip else stream.get("sink_size", constructor["sink_size"]),
+        kv_window=stream["kv_cache_size_tokens"] // fs,
+        kv_sink=0 if whole_clip else stream.get("sink_size", constructor["sink_size"]),
         kv_eviction=not whole_clip,
         chunk_size=stream["chunk_size"],
         shift=stream["shift"],
@@ -128,7 +129,7 @@ def checks(fixture_dir: Path, compile: str = "off") -> Iterator[Check]:
 
     def fresh_cache():  # type: ignore[no-untyped-def]
         return new_kv_cache(
-            cfg.num_layers, cfg.local_attn_size, cfg.sink_size, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32
+            cfg.num_layers, cfg.kv_window, cfg.kv_sink, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32
         )
 
     with torch.no_grad():

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from models.controls import ChunkControl
-from models.dit import DiTConfig
+from models.dit_config import DiTConfig
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.stages import StreamGeometry
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from models.dit import DiTConfig, WanModelFast
+from models.dit import WanModelFast
 from models.dit_checkpoint import random_dit
+from models.dit_config import DiTConfig
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.stages import SessionSpec
 from scripts.gpu_base import LAYOUTS, Sizes, chunk_times, geometry_of, timed
@@ -69,7 +70,7 @@ def _multi_gpu_worker(rank: int, world: int, port: int, sizes_tiny: bool, out_di
     g = torch.Generator(device="cpu").manual_seed(1)
     stage.open(SessionSpec("b", 0, ""), torch.randn(cfg.text_len, cfg.text_dim, generator=g))
     cond = torch.randn(20, cfg.chunk_size, sizes.height // 8, sizes.width // 8, generator=g).to(device)
-    fill = math.ceil(cfg.local_attn_size / cfg.chunk_size)
+    fill = math.ceil(cfg.kv_window / cfg.chunk_size)
     times = chunk_times(stage, "b", fill + 2, cond, device, keys="w", before=dist.barrier)
     result["spN_chunk_s"] = min(times[-2:])
     result["chunk_s"] = times

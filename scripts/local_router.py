@@ -12,15 +12,37 @@ failover test and benchmark kill replicas under it).
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ipc.client import Client, ServerError
 from scripts.local_server import LocalProcess
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float) -> float:
+    """Seconds until ``predicate`` held (polled); an ``AssertionError`` after ``timeout_s`` (a failed test or run)."""
+    began = time.monotonic()
+    while not predicate():
+        if time.monotonic() - began > timeout_s:
+            raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return time.monotonic() - began
+
+
+def replica_of(client: Client, session: str) -> str:
+    return client.stats().per_session[session].replica
 
 
 class RouterFailed(RuntimeError):

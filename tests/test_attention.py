@@ -23,7 +23,7 @@ from models.attention import (
     time_attention,
 )
 from models.controls import ChunkControl
-from models.dit import DiTConfig
+from models.dit_config import DiTConfig
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.stages import SessionSpec, StreamGeometry
 

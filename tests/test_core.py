@@ -817,7 +817,7 @@ def test_an_open_real_time_cannot_hold_is_refused_busy_with_the_models_reason_af
     assert error.code == "busy" and error.req == 99 and "real time cannot hold for 4 sessions" in error.message
     assert error.retry_after_s == 5.0  # no session ends by itself: the default hint
     assert len(job.core.sessions) == 3 and set(job.core.admitting.capacity.seats) == {first, second, third}
-    assert set(job.core.admitting.memory.held) == {first, second, third}  # the refused open holds no bytes
+    assert set(job.core.admitting.memory.admitted) == {first, second, third}  # the refused open holds no bytes
 
 
 def test_the_core_imports_without_torch() -> None:

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.dit import DiTConfig, WanModelFast
+from models.dit import WanModelFast
 from models.dit_checkpoint import SAVED_INDEX as INDEX_NAME
 from models.dit_checkpoint import config_from_dict, load_dit, save_dit
+from models.dit_config import DiTConfig
 
 TINY = DiTConfig.from_name("tiny", attention="sdpa")
 
@@ -90,7 +91,7 @@ def test_a_released_config_gives_the_architecture_and_leaves_the_streaming_setti
     cfg = config_from_dict({**RELEASED_KEYS, "model_type": "t2v", "unknown_future_key": 3}, base=v2)
     assert (cfg.dim, cfg.num_heads, cfg.num_layers, cfg.patch_size) == (60, 5, 2, (1, 2, 2))
     # -1/0 run-time fields do not stop the load and do not leak in: the window, sink and schedule are v2's
-    assert (cfg.local_attn_size, cfg.sink_size, cfg.chunk_size) == (18, 6, 4)
+    assert (cfg.kv_window, cfg.kv_sink, cfg.chunk_size) == (18, 6, 4)
     assert cfg.timestep_indices == (0, 250, 500, 750)
 
 

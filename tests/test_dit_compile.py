@@ -17,9 +17,10 @@ from torch._dynamo.utils import counters
 from ipc.protocol import Stage
 from models.compiled import CompiledBlocks, CudaGraphPasses, compile_dit
 from models.controls import ChunkControl
-from models.dit import DiTConfig, WanModelFast
+from models.dit import WanModelFast
+from models.dit_config import DiTConfig
 from models.kv_cache import KVCache
-from models.lingbot import dit_config
+from models.lingbot_config import dit_config
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.rope import apply_rope, rope_angles, rope_freqs
 from models.stages import SessionSpec, StreamGeometry

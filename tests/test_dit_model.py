@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.attention import sdpa
-from models.dit import DiTConfig, WanModelFast
+from models.dit import WanModelFast
+from models.dit_config import DiTConfig
 from models.kv_cache import KVCache, new_kv_cache
 from models.rope import apply_rope, rope_angles, rope_freqs
 from models.schedule import FlowMatchSchedule
@@ -39,7 +40,7 @@ def test_full_size_model_on_meta_has_the_released_tensor_and_parameter_counts() 
 
 
 def test_cached_chunk_by_chunk_path_equals_one_block_causal_full_sequence_forward() -> None:
-    model = _model(local_attn_size=12, sink_size=2)  # 9 frames fit: no eviction
+    model = _model(kv_window=12, kv_sink=2)  # 9 frames fit: no eviction
     cfg, cs, fs = model.cfg, 3, (H // 2) * (W // 2)
     g = torch.Generator().manual_seed(1)
     clean = [torch.randn(16, cs, H, W, generator=g) for _ in range(2)]

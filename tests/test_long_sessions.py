@@ -13,7 +13,7 @@ import torch
 
 from models.camera import StreamingCamera
 from models.controls import ChunkControl, MotionSpeeds, integrate
-from models.dit import DiTConfig
+from models.dit_config import DiTConfig
 from models.kv_cache import KVCache
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.rope import apply_rope, rope_angles, rope_freqs

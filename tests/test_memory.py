@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ipc.protocol import Stage
-from models import lingbot, memory
+from models import lingbot, lingbot_config, memory
 from models.controls import ChunkControl
 from models.stages import SessionSpec
 from runtime import config as config_mod
@@ -47,7 +47,7 @@ def test_session_items_equal_the_bytes_a_real_tiny_session_holds_after_two_chunk
     held = {Stage.CONDITION: condition, Stage.DENOISE: denoise, Stage.DECODE: decode}
     for stage, spec in STAGES.items():  # the items a rank checks each stage against (``ranks.memory``)
         assert held[stage].session_nbytes("s") == sum(items[k] for k in spec.memory_items)
-    g = lingbot.lingbot_geometry(cfg.model, cfg.stream).with_size(height, width)
+    g = lingbot_config.lingbot_geometry(cfg.model, cfg.stream).with_size(height, width)
     assert items["dit_inputs"] == 4 * (int(np.prod(g.context_shape)) + 2 * int(np.prod(g.condition_shape)))
     assert items["context"] == context.numel() * context.element_size()
 

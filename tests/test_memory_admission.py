@@ -81,7 +81,7 @@ def test_ranks_without_a_limit_never_refuse_and_a_beat_updates_a_room() -> None:
         job.open(A)
     assert len(job.core.sessions) == 4
     job = memory_job()
-    job.step(WorkerSent(p.Beat(rank=4, seq=0, echo=0.0, received=0.0, sent=0.0, room=30, held=7)))
+    job.step(WorkerSent(p.Beat(rank=4, seq=0, echo=0.0, received=0.0, sent=0.0, room=30, cache_bytes=7)))
     (refused,) = job.to(A, p.Error, ask(job, A))
     assert refused.code == "busy" and "rank 4 " in refused.message and "has 30 bytes" in refused.message
 
@@ -89,7 +89,7 @@ def test_ranks_without_a_limit_never_refuse_and_a_beat_updates_a_room() -> None:
 def test_stats_show_each_ranks_session_bytes_and_free_bytes() -> None:
     job = memory_job()
     job.open(A)
-    job.step(WorkerSent(p.Beat(rank=3, seq=0, echo=0.0, received=0.0, sent=0.0, room=100, held=38)))
+    job.step(WorkerSent(p.Beat(rank=3, seq=0, echo=0.0, received=0.0, sent=0.0, room=100, cache_bytes=38)))
     (reply,) = job.to(B, p.StatsReply, job.send(B, p.Stats(req=9)))
     ranks = reply.stats.ranks
     assert ranks["3"].session_bytes == 40 and ranks["3"].free_bytes == 60

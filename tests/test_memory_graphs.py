@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import launch
-from models import lingbot, memory
+from models import lingbot_config, memory
 from models.dit_checkpoint import random_dit
 from runtime import config as config_mod
 
@@ -24,7 +24,7 @@ def test_graphs_adds_each_sessions_camera_copy_and_pass_statics_and_one_capture_
     plain, counted = memory.session_items(off, 0, 64, 96, "cpu"), memory.session_items(graphs, 0, 64, 96, "cpu")
     assert set(counted) - set(plain) == {"graphs_camera", "graphs_statics"}
     # the copy CudaGraphPasses keeps per session is exactly the chunk's camera modulation, every block's pair
-    cfg = lingbot.dit_config(graphs.model, graphs.stream)
+    cfg = lingbot_config.dit_config(graphs.model, graphs.stream)
     model = random_dit(cfg, torch.device("cpu"), torch.float32, seed=0)
     with torch.no_grad():
         cam = model.camera_modulation(torch.zeros(1, cfg.control_features // 4, cfg.chunk_size, 8, 12))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models.controls import ChunkControl
-from models.dit import DiTConfig
+from models.dit_config import DiTConfig
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.stages import SessionSpec, StreamGeometry
 from models.synthetic import pass_cost

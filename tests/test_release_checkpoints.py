@@ -19,8 +19,8 @@ import torch
 
 from ipc.client import Client
 from models.controls import ChunkControl, motion_speeds
-from models.dit import DiTConfig
 from models.dit_checkpoint import random_dit, save_dit
+from models.dit_config import DiTConfig
 from models.schedule import FlowMatchSchedule
 from models.stages import SessionSpec, run_in_process
 from models.t5 import T5Config, T5Encoder
@@ -89,13 +89,14 @@ def _overrides(releases: dict[str, Path], version: str) -> list[str]:
 def _one_process(overrides: list[str], dit_dir: Path, seed: int) -> list[np.ndarray]:
     """The same session in one process, with the DiT loaded explicitly from ``dit_dir`` (not through the resolver,
     so a server that picked another folder's weights disagrees)."""
-    from models import lingbot
+    from models import lingbot, lingbot_config
     from models.lingbot_denoise import LingbotDenoiseStage
 
     cfg = config_mod.load("split7-h100", overrides)
     device = torch.device("cpu")
-    denoise = LingbotDenoiseStage(lingbot.dit_config(cfg.model, cfg.stream), lingbot.lingbot_geometry(cfg.model,
-                                  cfg.stream), weights=dit_dir, speeds=motion_speeds(cfg.controls))  # fmt: skip
+    denoise = LingbotDenoiseStage(lingbot_config.dit_config(cfg.model, cfg.stream),
+                                  lingbot_config.lingbot_geometry(cfg.model, cfg.stream), weights=dit_dir,
+                                  speeds=motion_speeds(cfg.controls))  # fmt: skip
     stages = (lingbot.build_condition(cfg.model, cfg.stream, device), denoise,
               lingbot.build_decode(cfg.model, cfg.stream, device))  # fmt: skip
     raw = decode_image(IMAGE, cfg.server.max_image_pixels)  # at its own size: the condition stage resizes it

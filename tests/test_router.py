@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -24,7 +23,7 @@ import zmq
 from ipc import protocol
 from ipc.client import Busy, Client, ServerError, ServerGone
 from ipc.metrics_types import SessionSummary
-from scripts.local_router import LocalRouter, Streamer
+from scripts.local_router import LocalRouter, Streamer, free_port, replica_of, wait_for
 from scripts.local_server import ROOT, LocalServer
 
 pytestmark = pytest.mark.multiprocess
@@ -35,22 +34,6 @@ COSTS = ["--synthetic.encode_s=0.01", "--synthetic.denoise_s=0.03", "--synthetic
 # One client (the router) carries every session of a replica: its send queue holds all of their chunks.
 REPLICA = [*COSTS, f"--server.max_sessions={MAX_SESSIONS}", "--server.send_hwm=512"]
 ROUTER = ["--router.heartbeat_s=0.25", "--router.replica_dead_s=3", "--router.stats_interval_s=0.5"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float) -> float:
-    """Seconds until ``predicate`` held (polled); fails the test after ``timeout_s``."""
-    began = time.monotonic()
-    while not predicate():
-        if time.monotonic() - began > timeout_s:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
-        time.sleep(0.05)
-    return time.monotonic() - began
 
 
 @dataclass
@@ -95,10 +78,6 @@ def fleet() -> Iterator[Fleet]:
 def unaddressed(text: str) -> str:
     """An error text without the heap addresses some carry (an undecodable image names its BytesIO)."""
     return re.sub(r" at 0x[0-9a-f]+", "", text)
-
-
-def replica_of(client: Client, session: str) -> str:
-    return client.stats().per_session[session].replica
 
 
 def stream(client: Client, session: str, chunks: int, keys: str = "w") -> list[int]:

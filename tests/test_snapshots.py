@@ -165,16 +165,17 @@ def test_a_rank_file_round_trips_and_a_flipped_byte_or_a_non_safetensors_file_is
     state = {"kv": torch.arange(12, dtype=torch.bfloat16).view(3, 4), "index": torch.tensor([5])}
     entries = [snapshot_io.write(store.folder(sid), r, role, state)[0] for r, role in sorted(PARTS)]
     store.write(manifest(sid, tuple(entries)))
-    loaded = snapshot_io.load(store, sid, 4, "denoise")
+    folder, files = store.folder(sid), store.read(sid).files
+    loaded = snapshot_io.load(folder, files, sid, 4, "denoise")
     assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
     path = tmp_path / sid / file_name(4, "denoise")
     data = bytearray(path.read_bytes())
     data[-1] ^= 1
     path.write_bytes(bytes(data))
     with pytest.raises(SnapshotError, match=r"rank4-denoise\.safetensors is corrupt"):
-        snapshot_io.load(store, sid, 4, "denoise")
+        snapshot_io.load(folder, files, sid, 4, "denoise")
     with pytest.raises(SnapshotError, match="no state of rank 9"):
-        snapshot_io.load(store, sid, 9, "denoise")
+        snapshot_io.load(folder, files, sid, 9, "denoise")
 
 
 # ---- the save state machine

@@ -31,7 +31,7 @@ def test_the_tiny_preset_runs_one_rank_of_sp5_and_reports_its_steady_time() -> N
     assert rank["sp_size"] == 5 and rank["local_heads"] == 1 and rank["local_tokens"] == -(-n // 5)
     assert rank["compute_s"] > 0 and rank["compute_s"] == min(rank["chunk_s"][-2:])
     cfg = bench_gpu.DiTConfig.from_name("tiny")
-    all_heads = bench_gpu.kv_cache_bytes(cfg.num_layers, cfg.local_attn_size, n // cfg.chunk_size, cfg.num_heads,
+    all_heads = bench_gpu.kv_cache_bytes(cfg.num_layers, cfg.kv_window, n // cfg.chunk_size, cfg.num_heads,
                                          cfg.head_dim, torch.float32)  # fmt: skip
     assert round(rank["kv_cache_gib"] * 2**30) * 5 == all_heads  # its share of the heads' ring
     assert rank["alltoall_gb_per_chunk"] > 0

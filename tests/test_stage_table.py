@@ -14,9 +14,10 @@ from ipc.protocol import Edge, Stage
 from ipc.tensor_plane import Groups
 from models.synthetic import synthetic_geometry
 from ranks.backend import Backend
-from ranks.memory import held_bytes
+from ranks.memory import cache_bytes
 from ranks.warmup import stages_of
-from runtime.placement import GROUP_NAMES, STAGES
+from runtime.config import LayoutConfig
+from runtime.placement import STAGES, group_members
 from runtime.scheduler_types import INIT_ORDER
 from runtime.trace import ROLE_TIDS
 
@@ -34,16 +35,17 @@ class Counted:
 def test_a_backend_is_keyed_by_stage_and_warms_the_dit_first_then_in_pipeline_order() -> None:
     backend = Backend(GEOMETRY, {Stage.DECODE: Counted(3), Stage.CONDITION: Counted(5), Stage.DENOISE: Counted(7)})
     assert stages_of(backend) == [Stage.DENOISE, Stage.CONDITION, Stage.DECODE]
-    assert held_bytes(backend) == 15  # every stage of the rank, from the mapping
+    assert cache_bytes(backend) == 15  # every stage of the rank, from the mapping
     decode_only = Backend(GEOMETRY, {Stage.DECODE: Counted(3)})
     assert stages_of(decode_only) == [Stage.DECODE] and decode_only.denoise is None
     assert decode_only.decode is decode_only[Stage.DECODE]
 
 
 def test_a_ranks_groups_are_found_by_the_stage_tables_names() -> None:
-    made: dict[str, Any] = {name: f"group {name}" for name in GROUP_NAMES}
+    made: dict[str, Any] = {name: f"group {name}" for name, _, _ in group_members(LayoutConfig())}
     groups = Groups(0, torch.device("cpu"), "control", made)
-    assert groups.of_stage(Stage.DENOISE) == "group dit" and groups.of_stage(Stage.DECODE) is None
+    assert groups.named(STAGES[Stage.DENOISE].group) == "group dit"
+    assert groups.named(STAGES[Stage.DECODE].group) is None
     assert {edge: groups.of_edge(edge) for edge in (Edge.CONDITION, Edge.LATENT, Edge.FRAMES)} == {
         Edge.CONDITION: "group condition", Edge.LATENT: "group latent", Edge.FRAMES: "group frames"}
     assert Groups(0, torch.device("cpu"), None).of_edge(Edge.LATENT) is None  # not a member, or a local hand-off

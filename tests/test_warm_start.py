@@ -14,7 +14,7 @@ import launch
 from ipc.metrics_types import WarmUpStage
 from ipc.protocol import ChunkControl, Stage, WarmUp
 from ipc.streams import RoleStreams
-from models import lingbot
+from models import lingbot, lingbot_config
 from models.stages import SessionSpec, run_in_process
 from ranks.backend import Backend
 from ranks.warmup import session_id, warm_up
@@ -31,7 +31,7 @@ CONTROLS = [ChunkControl(keys=frozenset(k)) for k in ("w", "wl", "d", "a")]
 def backend() -> Backend:
     model = ModelConfig(kind="lingbot-fast", preset="tiny", attention="sdpa", dtype="float32")
     stream = StreamConfig(height=SIZE[0], width=SIZE[1])
-    return Backend(lingbot.lingbot_geometry(model, stream), {
+    return Backend(lingbot_config.lingbot_geometry(model, stream), {
         Stage.CONDITION: lingbot.build_condition(model, stream, CPU),
         Stage.DENOISE: lingbot.build_denoise(model, stream, ControlsConfig(), CPU, None),
         Stage.DECODE: lingbot.build_decode(model, stream, CPU)})
