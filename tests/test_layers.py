@@ -17,8 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-FLOORS = {"ipc": 1, "models": 2, "runtime": 3, "ranks": 4, "router": 5, "web": 5, "scripts": 6, "launch": 6,
-          "tests": 7}  # fmt: skip
+FLOORS = {"configs": 0, "ipc": 1, "models": 2, "runtime": 3, "ranks": 4, "router": 5, "web": 5, "scripts": 6,
+          "launch": 6, "tests": 7}  # fmt: skip; configs: the presets' package (data, imports nothing)
 NOT_SOURCE = {"out", "build", "logs"}  # what runs leave behind (.gitignore), never imported
 
 Import = tuple[str, str, int]  # (importing module, imported module, line)
