@@ -20,10 +20,11 @@ import msgspec
 # 2: controls and chunk facts are typed values (``ChunkControl``, ``ChunkFacts``); 3: fields appended with defaults
 # (``open``'s intrinsics, steps, min_steps and restore; a control's steps; the facts' steps and prompt revision),
 # new messages (``set_prompt``, ``watch``/``unwatch``, ``save``, ``migrated``), and clients read server messages
-# tolerantly (unknown fields and message types are skipped, ``ipc.tolerant``)
-PROTOCOL_VERSION = 3
-# the versions whose messages this one reads: a version-2 message is a version-3 message that uses no new field
-SUPPORTED_VERSIONS = frozenset({2, PROTOCOL_VERSION})
+# tolerantly (unknown fields and message types are skipped, ``ipc.tolerant``); 4: a chunk's frames travel as a ZeroMQ
+# frame of their own after its map (``Chunk.frames_part``, ``ipc.chunk_wire``), never copied into it
+PROTOCOL_VERSION = 4
+# the versions whose messages this one reads: a version-2 or -3 message is a version-4 message that uses no new field
+SUPPORTED_VERSIONS = frozenset({2, 3, PROTOCOL_VERSION})
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 
 KEYS = frozenset("wasdijkl")  # W/S forward/back, A/D strafe, I/K pitch, J/L yaw

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from ipc import protocol
 
-Payload = Any  # bytes or a zmq.Frame, forwarded as received (the router never decodes a chunk)
+Payload = Any  # bytes, a zmq.Frame, or a chunk's parts (a tuple), forwarded as received (never decoded)
 
 # ---- events ----
 

@@ -1,0 +1,116 @@
+"""A chunk's frames as a ZeroMQ part of their own (protocol 4), end to end: a real 2-rank job (``cpu-mini``, synthetic
+backend, gloo), the router process in front of it, the Python SDK. The frames streamed are the very bytes main's
+code streamed (one encoded map per chunk) for the same seed and controls: ``DIGESTS`` were taken from it, directly
+and through a router, before the change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from ipc import protocol
+from ipc.client import Client
+from scripts.local_router import LocalRouter
+from scripts.local_server import ROOT, LocalServer
+
+pytestmark = pytest.mark.multiprocess
+
+IMAGE = (ROOT / "assets" / "start.png").read_bytes()
+KEYS = ("w", "d", "", "aj")  # one chunk each
+SEED = 7
+# sha256 of each chunk's frames for SEED and KEYS, as main's code (protocol 3) streamed them at c3ff301
+DIGESTS = ["8f924e69d0d599c5527fc89088d1e2c40e801da69133ae3283c889fa74ba46e9",
+           "63b20c2f48c52ab4ab96bbc3227807eb02b754b847ce047810bccb4eef40109a",
+           "11ebcd885a9870a364fc7be32b1727fe42457749f96d6111dfb6386aac0c8f2d",
+           "3708992a9b469fe3a7486d461b7724d0eb0dfb2139145bdc7ef75c11213d3d9f"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_up(router: LocalRouter, timeout_s: float = 60) -> None:
+    began = time.monotonic()
+    with Client(router.endpoint, timeout_s=10) as client:
+        while {name: r.state for name, r in client.stats().replicas.items()} != {"a": "up"}:
+            assert time.monotonic() - began < timeout_s, "replica a not up at the router"
+            time.sleep(0.05)
+
+
+def stream_digests(endpoint: str) -> list[str]:
+    with Client(endpoint, timeout_s=60) as client:
+        info = client.open(IMAGE, seed=SEED, num_chunks=len(KEYS))
+        for index, keys in enumerate(KEYS):
+            client.control(info.id, index, keys=keys)
+        digests = [hashlib.sha256(chunk.frames.tobytes()).hexdigest() for chunk in client.chunks(info.id, 60)]
+        client.wait_closed(info.id)
+        return digests
+
+
+@pytest.fixture(scope="module")
+def job() -> Iterator[tuple[LocalServer, LocalRouter]]:
+    port = free_port()
+    server = LocalServer("cpu-mini", [f"--server.port={port}"])
+    router = LocalRouter([("a", f"tcp://127.0.0.1:{port}", 4)])
+    with server, router:
+        wait_for_up(router)
+        yield server, router
+    assert router.process is not None and router.process.returncode == 0, router.log()
+
+
+def test_a_server_streams_the_same_frame_bytes_as_before_directly_and_through_the_router(
+        job: tuple[LocalServer, LocalRouter]) -> None:
+    server, router = job
+    assert stream_digests(server.endpoint) == DIGESTS
+    assert stream_digests(router.endpoint) == DIGESTS
+
+
+@pytest.mark.parametrize("through", ["server", "router"])
+def test_a_chunk_leaves_as_its_map_and_its_frames_part_and_crosses_the_router_as_it_is(
+        job: tuple[LocalServer, LocalRouter], through: str) -> None:
+    """On the wire (a bare DEALER, no SDK): every chunk is two ZeroMQ frames, the map saying where the frames are
+    (``frames_part`` 1, no frames inside it) and the frames part exactly the shape's bytes; every other message one."""
+    endpoint = (job[0] if through == "server" else job[1]).endpoint
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send(protocol.encode(protocol.Open(req=1, image=IMAGE, prompt="", seed=SEED, num_chunks=2)))
+        opened = protocol.decode(recv_one(sock), "server")
+        assert isinstance(opened, protocol.Opened) and opened.v == protocol.PROTOCOL_VERSION == 4
+        for index in range(2):
+            sock.send(protocol.encode(protocol.Control(req=2 + index, session=opened.session, index=index)))
+        chunks = 0
+        while chunks < 2:
+            assert sock.poll(60_000), "no message within 60 s"
+            parts = sock.recv_multipart()
+            message = protocol.decode(parts[0], "server")
+            if not isinstance(message, protocol.Chunk):
+                assert len(parts) == 1, f"a {type(message).__name__} in {len(parts)} parts"
+                continue
+            chunks += 1
+            n, height, width, _ = message.shape
+            assert (len(parts), message.frames_part, message.frames) == (2, 1, b"")
+            assert len(parts[1]) == n * height * width * 3 == n * opened.height * opened.width * 3 > 0
+            raw = msgspec.msgpack.decode(parts[0])
+            assert raw["frames_part"] == 1 and raw["frames"] == b""
+        sock.send(protocol.encode(protocol.Close(req=9, session=opened.session)))
+    finally:
+        sock.close()
+
+
+def recv_one(sock: zmq.Socket) -> bytes:
+    assert sock.poll(60_000), "no reply within 60 s"
+    parts = sock.recv_multipart()
+    assert len(parts) == 1
+    return parts[0]
