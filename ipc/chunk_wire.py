@@ -31,9 +31,11 @@ class ChunkHead(protocol.Head, frozen=True):
     session: str | None = None
     shape: tuple[int, int, int, int] | None = None
     frames_part: int = 0
+    frames: msgspec.Raw = msgspec.Raw()  # as encoded, never copied out: an empty bin when they are a part of their own
 
 
 _chunk_head = msgspec.msgpack.Decoder(ChunkHead)
+_EMPTY = msgspec.msgpack.encode(b"")
 
 
 def chunk_parts(session: str, frames: Any, facts: protocol.ChunkFacts) -> tuple[bytes, memoryview]:
@@ -77,6 +79,10 @@ def peek_chunk(parts: Sequence[Any]) -> ChunkHead:
     head: ChunkHead = protocol.read_as(_chunk_head, parts[0], "message head")
     if head.frames_part not in (0, FRAMES_PART):
         raise protocol.ProtocolViolation(f"a chunk's frames cannot be in ZeroMQ part {head.frames_part}")
+    inside = memoryview(head.frames)
+    if head.frames_part and inside.nbytes and (inside.nbytes != len(_EMPTY) or inside.tobytes() != _EMPTY):
+        raise protocol.ProtocolViolation(f"a chunk's frames are in ZeroMQ part {head.frames_part}: frames in its map "
+                                         "besides do not match")
     check_parts(head.frames_part, head.shape, parts)
     return head
 

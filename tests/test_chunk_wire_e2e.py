@@ -19,6 +19,8 @@ from ipc import protocol
 from ipc.client import Client
 from scripts.local_router import LocalRouter
 from scripts.local_server import ROOT, LocalServer
+from tests.fake_replica import FakeReplica
+from tests.fake_replica import chunk_parts as fake_chunk_parts
 
 pytestmark = pytest.mark.multiprocess
 
@@ -114,3 +116,36 @@ def recv_one(sock: zmq.Socket) -> bytes:
     parts = sock.recv_multipart()
     assert len(parts) == 1
     return parts[0]
+
+
+BROKEN = {  # chunk index -> how a broken replica sends that chunk's parts
+    0: lambda parts: parts[:1],  # the frames part missing
+    1: lambda parts: [*parts, b"more"],  # a part too many
+    2: lambda parts: [parts[0], parts[1] + b"\0" * 64],  # a frames part larger than its shape
+    3: lambda parts: [parts[0], parts[1][:-1]],  # shorter
+}
+
+
+def test_a_replicas_chunks_in_parts_other_than_their_map_says_are_dropped_at_the_router_and_another_session_streams(
+        ) -> None:
+    fake = FakeReplica("server-a")
+    broken: set[str] = set()
+    fake.chunk_parts = lambda chunk: (BROKEN[chunk.facts.index](fake_chunk_parts(chunk)) if chunk.session in broken
+                                      else fake_chunk_parts(chunk))
+    try:
+        with LocalRouter([("a", fake.endpoint, 4)], ["--router.heartbeat_s=0.1"]) as router, \
+                Client(router.endpoint, timeout_s=10) as client:
+            wait_for_up(router)
+            bad, good = client.open(b"png", num_chunks=4), client.open(b"png", num_chunks=4)
+            broken.add(bad.id)
+            for index in range(4):  # the replica sends bad's chunk i before good's: good's last one comes last
+                client.control(bad.id, index, keys="w")
+                client.control(good.id, index, keys="w")
+            assert [client.next_chunk(good.id, timeout_s=30).index for _ in range(4)] == [0, 1, 2, 3]
+            with pytest.raises(TimeoutError):
+                client.next_chunk(bad.id, timeout_s=0.01)  # read after good's last chunk: none of bad's came
+            assert router.log().count("unreadable message from replica a") == 4
+            assert router.process is not None and router.process.poll() is None
+            assert client.stats().replicas["a"].state == "up"
+    finally:
+        fake.stop()
