@@ -193,7 +193,7 @@ class RouterShell:
             try:
                 yield rt.ClientSent(identity, protocol.decode(data.buffer, "client", max_bytes=limit), data)
             except protocol.ProtocolViolation as error:
-                yield rt.ClientUnreadable(identity, str(error), error.req)
+                yield rt.ClientUnreadable(identity, str(error), error.req, error.answer_v)
 
     def _drain_registry(self) -> Iterator[rt.Event]:
         assert self.registry is not None

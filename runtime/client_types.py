@@ -34,6 +34,7 @@ class ClientUnreadable:
     identity: bytes
     error: str
     req: int | None = None  # when it could still be read: the error reaches the waiting request
+    v: int | None = None  # the version to answer in: an SDK too old to read this one's (None: this one)
 
 
 @dataclass(frozen=True)

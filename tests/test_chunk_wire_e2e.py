@@ -111,6 +111,24 @@ def test_a_chunk_leaves_as_its_map_and_its_frames_part_and_crosses_the_router_as
         sock.close()
 
 
+@pytest.mark.parametrize("through", ["server", "router"])
+def test_an_sdk_before_version_4_is_refused_a_stream_in_words_and_a_version_it_reads(
+        job: tuple[LocalServer, LocalRouter], through: str) -> None:
+    endpoint = (job[0] if through == "server" else job[1]).endpoint
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send(msgspec.msgpack.encode({"v": 3, "type": "open", "req": 5, "image": IMAGE, "num_chunks": 2}))
+        raw = msgspec.msgpack.decode(recv_one(sock))
+        assert (raw["type"], raw["v"], raw["req"], raw["code"]) == ("error", 3, 5, "bad_message")
+        assert "upgrade the SDK" in raw["message"]
+        sock.send(msgspec.msgpack.encode({"v": 3, "type": "stats", "req": 6}))  # others: answered
+        assert msgspec.msgpack.decode(recv_one(sock))["type"] == "stats_reply"
+    finally:
+        sock.close()
+
+
 def recv_one(sock: zmq.Socket) -> bytes:
     assert sock.poll(60_000), "no reply within 60 s"
     parts = sock.recv_multipart()
