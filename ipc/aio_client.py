@@ -283,7 +283,7 @@ class AsyncClient(ClientSettings):
     async def _reader(self) -> None:
         assert self._sock is not None
         while True:
-            self._core.route(await self._sock.recv())
+            self._core.route(await self._sock.recv_multipart(copy=False))  # a chunk's frames: a part
 
     def _put_error(self, error: ServerError) -> None:
         with contextlib.suppress(asyncio.QueueFull):

@@ -363,7 +363,7 @@ class Client(ClientSettings):
                     with contextlib.suppress(zmq.Again):  # a full socket: the server hears the queued ones first
                         sock.send(self._core.encode(protocol.Heartbeat()), zmq.NOBLOCK)
                 while sock.poll(0):
-                    self._core.route(sock.recv())
+                    self._core.route(sock.recv_multipart(copy=False))  # a chunk's frames: a part
                 if self.heartbeat_s > 0:
                     self._core.check_server(self.server_silent_s)
         finally:

@@ -18,14 +18,13 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, Union, cast
 
 import msgspec
-import numpy as np
 
-from ipc import auth, protocol, tolerant
+from ipc import auth, chunk_wire, protocol, tolerant
 from ipc.client_bounds import MAX_SESSION_ID_CHARS, Strays
 from ipc.client_errors import (
     BadRequest,
@@ -378,21 +377,27 @@ class ClientCore(Generic[Q, F]):
             state.events.put_nowait(error)
         self._put_error(error)
 
-    def route(self, data: bytes) -> None:
-        """One message from the server. Whatever it holds, the I/O thread that calls this lives on: a message this
-        client cannot act on is a ``bad_reply`` error, never the end of every later call."""
+    def route(self, parts: Sequence[Any] | bytes) -> None:
+        """One message from the server: its ZeroMQ parts as received (``zmq.Frame``, bytes or any buffer; a chunk's
+        frames are a part of their own, ``ipc.chunk_wire``), or the bytes of a message of one part. Whatever it holds,
+        the I/O thread that calls this lives on: a message this client cannot act on is a ``bad_reply`` error, never
+        the end of every later call."""
         try:
-            self._route(data)
+            self._route((parts,) if isinstance(parts, bytes | bytearray | memoryview) else parts)
         except Exception as error:
             log.exception("a reply from the server could not be handled")
             self._put_error(ServerError.of(ErrorCode.BAD_REPLY,
                                            f"a reply could not be handled ({type(error).__name__})"))
 
-    def _route(self, data: bytes) -> None:
+    def _route(self, parts: Sequence[Any]) -> None:
         self._heard = self._clock()
         self._gone = False  # answering again (a restart is told apart by its id below)
         try:
-            message = self._reader.decode(data)  # a newer server's additions are skipped (at no extra cost)
+            message = self._reader.decode(memoryview(parts[0]))  # a newer server's additions skipped (no extra cost)
+            if isinstance(message, protocol.Chunk):
+                frames = chunk_wire.frames_of(message, parts)  # a view on the received part, no copy
+            elif not isinstance(message, tolerant.Unknown):
+                chunk_wire.one_message(parts, type(message).__struct_config__.tag)
         except protocol.ProtocolViolation as error:
             self._put_error(ServerError.of(ErrorCode.BAD_REPLY, str(error)))
             return
@@ -413,7 +418,6 @@ class ClientCore(Generic[Q, F]):
             state = self._named(message.session)
             facts = message.facts
             photon = state.photon.shown(facts.control.revision, received)
-            frames = np.frombuffer(message.frames, dtype=np.uint8).reshape(message.shape)
             missed, state.missed = state.missed, 0
             migrated, state.migrated = state.migrated, None
             state.events.put_nowait(ChunkResult(message.session, facts.index, frames, facts.control, facts,

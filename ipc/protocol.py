@@ -93,6 +93,7 @@ from ipc.schemas import context_index as context_index
 from ipc.schemas import header_fields as header_fields
 from ipc.schemas import revision_of as revision_of
 from ipc.schemas import steps_problem as steps_problem
+from ipc.values import CHUNK_PARTS_VERSION as CHUNK_PARTS_VERSION
 from ipc.values import DEFAULT_MAX_BYTES as DEFAULT_MAX_BYTES
 from ipc.values import INTRINSICS_HEIGHT as INTRINSICS_HEIGHT
 from ipc.values import INTRINSICS_WIDTH as INTRINSICS_WIDTH
@@ -198,11 +199,16 @@ def decode(data: bytes | memoryview, direction: str, max_bytes: int = DEFAULT_MA
     if direction == "client" and "v" not in keys:
         raise ProtocolViolation("message has no protocol version field 'v'", head.req)
     try:
-        return _decoders[direction].decode(data)
+        message = _decoders[direction].decode(data)
     except msgspec.DecodeError as error:
         raise _explain(head, error) from None
     except (RecursionError, MemoryError, OverflowError, ValueError, TypeError) as error:  # never out of decode
         raise ProtocolViolation(f"message could not be decoded ({type(error).__name__})", head.req) from None
+    if direction == "client" and isinstance(message, Open | Watch) and message.v < CHUNK_PARTS_VERSION:
+        raise ProtocolViolation(f"protocol version {message.v} reads a chunk's frames inside its map; this server "
+                                f"sends them as a ZeroMQ frame of their own (version {CHUNK_PARTS_VERSION}): upgrade "
+                                "the SDK to stream", message.req, answer_v=message.v)
+    return message
 
 
 _FIXED = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2,

@@ -237,13 +237,19 @@ class PromptScheduled(_Msg, tag="prompt_scheduled"):
 
 class Chunk(_Msg, tag="chunk"):
     session: str
-    frames: bytes  # uint8 RGB, row-major [n, height, width, 3]
+    frames: bytes  # uint8 RGB, row-major [n, height, width, 3]; empty when they travel apart (``frames_part``)
     shape: tuple[int, int, int, int]
     facts: ChunkFacts  # index, the control applied, the times on one timeline (rank-0 clock), spans per stage
+    # 1 (version 4): the frames are the ZeroMQ frame right after this map, sent and read without a copy
+    # (``ipc.chunk_wire``); 0: inside ``frames`` (a server before version 4)
+    frames_part: int = 0
 
     def __post_init__(self) -> None:  # on decode too: a reader never reshapes bytes into a shape they are not
         n, height, width, channels = self.shape
-        if min(self.shape) < 0 or channels != 3 or n * height * width * 3 != len(self.frames):
+        if self.frames_part not in (0, 1):
+            raise ValueError(f"a chunk's frames cannot be in ZeroMQ part {self.frames_part}")
+        size = len(self.frames) if self.frames_part == 0 else n * height * width * 3
+        if min(self.shape) < 0 or channels != 3 or n * height * width * 3 != size or (self.frames_part and self.frames):
             raise ValueError(f"frames of shape {self.shape} do not match their {len(self.frames)} bytes")
 
 

@@ -62,10 +62,12 @@ def send_to(sock: zmq.Socket, identity: bytes, message: Any) -> bool:
 def send_or_why(sock: zmq.Socket, identity: bytes, message: Any, copy: bool = True) -> str | None:
     """Send to one ROUTER peer: None when queued, "gone" (no such peer connected now: it may reconnect) or
     "full" (connected but not reading: its send queue reached the high-water mark). ``message``: typed, or bytes
-    encoded already (a chunk encoded once for its player and its watchers; ``copy=False`` shares them)."""
+    encoded already, or a tuple of a message's parts (a chunk's map and frames, ``ipc.chunk_wire``: made once for its
+    player and its watchers; ``copy=False`` shares them)."""
     try:
-        data = message if isinstance(message, bytes) else protocol.encode(message)
-        sock.send_multipart([identity, data], flags=zmq.NOBLOCK, copy=copy)
+        data = message if isinstance(message, bytes | tuple) else protocol.encode(message)
+        sock.send_multipart([identity, *data] if isinstance(data, tuple) else [identity, data], flags=zmq.NOBLOCK,
+                            copy=copy)
         return None
     except zmq.ZMQError as error:
         if error.errno == zmq.EHOSTUNREACH:

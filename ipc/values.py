@@ -22,10 +22,14 @@ from ipc.error_codes import ErrorCode
 # 2: controls and chunk facts are typed values (``ChunkControl``, ``ChunkFacts``); 3: fields appended with defaults
 # (``open``'s intrinsics, steps, min_steps and restore; a control's steps; the facts' steps and prompt revision),
 # new messages (``set_prompt``, ``watch``/``unwatch``, ``save``, ``migrated``), and clients read server messages
-# tolerantly (unknown fields and message types are skipped, ``ipc.tolerant``)
-PROTOCOL_VERSION = 3
-# the versions whose messages this one reads: a version-2 message is a version-3 message that uses no new field
-SUPPORTED_VERSIONS = frozenset({2, PROTOCOL_VERSION})
+# tolerantly (unknown fields and message types are skipped, ``ipc.tolerant``); 4: a chunk's frames travel as a ZeroMQ
+# frame of their own after its map (``Chunk.frames_part``, ``ipc.chunk_wire``), never copied into it
+PROTOCOL_VERSION = 4
+# the versions whose messages this one reads: a version-2 or -3 message is a version-4 message that uses no new field
+SUPPORTED_VERSIONS = frozenset({2, 3, PROTOCOL_VERSION})
+# the first version whose SDK reads a chunk's frames as a part of their own: an ``open`` or ``watch`` of an earlier one
+# is refused (in its own version, which it reads), never answered with a stream it cannot read
+CHUNK_PARTS_VERSION = 4
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 
 KEYS = frozenset("wasdijkl")  # W/S forward/back, A/D strafe, I/K pitch, J/L yaw
@@ -63,9 +67,10 @@ class ProtocolViolation(ValueError):
     input). ``req`` is the request id of the message when it could still be read, so the error reaches the caller
     waiting for it."""
 
-    def __init__(self, message: str, req: int | None = None) -> None:
+    def __init__(self, message: str, req: int | None = None, answer_v: int | None = None) -> None:
         super().__init__(clip(message))
         self.req = req
+        self.answer_v = answer_v  # the version to answer in, when the sender cannot read this one (None: this one)
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type", kw_only=True):

@@ -15,6 +15,7 @@ import zmq
 
 from ipc import protocol
 from ipc import tensor_plane as tp
+from ipc.chunk_wire import chunk_parts
 from ipc.client_lines import ClientLines, Lost
 from ipc.transport import send_or_why, send_to
 from ranks import probe_server, prometheus
@@ -200,7 +201,7 @@ class Coordinator:
 
     def _to_client(self, identity: bytes, message: object, session: str | None,
                    unreachable: set[tuple[bytes, str]], chunk: bool = False) -> None:
-        data = message if isinstance(message, bytes) else protocol.encode(message)
+        data = message if isinstance(message, bytes | tuple) else protocol.encode(message)  # a tuple: a chunk's parts
         self._lost(self.lines.send(identity, data, session, chunk), unreachable)
 
     def _lost(self, lost: list[Lost], unreachable: set[tuple[bytes, str]]) -> None:
@@ -218,8 +219,7 @@ class Coordinator:
             return
         if output.to is None and not output.watchers:
             return
-        data = protocol.encode(protocol.Chunk(session=output.session, frames=frames.numpy().tobytes(),
-                                              shape=tuple(frames.shape), facts=output.facts))  # once for all
+        data = chunk_parts(output.session, frames, output.facts)  # the tensor's buffer itself, for all of them
         if output.to is not None:
             self._to_client(output.to, data, output.session, unreachable, chunk=True)
         for who in output.watchers:

@@ -64,4 +64,4 @@ def drain_clients(clients: zmq.Socket, max_bytes: int) -> Iterator[ct.Event]:
         try:
             yield ct.ClientSent(identity, protocol.decode(frames[0], "client", max_bytes=max_bytes))
         except protocol.ProtocolViolation as error:
-            yield ct.ClientUnreadable(identity, str(error), error.req)
+            yield ct.ClientUnreadable(identity, str(error), error.req, error.answer_v)

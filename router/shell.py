@@ -5,8 +5,9 @@
 One thread owns every socket: the clients' ROUTER (the same socket, options and limits as a server's), one DEALER
 per replica (the router is a client of each), and the registration ROUTER when ``router.register_bind`` is set.
 Each turn it drains the replicas first (chunks are the latency path), steps the core, sends what it asked, then
-does the same for the clients. Chunks are received and sent as ``zmq.Frame`` objects: their frames cross the
-router without a copy or a decode (``ipc.relay.peek`` reads the session only). What a send teaches (a client gone
+does the same for the clients. Chunks are received and sent as ``zmq.Frame`` objects, a chunk's map and its frames
+part (``ipc.chunk_wire``) as the tuple of both: they cross the router without a copy or a decode (``ipc.chunk_wire
+.peek_chunk`` reads the session and checks the parts only). What a send teaches (a client gone
 or full, a replica connection full) is an event of the next turn. Every rule lives in the core.
 """
 
@@ -27,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from ipc import protocol, relay, tolerant, transport
+from ipc import chunk_wire, protocol, relay, tolerant, transport
 from ipc.client_lines import MAX_WAITING, ClientLines, Lost
 from ranks import probe_server
 from runtime import logs, replicas
@@ -158,15 +159,18 @@ class RouterShell:
         generation = self.links[name].generation
         for _ in range(DRAIN_MAX):
             try:
-                frame = sock.recv(zmq.NOBLOCK, copy=False)
+                parts = tuple(sock.recv_multipart(zmq.NOBLOCK, copy=False))
             except zmq.Again:
                 return
             try:
-                head = relay.peek(frame.buffer)
+                head = relay.peek(parts[0].buffer)
                 if head.type == "chunk" and head.session is not None:
-                    self.read_at[id(frame)] = time.perf_counter()
-                    yield rt.ReplicaSent(name, generation, rt.ChunkHead(head.session), frame)
-                elif head.type == "stats_reply":  # its stats read by the core, as untrusted (``read_stats``)
+                    chunk_wire.peek_chunk([part.buffer for part in parts])  # its parts as its map says, or refused
+                    self.read_at[id(parts)] = time.perf_counter()
+                    yield rt.ReplicaSent(name, generation, rt.ChunkHead(head.session), parts)
+                    continue
+                frame = chunk_wire.one_message(parts, head.type or "replica's")
+                if head.type == "stats_reply":  # its stats read by the core, as untrusted (``read_stats``)
                     yield rt.ReplicaSent(name, generation, replicas.stats_reply(frame.buffer, self.largest), frame)
                 else:  # a newer replica's additions are skipped (``tolerant``); what it needs is read strictly
                     message = tolerant.decode(frame.buffer, "server", max_bytes=self.largest)
@@ -192,7 +196,7 @@ class RouterShell:
             try:
                 yield rt.ClientSent(identity, protocol.decode(data.buffer, "client", max_bytes=limit), data)
             except protocol.ProtocolViolation as error:
-                yield rt.ClientUnreadable(identity, str(error), error.req)
+                yield rt.ClientUnreadable(identity, str(error), error.req, error.answer_v)
 
     def _drain_registry(self) -> Iterator[rt.Event]:
         assert self.registry is not None
@@ -260,9 +264,9 @@ class RouterShell:
     def _to_watcher(self, identity: bytes, item: Any) -> str | None:
         """A non-blocking send to a watcher: None when queued, else "gone" or "full" (the feed keeps it)."""
         try:
-            self.clients.send_multipart([identity, _payload(item)], flags=zmq.NOBLOCK, copy=False)
-            if isinstance(item, zmq.Frame):
-                self.forwarded_bytes += len(item)
+            self.clients.send_multipart([identity, *_parts(item)], flags=zmq.NOBLOCK, copy=False)
+            if isinstance(item, tuple | zmq.Frame):
+                self.forwarded_bytes += sum(len(part) for part in _parts(item))
             return None
         except zmq.ZMQError as error:
             why = {zmq.EHOSTUNREACH: "gone", zmq.EAGAIN: "full"}.get(error.errno)
@@ -277,7 +281,7 @@ class RouterShell:
             log.exception("could not encode a %s for a client", type(output.message).__name__)
             payload = protocol.encode(protocol.Error(code="internal",
                                                      message=f"internal error: {type(error).__name__}"))
-        chunk = isinstance(output.message, bytes | zmq.Frame) and _is_chunk(payload)  # the router makes none
+        chunk = isinstance(output.message, bytes | zmq.Frame | tuple) and _is_chunk(payload)  # the router makes none
         self._lost(self.lines.send(output.identity, payload, output.session, chunk))
         read_at = self.read_at.pop(id(payload), None)  # handed on (sent, or waiting in the client's line)
         if read_at is not None:
@@ -351,15 +355,22 @@ class RouterShell:
 
 def _is_chunk(payload: Any) -> bool:
     """A payload forwarded as received is a chunk (only an unread stream drops a client, ``ipc.client_lines``)."""
+    first = _parts(payload)[0]
     try:
-        return relay.peek(payload.buffer if isinstance(payload, zmq.Frame) else payload).type == "chunk"
+        return relay.peek(first.buffer if isinstance(first, zmq.Frame) else first).type == "chunk"
     except protocol.ProtocolViolation:
         return False
 
 
 def _payload(message: Any) -> Any:
-    """A typed message is encoded; a payload as received (bytes, ``zmq.Frame``) goes as it is."""
-    return message if isinstance(message, bytes | zmq.Frame) else protocol.encode(message)
+    """A typed message is encoded; a payload as received (bytes, ``zmq.Frame``, a chunk's parts) goes as it is."""
+    return message if isinstance(message, bytes | zmq.Frame | tuple) else protocol.encode(message)
+
+
+def _parts(message: Any) -> tuple[Any, ...]:
+    """The ZeroMQ parts of a message to send: a chunk's map and frames as received, else the one (encoded) part."""
+    payload = _payload(message)
+    return payload if isinstance(payload, tuple) else (payload,)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from ipc import protocol
 
-Payload = Any  # bytes or a zmq.Frame, forwarded as received (the router never decodes a chunk)
+Payload = Any  # bytes, a zmq.Frame, or a chunk's parts (a tuple), forwarded as received (never decoded)
 
 # ---- events ----
 
@@ -34,6 +34,7 @@ class ClientUnreadable:
     identity: bytes
     error: str
     req: int | None = None  # when it could still be read: the error reaches the waiting request
+    v: int | None = None  # the version to answer in: an SDK too old to read this one's (None: this one)
 
 
 @dataclass(frozen=True)

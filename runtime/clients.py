@@ -134,9 +134,11 @@ class Clients(Part, Generic[S]):
         session.gone = False
         return ToClient(who, protocol.HeartbeatAck(req=message.req, session=sid, server=self.server_id))
 
-    def refusal(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> ToClient:
-        """The ``error`` a refused request gets (with the request id it answers and the hint to retry)."""
-        return ToClient(who, protocol.Error(req=req, session=session, code=error.code,
+    def refusal(self, who: bytes, error: ClientError, req: int | None, session: str | None = None,
+                v: int | None = None) -> ToClient:
+        """The ``error`` a refused request gets (with the request id it answers and the hint to retry; in version
+        ``v`` for an SDK too old to read this one's)."""
+        return ToClient(who, protocol.Error(req=req, session=session, code=error.code, v=v or protocol.PROTOCOL_VERSION,
                                             message=protocol.clip(str(error)), retry_after_s=error.retry_after_s))
 
     # ------------------------------------------------------------------------------------------ failures

@@ -214,9 +214,9 @@ class CoordinatorCore:
                 self.watchers.heard(who, now)
                 self._attempt(who, getattr(message, "req", None), getattr(message, "session", None),
                               lambda: self._request(who, message, now), now)
-            case ClientUnreadable(identity=who, error=error, req=req):
+            case ClientUnreadable(identity=who, error=error, req=req, v=v):
                 self.clients.heard(who, now)
-                self._refuse(who, ClientError(ErrorCode.BAD_MESSAGE, error), req)
+                self._refuse(who, ClientError(ErrorCode.BAD_MESSAGE, error), req, v=v)
             case ImageDecoded():  # sessions are created in the order they were asked for
                 for opening in self.admitting.decoded(event):
                     self._attempt(opening.identity, opening.message.req, None,
@@ -294,9 +294,10 @@ class CoordinatorCore:
                               f"session {session.id} is already closing; its closed message follows")
         self._run(self.scheduler.close(session.id, "client", now), now)
 
-    def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
+    def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None,
+                v: int | None = None) -> None:
         self.metrics.on_reject(error.code)
-        self._out.append(self.clients.refusal(who, error, req, session))
+        self._out.append(self.clients.refusal(who, error, req, session, v))
 
     def _attempt(self, who: bytes, req: int | None, sid: str | None, work: Callable[[], None], now: float) -> None:
         """A client's request, or an open whose off-loop part is done (its image decoded, its manifest read): a

@@ -105,8 +105,7 @@ ENDING_CODES = frozenset({ErrorCode.RANK_FAILED, ErrorCode.SHUTDOWN})  # a repli
 
 
 class RouterCore:
-    """See the module docstring. ``step`` once per loop turn; the first step returns the listed replicas'
-    ``Connect``."""
+    """See the module docstring. ``step`` once per loop turn; the first returns the listed replicas' ``Connect``."""
 
     def __init__(self, config: RouterSection, listed: Sequence[ReplicaEntry], now: float,
                  new_req: Callable[[], int] | None = None, router_id: str = "", auth_token: str | None = None) -> None:
@@ -151,9 +150,9 @@ class RouterCore:
                 self._refuse(*refused)  # before anything: the client is not even heard
             case ClientSent():
                 self._from_client(event, now)
-            case ClientUnreadable(identity=who, error=error, req=req):
+            case ClientUnreadable(identity=who, error=error, req=req, v=v):
                 self.clients.heard(who, now)
-                self._refuse(who, ClientError(ErrorCode.BAD_MESSAGE, error), req)
+                self._refuse(who, ClientError(ErrorCode.BAD_MESSAGE, error), req, v=v)
             case ClientUnreachable():
                 self._unreachable(event, now)
             case ReplicaSent():
@@ -294,10 +293,11 @@ class RouterCore:
         if replica is not None:
             replica.opening = max(0, replica.opening - 1)
 
-    def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
+    def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None,
+                v: int | None = None) -> None:
         code = error.code if error.code in self.rejects or len(self.rejects) < MAX_REASONS - 1 else "other"
         self.rejects[code] = self.rejects.get(code, 0) + 1
-        self._emit(self.clients.refusal(who, error, req, session))
+        self._emit(self.clients.refusal(who, error, req, session, v))
 
     def _unreachable(self, event: ClientUnreachable, now: float) -> None:
         if self.watchers.remove(event.identity, event.session):

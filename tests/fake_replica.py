@@ -15,8 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 import zmq
 
+from ipc import chunk_wire as wire
 from ipc import protocol
 from runtime.replicas import ReplicaStatsReply
 
@@ -29,12 +31,22 @@ def sane_stats(mine: list[str], open_sessions: int) -> dict[str, Any]:
             "layout": "fake", "per_session": {sid: {"chunks": 0} for sid in mine}}
 
 
+def chunk_parts(chunk: protocol.Chunk) -> list[bytes]:
+    """A chunk as a server of protocol 4 sends it: its map, and its frames as a part of their own."""
+    head, frames = wire.chunk_parts(chunk.session, np.frombuffer(chunk.frames, np.uint8).reshape(chunk.shape),
+                                    chunk.facts)
+    return [head, bytes(frames)]
+
+
 class FakeReplica:
     def __init__(self, server_id: str, port: int = 0, extra: dict[str, Any] | None = None, side: int = 16) -> None:
         self.server_id = server_id
         self.extra = extra or {}
         self.side = side  # frames are side x side (large ones fill a slow reader's queues in a few chunks)
         self.stats: Stats = sane_stats
+        # a chunk's ZeroMQ parts as it sends them (its map and frames apart, as a server of protocol 4): another
+        # function sends them broken (a part missing, one too many, ...)
+        self.chunk_parts: Callable[[protocol.Chunk], list[bytes]] = chunk_parts
         self.sessions: dict[str, bytes] = {}  # session -> the client that opened it
         self.heartbeats = 0
         self.stats_asked = 0
@@ -69,7 +81,9 @@ class FakeReplica:
                 who, data = self._sock.recv_multipart()
                 message = protocol.decode(data, "client", max_bytes=1 << 26)
                 for reply in self._answer(who, message):
-                    self._sock.send_multipart([who, self._encode(reply)])
+                    parts = self.chunk_parts(reply) if isinstance(reply, protocol.Chunk) and not self.extra else [
+                        self._encode(reply)]
+                    self._sock.send_multipart([who, *parts])
         finally:
             self._sock.close(linger=0)
 

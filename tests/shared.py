@@ -1,8 +1,15 @@
-"""The flags of the session-wide shared server (``tests/conftest.py``), for the tests that check its limits."""
+"""The flags of the session-wide shared server (``tests/conftest.py``), for the tests that check its limits; how a
+test reads a server's messages on a bare socket (``read_server``)."""
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from ipc import chunk_wire, protocol
 
 
 def free_port() -> int:
@@ -21,6 +28,18 @@ SHARED_FLAGS = [*FAST, "--model.kind=tests.faulty_backend:build", f"--metrics.pr
                 f"--server.client_timeout_s={CLIENT_TIMEOUT_S}", f"--server.max_sessions={MAX_SESSIONS}",
                 f"--server.max_chunks={MAX_CHUNKS}", f"--server.max_image_pixels={MAX_IMAGE_PIXELS}",
                 "--server.send_hwm=4"]  # fmt: skip
+
+
+def read_server(sock: zmq.Socket, decode: Callable[..., Any] = protocol.decode) -> Any:
+    """One message a server (or router) sent ``sock``, decoded as the SDK reads it: a chunk's frames part (protocol
+    4) checked against its map, never decoded into it; any other message one part."""
+    parts = sock.recv_multipart(copy=False)
+    message = decode(parts[0].buffer, "server", max_bytes=1 << 31)
+    if isinstance(message, protocol.Chunk):
+        chunk_wire.frames_of(message, parts)
+    else:
+        chunk_wire.one_message(parts, type(message).__name__)
+    return message
 
 
 def tiny_model_stages(image_png: bytes) -> tuple:

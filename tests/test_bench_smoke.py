@@ -43,6 +43,8 @@ BENCHES: dict[str, tuple[list[str], str, set[str], Callable[[dict[str, Any]], bo
     "bench.py": (["--smoke"], "bench.json", {"summaries", "frames_differ", "table"}, frames_identical),
     "bench_capacity.py": (["--smoke"], "bench_capacity.json", {"verdicts", "ladder_on", "ladder_off"}, None),
     # the GPU engineer's two: their own CPU paths (eager mode only: inductor's compile alone takes minutes on a CPU)
+    "bench_chunk_path.py": (["--smoke"], "bench_chunk_path.json", {"measured", "before", "ratio"},
+                            lambda d: d["frames_identical"] is True),
     "bench_compile.py": (["--tiny", "--chunks", "1", "--modes", "off"], "bench_compile.json", {"modes", "device"},
                          lambda d: "steady_s" in d["modes"]["off"]),
     "bench_dit.py": (["--smoke"], "bench_dit.json", {"sp1", "sp5", "flops"}, None),

@@ -15,6 +15,7 @@ from ipc import protocol
 from ipc.aio_client import AsyncClient
 from ipc.client import Client, ServerError, input_state
 from scripts.local_server import ROOT, LocalServer
+from tests.shared import read_server
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,7 +35,7 @@ def enc(**fields: object) -> bytes:
 
 def read(sock: zmq.Socket, timeout_s: float = 30.0) -> object:
     assert sock.poll(int(timeout_s * 1000)), "no message within the timeout"
-    return protocol.decode(sock.recv(), "server", max_bytes=1 << 31)
+    return read_server(sock)
 
 
 def test_a_burst_of_64_requests_on_one_socket_gets_64_answers_and_its_session_streams_on(server: LocalServer) -> None:

@@ -26,7 +26,7 @@ import zmq
 from ipc import protocol
 from ipc.client import BadRequest, Client, ServerError, ServerGone, input_state
 from scripts.local_server import ROOT, LocalServer, ServerFailed
-from tests.shared import FAST
+from tests.shared import FAST, read_server
 
 pytestmark = pytest.mark.multiprocess
 
@@ -83,7 +83,7 @@ def raw_socket(endpoint: str, **options: int) -> zmq.Socket:
 
 def reply(sock: zmq.Socket, timeout_s: float = 30.0) -> object:
     assert sock.poll(int(timeout_s * 1000)), "no reply"
-    return protocol.decode(sock.recv(), "server", max_bytes=1 << 31)
+    return read_server(sock)
 
 
 def rss(pid: int, field: str = "VmRSS") -> int:

@@ -24,7 +24,7 @@ from ipc.metrics_types import ServerStats
 from scripts.local_router import LocalRouter
 from scripts.local_server import LocalServer
 from tests.hostile_fields import DIRECTIONS, Case, cases
-from tests.shared import free_port
+from tests.shared import free_port, read_server
 
 READ = {"client": protocol.decode, "replica": protocol.decode, "server": tolerant.decode, "router": tolerant.decode}
 
@@ -72,7 +72,7 @@ def _probe(sock: zmq.Socket, req: int, timeout_s: float = 60.0) -> list[object]:
     while time.monotonic() < deadline:
         if not sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
             break
-        message = tolerant.decode(sock.recv(), "server", max_bytes=1 << 30)
+        message = read_server(sock, tolerant.decode)
         if isinstance(message, protocol.StatsReply) and message.req == req:
             return replies
         replies.append(message)

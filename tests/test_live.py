@@ -25,7 +25,7 @@ from ipc.aio_client import AsyncClient
 from ipc.client import BadRequest, Busy, Client, SessionInfo, UnknownSession, input_state
 from scripts import client as tool
 from scripts.local_server import ROOT, LocalServer
-from tests.shared import CLIENT_TIMEOUT_S, MAX_CHUNKS, MAX_IMAGE_PIXELS, MAX_SESSIONS
+from tests.shared import CLIENT_TIMEOUT_S, MAX_CHUNKS, MAX_IMAGE_PIXELS, MAX_SESSIONS, read_server
 from tests.test_router import wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -193,11 +193,11 @@ def test_silent_clients_have_their_sessions_closed_and_caches_released_after_the
     raw.connect(server.endpoint)
     raw.send(protocol.encode(protocol.Open(req=1, image=IMAGE, live=True)))
     assert raw.poll(30_000)
-    opened = protocol.decode(raw.recv(), "server", max_bytes=1 << 30)
+    opened = read_server(raw)
     assert isinstance(opened, protocol.Opened), opened
     raw.send(protocol.encode(protocol.ControlState(req=2, session=opened.session, keys=["w"], revision=1)))
     raw_silent = time.monotonic()  # its last word
-    first = protocol.decode(raw.recv(), "server", max_bytes=1 << 30) if raw.poll(30_000) else None
+    first = read_server(raw) if raw.poll(30_000) else None
     assert isinstance(first, protocol.Chunk), first  # it was streaming to the socket that now goes silent
     stopped = Client(server.endpoint)
     paused = stopped.open(IMAGE, live=True, pause_when_idle=True)
@@ -294,7 +294,7 @@ def test_live_input_with_unknown_keys_or_a_stale_revision_is_refused_by_the_serv
     def answer(req: int) -> object:
         while True:
             assert raw.poll(30_000), f"no answer to {req}"
-            message = protocol.decode(raw.recv(), "server", max_bytes=1 << 30)
+            message = read_server(raw)
             if getattr(message, "req", None) == req:
                 return message
 
@@ -312,11 +312,11 @@ def test_live_input_with_unknown_keys_or_a_stale_revision_is_refused_by_the_serv
         chunk: object = None  # the refusals changed nothing: the accepted state drives the stream
         while not isinstance(chunk, protocol.Chunk):
             assert raw.poll(30_000)
-            chunk = protocol.decode(raw.recv(), "server", max_bytes=1 << 30)
+            chunk = read_server(raw)
         assert chunk.facts.control.keys == {"w"} and chunk.facts.control.revision == 5
         raw.send(protocol.encode(protocol.Close(req=9, session=opened.session)))
         while not isinstance(chunk, protocol.Closed):  # closed before the socket goes: nothing left streaming
             assert raw.poll(30_000)
-            chunk = protocol.decode(raw.recv(), "server", max_bytes=1 << 30)
+            chunk = read_server(raw)
     finally:
         raw.close()

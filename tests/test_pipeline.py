@@ -25,7 +25,7 @@ from ipc.client import Client, ServerError
 from models.camera import intrinsics_at
 from models.controls import OFFICIAL_INTRINSICS
 from scripts.local_server import ROOT, LocalServer
-from tests.shared import FAST, PROMETHEUS_PORT
+from tests.shared import FAST, PROMETHEUS_PORT, read_server
 from tests.test_synthetic import horizontal_shift
 
 pytestmark = pytest.mark.multiprocess
@@ -105,7 +105,7 @@ def test_bad_messages_get_clear_errors_while_another_session_keeps_streaming(ser
         def ask(data: bytes) -> protocol.Error:
             raw.send(data)
             assert raw.poll(30_000), "no reply"
-            reply = protocol.decode(raw.recv(), "server", max_bytes=1 << 30)
+            reply = read_server(raw)
             assert isinstance(reply, protocol.Error)
             return reply
 
@@ -272,7 +272,7 @@ def test_a_control_sent_too_far_ahead_meets_backpressure_on_the_wire_and_is_acce
     def answer(req: int) -> object:
         while True:  # chunks of the session interleave with the answers
             assert sock.poll(30_000), f"no answer to {req}"
-            message = protocol.decode(sock.recv(), "server", max_bytes=1 << 30)
+            message = read_server(sock)
             if getattr(message, "req", None) == req:
                 return message
 
@@ -303,7 +303,7 @@ def test_a_control_sent_too_far_ahead_meets_backpressure_on_the_wire_and_is_acce
         message: object = None
         while not isinstance(message, protocol.Closed):  # closed before the socket goes: nothing left streaming
             assert sock.poll(30_000)
-            message = protocol.decode(sock.recv(), "server", max_bytes=1 << 30)
+            message = read_server(sock)
     finally:
         sock.close()
 

@@ -151,9 +151,14 @@ def test_a_message_without_a_version_is_refused_with_its_request_id() -> None:
     assert refused.value.req == 42
 
 
-def test_a_version_2_client_is_still_served_and_other_versions_are_refused_by_number() -> None:
-    old = p.decode(_raw(v=2, type="open", req=1, image=b"png"), "client")  # a v2 open uses no version-3 field
-    assert isinstance(old, p.Open) and old.steps is None and old.intrinsics is None
+def test_a_version_2_client_is_still_read_and_other_versions_are_refused_by_number() -> None:
+    old = p.decode(_raw(v=2, type="stats", req=1), "client")  # a v2 request uses no later field
+    assert isinstance(old, p.Stats) and old.v == 2
+    for kind, fields in (("open", {"image": b"png"}), ("watch", {"session": "s", "token": "t"})):
+        for version in (2, 3):  # it could not read the stream: refused in its own version, which it reads
+            with pytest.raises(p.ProtocolViolation, match="upgrade the SDK") as refused:
+                p.decode(_raw(v=version, type=kind, req=1, **fields), "client")
+            assert (refused.value.req, refused.value.answer_v) == (1, version)
     for version in (1, p.PROTOCOL_VERSION + 1):
         with pytest.raises(p.ProtocolViolation, match=f"protocol version {version} is not supported"):
             p.decode(_raw(v=version, type="stats", req=1), "client")

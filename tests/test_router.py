@@ -25,6 +25,7 @@ from ipc.client import Busy, Client, ServerError, ServerGone
 from ipc.metrics_types import SessionSummary
 from scripts.local_router import LocalRouter, Streamer, free_port, replica_of, wait_for
 from scripts.local_server import ROOT, LocalServer
+from tests.shared import read_server
 
 pytestmark = pytest.mark.multiprocess
 
@@ -124,7 +125,7 @@ def test_bad_input_at_the_router_gets_the_same_typed_errors_as_at_a_server(fleet
         try:
             raw.send_multipart(data) if isinstance(data, list) else raw.send(data)
             assert raw.poll(30_000), f"no reply from {endpoint}"
-            reply = protocol.decode(raw.recv(), "server", max_bytes=1 << 30)
+            reply = read_server(raw)
         finally:
             raw.close(linger=0)
         assert isinstance(reply, protocol.Error)

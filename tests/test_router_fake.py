@@ -20,6 +20,7 @@ from ipc.metrics_types import ReplicaView
 from router.registration import server_id
 from scripts.local_router import LocalRouter
 from tests.fake_replica import FakeReplica, register, sane_stats
+from tests.shared import read_server
 from tests.test_router import free_port, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -161,7 +162,7 @@ def test_a_burst_of_64_requests_to_the_router_on_one_socket_gets_64_answers(fake
                 sock.send(protocol.encode(protocol.Stats(req=req)))
             answered: set[int] = set()
             while len(answered) < 64 and sock.poll(10_000):
-                reply = protocol.decode(sock.recv(), "server", max_bytes=1 << 30)
+                reply = read_server(sock)
                 assert isinstance(reply, protocol.StatsReply), reply
                 answered.add(reply.req)  # type: ignore[arg-type]
             assert answered == set(range(1, 65)), f"{64 - len(answered)} of 64 requests unanswered"

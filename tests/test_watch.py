@@ -18,6 +18,7 @@ from ipc.aio_client import AsyncClient
 from ipc.client import BadRequest, ChunkResult, Client, UnknownSession, WatchOnly
 from runtime.watchers import MAX_WATCHERS
 from scripts.local_server import ROOT, LocalServer
+from tests.shared import read_server
 
 pytestmark = pytest.mark.multiprocess
 
@@ -52,7 +53,7 @@ class RawWatcher:
     def answer(self, req: int) -> Any:
         while True:
             assert self.sock.poll(int(WAIT_S * 1000)), f"no answer to request {req}"
-            message = protocol.decode(self.sock.recv(), "server", max_bytes=1 << 30)
+            message = read_server(self.sock)
             if getattr(message, "req", None) == req:
                 return message
 
@@ -60,7 +61,7 @@ class RawWatcher:
         out: list[Any] = []
         while True:
             assert self.sock.poll(int(WAIT_S * 1000)), "the watcher's stream did not end"
-            message = protocol.decode(self.sock.recv(), "server", max_bytes=1 << 30)
+            message = read_server(self.sock)
             if isinstance(message, protocol.Chunk | protocol.Missed | protocol.Closed):
                 out.append(message)
             if isinstance(message, protocol.Closed):

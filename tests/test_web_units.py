@@ -23,7 +23,7 @@ from scripts.local_server import ROOT
 from web import page_messages as pm
 from web import page_protocol as pp
 from web.bridge import BridgeSettings, SessionSlots
-from web.chunks import chrome_trace, read_chunk
+from web.chunks import chrome_trace, page_chunk
 from web.gateway import GatewaySettings, host_name, is_loopback, make_app
 from web.playout import Dropped, Playout, encode_frame
 from web.tab import connect
@@ -244,10 +244,9 @@ def chunk_with(control: protocol.ChunkControl, spans: tuple[protocol.Span, ...] 
                        input_to_photon_s={3: 0.25})
 
 
-def test_the_adapter_reads_the_applied_control_and_facts_into_the_pages_chunk_message() -> None:
-    view = read_chunk(chunk_with(protocol.ChunkControl(keys=frozenset("wd"), mouse=(2.0, -1.0), revision=3)))
-    assert (view.index, view.revision, view.timeline().frames) == (4, 3, 12)
-    message = json.loads(pm.encode(view.message(Dropped(superseded=2))))
+def test_the_pages_chunk_message_is_built_from_the_sdks_chunk_result_its_applied_control_and_facts() -> None:
+    chunk = chunk_with(protocol.ChunkControl(keys=frozenset("wd"), mouse=(2.0, -1.0), revision=3))
+    message = json.loads(pm.encode(page_chunk(chunk, Dropped(superseded=2))))
     assert message == {"type": "chunk", "session": "s1", "index": 4, "frames": 12, "keys": ["d", "w"],
                        "mouse": [2.0, -1.0], "revision": 3, "prompt_revision": 0,
                        "control_to_output_s": pytest.approx(0.3), "steps": 0, "steps_changed": None,
@@ -256,12 +255,12 @@ def test_the_adapter_reads_the_applied_control_and_facts_into_the_pages_chunk_me
 
 
 def test_the_trace_of_a_session_has_one_event_per_span_on_each_ranks_track() -> None:
-    view = read_chunk(chunk_with(protocol.ChunkControl(keys=frozenset("w"), revision=1)))
-    trace = chrome_trace([view.timeline()])
+    chunk = chunk_with(protocol.ChunkControl(keys=frozenset("w"), revision=1))
+    trace = chrome_trace([(chunk.session, chunk.facts)])
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"].split()[0] in ("denoise", "decode")]
     assert sorted((e["name"], e["pid"]) for e in spans) == [("decode s1#4", 1), ("denoise s1#4", 2)]
-    bare = read_chunk(chunk_with(protocol.ChunkControl(), spans=()))  # a chunk without spans adds no span events
-    assert [e for e in chrome_trace([bare.timeline()])["traceEvents"] if e.get("ph") == "X"
+    bare = chunk_with(protocol.ChunkControl(), spans=())  # a chunk without spans adds no span events
+    assert [e for e in chrome_trace([(bare.session, bare.facts)])["traceEvents"] if e.get("ph") == "X"
             and e["name"].split()[0] in ("denoise", "decode")] == []
 
 

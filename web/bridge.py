@@ -31,6 +31,7 @@ from aiohttp import WSMsgType, web
 
 from ipc.aio_client import AsyncClient
 from ipc.client import (
+    ChunkResult,
     ServerError,
     SessionClosed,
     SessionInfo,
@@ -43,7 +44,7 @@ from ipc.metrics_types import SessionSummary, given
 from ipc.protocol import StreamHeader
 from web import page_messages as pm
 from web import page_protocol as pp
-from web.chunks import ChunkView, Timeline, chrome_trace, read_chunk
+from web.chunks import Timeline, chrome_trace, page_chunk
 from web.playout import Playout, encode_frame
 from web.tab_tasks import TabTasks
 
@@ -93,7 +94,7 @@ class Bridge:
         self.client: AsyncClient | None = None
         self.session: SessionInfo | None = None
         self.playout: Playout | None = None
-        self.playing: ChunkView | None = None
+        self.playing: ChunkResult | None = None
         self.timeline: collections.deque[Timeline] = collections.deque(maxlen=TRACE_CHUNKS)
         self.watching = False  # the session is another tab's, watched read-only (``watch``)
         self.frames_sent = 0
@@ -322,7 +323,7 @@ class Bridge:
             return
         chunks = list(self.timeline)
         trace = await asyncio.to_thread(chrome_trace, chunks)
-        self.send(pm.Trace(session=chunks[-1].session, trace=trace))
+        self.send(pm.Trace(session=chunks[-1][0], trace=trace))
 
     # ------------------------------------------------------------------------------------------ session
 
@@ -353,14 +354,13 @@ class Bridge:
                 continue
             except ServerError:
                 continue  # the session's failure or the server's end: the error pump reports it, `closed` follows
-            view = read_chunk(chunk)
-            self.timeline.append(view.timeline())
+            self.timeline.append((chunk.session, chunk.facts))
             assert self.playout is not None
-            if self.playout.chunk is not None and view.index <= self.playout.chunk:
+            if self.playout.chunk is not None and chunk.index <= self.playout.chunk:
                 self.playout.rewind()  # chunks again after a migration whose notice a watcher's full feed dropped
-            self.playout.push(view.index, int(view.frames.shape[0]), loop.time())
-            self.playing = view
-            self.send(view.message(self.playout.dropped))
+            self.playout.push(chunk.index, int(chunk.frames.shape[0]), loop.time())
+            self.playing = chunk
+            self.send(page_chunk(chunk, self.playout.dropped))
 
     async def _close_session(self) -> None:
         """Close the open session on the server (page stop or tab gone), wait for its summary, return the slot."""
@@ -417,10 +417,11 @@ class Bridge:
                 await self.ws.send_str(self._outbox.popleft())
             taken = self.playout.take(loop.time()) if self.playout is not None else None
             if taken is not None and self.playing is not None:
-                view = self.playing
+                playing = self.playing
                 index = taken[1]
-                picture = await asyncio.to_thread(encode_frame, view.frames[index], fmt, quality)
-                data = pp.frame_message(fmt, view.index, index, int(view.frames.shape[0]), view.revision, picture)
+                picture = await asyncio.to_thread(encode_frame, playing.frames[index], fmt, quality)
+                data = pp.frame_message(fmt, playing.index, index, int(playing.frames.shape[0]), playing.revision,
+                                        picture)
                 await self.ws.send_bytes(data)
                 self.frames_sent += 1
                 self.bytes_sent += len(data)

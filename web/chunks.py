@@ -1,67 +1,29 @@
 """The one place the gateway reads a chunk's applied control and facts (typed ``protocol.ChunkControl`` and
-``protocol.ChunkFacts``, the same shapes from rank 0 to the SDK): the rest of the gateway sees only ``ChunkView``, and
-the page the ``chunk`` message built from it here, once."""
+``protocol.ChunkFacts``, the same shapes from rank 0 to the SDK): the page's ``chunk`` message is built here from the
+SDK's ``ChunkResult`` itself, and a session's trace keeps each chunk's ``(session, facts)``, no pixels."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-
-import numpy as np
+from collections.abc import Iterable
 
 from ipc import protocol
 from ipc.client import ChunkResult
 from web import page_messages as pm
 from web.playout import Dropped
 
-
-@dataclass(frozen=True)
-class ChunkView:
-    """What the gateway needs of one chunk."""
-
-    session: str
-    index: int
-    frames: np.ndarray  # uint8 [n, H, W, 3]
-    facts: protocol.ChunkFacts  # rank-0 times and every rank's spans (for the trace); facts.control is applied
-    gateway_input_to_photon_s: Mapping[int, float]  # gateway clock: revision sent -> this chunk received
-    missed: int = 0  # chunks the server dropped for this (watching) client right before this one
-
-    @property
-    def revision(self) -> int:
-        """The last page input revision the applied snapshot folded in (-1: none yet): each frame's header says it."""
-        return self.facts.control.revision
-
-    def timeline(self) -> Timeline:
-        """What the session's trace keeps of this chunk (no pixels)."""
-        return Timeline(self.session, self.facts)
-
-    def message(self, dropped: Dropped) -> pm.Chunk:
-        """The page's ``chunk`` message (``dropped``: the gateway's playout counters now)."""
-        facts, control = self.facts, self.facts.control
-        return pm.Chunk(session=self.session, index=self.index, frames=int(self.frames.shape[0]),
-                        keys=sorted(control.keys), mouse=(float(control.mouse[0]), float(control.mouse[1])),
-                        revision=control.revision, prompt_revision=facts.prompt_revision,
-                        control_to_output_s=facts.times.control_to_output, steps=facts.steps,
-                        steps_changed=facts.steps_changed,
-                        gateway_input_to_photon_s={str(r): s for r, s in self.gateway_input_to_photon_s.items()},
-                        dropped=dropped, missed=self.missed)
+Timeline = tuple[str, protocol.ChunkFacts]  # one chunk's place on its session's timeline: what its trace keeps
 
 
-@dataclass(frozen=True)
-class Timeline:
-    """One chunk's place on the session's timeline, kept for the Chrome trace."""
-
-    session: str
-    facts: protocol.ChunkFacts
-
-    @property
-    def frames(self) -> int:
-        return self.facts.frames
-
-
-def read_chunk(chunk: ChunkResult) -> ChunkView:
-    return ChunkView(session=chunk.session, index=chunk.index, frames=chunk.frames, facts=chunk.facts,
-                     gateway_input_to_photon_s=dict(chunk.input_to_photon_s), missed=chunk.missed)
+def page_chunk(chunk: ChunkResult, dropped: Dropped) -> pm.Chunk:
+    """The page's ``chunk`` message (``dropped``: the gateway's playout counters now)."""
+    facts, control = chunk.facts, chunk.facts.control
+    return pm.Chunk(session=chunk.session, index=chunk.index, frames=int(chunk.frames.shape[0]),
+                    keys=sorted(control.keys), mouse=(float(control.mouse[0]), float(control.mouse[1])),
+                    revision=control.revision, prompt_revision=facts.prompt_revision,
+                    control_to_output_s=facts.times.control_to_output, steps=facts.steps,
+                    steps_changed=facts.steps_changed,
+                    gateway_input_to_photon_s={str(r): s for r, s in chunk.input_to_photon_s.items()},
+                    dropped=dropped, missed=chunk.missed)
 
 
 def chrome_trace(chunks: Iterable[Timeline]) -> dict[str, object]:
@@ -69,4 +31,4 @@ def chrome_trace(chunks: Iterable[Timeline]) -> dict[str, object]:
     writes it."""
     from runtime.trace import chrome_trace as build
 
-    return build((chunk.session, chunk.facts) for chunk in chunks)
+    return build(chunks)

@@ -94,7 +94,7 @@ class Opened(Watching, tag="opened"):
 
 
 class Chunk(_Out, tag="chunk"):
-    """One chunk's facts as the page shows them (``web.chunks.ChunkView.message`` builds it from ``ChunkFacts``)."""
+    """One chunk's facts as the page shows them (``web.chunks.page_chunk`` builds it from the SDK's ``ChunkResult``)."""
 
     session: str
     index: int
