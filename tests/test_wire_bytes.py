@@ -137,7 +137,10 @@ GOLDEN: dict[str, str] = {
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
 def test_the_wire_bytes_of_each_message_are_unchanged(name: str) -> None:
-    assert _messages()[name].hex() == GOLDEN[name]
+    # recorded at protocol version 3: the version field (``"v": 3``, a fixstr key and a fixint) is the one byte a
+    # version bump may change
+    expected = GOLDEN[name].replace("a17603", f"a176{protocol.PROTOCOL_VERSION:02x}")
+    assert _messages()[name].hex() == expected
 
 
 def test_every_touched_message_has_golden_bytes() -> None:
