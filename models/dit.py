@@ -148,7 +148,7 @@ class SelfAttention(nn.Module):
         self.overlap = cfg.overlap_all_to_all
         # (weight [3d, d], bias [3d]) whose rows q, k and v's parameters are views of; None: three GEMMs
         self.fused_qkv: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.register_load_state_dict_post_hook(lambda module, _keys: module._refuse())
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._fuse_again())
         self.set_fused_qkv(cfg.fused_qkv)
 
     def set_fused_qkv(self, on: bool) -> None:
@@ -167,14 +167,14 @@ class SelfAttention(nn.Module):
             lin.bias = nn.Parameter(bias[rows], requires_grad=lin.bias.requires_grad)
         self.fused_qkv = weight, bias
 
-    def _refuse(self) -> None:
+    def _fuse_again(self) -> None:
         """Fuse again after the parameters were replaced (a move, a cast, a load with ``assign=True``)."""
         if self.fused_qkv is not None:
             self.set_fused_qkv(True)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
         super()._apply(fn, recurse)  # .to() / .to_empty() replace each parameter on its own ...
-        self._refuse()  # ... so q, k and v are views of one tensor again
+        self._fuse_again()  # ... so q, k and v are views of one tensor again
         return self
 
     def project_linear(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
