@@ -24,7 +24,8 @@ Sequence parallelism is applied from outside with ``apply_sequence_parallel(mode
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -64,13 +65,59 @@ class SelfAttention(nn.Module):
         self.norm_q, self.norm_k = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
         self.sp = Ulysses(None)
         self.attend: AttentionFn = select_attention("sdpa")
+        self.overlap = cfg.overlap_all_to_all
+        # (weight [3d, d], bias [3d]) whose rows q, k and v's parameters are views of; None: three GEMMs
+        self.fused_qkv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._fuse_again())
+        self.set_fused_qkv(cfg.fused_qkv)
+
+    def set_fused_qkv(self, on: bool) -> None:
+        """Run q, k and v as one GEMM over the concatenated weights. The concatenation is made once and q, k and v's
+        parameters become views of its rows, so the state dict (names, shapes, checkpoint format) is unchanged and
+        the weights are held once; a load copies into the views."""
+        if not on:
+            self.fused_qkv = None
+            return
+        linears = (self.q, self.k, self.v)
+        with torch.no_grad():
+            weight, bias = torch.cat([lin.weight for lin in linears]), torch.cat([lin.bias for lin in linears])
+        for i, lin in enumerate(linears):
+            rows = slice(i * lin.out_features, (i + 1) * lin.out_features)
+            lin.weight = nn.Parameter(weight[rows], requires_grad=lin.weight.requires_grad)
+            lin.bias = nn.Parameter(bias[rows], requires_grad=lin.bias.requires_grad)
+        self.fused_qkv = weight, bias
+
+    def _fuse_again(self) -> None:
+        """Fuse again after the parameters were replaced (a move, a cast, a load with ``assign=True``)."""
+        if self.fused_qkv is not None:
+            self.set_fused_qkv(True)
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
+        super()._apply(fn, recurse)  # .to() / .to_empty() replace each parameter on its own ...
+        self._fuse_again()  # ... so q, k and v are views of one tensor again
+        return self
+
+    def project_linear(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[n, d]`` before the norms: three GEMMs, or one (``fused_qkv``) whose column thirds they are."""
+        if self.fused_qkv is None:
+            return self.q(a), self.k(a), self.v(a)
+        q, k, v = F.linear(a, *self.fused_qkv).split(self.q.out_features, dim=-1)
+        return q, k, v
 
     def project(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[n, heads, hd]`` of this rank's tokens ``a [n, d]`` (the q/k RMS norm spans all heads)."""
         n = a.shape[0]
-        q = self.norm_q(self.q(a)).view(n, self.heads, self.head_dim)
-        k = self.norm_k(self.k(a)).view(n, self.heads, self.head_dim)
-        return q, k, self.v(a).view(n, self.heads, self.head_dim)
+        q, k, v = self.project_linear(a)
+        q = self.norm_q(q).view(n, self.heads, self.head_dim)
+        k = self.norm_k(k).view(n, self.heads, self.head_dim)
+        return q, k, v.view(n, self.heads, self.head_dim)
+
+    def attend_group(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: slice, rope: torch.Tensor,
+                     kv: LayerKV | None, mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """``attend_heads`` of local heads ``heads`` only, through those heads' rows of the ring (the ring's layout
+        is ``[heads, S, hd]``: a head group is a view of it, written in place)."""
+        group_kv = None if kv is None else replace(kv, k=kv.k[heads], v=kv.v[heads])
+        return self.attend_heads(q, k, v, rope, group_kv, mask)
 
     def attend_heads(
         self,
@@ -145,9 +192,13 @@ class Block(nn.Module):
         cam: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        sp = self.self_attn.sp
-        q, k, v = sp.qkv_to_heads(*self.attention_inputs(x, mod), n_total)  # [N, heads/R, hd] each
-        out = sp.heads_to_seq(self.self_attn.attend_heads(q, k, v, rope, kv, mask))  # [n, heads, hd]
+        attn = self.self_attn
+        q, k, v = self.attention_inputs(x, mod)
+        if attn.overlap:  # the exchanges of some head groups run while others attend
+            out = attn.sp.attend_overlapped(q, k, v, n_total, partial(attn.attend_group, rope=rope, kv=kv, mask=mask))
+        else:
+            q, k, v = attn.sp.qkv_to_heads(q, k, v, n_total)  # [N, heads/R, hd] each
+            out = attn.sp.heads_to_seq(attn.attend_heads(q, k, v, rope, kv, mask))  # [n, heads, hd]
         return self.after_attention(x, out, mod, text_kv, cam)
 
     # The two halves around the Ulysses all-to-alls (models/compiled.py compiles them apart when the DiT is sharded).
@@ -239,6 +290,14 @@ class WanModelFast(nn.Module):
         self.graphs: PassGraphs | None = None
         self.register_load_state_dict_pre_hook(lambda *args, **kwargs: self._time_memo.clear())
         self.set_attention(select_attention(cfg.attention))
+
+    def set_qkv_exchange(self, fused_qkv: bool, overlap_all_to_all: bool) -> None:
+        """The q/k/v projection and the Ulysses exchange as ``DiTConfig`` names them, on every block: a model built
+        for another stage (benchmarks share one) then runs this stage's settings."""
+        self.cfg = replace(self.cfg, fused_qkv=fused_qkv, overlap_all_to_all=overlap_all_to_all)
+        for block in self.blocks:
+            block.self_attn.set_fused_qkv(fused_qkv)
+            block.self_attn.overlap = overlap_all_to_all
 
     def set_attention(self, fn: AttentionFn) -> None:
         """The self-attention kernel (the one that is timed and chosen); cross-attention over the 512 text rows stays

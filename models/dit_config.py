@@ -35,6 +35,8 @@ class DiTConfig:
     rope_positions: int = 1024  # time positions of the reference RoPE table (see models/rope.py)
     kv_eviction: bool = True  # False: the official v1 "full" cache: nothing leaves, the window caps the session
     compile: str = "off"  # "off" | "blocks" | "graphs" (models/compiled.py)
+    fused_qkv: bool = False  # self-attention q, k, v as one [d, 3d] GEMM (SelfAttention.set_fused_qkv)
+    overlap_all_to_all: bool = False  # Ulysses exchanges in head groups, overlapped with attention (attend_overlapped)
 
     def __post_init__(self) -> None:
         assert self.dim % self.num_heads == 0, f"dim {self.dim} not divisible by num_heads {self.num_heads}"

@@ -75,7 +75,8 @@ def _recipe(model: Any, stream: Any) -> DiTConfig:
         sink = model.kv_sink
     try:
         return replace(base, chunk_size=stream.chunk_latent_frames, attention=model.attention, compile=model.compile,
-                       kv_window=window, kv_sink=sink, kv_eviction=eviction)  # fmt: skip
+                       kv_window=window, kv_sink=sink, kv_eviction=eviction, fused_qkv=model.fused_qkv,
+                       overlap_all_to_all=model.overlap_all_to_all)  # fmt: skip
     except AssertionError as error:
         raise ValueError(f"model.kv_window = {window}, kv_sink = {sink} with chunks of {stream.chunk_latent_frames} "
                          f"latent frames: {error}") from None

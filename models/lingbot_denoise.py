@@ -151,6 +151,7 @@ class LingbotDenoiseStage:
         self.model.eval()
         self.cfg = replace(args, **{f: getattr(self.model.cfg, f) for f in ARCH_FIELDS})  # streaming: from args
         apply_sequence_parallel(self.model, group)
+        self.model.set_qkv_exchange(args.fused_qkv, args.overlap_all_to_all)
         self.steps = FlowMatchSchedule.build(self.cfg.shift, self.cfg.num_train_timesteps).steps(
             self.cfg.timestep_indices
         )

@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from models.ulysses import Ulysses
+from models.ulysses import InFlight, Ulysses
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,8 @@ class VirtualUlysses(Ulysses):
             return x[:n]
         return x.new_empty(x.shape[0] * self.size, *x.shape[1:])[:n]
 
-    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(send)  # the real path's receive buffer
+    def _start(self, send: torch.Tensor) -> InFlight:
+        return InFlight(torch.empty_like(send), send)  # the real path's buffers: both live until it is waited for
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -161,6 +161,8 @@ class Setting:
     latent_capacity: int
     compile: str = "off"  # graphs keeps per-session static copies and a capture pool (``_graphs_bytes``)
     cuda: bool = False  # cuDNN workspaces exist on CUDA only (``Margins``)
+    fused_qkv: bool = False  # the DiT's q/k/v as one GEMM (its output [n, 3d] instead of three [n, d])
+    overlap_all_to_all: bool = False  # the Ulysses exchanges in head groups (their buffers live together)
 
 
 def setting(config: Any, device_type: str) -> Setting:
@@ -175,7 +177,8 @@ def setting(config: Any, device_type: str) -> Setting:
                    vae_dtype=lingbot_config.vae_dtype(model, device),
                    t5_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                    dit_ranks=len(config.layout.dit), latent_capacity=config.scheduler.latent_capacity,
-                   compile=model.compile, cuda=device.type == "cuda")
+                   compile=model.compile, cuda=device.type == "cuda", fused_qkv=model.fused_qkv,
+                   overlap_all_to_all=model.overlap_all_to_all)
 
 
 class _Model:
@@ -187,6 +190,7 @@ class _Model:
         # the meta DiT runs eagerly; what graphs adds is counted apart (``_graphs_bytes``)
         self.attention, self.checkpoint_dir, self.compile = "sdpa", "", "off"
         self.chunk_latent_frames = s.chunk_latent_frames
+        self.fused_qkv, self.overlap_all_to_all = s.fused_qkv, s.overlap_all_to_all
 
 
 @contextmanager

@@ -171,6 +171,10 @@ class ModelConfig(_Section):
     kv_sink: int = -1  # sink latent frames of a rolling window; -1: the preset's
     kv_full_frames: int = 21  # latent frames a "full" cache holds: caps the session (21 = the official 81 frames)
     weights_seed: int = 0  # seed of random weights when no checkpoint is given
+    # DiT self-attention: q, k and v as one [d, 3d] GEMM over weights concatenated once at load (same checkpoint)
+    fused_qkv: bool = False
+    # DiT on several ranks: Ulysses all-to-alls in head groups, exchanged while the other groups attend
+    overlap_all_to_all: bool = False
 
 
 class ControlsConfig(_Section):

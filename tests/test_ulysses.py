@@ -36,10 +36,11 @@ def _inputs() -> tuple[torch.Tensor, list[torch.Tensor]]:
     return context, [torch.randn(20, 3, 4, 6, generator=g) for _ in range(CHUNKS)]
 
 
-def run_stream(group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Latents ``[CHUNKS, 16, 3, 4, 6]`` of a seeded tiny stream through the real DenoiseStage."""
+def run_stream(group: dist.ProcessGroup | None, cfg: DiTConfig | None = None) -> torch.Tensor:
+    """Latents ``[CHUNKS, 16, 3, 4, 6]`` of a seeded stream through the real DenoiseStage (``cfg``: the tiny DiT)."""
     torch.set_num_threads(1)
-    stage = LingbotDenoiseStage(DiTConfig.from_name("tiny", attention="sdpa"), GEOMETRY, group=group, init_seed=3)
+    cfg = cfg or DiTConfig.from_name("tiny", attention="sdpa")
+    stage = LingbotDenoiseStage(cfg, GEOMETRY, group=group, init_seed=3)
     context, conditions = _inputs()
     stage.open(SessionSpec(session="s", seed=11, prompt="p"), context)
     out = [stage.denoise("s", k, conditions[k], CONTROLS[k]) for k in range(CHUNKS)]
