@@ -309,9 +309,9 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """Float32 throughout, whatever the weights' dtype (the reference runs the head under float32 autocast)."""
-        s = self.modulation.float() + e.float()[:, None]  # [1 or n, 2, d]; the head uses e, not e0
+        s = float_param(self, "modulation") + e.float()[:, None]  # [1 or n, 2, d]; the head uses e, not e0
         h = torch.addcmul(s[:, 0], layer_norm(x, self.eps), 1 + s[:, 1])
-        return F.linear(h, self.head.weight.float(), self.head.bias.float())
+        return F.linear(h, float_param(self.head, "weight"), float_param(self.head, "bias"))
 
 
 class BlockRunner(Protocol):
