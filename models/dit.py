@@ -15,8 +15,13 @@ Work done once instead of per call:
 
 Precision (as the reference's autocast regions): the residual stream, the modulation and the output head run in
 float32; every other Linear runs in the weights' dtype (bf16 on GPU), and ``1 + cam_scale`` is rounded to that dtype
-before it scales the float32 stream. The elementwise steps are written as single kernels where one exists
-(``addcmul`` for modulation and gating, ``rms_norm``, complex RoPE), since at 480x832 they are a third of a chunk.
+before it scales the float32 stream. The elementwise steps are written as few passes as eager PyTorch allows, since at
+480x832 they were about a seventh of a chunk: LN + modulate is one ``layer_norm`` with the modulation as its affine,
+then one cast; each RMS norm is one ``rms_norm`` with its float32 gain (cast once per load, ``float_param``); on one
+rank q/k stay float32 from their norm into RoPE (one complex multiply), q is cast once after it and k by the copy that
+writes it into the KV ring; gates and the camera are one ``addcmul`` each. ``scripts/op_count.py`` counts the aten ops
+of one block (57 before, 48 now, in bf16 on CPU); compiled (``models.compiled``), a block is 7 generated kernels on
+CPU besides its GEMMs and attentions, the k chain and the ring write among them as one (``tests/test_dit_fusion.py``).
 
 Sequence parallelism is applied from outside with ``apply_sequence_parallel(model, group)``.
 """
@@ -36,25 +41,56 @@ from torch import nn
 from models.attention import AttentionFn, select_attention
 from models.dit_config import DiTConfig
 from models.kv_cache import KVCache, LayerKV, TextCache
-from models.rope import apply_rope, rope_angles, rope_freqs
+from models.rope import apply_rope, rope_angles, rope_freqs, rope_rotate
 from models.ulysses import Ulysses
 
 
+def float_param(module: nn.Module, name: str) -> torch.Tensor:
+    """``module.<name>`` in float32, cast once per load instead of once per call: a bf16 model's norm gains and biases
+    are kept as float32 copies (derived, outside the state dict), remade only when the weight is replaced or written
+    (its address or version changes). A compiled block casts inline: the cast of a [d] vector fuses into its user."""
+    weight: torch.Tensor = getattr(module, name)
+    if weight.dtype == torch.float32 or torch.compiler.is_compiling():
+        return weight.float()
+    key = (weight.data_ptr(), weight.device, -1 if weight.is_inference() else weight._version)
+    memo: dict[str, tuple[tuple, torch.Tensor]] = module.__dict__.setdefault("_float_params", {})
+    if name not in memo or memo[name][0] != key:
+        memo[name] = (key, weight.detach().float())
+    return memo[name][1]
+
+
 class RMSNorm(nn.Module):
-    """``x * rsqrt(mean(x^2) + eps) * weight`` in float32, over the whole last dim (all heads jointly)."""
+    """``x * rsqrt(mean(x^2) + eps) * weight`` in float32, over the whole last dim (all heads jointly): one
+    ``rms_norm``, which upcasts, applies the gain in float32 and rounds once to the input's dtype (one fused kernel on
+    CUDA). With ``keep_float`` the result stays float32 (the self-attention's q/k on one rank: their RoPE runs in
+    float32 anyway, so a round trip through bf16 in between would be two passes for nothing; under Ulysses they are
+    sent in the compute dtype)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.keep_float = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).type_as(x) * self.weight
+        if self.keep_float:
+            return F.rms_norm(x.float(), x.shape[-1:], float_param(self, "weight"), self.eps)
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
 
 
 def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Non-affine LayerNorm computed in float32."""
     return F.layer_norm(x.float(), x.shape[-1:], eps=eps).type_as(x)
+
+
+def modulated_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """``LN(x) * scale + shift`` of the float32 stream ``x [n, d]``, cast to ``dtype`` for the Linear that follows.
+    A modulation shared by all tokens (``[1, d]``) is the LayerNorm's own affine: one kernel instead of three; a
+    per-token one (the uncached per-frame form) is applied after it."""
+    if shift.shape[0] == 1 and scale.shape[0] == 1:
+        return F.layer_norm(x, x.shape[-1:], scale[0], shift[0], eps).to(dtype)
+    return torch.addcmul(shift, layer_norm(x, eps), scale).to(dtype)
 
 
 class SelfAttention(nn.Module):
@@ -104,6 +140,17 @@ class SelfAttention(nn.Module):
         q, k, v = F.linear(a, *self.fused_qkv).split(self.q.out_features, dim=-1)
         return q, k, v
 
+    @property
+    def sp(self) -> Ulysses:
+        return self._sp
+
+    @sp.setter
+    def sp(self, sp: Ulysses) -> None:
+        # q/k go through the all-to-all in the compute dtype (float32 would double its bytes); one rank keeps them
+        # float32 from their norm into RoPE (RMSNorm.keep_float). Set with the group, whoever sets it.
+        self._sp = sp
+        self.norm_q.keep_float = self.norm_k.keep_float = sp.size == 1
+
     def project(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[n, heads, hd]`` of this rank's tokens ``a [n, d]`` (the q/k RMS norm spans all heads)."""
         n = a.shape[0]
@@ -129,15 +176,17 @@ class SelfAttention(nn.Module):
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of the whole sequence for this rank's heads: ``[N, heads/R, hd]`` in, out; the keys and values
-        of a cached call go through the session's ring (``kv``) first."""
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        of a cached call go through the session's ring (``kv``) first. The rotated keys are cast to the compute dtype
+        by the copy that writes them into the ring (no pass of their own)."""
+        dtype = v.dtype  # the compute dtype (q and k may still be float32 from their norm)
+        q, k = apply_rope(q, rope, dtype), rope_rotate(k, rope)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads/R, N, hd]
         if kv is not None:
             assert mask is None, "the cached path attends to every valid slot"
             k, v = kv.write(k, v)  # [heads/R, L, hd]
             out = self.attend(q, k, v)
         else:  # the uncached full-sequence form (tests of the cached path); 4-D as every SDPA call
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0]
+            out = F.scaled_dot_product_attention(q[None], k.to(dtype)[None], v[None], attn_mask=mask)[0]
         return out.transpose(0, 1)
 
 
@@ -206,8 +255,7 @@ class Block(nn.Module):
     # its input in the weights' dtype (bf16 on GPU). In float32 every cast is a no-op.
 
     def attention_inputs(self, x: torch.Tensor, mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        a = torch.addcmul(mod[:, 0], layer_norm(x, self.eps), mod[:, 1]).to(self.norm3.weight.dtype)
-        return self.self_attn.project(a)
+        return self.self_attn.project(modulated_norm(x, mod[:, 0], mod[:, 1], self.eps, self.norm3.weight.dtype))
 
     def after_attention(
         self,
@@ -220,10 +268,9 @@ class Block(nn.Module):
         wdt = self.norm3.weight.dtype
         x = torch.addcmul(x, self.self_attn.o(out.reshape(x.shape[0], -1)), mod[:, 2])
         x = torch.addcmul(cam[1], x, cam[0])  # (1 + cam_scale) * x + cam_shift, float32 result
-        q = F.layer_norm(x, x.shape[-1:], self.norm3.weight.float(), self.norm3.bias.float(), self.eps)
-        x = x + self.cross_attn(q.to(wdt), *text_kv)
-        h = torch.addcmul(mod[:, 3], layer_norm(x, self.eps), mod[:, 4]).to(wdt)
-        return torch.addcmul(x, self.ffn(h), mod[:, 5])
+        w3, b3 = float_param(self.norm3, "weight"), float_param(self.norm3, "bias")
+        x = x + self.cross_attn(F.layer_norm(x, x.shape[-1:], w3, b3, self.eps).to(wdt), *text_kv)
+        return torch.addcmul(x, self.ffn(modulated_norm(x, mod[:, 3], mod[:, 4], self.eps, wdt)), mod[:, 5])
 
 
 class Head(nn.Module):
@@ -235,9 +282,9 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """Float32 throughout, whatever the weights' dtype (the reference runs the head under float32 autocast)."""
-        s = self.modulation.float() + e.float()[:, None]  # [1 or n, 2, d]; the head uses e, not e0
+        s = float_param(self, "modulation") + e.float()[:, None]  # [1 or n, 2, d]; the head uses e, not e0
         h = torch.addcmul(s[:, 0], layer_norm(x, self.eps), 1 + s[:, 1])
-        return F.linear(h, self.head.weight.float(), self.head.bias.float())
+        return F.linear(h, float_param(self.head, "weight"), float_param(self.head, "bias"))
 
 
 class BlockRunner(Protocol):

@@ -63,27 +63,39 @@ def rope_freqs(angles: torch.Tensor, device: torch.device | str | None = None) -
     return freqs if device is None else freqs.to(device)
 
 
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [N, heads, hd]`` (pairs ``x[2i] + i*x[2i+1]``) by ``freqs``; the result has the dtype of ``x``.
+def rope_rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [N, heads, hd]`` (pairs ``x[2i] + i*x[2i+1]``) by ``freqs`` and return the result in the rotation's
+    own real precision, not cast back: the caller's cast then happens where the result is stored (a key is cast on
+    its way into the KV ring, in the same copy), instead of in a pass of its own.
 
-    float32/64 inputs rotate in complex128 (the reference's float64 path). bf16/fp16 inputs rotate in complex64 with
-    the table rounded once (hand a complex64 ``freqs`` to skip the conversion): a quarter of the memory traffic and
-    three kernels (cast, complex multiply, cast) instead of eight; the result can differ from the reference's
-    float64 rotation by one bf16 step in rare ties, far inside bf16's own error.
+    The precision follows the table: a complex128 table rotates float32/64 inputs in float64 (the reference's path);
+    a complex64 table (what a bf16 model builds), or any bf16/fp16 input, rotates in float32 with the table rounded
+    once (hand a complex64 ``freqs`` to skip that conversion). So a bf16 model's q/k may arrive here still in float32
+    from their RMS norm (no round trip through bf16 in between): the rotation is then one complex multiply. Against
+    the reference's float64 rotation of bf16 values the result can differ by one bf16 step in rare ties, far inside
+    bf16's own error.
 
     ``freqs`` may also be the table's real view ``[N, 1, hd/2, 2]`` (``torch.view_as_real``: cos, sin): the same
-    rotation written as real multiply-adds in the table's precision, which the compiled block fuses with the q/k norm
-    and cast (inductor does not fuse complex arithmetic).
+    rotation written as real multiply-adds in the table's precision, which the compiled block fuses with the q/k norm,
+    the cast and the ring write (inductor does not fuse complex arithmetic).
     """
     n, heads, hd = x.shape
     if not freqs.is_complex():
         assert freqs.shape == (n, 1, hd // 2, 2), f"rope table {tuple(freqs.shape)} does not fit x {tuple(x.shape)}"
+        # (re, im) -> (re cos - im sin, im cos + re sin) as one elementwise expression of x and its pairs swapped: no
+        # stack of two halves, which would make the compiled block store the rotation before the ring write reads it
         pairs = x.to(freqs.dtype).reshape(n, heads, hd // 2, 2)
-        re, im, cos, sin = pairs[..., 0], pairs[..., 1], freqs[..., 0], freqs[..., 1]
-        return torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).reshape(n, heads, hd).to(x.dtype)
+        cos, sin = freqs[..., :1], freqs[..., 1:]
+        sign = torch.tensor([-1.0, 1.0], dtype=freqs.dtype, device=freqs.device)
+        return (pairs * cos + pairs.flip(-1) * sign * sin).reshape(n, heads, hd)
     assert freqs.shape == (n, 1, hd // 2), f"rope table {tuple(freqs.shape)} does not fit x {tuple(x.shape)}"
-    wide = x.dtype in (torch.float32, torch.float64)
+    wide = x.dtype in (torch.float32, torch.float64) and freqs.dtype == torch.complex128
     real = torch.float64 if wide else torch.float32
     xc = torch.view_as_complex(x.to(real).reshape(n, heads, hd // 2, 2))
     out = xc * (freqs if wide or freqs.dtype == torch.complex64 else freqs.to(torch.complex64))
-    return torch.view_as_real(out).reshape(n, heads, hd).to(x.dtype)
+    return torch.view_as_real(out).reshape(n, heads, hd)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``rope_rotate`` cast to ``dtype`` (default: the dtype of ``x``)."""
+    return rope_rotate(x, freqs).to(x.dtype if dtype is None else dtype)
