@@ -87,6 +87,9 @@ class ServerConfig(_Section):
     max_watchers: int = 8  # spectators per session (``watch``); one more is refused busy; 0: no spectators
     # chunks waiting for one watcher beyond its send_hwm queue: a slower watcher drops the oldest (never the player)
     watch_queue: int = 2
+    # on the first stop signal (or a ``drain`` request) this long is given to save every session and hand it off
+    # before the server stops; 0: stop at once. Keep it under the signal's lead (Slurm ``--signal=B:TERM@60``: 50)
+    drain_s: float = 50.0
 
 
 class StreamConfig(_Section):

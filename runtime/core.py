@@ -63,6 +63,7 @@ from runtime.core_types import (
     ClientSent,
     ClientUnreachable,
     ClientUnreadable,
+    DrainRequested,
     DropTensors,
     EmitChunk,
     EndWatch,
@@ -83,13 +84,14 @@ from runtime.core_types import (
     WatchDropped,
     WorkerSent,
 )
+from runtime.drain import Drain
 from runtime.memory_admission import Cost
 from runtime.metrics import MetricsObserver, Observers, ServerMetrics, SessionMetrics, final_summary
-from runtime.parts import Answer, Hold, Part, ToOwner
+from runtime.parts import Answer, CloseSession, Hold, Part, SaveSession, ToOwner
 from runtime.placement import STAGES, NewPrompt, Placement, StageAction, join_of, key_of, placement_of, plan
 from runtime.prompts import PromptBackpressure, PromptRevisions
 from runtime.rank_health import RankHealth
-from runtime.restores import restore_problem, restored_length
+from runtime.restores import restorable, restored_length
 from runtime.saving import Saves
 from runtime.session import Join, Session
 from runtime.sizes import served_sizes
@@ -105,6 +107,11 @@ log = logging.getLogger(__name__)
 
 def _new_id() -> str:
     return uuid.uuid4().hex[:12]
+
+
+def _live(scheduler: sch.Scheduler, sid: str) -> bool:
+    """Open and not closing."""
+    return scheduler.session_state(sid) in (sch.SessionState.INITIALIZING, sch.SessionState.READY)
 
 
 class CoordinatorCore:
@@ -150,7 +157,8 @@ class CoordinatorCore:
         self.saving = Saves(snapshots or SnapshotStore("out/snapshots"), Identity(
             model=model, layout=layout.name, world_size=layout.world_size, condition=layout.condition,
             decode=layout.decode, dit=tuple(layout.dit)), self.where, server, timeouts.stage_s)
-        self.parts: tuple[Part, ...] = (self.saving, self.admitting)  # in the order a close answers
+        self.draining = Drain(server.drain_s)  # a stop signal or ``drain``: every session saved and handed off
+        self.parts: tuple[Part, ...] = (self.saving, self.admitting, self.draining)  # in the order a close answers
         self.restored = 0  # sessions restored from a snapshot so far (``/metrics``)
 
     @property
@@ -169,14 +177,13 @@ class CoordinatorCore:
                 self._handle(event, now)
                 self._cut_live(now)
                 for sid in self.saving.waiting():  # its session gone or closing (None), or quiet before its boundary
-                    session = self.sessions.get(sid) if sid in self.sessions and self._live(sid) else None
+                    session = self.sessions.get(sid) if sid in self.sessions and _live(self.scheduler, sid) else None
                     quiet = session is not None and self.scheduler.quiet_before_denoise(sid)
                     self._answer(self.saving.advance(sid, session, quiet, now), now)
             except JobFailed as error:
                 log.error("job failed: %s", error)
                 self._out += self.clients.notices("rank_failed", str(error))
-                for sid in list(self.watchers.tokens):
-                    self._out += self.watchers.ended(sid, "failed", str(error), keep=False)
+                self._out += self.watchers.ended_all("failed", str(error))
                 self.stopped = True
                 self._out.append(Stop(EXIT_FAILED, str(error)))
             except Exception:  # a bug outside any session (every session's work is guarded): keep serving
@@ -230,6 +237,8 @@ class CoordinatorCore:
                 raise JobFailed(reason)
             case ShutdownRequested(lost=lost):
                 self._shutdown(lost, now)
+            case DrainRequested():
+                self.draining.start(self.sessions, now)
             case WatchDropped(total=total):
                 self.watch_dropped = total
 
@@ -240,8 +249,18 @@ class CoordinatorCore:
                 case Hold(session=sid, on=True):
                     self._run(self.scheduler.hold(sid, True, now), now)
                 case Hold(session=sid):  # a closing session's hold ends with it
-                    if sid in self.sessions and self._live(sid):
+                    if sid in self.sessions and _live(self.scheduler, sid):
                         self._run(self.scheduler.hold(sid, False, now), now)
+                case ToOwner(session=sid, message=message) if self.draining.takes(sid, message):
+                    self._answer(self.draining.answered(sid, message, now), now)
+                case SaveSession(session=sid, req=req):
+                    try:
+                        self._save(self.sessions[sid], None, protocol.Save(req=req, session=sid), now)
+                    except ClientError as error:
+                        self.draining.refused(sid, error, now)
+                case CloseSession(session=sid, reason=reason):
+                    if sid in self.sessions and _live(self.scheduler, sid):  # (else closing already)
+                        self._run(self.scheduler.close(sid, reason, now), now)
                 case ToOwner(session=sid, message=message, owner=owner):
                     session = self.sessions.get(sid)
                     self._out.append(ToClient(session.client if session is not None else owner, message, sid))
@@ -258,17 +277,17 @@ class CoordinatorCore:
         if not isinstance(message, protocol.Watch | protocol.Unwatch | protocol.Heartbeat):
             self.watchers.refuse(who, getattr(message, "session", None), type(message).__struct_config__.tag)
         match message:
+            case protocol.Open() if self.draining.active:
+                raise self.draining.refusal()
+            case protocol.Drain():  # as a stop signal; answered with the counts
+                self._out.append(ToClient(who, self.draining.start(self.sessions, now, message.req)))
             case protocol.Open(restore=str()):
                 self._answer(self.saving.read(who, message), now)
             case protocol.Open():  # checked, then its image decoded off the loop (``ImageDecoded``)
                 self._out.append(self.admitting.ask(who, message, len(self.sessions), self.max_chunks,
                                                     self.geometry.max_chunks))
             case protocol.Save():
-                session = self.clients.owned(who, message.session)
-                self._answer(self.saving.save(
-                    session, who, message, self.scheduler.session_state(session.id),
-                    self.scheduler.next_denoise_index(session.id), self.admitting.capacity.seats.get(session.id),
-                    self.admitting.steps_of(session.id), now), now)
+                self._save(self.clients.owned(who, message.session), who, message, now)
             case protocol.Control():
                 self._control(self.clients.owned(who, message.session), message, now)
             case protocol.ControlState():
@@ -285,7 +304,7 @@ class CoordinatorCore:
                 self._set_prompt(self.clients.owned(who, message.session), message, now)
             case protocol.Close():
                 sid = self.clients.owned(who, message.session).id
-                if not self._live(sid):  # a repeated close: answered, and the one ``closed`` still follows
+                if not _live(self.scheduler, sid):  # a repeated close: answered, and the one ``closed`` still follows
                     raise ClientError("closing", f"session {sid} is already closing; its closed message follows")
                 self._run(self.scheduler.close(sid, "client", now), now)
             case protocol.Stats():
@@ -299,6 +318,13 @@ class CoordinatorCore:
                 self.watchers.unwatch(who, message.session)
                 closed = protocol.Closed(session=message.session, reason="unwatched")
                 self._out.append(EndWatch(who, message.session, closed, keep=False))
+
+    def _save(self, session: Session, who: bytes | None, message: protocol.Save, now: float) -> None:
+        """A save of ``session``: its client's (``who``) or the drain's (None: the session's last here)."""
+        sid = session.id
+        self._answer(self.saving.save(session, who or session.client, message, self.scheduler.session_state(sid),
+                                      self.scheduler.next_denoise_index(sid), self.admitting.capacity.seats.get(sid),
+                                      self.admitting.steps_of(sid), now, last=who is None), now)
 
     def _refuse(self, who: bytes, error: ClientError, req: int | None, session: str | None = None) -> None:
         self.metrics.on_reject(error.code)
@@ -368,7 +394,7 @@ class CoordinatorCore:
     def _set_prompt(self, session: Session, message: protocol.SetPrompt, now: float) -> None:
         """Validate a new prompt and start its encode (``runtime.prompts``); answered once its context is encoded
         and announced to the DiT ranks (``_joined``), naming the first chunk that uses it."""
-        if not self._live(session.id) or not session.opened:
+        if not _live(self.scheduler, session.id) or not session.opened:
             raise ClientError("closing", f"session {session.id} is closing; its prompt cannot change")
         self.admitting.check_prompt(message.prompt)
         try:
@@ -402,10 +428,6 @@ class CoordinatorCore:
         session = self.clients.unreachable(event)
         if session is not None:  # connected but not reading: never buffered without bound
             self._run(self.scheduler.close(session.id, "disconnect", now), now)
-
-    def _live(self, sid: str) -> bool:
-        """Open and not closing."""
-        return self.scheduler.session_state(sid) in (sch.SessionState.INITIALIZING, sch.SessionState.READY)
 
     # ---------------------------------------------------------------------------------------------- actions
 
@@ -572,8 +594,10 @@ class CoordinatorCore:
                                                           error="the watcher was silent past the client timeout"),
                                 keep=False))
         self._answer(self.saving.tick(now), now)
+        self._answer(self.draining.tick(now, {sid: self.scheduler.next_emit_index(sid) for sid in self.draining.saved
+                                              if sid in self.sessions}), now)
         for session in self.clients.silent(now):
-            if self._live(session.id):
+            if _live(self.scheduler, session.id):
                 log.info("session %s: client silent for over %.1f s, closing", session.id, self.clients.timeout_s)
                 sid = session.id
                 self._guarded(sid, lambda sid=sid: self._run(self.scheduler.close(sid, "disconnect", now), now), now)
@@ -581,22 +605,16 @@ class CoordinatorCore:
     # ---------------------------------------------------------------------------------------------- snapshots
 
     def _restore_from(self, who: bytes, message: protocol.Open, event: ManifestRead, now: float) -> None:
-        manifest = event.manifest
-        if manifest is None:
-            raise ClientError("bad_snapshot", event.error)
+        manifest = restorable(event.manifest, event.error, self.saving.identity, lambda h, w: geometry_of(
+            self.geometry.with_size(h, w)) if (h, w) in self.sizes else None, self.max_chunks,
+                              self.server.max_prompt_chars)
         g = manifest.geometry
-        served = (g.height, g.width) in self.sizes
-        here = geometry_of(self.geometry.with_size(g.height, g.width)) if served else None
-        why = restore_problem(manifest, self.saving.identity, here, self.max_chunks, self.server.max_prompt_chars)
-        if why is not None:
-            raise ClientError("bad_snapshot", f"snapshot {manifest.id} cannot be restored here: {why}")
         num_chunks = restored_length(manifest, message.num_chunks, self.max_chunks)
         # its steps setting and floor are the saved session's (the open's may change them, as a control would)
-        sid = self.admitting.admit(
-            len(self.sessions), self.geometry.with_size(g.height, g.width),
+        geometry = self.geometry.with_size(g.height, g.width)
+        sid = self.admitting.admit(len(self.sessions), geometry,
             message.steps or manifest.want or manifest.steps, message.min_steps or manifest.floor or None,
             None if num_chunks is None else num_chunks - manifest.chunk, self.new_id)  # what it has yet to run
-        geometry = self.geometry.with_size(g.height, g.width)
         saved_live = manifest.live
         live = None  # an indexed restore of a live session takes the client's per-chunk controls (an exact replay)
         if saved_live is not None and not message.indexed:
@@ -635,7 +653,7 @@ class CoordinatorCore:
         if session is None:
             return
         try:
-            if not self._live(session.id):
+            if not _live(self.scheduler, session.id):
                 return
             self._to_client(session, protocol.Error(session=session.id, code="failed", message=text))
             self._run(self.scheduler.close(session.id, "failed", now), now)
@@ -659,8 +677,7 @@ class CoordinatorCore:
         self._out += self.clients.notices(code, message, lambda session: protocol.Closed(
             session=session.id, reason="shutdown", error=message,
             summary=final_summary(self.server_metrics, self.metrics, session.id, now)))
-        for sid in list(self.watchers.tokens):
-            self._out += self.watchers.ended(sid, "shutdown", message, keep=False)
+        self._out += self.watchers.ended_all("shutdown", message)
         self.stopped = True
         self._out.append(Stop(EXIT_OK, message))
 
@@ -672,19 +689,12 @@ class CoordinatorCore:
         memory = self.health.memory
         ranks = {str(r): RankStats(**{**memory.get(r, {}), **self.admitting.memory.stats(r)})
                  for r in sorted({*memory, *range(self.where.world_size)})}
+        # watch_dropped: chunks dropped for slow watchers so far (never the players'); warm: every stage ran at every
+        # served size before the port opened; capacity: real-time factors, headroom, the ladder's steps
         return msgspec.structs.replace(
-            self.server_metrics.stats(now, visible),
-            open_sessions=len(self.sessions),
-            watchers=self.watchers.count(),  # spectators of every session now
-            watch_dropped=self.watch_dropped,  # chunks dropped for slow watchers so far (never the players')
-            ranks=ranks,
-            clock_offsets=self.health.clock.offsets(),
-            layout=self.layout.name,
-            schedule=self.scheduler.mode.value,
-            warm=self.warm_start.warm,  # every stage ran at every served size before the port opened
-            warm_up=self.warm_start.stages(),
-            sizes=[tuple(size) for size in self.sizes],
-            capacity=self.admitting.capacity.stats(visible),  # real-time factors, headroom, the ladder's steps
-            snapshots=self.saving.folder.stats(self.saving.store),
-        )
+            self.server_metrics.stats(now, visible), open_sessions=len(self.sessions), watchers=self.watchers.count(),
+            watch_dropped=self.watch_dropped, ranks=ranks, clock_offsets=self.health.clock.offsets(),
+            layout=self.layout.name, schedule=self.scheduler.mode.value, warm=self.warm_start.warm,
+            warm_up=self.warm_start.stages(), sizes=[tuple(size) for size in self.sizes],
+            capacity=self.admitting.capacity.stats(visible), snapshots=self.saving.folder.stats(self.saving.store))
 

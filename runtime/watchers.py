@@ -142,6 +142,10 @@ class Watchers:
         return [EndWatch(who, sid, protocol.Closed(session=sid, reason=reason, error=error), keep)
                 for who in self.end(sid)]
 
+    def ended_all(self, reason: str, error: str) -> list[EndWatch]:
+        """The server stops: every watcher of every session gets its ``closed`` now."""
+        return [end for sid in list(self.tokens) for end in self.ended(sid, reason, error, keep=False)]
+
     def remove(self, who: bytes, sid: str) -> bool:
         """``who`` no longer watches ``sid``; False when it did not."""
         watchers = self._of.get(sid)
