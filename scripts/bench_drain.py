@@ -88,11 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     folder = tempfile.TemporaryDirectory(prefix="bench-drain-")
     ports = {"a": free_port(), "b": free_port()}
 
-    def replica(name: str) -> LocalServer:
-        return LocalServer("cpu-mini", [*COSTS, f"--server.port={ports[name]}", f"--snapshots.dir={folder.name}",
-                                        "--server.drain_s=30"])
-
-    servers = {name: replica(name) for name in ports}
+    overrides = {name: [*COSTS, f"--server.port={port}", f"--snapshots.dir={folder.name}", "--server.drain_s=30"]
+                 for name, port in ports.items()}  # a drained replica restarts with the same
+    servers = {name: LocalServer("cpu-mini", overrides[name]) for name in ports}
     router = LocalRouter([(name, f"tcp://127.0.0.1:{port}", 2) for name, port in ports.items()], ROUTER)
     started = list(servers.values())
     trials: list[dict[str, Any]] = []
@@ -114,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"exit {got['exit_code']} after {got['exit_s']:.2f} s", flush=True)
                 dead = got["replica"]
                 if n < args.trials - 1:  # restarted for a next trial only
-                    servers[dead] = replica(dead)
+                    servers[dead] = LocalServer("cpu-mini", overrides[dead])
                     started.append(servers[dead])
                     servers[dead].start()
         finally:
