@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ipc import protocol
-from runtime.core_types import ClientError, DrainEnded
+from runtime.core_types import ClientError, DecodeImage, DrainEnded, Tick, WorkerSent
 from runtime.drain import RETRY_S, Drain
 from runtime.parts import CloseSession, SaveSession, ToOwner
+from runtime.snapshots import MANIFEST
+from tests.test_core import A, B, control
+from tests.test_snapshots import PARTS, save_job, written
 
 
 def saved(sid: str, req: int, chunk: int, snapshot: str = "snap") -> protocol.Saved:
@@ -82,3 +87,35 @@ def test_a_restore_that_opens_during_the_drain_is_handed_off_too() -> None:
 def test_an_open_is_refused_busy_naming_the_drain() -> None:
     refusal = Drain(drain_s=50.0).refusal()
     assert refusal.code == "busy" and "draining" in str(refusal) and refusal.retry_after_s
+
+
+# ---- the part in the coordinator core, played event by event (``tests.test_core.Job``, no process)
+
+
+def test_the_core_drains_a_session_holds_its_boundary_hands_it_off_and_ends(tmp_path: Path) -> None:
+    job, sid = save_job(tmp_path)  # chunks 0 and 1 streamed; chunk 2 is the next boundary
+    (reply,) = job.to(B, protocol.Draining, job.send(B, protocol.Drain(req=5)))
+    assert (reply.req, reply.sessions, reply.left_s) == (5, 1, 50.0)
+    out = job.send(B, protocol.Open(req=6, image=b"png", num_chunks=4))
+    (busy,) = job.to(B, protocol.Error, out)
+    assert busy.code == "busy" and "draining" in busy.message and not [o for o in out if isinstance(o, DecodeImage)]
+    job.step(Tick())
+    (task,) = {t.snapshot: t for _, t in job.sent(protocol.SaveState)}.values()
+    assert task.chunk == 2
+    control(job, sid, 2)
+    job.answer(protocol.ConditionChunk, sid, 2)
+    job.answer(protocol.SaveState)
+    for rank, role in sorted(PARTS):
+        job.step(WorkerSent(written(job, task, rank, role)))
+    out = job.step(Tick())
+    assert not job.to(A, protocol.Saved), "the drain's save is answered to the drain, never to the client"
+    (notice,) = job.to(A, protocol.Draining, out)
+    assert (notice.session, notice.snapshot, notice.chunk) == (sid, task.snapshot, 2)
+    assert 2 not in [t.index for _, t in job.sent(protocol.DenoiseChunk)], \
+        "the boundary chunk is computed on the server that restores it, never twice"
+    job.settle(protocol.ConditionChunk, protocol.Release)  # what runs ends, then its caches are released
+    (closed,) = job.to(A, protocol.Closed)
+    assert closed.reason == "drained"
+    (end,) = [o for o in job.step(Tick()) if isinstance(o, DrainEnded)]
+    assert "every session handed off (1 of 1)" in end.why
+    assert (tmp_path / task.snapshot / MANIFEST).is_file()  # kept for its restore elsewhere (the budget's to delete)
