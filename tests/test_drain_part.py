@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 from ipc import protocol
+from ranks.coordinator import Coordinator
+from runtime.config import ServerConfig
 from runtime.core_types import ClientError, DecodeImage, DrainEnded, Tick, WorkerSent
 from runtime.drain import RETRY_S, Drain
 from runtime.parts import CloseSession, SaveSession, ToOwner
@@ -119,3 +122,15 @@ def test_the_core_drains_a_session_holds_its_boundary_hands_it_off_and_ends(tmp_
     (end,) = [o for o in job.step(Tick()) if isinstance(o, DrainEnded)]
     assert "every session handed off (1 of 1)" in end.why
     assert (tmp_path / task.snapshot / MANIFEST).is_file()  # kept for its restore elsewhere (the budget's to delete)
+
+
+def test_the_first_stop_signal_drains_a_second_stops_at_once_as_does_one_without_a_drain_time_or_a_loop() -> None:
+    def shell(drain_s: float, core: object = "serving") -> SimpleNamespace:  # what ``signalled`` reads and sets
+        return SimpleNamespace(drain_asked=False, stopping=False, server=ServerConfig(drain_s=drain_s), core=core)
+
+    rank0 = shell(50.0)
+    assert Coordinator.signalled(rank0).startswith("draining")  # type: ignore[arg-type]
+    assert rank0.drain_asked and not rank0.stopping
+    assert Coordinator.signalled(rank0) == "stopping" and rank0.stopping  # type: ignore[arg-type]
+    for stops in (shell(0.0), shell(50.0, core=None)):  # no drain time; still warming up (no loop to drain)
+        assert Coordinator.signalled(stops) == "stopping" and stops.stopping  # type: ignore[arg-type]
