@@ -286,8 +286,7 @@ def ignore_stop_signals() -> None:
 
 def run_coordinator(ctx: RankContext, coordinator: Coordinator, port: int) -> int:
     def stop(signum: int, _frame: object) -> None:
-        log.info("signal %d: shutting down", signum)
-        coordinator.stopping = True  # the loop wakes within its poll interval
+        log.info("signal %d: %s", signum, coordinator.signalled())  # the loop wakes within its poll interval
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)

@@ -144,6 +144,10 @@ class AsyncClient(ClientSettings):
     async def stats(self) -> ServerStats:
         return (await self._request(self._core.requests.stats())).stats
 
+    async def drain(self) -> protocol.Draining:
+        """Drain the server; see ``Client.drain``."""
+        return await self._request(self._core.requests.drain())
+
     async def watch(self, session: str, token: str, timeout_s: float | None = None) -> AsyncWatch:
         """Watch another client's session read-only; see ``Client.watch`` (``async for`` the returned watch)."""
         info = await self._run(self._core.watch(session, token, self.timeout_s))

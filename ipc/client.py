@@ -28,6 +28,10 @@ Through a router with ``snapshot_every``, a session outlives its replica: ``next
 on from there; the first chunk after it carries ``chunk.migrated``); ``chunks`` goes on by itself and calls its
 ``on_migrated`` (e.g. to send the controls again from ``chunk``).
 
+A server that drains (a stop signal, ``drain``) without a router ends each session with ``SessionDraining`` from
+``next_chunk`` and ``chunks`` (its ``snapshot`` and ``chunk``: open it elsewhere with ``open(restore=snapshot)``;
+``Client.draining(id)`` keeps the notice); through a router the session moves by itself (``SessionMigrated``).
+
 The SDK's modules: ``ipc.client_errors`` (``ServerError`` and its subclasses), ``ipc.client_results`` (what calls
 return), ``ipc.client_requests`` (the requests, checked once, and ``LiveInput``), ``ipc.client_core`` (the sans-io
 ``ClientCore``: routing and every call's decisions as plans), and the two transports that perform the plans'
@@ -78,6 +82,7 @@ from ipc.client_errors import (
     ServerError,
     ServerGone,
     SessionClosed,
+    SessionDraining,
     SessionFailed,
     SessionMigrated,
     StaleRevision,
@@ -116,7 +121,7 @@ __all__ = [
     "ChunkResult", "Client", "ClientCore", "ControlBackpressure", "ControlFields", "EventQueue", "InputToPhoton",
     "LiveInput",
     "OutboxFull", "PendingReply", "PromptBackpressure", "RejectedControl", "Requests", "SaveFailed",
-    "ServerError", "ServerGone", "SessionClosed", "SessionFailed", "SessionInfo", "SessionMigrated",
+    "ServerError", "ServerGone", "SessionClosed", "SessionDraining", "SessionFailed", "SessionInfo", "SessionMigrated",
     "SessionState", "Snapshot", "StaleRevision", "StateSink", "UnknownSession", "Watch", "WatchOnly",
     "chunk_control", "closed_summary", "input_state", "open_message", "outbox_room", "prompt_message",
     "session_info", "snapshot_of",
@@ -215,6 +220,15 @@ class Client(ClientSettings):
 
     def stats(self) -> ServerStats:
         return self._wait(self._ask(self._core.requests.stats()), self.timeout_s).stats
+
+    def draining(self, session: str) -> protocol.Draining | None:
+        """The ``draining`` notice the session got (its snapshot and chunk), or None."""
+        return self._core.session(session).draining
+
+    def drain(self) -> protocol.Draining:
+        """An operator's: drain the server as a SIGTERM does (docs/operations.md, "Drain"); its reply says how many
+        sessions it hands off and the seconds left before it stops."""
+        return self._wait(self._ask(self._core.requests.drain()), self.timeout_s)
 
     def watch(self, session: str, token: str, timeout_s: float | None = None) -> Watch:
         """Watch another client's session read-only with the token its owner shared (``SessionInfo.watch_token``):

@@ -32,6 +32,7 @@ from ipc.client_errors import (
     ServerError,
     ServerGone,
     SessionClosed,
+    SessionDraining,
     SessionMigrated,
     closed_summary,
     outbox_room,
@@ -157,6 +158,7 @@ class SessionState(Generic[Q]):
     photon: InputToPhoton = field(default_factory=InputToPhoton)  # touched by the receiving side only
     missed: int = 0  # watching: chunks dropped for this client since the last one it got (``protocol.Missed``)
     migrated: protocol.Migrated | None = None  # a migrated notice not yet followed by a chunk
+    draining: protocol.Draining | None = None  # the server drains: the session's snapshot to restore elsewhere
 
 
 class ClientCore(Generic[Q, F]):
@@ -427,6 +429,11 @@ class ClientCore(Generic[Q, F]):
             state = self._named(message.session)
             state.migrated = message
             state.events.put_nowait(SessionMigrated.of_notice(message))
+            return
+        if isinstance(message, protocol.Draining) and message.session is not None:  # its end here, and where next
+            state = self._named(message.session)
+            state.draining = message
+            state.events.put_nowait(SessionDraining.of_notice(message))
             return
         if isinstance(message, protocol.Missed):
             self._named(message.session).missed += message.chunks

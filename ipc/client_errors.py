@@ -126,6 +126,25 @@ class SessionMigrated(ServerError):
         return error
 
 
+class SessionDraining(ServerError):
+    """The end of the session on this server, with where it goes on: the server drains (it stops soon) and saved
+    the session as ``snapshot`` at ``chunk``; every chunk below ``chunk`` came before this. Open it on another server
+    with ``open(restore=snapshot)`` (an indexed session sends its controls from ``chunk``): it goes on from there,
+    the same frames given the same controls. The session's ``closed`` (reason ``drained``) follows here."""
+
+    codes = ("draining",)
+    snapshot: str = ""
+    chunk: int = 0  # the snapshot's boundary: the restored session's first chunk
+
+    @staticmethod
+    def of_notice(notice: protocol.Draining) -> SessionDraining:
+        error = SessionDraining("draining", f"the server drains: session {notice.session} was saved as snapshot "
+                                f"{notice.snapshot} at chunk {notice.chunk}; restore it on another server",
+                                notice.session)
+        error.snapshot, error.chunk = notice.snapshot or "", notice.chunk or 0
+        return error
+
+
 class SaveFailed(ServerError):
     """A ``save`` did not complete (a rank could not copy or write its state, or the session ended meanwhile): no
     snapshot; the session streams on."""

@@ -161,6 +161,9 @@ class Requests:
     def stats(self) -> protocol.Stats:
         return protocol.Stats(req=next(self._ids))
 
+    def drain(self) -> protocol.Drain:
+        return protocol.Drain(req=next(self._ids))
+
     def watch(self, session: str, token: str) -> protocol.Watch:
         return protocol.Watch(req=next(self._ids), session=session, token=token)
 
@@ -179,6 +182,7 @@ REPLIES: dict[type, tuple[type, ...]] = {
     protocol.ControlState: (protocol.Accepted,), protocol.SetPrompt: (protocol.PromptScheduled,),
     protocol.Close: (protocol.Closed,), protocol.Stats: (protocol.StatsReply,), protocol.Watch: (protocol.Watching,),
     protocol.Unwatch: (protocol.Closed,), protocol.Heartbeat: (protocol.HeartbeatAck,),
+    protocol.Drain: (protocol.Draining,),
 }
 
 

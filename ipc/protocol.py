@@ -41,6 +41,8 @@ from ipc.schemas import ControlState as ControlState
 from ipc.schemas import CoordinatorMessage as CoordinatorMessage
 from ipc.schemas import DecodeChunk as DecodeChunk
 from ipc.schemas import DenoiseChunk as DenoiseChunk
+from ipc.schemas import Drain as Drain
+from ipc.schemas import Draining as Draining
 from ipc.schemas import EncodePrompt as EncodePrompt
 from ipc.schemas import Error as Error
 from ipc.schemas import Heartbeat as Heartbeat

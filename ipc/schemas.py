@@ -152,6 +152,13 @@ class Stats(_Request, tag="stats"):
     req: int
 
 
+class Drain(_Request, tag="drain"):
+    """An operator's: drain this server as a SIGTERM does (stop admitting, save every session, hand each off, exit
+    0); answered by a ``draining`` reply with the counts. A second ``drain`` is answered the same (changing nothing)."""
+
+    req: int
+
+
 class Heartbeat(_Request, tag="heartbeat"):
     req: int = 0
     session: SessionId | None = None  # resume: a reconnecting client re-attaches to a session it still owns
@@ -317,11 +324,26 @@ class Migrated(_Msg, tag="migrated"):
     replica: str  # the router's name of the replica it now runs on
 
 
+class Draining(_Msg, tag="draining"):
+    """The server drains (a SIGTERM or a ``drain``). As the answer to ``drain`` (``req`` set): how many sessions it
+    hands off and the seconds left before it stops. As a session's notice (``session`` set): the session was saved
+    at chunk ``chunk`` as ``snapshot`` and is closed here next (``closed`` reason ``drained``); chunks below
+    ``chunk`` all came before this notice. Open it elsewhere with ``open(restore=snapshot)``: it goes on from
+    ``chunk``. A router takes the notice itself and moves the session (its client sees ``migrated``)."""
+
+    req: int | None = None
+    session: str | None = None
+    snapshot: str | None = None
+    chunk: int | None = None  # the snapshot's boundary: the restored session's first chunk
+    sessions: int = 0  # (the reply) sessions open when the drain began, each handed off or closed before the exit
+    left_s: float = 0.0  # (the reply) seconds before the server stops whatever is still open (server.drain_s)
+
+
 ClientMessage = Union[Open, Control, ControlState, Close, Stats, Heartbeat, SetPrompt, Watch, Unwatch,  # noqa: UP007
-                      Save]
+                      Save, Drain]
 ServerMessage = Union[  # noqa: UP007
     Opened, Accepted, Chunk, Closed, Error, StatsReply, HeartbeatAck, PromptScheduled, Watching, Missed, Saved,
-    Migrated,
+    Migrated, Draining,
 ]
 
 # ----------------------------------------------------------------------------------------------------------------

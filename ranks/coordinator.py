@@ -50,8 +50,9 @@ class Coordinator:
         self.where = placement_of(config.layout)
         self.config = config  # handed out section by section to the core, once every worker reported in
         self.core: CoordinatorCore | None = None
-        self.stopping = False  # set by a signal handler
-        self.draining = False  # for the drain to set (issue 32): /ready answers 503 while it holds; never set yet
+        self.stopping = False  # set by a signal handler (the second) or the drain's end
+        self.drain_asked = False  # set by a signal handler (the first): the core drains (``runtime.drain``)
+        self.draining = False  # the core was told: /ready answers 503 from then on
         self.fatal: str | None = None  # set from another thread of this rank that cannot go on
         self.offloop = OffLoop()  # image decodes, manifest reads and writes, listings, file removal
         self.carried: list[ct.Event] = []  # learnt while carrying out outputs: events of the next turn
@@ -104,6 +105,12 @@ class Coordinator:
                     if code is not None:
                         return code
                 return self._shutdown()
+            if self.drain_asked and not self.draining:
+                self.draining = True
+                self._publish()
+                code = self._carry_out(self.core.step([ct.DrainRequested()], time.monotonic()))
+                if code is not None:
+                    return code
             ready = dict(poller.poll(POLL_MS))
             # Workers first, and their tasks sent before clients are read: the ranks never wait on a client flood.
             code = self._carry_out(self.core.step(self._gather(self.workers in ready), time.monotonic()))
@@ -112,6 +119,15 @@ class Coordinator:
                 code = self._carry_out(self.core.step(read, time.monotonic()))
             if code is not None:
                 return code
+
+    def signalled(self) -> str:
+        """A stop signal (from a handler): the first drains when there is a drain time and the loop serves; a second
+        (or one before the loop serves) stops at once. What it does, for the log."""
+        if self.drain_asked or self.server.drain_s <= 0 or self.core is None:
+            self.stopping = True
+            return "stopping"
+        self.drain_asked = True
+        return f"draining (server.drain_s {self.server.drain_s:.0f} s; a second signal stops at once)"
 
     def _await_workers(self) -> bool:
         return await_hellos(self.workers, set(self.where.all), self.timeouts.startup_s, self._hello)
@@ -129,7 +145,7 @@ class Coordinator:
         core, world = self.core, self.config.layout.world_size
         self.probes.publish(rank0_snapshot(
             world_size=world, ranks_in=len(self.rooms), warm=self.warm_start.warm, serving=core is not None,
-            draining=self.draining, stopping=self.stopping,
+            draining=self.draining or (core is not None and core.draining.active), stopping=self.stopping,
             rooms=None if core is None else {r: core.admitting.memory.stats(r) for r in range(world)},
             open_sessions=0 if core is None else len(core.sessions), restored=0 if core is None else core.restored))
 
@@ -185,6 +201,8 @@ class Coordinator:
                 self.offloop.start(output, self.core.saving.store)
             elif isinstance(output, ct.DropTensors):
                 self.ctx.inbox[protocol.Edge.FRAMES].drop_session(output.session)
+            elif isinstance(output, ct.DrainEnded):
+                self.stopping = True  # stopped as on a stop signal on the next turn
             elif isinstance(output, ct.Stop):
                 self._lost(self.lines.flush(), unreachable)  # what the clients can still take before the end
                 self._flush_feeds()  # what the watchers can still take (their closed) before the end

@@ -94,6 +94,9 @@ class ServerConfig(_Section):
     auth_token_file: str = ""
     auth_token_env: str = ""  # an environment variable holding the client token (used when auth_token_file is "")
     insecure: bool = False  # true: bind beyond loopback without a client token (anyone who reaches it is a client)
+    # on the first stop signal (or a ``drain`` request) this long is given to save every session and hand it off
+    # before the server stops; 0: stop at once. Keep it under the signal's lead (Slurm ``--signal=B:TERM@60``: 50)
+    drain_s: float = 50.0
 
 
 class StreamConfig(_Section):

@@ -63,6 +63,7 @@ from runtime.core_types import (
     ClientSent,
     ClientUnreachable,
     ClientUnreadable,
+    DrainRequested,
     DropTensors,
     EmitChunk,
     EndWatch,
@@ -83,13 +84,14 @@ from runtime.core_types import (
     WatchDropped,
     WorkerSent,
 )
+from runtime.drain import Drain
 from runtime.memory_admission import Cost
 from runtime.metrics import MetricsObserver, Observers, ServerMetrics, SessionMetrics, final_summary
-from runtime.parts import Answer, Ending, Hold, Part, ToOwner
+from runtime.parts import Answer, CloseSession, Ending, Hold, Part, SaveSession, ToOwner
 from runtime.placement import STAGES, NewPrompt, Placement, StageAction, join_of, key_of, placement_of, plan
 from runtime.prompts import PromptBackpressure, PromptRevisions
 from runtime.rank_health import RankHealth
-from runtime.restores import restore_problem, restored_length
+from runtime.restores import restorable, restored_length
 from runtime.saving import Saves
 from runtime.session import Join, Session
 from runtime.sizes import served_sizes
@@ -155,8 +157,10 @@ class CoordinatorCore:
         # saved sessions (``runtime.snapshots``): the folder, what a snapshot must match here, the saves in flight
         self.saving = Saves(snapshots or SnapshotStore("out/snapshots"), Identity.of(model, layout.name, self.where),
                             self.where, server, timeouts.stage_s)
+        self.draining = Drain(server.drain_s)  # a stop signal or ``drain``: every session saved and handed off
         # in the order a close answers: a save in flight before the client's closed, the watchers' end after it
-        self.parts: tuple[Part, ...] = (self.metrics, self.saving, self.admitting, self.clients, self.watchers)
+        self.parts: tuple[Part, ...] = (self.metrics, self.saving, self.admitting, self.draining, self.clients,
+                                        self.watchers)
         self.restored = 0  # sessions restored from a snapshot so far (``/metrics``)
         self.auth_token = auth_token  # every request must carry it (``ipc.auth``); None: none required
         self.sessions: Mapping[str, Session] = self.clients.sessions  # by id (the front door indexes them by client)
@@ -176,6 +180,8 @@ class CoordinatorCore:
             protocol.Watch: lambda who, m, now: self._out.append(  # its geometry now, its chunks from the next
                 self.watchers.watching(who, m, self.sessions.get(m.session), self.stream.fps, now)),
             protocol.Unwatch: lambda who, m, now: self._out.append(self.watchers.unwatched(who, m.session)),
+            protocol.Drain: lambda who, m, now: self._out.append(  # as a stop signal; answered with the counts
+                ToClient(who, self.draining.start(self.sessions, now, m.req))),
         }
 
     # ---------------------------------------------------------------------------------------------- step
@@ -196,8 +202,7 @@ class CoordinatorCore:
             except JobFailed as error:
                 log.error("job failed: %s", error)
                 self._out += self.clients.notices(ErrorCode.RANK_FAILED, str(error))
-                for sid in list(self.watchers.tokens):
-                    self._out += self.watchers.ended(sid, "failed", str(error), keep=False)
+                self._out += self.watchers.ended_all("failed", str(error))
                 self.stopped = True
                 self._out.append(Stop(EXIT_FAILED, str(error)))
             except Exception:  # a bug outside any session (every session's work is guarded): keep serving
@@ -253,6 +258,8 @@ class CoordinatorCore:
                 raise JobFailed(reason)
             case ShutdownRequested(lost=lost):
                 self._shutdown(lost, now)
+            case DrainRequested():
+                self.draining.start(self.sessions, now)
             case WatchDropped(total=total):
                 self.watch_dropped = total
 
@@ -265,6 +272,16 @@ class CoordinatorCore:
                 case Hold(session=sid):  # a closing session's hold ends with it
                     if sid in self.sessions and _live(self.scheduler, sid):
                         self._run(self.scheduler.hold(sid, False, now), now)
+                case ToOwner(session=sid, message=message) if self.draining.takes(sid, message):
+                    self._answer(self.draining.answered(sid, message, now), now)
+                case SaveSession(session=sid, req=req):
+                    try:
+                        self._save(self.sessions[sid], None, protocol.Save(req=req, session=sid), now)
+                    except ClientError as error:
+                        self.draining.refused(sid, error, now)
+                case CloseSession(session=sid, reason=reason):
+                    if sid in self.sessions and _live(self.scheduler, sid):  # (else closing already)
+                        self._run(self.scheduler.close(sid, reason, now), now)
                 case ToOwner(session=sid, message=message, owner=owner):
                     session = self.sessions.get(sid)
                     self._out.append(ToClient(session.client if session is not None else owner, message, sid))
@@ -280,13 +297,16 @@ class CoordinatorCore:
     def _request(self, who: bytes, message: protocol.ClientMessage, now: float) -> None:
         if not isinstance(message, protocol.Watch | protocol.Unwatch | protocol.Heartbeat):
             self.watchers.refuse(who, getattr(message, "session", None), type(message).__struct_config__.tag)
+        if isinstance(message, protocol.Open) and self.draining.active:
+            raise self.draining.refusal()
         self.routes[type(message)](who, message, now)
 
-    def _save(self, session: Session, who: bytes, message: protocol.Save, now: float) -> None:
+    def _save(self, session: Session, who: bytes | None, message: protocol.Save, now: float) -> None:
+        """A save of ``session``: its client's (``who``) or the drain's (None: the session's last here)."""
         sid = session.id
-        self._answer(self.saving.save(session, who, message, self.scheduler.session_state(sid),
+        self._answer(self.saving.save(session, who or session.client, message, self.scheduler.session_state(sid),
                                       self.scheduler.next_denoise_index(sid), self.admitting.capacity.seats.get(sid),
-                                      self.admitting.steps_of(sid), now), now)
+                                      self.admitting.steps_of(sid), now, last=who is None), now)
 
     def _close(self, session: Session, now: float) -> None:
         if not _live(self.scheduler, session.id):  # a repeated close: answered, and the one ``closed`` still follows
@@ -569,6 +589,8 @@ class CoordinatorCore:
                                                           error="the watcher was silent past the client timeout"),
                                 keep=False))
         self._answer(self.saving.tick(now), now)
+        self._answer(self.draining.tick(now, {sid: self.scheduler.next_emit_index(sid) for sid in self.draining.saved
+                                              if sid in self.sessions}), now)
         for session in self.clients.silent(now):
             if _live(self.scheduler, session.id):
                 log.info("session %s: client silent for over %.1f s, closing", session.id, self.clients.timeout_s)
@@ -578,22 +600,16 @@ class CoordinatorCore:
     # ---------------------------------------------------------------------------------------------- snapshots
 
     def _restore_from(self, who: bytes, message: protocol.Open, event: ManifestRead, now: float) -> None:
-        manifest = event.manifest
-        if manifest is None:
-            raise ClientError(ErrorCode.BAD_SNAPSHOT, event.error)
+        manifest = restorable(event.manifest, event.error, self.saving.identity, lambda h, w: geometry_of(
+            self.geometry.with_size(h, w)) if (h, w) in self.sizes else None, self.max_chunks,
+                              self.server.max_prompt_chars)
         g = manifest.geometry
-        served = (g.height, g.width) in self.sizes
-        here = geometry_of(self.geometry.with_size(g.height, g.width)) if served else None
-        why = restore_problem(manifest, self.saving.identity, here, self.max_chunks, self.server.max_prompt_chars)
-        if why is not None:
-            raise ClientError(ErrorCode.BAD_SNAPSHOT, f"snapshot {manifest.id} cannot be restored here: {why}")
         num_chunks = restored_length(manifest, message.num_chunks, self.max_chunks)
         # its steps setting and floor are the saved session's (the open's may change them, as a control would)
-        sid = self.admitting.admit(
-            len(self.sessions), self.geometry.with_size(g.height, g.width),
+        geometry = self.geometry.with_size(g.height, g.width)
+        sid = self.admitting.admit(len(self.sessions), geometry,
             message.steps or manifest.want or manifest.steps, message.min_steps or manifest.floor or None,
             None if num_chunks is None else num_chunks - manifest.chunk, self.new_id)  # what it has yet to run
-        geometry = self.geometry.with_size(g.height, g.width)
         saved_live = manifest.live
         live = None  # an indexed restore of a live session takes the client's per-chunk controls (an exact replay)
         if saved_live is not None and not message.indexed:
@@ -653,8 +669,7 @@ class CoordinatorCore:
         self._out += self.clients.notices(code, message, lambda session: protocol.Closed(
             session=session.id, reason="shutdown", error=message,
             summary=final_summary(self.server_metrics, self.metrics, session.id, now)))
-        for sid in list(self.watchers.tokens):
-            self._out += self.watchers.ended(sid, "shutdown", message, keep=False)
+        self._out += self.watchers.ended_all("shutdown", message)
         self.stopped = True
         self._out.append(Stop(EXIT_OK, message))
 
@@ -666,19 +681,12 @@ class CoordinatorCore:
         memory = self.health.memory
         ranks = {str(r): RankStats(**{**memory.get(r, {}), **self.admitting.memory.stats(r)})
                  for r in sorted({*memory, *range(self.where.world_size)})}
+        # watch_dropped: chunks dropped for slow watchers so far (never the players'); warm: every stage ran at every
+        # served size before the port opened; capacity: real-time factors, headroom, the ladder's steps
         return msgspec.structs.replace(
-            self.server_metrics.stats(now, visible),
-            open_sessions=len(self.sessions),
-            watchers=self.watchers.count(),  # spectators of every session now
-            watch_dropped=self.watch_dropped,  # chunks dropped for slow watchers so far (never the players')
-            ranks=ranks,
-            clock_offsets=self.health.clock.offsets(),
-            layout=self.layout.name,
-            schedule=self.scheduler.mode.value,
-            warm=self.warm_start.warm,  # every stage ran at every served size before the port opened
-            warm_up=self.warm_start.stages(),
-            sizes=[tuple(size) for size in self.sizes],
-            capacity=self.admitting.capacity.stats(visible),  # real-time factors, headroom, the ladder's steps
-            snapshots=self.saving.folder.stats(self.saving.store),
-        )
+            self.server_metrics.stats(now, visible), open_sessions=len(self.sessions), watchers=self.watchers.count(),
+            watch_dropped=self.watch_dropped, ranks=ranks, clock_offsets=self.health.clock.offsets(),
+            layout=self.layout.name, schedule=self.scheduler.mode.value, warm=self.warm_start.warm,
+            warm_up=self.warm_start.stages(), sizes=[tuple(size) for size in self.sizes],
+            capacity=self.admitting.capacity.stats(visible), snapshots=self.saving.folder.stats(self.saving.store))
 

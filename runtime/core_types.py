@@ -28,7 +28,8 @@ from runtime.images import DecodedImage
 from runtime.snapshots import Manifest, Stored
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "ClientError", "ClientSent", "ClientUnreachable", "ClientUnreadable",
-           "DecodeImage", "DropTensors", "EmitChunk", "EndWatch", "Event", "FramesMissing", "ImageDecoded", "JobFailed",
+           "DecodeImage", "DrainEnded", "DrainRequested",
+           "DropTensors", "EmitChunk", "EndWatch", "Event", "FramesMissing", "ImageDecoded", "JobFailed",
            "ListSnapshots", "ManifestRead", "ManifestWritten", "MemorySampled",
            "Output", "RankLost", "ReadManifest", "ShutdownRequested", "SnapshotsListed", "Stop", "Tick", "ToClient",
            "ToWorker", "WatchDropped", "WorkerSent", "WriteManifest"]
@@ -108,10 +109,15 @@ class RankLost:
     reason: str
 
 
+@dataclass(frozen=True)
+class DrainRequested:
+    """A stop signal (the first: a second stops at once) asks the server to drain (``runtime.drain``)."""
+
+
 Event = (ClientSent | ClientUnreadable | ImageDecoded | ManifestRead | ManifestWritten | SnapshotsListed
          | ClientUnreachable | WorkerSent
          | MemorySampled
-         | FramesMissing | RankLost | Tick | ShutdownRequested | WatchDropped)
+         | FramesMissing | RankLost | Tick | ShutdownRequested | WatchDropped | DrainRequested)
 
 # ---- outputs ----
 
@@ -184,8 +190,15 @@ class DropSnapshotFiles:
     expired: bool = False
 
 
+@dataclass(frozen=True)
+class DrainEnded:
+    """The drain is over (every session handed off, or ``server.drain_s`` is up): stop as on a stop signal."""
+
+    why: str
+
+
 Output = (ToClient | ToWorker | DecodeImage | ReadManifest | WriteManifest | ListSnapshots | EmitChunk | EndWatch
-          | DropTensors | DropSnapshotFiles | Stop)
+          | DropTensors | DropSnapshotFiles | Stop | DrainEnded)
 
 
 class JobFailed(Exception):

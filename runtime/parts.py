@@ -4,7 +4,8 @@ The coordinator core (``runtime.core``) keeps routing and the session's own path
 join -> emit -> close). A feature that keeps per-session state (saves, admission, rank health, watchers, metrics)
 is a part: it owns that state, is sans-io, and answers at fixed points with what the core must do, as data. It never
 calls back into the core; what only the core may do (hold a session's boundary chunk in the scheduler, reach the
-session's current client) it asks for with ``Hold`` and ``ToOwner``.
+session's current client, save or close a session) it asks for with ``Hold``, ``ToOwner``, ``SaveSession`` and
+``CloseSession``.
 
 The points, in a session's order:
 
@@ -46,7 +47,26 @@ class ToOwner:
     owner: bytes
 
 
-Answer = Output | Hold | ToOwner  # what a part returns, in the order the core must carry it out
+@dataclass(frozen=True)
+class SaveSession:
+    """Save the session at its next chunk boundary for the part that asks (the drain): a save like a client's, its
+    answer (``saved`` or ``error`` under ``req``) handed to that part (``Part.takes``), never to the client; it is
+    the session's last here, so its boundary chunk stays held once the save's tasks are out."""
+
+    session: str
+    req: int
+
+
+@dataclass(frozen=True)
+class CloseSession:
+    """Close the session (the scheduler is the core's) with ``reason``; a session closing already is left as is."""
+
+    session: str
+    reason: str
+
+
+# what a part returns, in the order the core must carry it out
+Answer = Output | Hold | ToOwner | SaveSession | CloseSession
 
 
 @dataclass(frozen=True)

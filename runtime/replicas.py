@@ -184,6 +184,7 @@ class Replica:
     opening: int = 0  # opens sent, not answered
     external: int = 0  # sessions of other clients, from its stats
     refused_until: float = 0.0  # it answered busy: no placement before its next stats reply
+    draining: bool = False  # it said it drains (a ``draining`` notice): no placement on this connection
     period_s: float | None = None  # recent chunk period per session
     down_reason: str = "not answering yet"
     _sample: tuple[float, int, float] | None = None  # (at, chunks_emitted, uptime_s) of the previous stats reply
@@ -205,7 +206,7 @@ class Replica:
 
     def has_room(self, now: float) -> bool:
         return (self.state is State.UP and self.fresh and self.load < self.max_sessions
-                and now >= self.refused_until)
+                and now >= self.refused_until and not self.draining)
 
     def fold_stats(self, stats: ServerStats, shown: dict[str, Any], now: float) -> bool:
         """Take a (typed) stats reply in. Returns False when its uptime went back: the replica restarted since the
@@ -243,6 +244,7 @@ class Replica:
         self.external = 0
         self.period_s = None
         self.fresh = False
+        self.draining = False
         self._sample = None
 
     def stats_due(self, now: float, dead_s: float) -> bool:

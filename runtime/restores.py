@@ -9,6 +9,8 @@ chunks from the saved session's chunk 0, and it must leave at least one chunk to
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ipc.error_codes import ErrorCode
 from runtime.client_types import ClientError
 from runtime.snapshots import Geometry, Identity, Manifest, refusal
@@ -26,6 +28,19 @@ def restore_problem(manifest: Manifest, identity: Identity, here: Geometry | Non
     if len(manifest.prompt) > max_prompt_chars:
         return f"a prompt of {len(manifest.prompt)} characters (this server: at most {max_prompt_chars})"
     return None
+
+
+def restorable(manifest: Manifest | None, error: str, identity: Identity,
+               here: Callable[[int, int], Geometry | None], max_chunks: int, max_prompt_chars: int) -> Manifest:
+    """The manifest a restore read (None: ``error`` says why there is none), once this server can restore it
+    (``here``: its geometry at a frame size, None when it does not serve it); else ``bad_snapshot``."""
+    if manifest is None:
+        raise ClientError("bad_snapshot", error)
+    g = manifest.geometry
+    why = restore_problem(manifest, identity, here(g.height, g.width), max_chunks, max_prompt_chars)
+    if why is not None:
+        raise ClientError("bad_snapshot", f"snapshot {manifest.id} cannot be restored here: {why}")
+    return manifest
 
 
 def restored_length(manifest: Manifest, asked: int | None, max_chunks: int) -> int | None:

@@ -17,8 +17,8 @@ Rules that live here and nowhere else:
   migrated session, below). The router holds each id once: an ``opened`` whose id another replica's session already
   has is closed on its replica and the client told to open again. An ``opened`` nobody waits for any more is closed
   on its replica at once.
-- **Sessions outlive their replica** (``router.snapshot_every = K``): autosave, migration and prompt replay are
-  the migration part's (``runtime.router_migration``, each session's ``RoutedSession.migration``). The core places
+- **Sessions outlive their replica** (``router.snapshot_every = K``; a draining replica's ``draining`` notices):
+  autosave, migration and prompt replay are the migration part's (``runtime.router_migration``). The core places
   a restore as any open and moves the session to its new replica; the part answers the rest.
 - **Membership** (``runtime.replicas``: register, identify, up/down, reincarnation): the core carries out what a
   replica's record decides. A replica that goes down costs its sessions (each ends with an error naming the replica
@@ -225,6 +225,8 @@ class RouterCore:
                                      SessionOrigin(who, message.req, session.id, str(kind), state)))
             case protocol.Stats():
                 self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(who, now))))
+            case protocol.Drain():
+                raise ClientError("bad_request", "a router does not drain: drain each replica (its sessions move)")
             case protocol.Heartbeat():
                 self._emit(self.clients.heartbeat(who, message, now))
             case protocol.Watch():
@@ -367,6 +369,11 @@ class RouterCore:
             case protocol.PromptScheduled(session=sid) | protocol.Error(session=sid) \
                     if self.migration.replayed(self.sessions.get(sid or ""), replica.name, message):
                 pass  # the router's own set_prompt after a migration: answered to the router alone
+            case protocol.Draining(session=str() as sid):  # a draining replica's last save of a session: it moves
+                replica.draining = True  # placed nowhere from now on
+                kept = self.migration.drained(self.sessions.get(sid), replica.name, message)
+                if kept is False or (kept and not self._migrate(self.sessions[sid], replica, "is draining", now)):
+                    self._to_session(replica, sid, raw)  # nowhere to go: its client can restore it itself
             case protocol.Closed(session=sid):
                 session = self.sessions.get(sid)
                 if session is not None and session.replica == replica.name and not session.migration.migrating:
@@ -684,19 +691,12 @@ class RouterCore:
             mine[session.id] = msgspec.structs.replace(own or PartialSummary(), replica=session.replica)
         total = totals(self.replicas.values(), self.rejects)
         return ServerStats(
-            layout="router",
-            uptime_s=now - self.started,
-            open_sessions=total.open_sessions,
+            layout="router", uptime_s=now - self.started, open_sessions=total.open_sessions,
             sessions=SessionCounts(open=len(self.sessions), total=self.sessions_total),
-            chunks_emitted=total.chunks_emitted,
-            frames_emitted=total.frames_emitted,
-            rejects=dict(self.rejects),
-            total=total,
-            router=RouterCounters(
+            chunks_emitted=total.chunks_emitted, frames_emitted=total.frames_emitted, rejects=dict(self.rejects),
+            total=total, router=RouterCounters(
                 chunks_forwarded=self.chunks_forwarded, client_messages=self.client_messages,
                 watchers=self.watchers.count(), watch_dropped=self.watch_dropped, opening=len(self.opens),
-                sessions_total=self.sessions_total, chunk_hold_s=self.hold_s,
-                autosaves=self.migration.autosaves, migrations=self.migration.migrations),
-            replicas={name: r.describe(now) for name, r in sorted(self.replicas.items())},
-            per_session=mine,
-        )
+                sessions_total=self.sessions_total, chunk_hold_s=self.hold_s, autosaves=self.migration.autosaves,
+                migrations=self.migration.migrations),
+            replicas={name: r.describe(now) for name, r in sorted(self.replicas.items())}, per_session=mine)

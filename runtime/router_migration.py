@@ -6,6 +6,8 @@ outputs; it never calls back into the core, which routes, places and counts.
   router owns the session there), one save at a time, under a negative request id so no answer to a client's
   request is taken for it; its ``saved`` is the router's own (``autosaved``). A client's own ``saved`` is forwarded
   and counts as a snapshot too (``snapshotted``), once its boundary passes ``runtime.chunk_claims``.
+- **Drain.** A draining replica saves each session one last time and says so (``draining``, ``drained``): the
+  session migrates from that snapshot at once, its replica placed nowhere any more.
 - **Migrate.** When the replica goes down, each of its sessions with a snapshot is opened on another replica from
   the latest (``restore_open``: the core places it as any open) instead of ending; its requests the dead replica
   will never answer are refused with what a server says when it cannot take one now (``moving``). Once the restore
@@ -244,13 +246,24 @@ class Migration:
         (``runtime.chunk_claims``). The latest answered is the newest: a replica saves a session one at a time."""
         if session is None or session.replica != replica:
             return False
+        return self._resumes_from(session, replica, saved.snapshot, saved.chunk)
+
+    def drained(self, session: Routed | None, replica: str, notice: protocol.Draining) -> bool | None:
+        """A draining ``replica`` saved ``session`` for the last time (``notice``): True when it moves from there
+        now (recorded as its latest snapshot), False when that snapshot cannot be right; None when the notice is of
+        no session the router has there (it is dropped)."""
+        if session is None or session.replica != replica or session.migration.migrating or notice.snapshot is None \
+                or notice.chunk is None:
+            return None
+        return self._resumes_from(session, replica, notice.snapshot, notice.chunk)
+
+    def _resumes_from(self, session: Routed, replica: str, snapshot: str, chunk: int) -> bool:
         moves = session.migration
         num_chunks = session.opened.num_chunks if session.opened is not None else None
-        if (why := save_problem(saved.chunk, moves.first, moves.forwarded, num_chunks)) is not None:
-            log.warning("session %s: replica %s's snapshot %s is not kept: %s", session.id, replica,
-                        saved.snapshot[:64], why)
+        if (why := save_problem(chunk, moves.first, moves.forwarded, num_chunks)) is not None:
+            log.warning("session %s: replica %s's snapshot %s is not kept: %s", session.id, replica, snapshot[:64], why)
             return False
-        moves.snapshot, moves.snapshot_chunk = saved.snapshot, saved.chunk
+        moves.snapshot, moves.snapshot_chunk = snapshot, chunk
         return True
 
     def _drop_own(self, moves: Moves) -> list[Output]:

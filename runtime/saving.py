@@ -74,6 +74,7 @@ class Saves(Part):
         self.folder = FolderBudget()  # the folder's complete snapshots as last listed (``stats``, the budget)
         self.reading: dict[int, tuple[bytes, protocol.Open]] = {}  # restores whose manifest is being read
         self.tickets: Iterator[int] = itertools.count()
+        self.last: set[str] = set()  # sessions whose save in flight is their last here (a drain's): kept held
 
     # ---- lifecycle
 
@@ -83,6 +84,7 @@ class Saves(Part):
 
     def closed(self, sid: str, now: float, reason: str = "") -> list[Answer]:
         self.latest.pop(sid, None)
+        self.last.discard(sid)
         save = self.pending.get(sid)
         if save is None:
             return []
@@ -92,6 +94,7 @@ class Saves(Part):
         """Its owner is answered and what its ranks wrote is deleted, as on a close; its hold is never let go
         (nothing of a dropped session runs again)."""
         self.latest.pop(sid, None)
+        self.last.discard(sid)
         save = self.pending.pop(sid, None)
         out = [] if save is None else self.failed(save, "the session failed and was dropped", now)
         return [answer for answer in out if not isinstance(answer, Hold)]
@@ -99,8 +102,9 @@ class Saves(Part):
     # ---- a save
 
     def save(self, session: Session, who: bytes, message: protocol.Save, state: SessionState, chunk: int,
-             seat: Seat | None, steps: int, now: float) -> list[Answer]:  # fmt: skip
-        """Start a save of ``session`` at boundary ``chunk`` (the first not dispatched); the hold starts now."""
+             seat: Seat | None, steps: int, now: float, last: bool = False) -> list[Answer]:  # fmt: skip
+        """Start a save of ``session`` at boundary ``chunk`` (the first not dispatched); the hold starts now.
+        ``last`` (a drain's): not rate-limited, and the hold stays once the save's tasks are out."""
         sid = session.id
         if state is not SessionState.READY:
             raise ClientError(ErrorCode.NOT_READY if state is SessionState.INITIALIZING else ErrorCode.CLOSING,
@@ -110,7 +114,7 @@ class Saves(Part):
                               retry_after_s=BUSY_RETRY_S)
         if session.num_chunks is not None and chunk >= session.num_chunks:
             raise ClientError(ErrorCode.BAD_REQUEST, f"session {sid} has started its last chunk: nothing left to save")
-        wait = self.store.rate.take(session.save_credit, now)  # a disk takes 25 GiB a save at 480x832
+        wait = None if last else self.store.rate.take(session.save_credit, now)  # 25 GiB a save at 480x832
         if wait is not None:
             raise ClientError(ErrorCode.BUSY, f"session {sid} saved as often as this server allows "
                               f"(snapshots.save_burst, saves_per_minute); the next save in {wait:.1f} s",
@@ -122,6 +126,8 @@ class Saves(Part):
             intrinsics=session.intrinsics, steps=session.last_steps or steps,
             want=seat.want if seat is not None else 0, floor=seat.floor if seat is not None else 0)
         self.pending[sid] = save
+        if last:
+            self.last.add(sid)
         log.info("session %s: saving snapshot %s at chunk %d", sid, save.id, chunk)
         return [Hold(sid, True)]
 
@@ -142,8 +148,8 @@ class Saves(Part):
         save.boundary = AtBoundary(prompt=text, prompt_revision=revision,
                                    live=live_state(session.live, session.controls, save.chunk))
         task = protocol.SaveState(session=sid, snapshot=save.id, chunk=save.chunk, prompt_revision=revision)
-        return [*(ToWorker(identity(rank, role), task) for rank, role in sorted(save.parts)),
-                Hold(sid, False)]  # queued behind the save tasks
+        held = [] if sid in self.last else [Hold(sid, False)]  # a last save's boundary is never denoised here
+        return [*(ToWorker(identity(rank, role), task) for rank, role in sorted(save.parts)), *held]
 
     def progress(self, message: protocol.SaveCaptured | protocol.SaveWritten, now: float) -> list[Answer]:
         save = self.pending.get(message.session)

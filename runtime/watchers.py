@@ -151,6 +151,10 @@ class Watchers(Part):
         """A closed session's watchers get their ``closed`` after its last chunks; a dropped one's at once."""
         return list(self.ended(sid, end.reason, end.error, keep=not end.dropped))
 
+    def ended_all(self, reason: str, error: str) -> list[EndWatch]:
+        """The server stops: every watcher of every session gets its ``closed`` now."""
+        return [end for sid in list(self.tokens) for end in self.ended(sid, reason, error, keep=False)]
+
     def remove(self, who: bytes, sid: str) -> bool:
         """``who`` no longer watches ``sid``; False when it did not."""
         watchers = self._of.get(sid)

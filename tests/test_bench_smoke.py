@@ -48,6 +48,8 @@ BENCHES: dict[str, tuple[list[str], str, set[str], Callable[[dict[str, Any]], bo
     "bench_compile.py": (["--tiny", "--chunks", "1", "--modes", "off"], "bench_compile.json", {"modes", "device"},
                          lambda d: "steady_s" in d["modes"]["off"]),
     "bench_dit.py": (["--smoke"], "bench_dit.json", {"sp1", "sp5", "flops"}, None),
+    "bench_drain.py": (["--smoke"], "bench_drain.json", {"pause_s", "to_migrated_s", "repeated", "exit_codes"},
+                       lambda d: d["exit_codes"] == [0] and d["repeated"]["max"] == 0),
     "bench_gpu.py": (["--tiny", "--only", "matmul", "--only", "kv_cache"], "bench_gpu.json", {"matmul", "kv_cache"},
                      lambda d: d["matmul"]["tflops"] > 0),
     "bench_migration.py": (["--smoke"], "bench_migration.json", {"ratio", "period_on_s", "period_off_s",

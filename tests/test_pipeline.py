@@ -220,7 +220,9 @@ def test_prometheus_endpoint_serves_counters_and_latency_histograms(server: Loca
 
 
 def test_sigterm_tells_connected_clients_and_every_rank_exits_0(tmp_path: Path) -> None:
-    with LocalServer("cpu-tiny", FAST, log_path=tmp_path / "server.log") as server, Client(server.endpoint) as client:
+    # server.drain_s=0: the signal stops at once (the drain, which hands sessions off first: test_drain_e2e.py)
+    with LocalServer("cpu-tiny", [*FAST, "--server.drain_s=0"], log_path=tmp_path / "server.log") as server, \
+            Client(server.endpoint) as client:
         info = client.open(IMAGE, num_chunks=None)
         client.control(info.id, 0, keys="w")
         client.next_chunk(info.id, timeout_s=30)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ipc.client import Busy, Client
+from ipc.client import Busy, Client, SessionMigrated
 from scripts.local_server import ROOT
 from scripts.slurm_local import LocalSlurm, missing
 from tests.shared import free_port
@@ -360,3 +360,42 @@ def test_split7_srun_a_stop_ends_it_completed(cluster: Cluster, early: dict[str,
     cluster.stop(job)
     info = cluster.ended(job)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), cluster.log(job)
+
+
+def test_a_stopped_replica_task_hands_its_sessions_to_the_other_and_ends_completed(
+        cluster: Cluster, router: Router) -> None:  # fmt: skip
+    """The drain under Slurm: ``scancel --batch --signal=TERM`` of the replica task holding sessions (the recipe's
+    trap forwards it to launch.py, which forwards it to rank 0): each of its sessions goes on on the other task under
+    its own id (both read the checkout's out/snapshots), and the stopped task ends COMPLETED 0:0."""
+    array = cluster.submit("replicas-array.sbatch", REPLICA_ENV, "--array=0-1")
+    tasks = {f"replica-{array}-{i}": f"{array}_{i}" for i in (0, 1)}
+    wait_for(lambda: all(router.states().get(name) == "up" for name in tasks), START_S, "both replicas up",
+             lambda: "\n".join(cluster.log(task) for task in tasks.values()))
+    with Client(router.endpoint, timeout_s=60) as client:
+        sessions = [client.open(IMAGE, num_chunks=6).id for _ in range(3)]
+        for sid in sessions:
+            client.control(sid, 0, keys="w")
+            assert client.next_chunk(sid, timeout_s=60).index == 0
+        holders = {sid: client.stats().per_session[sid].replica for sid in sessions}
+        drained = holders[sessions[0]]
+        cluster.stop(tasks[drained])
+        for sid in sessions:
+            resume = 1
+            if holders[sid] == drained:
+                with pytest.raises(SessionMigrated) as moved:
+                    client.next_chunk(sid, timeout_s=60)
+                assert moved.value.session == sid and moved.value.replica != drained and moved.value.chunk == 1
+            indices = []
+            for index in range(resume, 6):
+                client.control(sid, index, keys="w")
+                indices.append(client.next_chunk(sid, timeout_s=60).index)
+            assert indices == list(range(1, 6))
+        info = cluster.ended(tasks[drained])
+        log = cluster.log(tasks[drained])
+        assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+        moved_here = sum(holder == drained for holder in holders.values())
+        assert f"every session handed off ({moved_here} of {moved_here})" in log, log[-4000:]
+    for name, task in tasks.items():
+        if name != drained:
+            cluster.stop(task)
+            assert cluster.ended(task)["JobState"] == "COMPLETED", cluster.log(task)

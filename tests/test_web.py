@@ -47,7 +47,9 @@ SHOWING_W = """() => { const w = window.worldstream, last = w.paintLog[w.paintLo
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LocalServer]:
-    with LocalServer("cpu-tiny", FAST) as running:  # client_timeout_s stays 10 s: a release sooner is the gateway's
+    # client_timeout_s stays 10 s: a release sooner is the gateway's; server.drain_s=0: its SIGTERM stops at once
+    # (test_zz_...: the tab is told shutdown; a drain's own path is test_drain_e2e.py's)
+    with LocalServer("cpu-tiny", [*FAST, "--server.drain_s=0"]) as running:
         yield running
 
 
