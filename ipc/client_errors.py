@@ -132,14 +132,14 @@ class SessionDraining(ServerError):
     with ``open(restore=snapshot)`` (an indexed session sends its controls from ``chunk``): it goes on from there,
     the same frames given the same controls. The session's ``closed`` (reason ``drained``) follows here."""
 
-    codes = ("draining",)
+    codes = (ErrorCode.DRAINING,)
     snapshot: str = ""
     chunk: int = 0  # the snapshot's boundary: the restored session's first chunk
 
     @staticmethod
     def of_notice(notice: protocol.Draining) -> SessionDraining:
-        error = SessionDraining("draining", f"the server drains: session {notice.session} was saved as snapshot "
-                                f"{notice.snapshot} at chunk {notice.chunk}; restore it on another server",
+        error = SessionDraining(ErrorCode.DRAINING, f"the server drains: session {notice.session} was saved as "
+                                f"snapshot {notice.snapshot} at chunk {notice.chunk}; restore it on another server",
                                 notice.session)
         error.snapshot, error.chunk = notice.snapshot or "", notice.chunk or 0
         return error
@@ -162,14 +162,14 @@ class BadSnapshot(BadRequest):
 _ERROR_TYPES: dict[str, type[ServerError]] = {
     code: cls for cls in (Busy, UnknownSession, RejectedControl, ControlBackpressure, BadRequest, StaleRevision,
                           SessionFailed, ServerGone, OutboxFull, PromptBackpressure, WatchOnly, SaveFailed,
-                          BadSnapshot) for code in cls.codes
+                          BadSnapshot, SessionDraining) for code in cls.codes
 }
 # The codes ``ServerError.of`` answers with the base class: nothing a caller would do differs from any other error
-# (``internal``, ``closing``, ``not_ready``, ``prompt_failed``, ``unauthorized``, ``draining``), or the SDK never
+# (``internal``, ``closing``, ``not_ready``, ``prompt_failed``, ``unauthorized``), or the SDK never
 # raises them (the web gateway's own, told to the page only). ``SessionMigrated`` is built from its notice.
 BASE_CLASS_CODES: frozenset[ErrorCode] = frozenset({
     ErrorCode.INTERNAL, ErrorCode.CLOSING, ErrorCode.NOT_READY, ErrorCode.PROMPT_FAILED, ErrorCode.UNAUTHORIZED,
-    ErrorCode.DRAINING, ErrorCode.TOO_LARGE, ErrorCode.NO_SESSION, ErrorCode.NO_TRACE, ErrorCode.SERVER_UNREACHABLE,
+    ErrorCode.TOO_LARGE, ErrorCode.NO_SESSION, ErrorCode.NO_TRACE, ErrorCode.SERVER_UNREACHABLE,
 })
 
 
