@@ -3,6 +3,7 @@
     python -m runtime.ctl stats --endpoint tcp://127.0.0.1:5555       # the stats reply as JSON (or worldstream-ctl)
     python -m runtime.ctl health --probe 127.0.0.1:9100                # GET /health of rank 0's or the router's probes
     python -m runtime.ctl ready --probe http://node7:9100              # GET /ready: 0 ready, 1 not (warming, draining)
+    python -m runtime.ctl drain --endpoint tcp://127.0.0.1:5555       # drain as a SIGTERM does: save, hand off, exit 0
 
 Exit codes: 0 ok (healthy, ready, answered); 1 not ready or not healthy (the probe answered, and said no); 2 a usage
 error, or nothing answered (no server at the endpoint within --timeout, no probe server at the address); 3 the
@@ -82,6 +83,14 @@ def stats(args: argparse.Namespace) -> int:
     return OK
 
 
+def drain(args: argparse.Namespace) -> int:
+    """The protocol's ``drain``: the server stops admitting, saves every session and hands it off, then exits 0
+    (``server.drain_s``); prints the sessions it hands off and the seconds before it stops. A router refuses (3)."""
+    reply = ask(args, protocol.Drain(req=REQ))
+    print(json.dumps({"sessions": reply.sessions, "left_s": reply.left_s}))
+    return OK
+
+
 def probe(args: argparse.Namespace, path: str) -> int:
     """GET ``path`` of the probe server at ``args.probe``: its JSON body on stdout; 0 on 200, 1 on another status
     (503: not ready), 2 when nothing answers."""
@@ -113,6 +122,7 @@ COMMANDS: dict[str, tuple[str, bool, Callable[[argparse.Namespace], int]]] = {
     "stats": ("the stats reply as JSON", True, stats),
     "health": ("GET /health of the probe server", False, health),
     "ready": ("GET /ready of the probe server (exit 1 while not ready)", False, ready),
+    "drain": ("drain the server: save and hand off every session, then exit 0", True, drain),
 }
 
 

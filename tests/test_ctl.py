@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ipc.client import Client, SessionDraining, input_state
 from runtime import ctl
 from scripts.local_router import LocalRouter
 from scripts.local_server import ROOT, LocalServer
@@ -22,6 +23,7 @@ from tests.shared import FAST, free_port
 pytestmark = pytest.mark.multiprocess
 
 TOKEN = "ctl-test-token-0123456789abcdef"
+IMAGE = (ROOT / "assets" / "start.png").read_bytes()
 
 
 @dataclass
@@ -96,3 +98,25 @@ def test_a_router_without_a_replica_is_healthy_but_not_ready_exit_1(fleet: Fleet
     ready = run_ctl("ready", "--probe", fleet.router_probes)
     assert ready.returncode == ctl.NO, ready.stderr
     assert json.loads(ready.stdout)["ready"] is False
+
+
+def test_drain_against_a_router_is_refused_exit_3(fleet: Fleet) -> None:
+    done = run_ctl("drain", "--endpoint", fleet.router.endpoint)
+    assert done.returncode == ctl.REFUSED, done.stdout + done.stderr
+    assert json.loads(done.stderr.splitlines()[0])["code"] == "bad_request"
+
+
+def test_drain_hands_off_the_servers_session_and_the_server_exits_0(fleet: Fleet) -> None:
+    # last in the module: it ends the shared server
+    with Client(fleet.server.endpoint, token_file=str(fleet.token_file), timeout_s=60) as client:
+        info = client.open(IMAGE, num_chunks=None, live=True)
+        client.control_state(info.id, input_state(["w"], revision=1))
+        client.next_chunk(info.id, timeout_s=60)
+        done = run_ctl("drain", "--endpoint", fleet.server.endpoint, "--token-file", str(fleet.token_file))
+        assert done.returncode == ctl.OK, done.stderr
+        assert json.loads(done.stdout)["sessions"] == 1
+        with pytest.raises(SessionDraining) as told:
+            while True:
+                client.next_chunk(info.id, timeout_s=60)
+        assert told.value.snapshot and told.value.session == info.id
+    assert fleet.server.wait(60) == 0, fleet.server.log()
