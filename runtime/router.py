@@ -30,14 +30,12 @@ Rules that live here and nowhere else:
   reading has its session closed, never buffered. A message meeting a full replica link gets what a
   server would answer: a ``control`` ``control_backpressure``; a ``close`` nothing (the router sends it again until
   the replica's ``closed`` comes); a ``control_state`` nothing (folded with later ones, sent when the link drains).
-- **Spectators** are the router's own (``runtime.watchers``, as in a server): it keeps the watch token of each
-  ``opened`` it forwards (or grants one, for a replica that predates them), answers ``watch``/``unwatch`` itself and
-  hands each chunk's frame, as received, to its watchers' feeds in the shell: a replica sends every chunk once, and
-  no replica queue ever carries a watcher's copy. Sessions ending here end their watchers too.
+- **Spectators** are the router's own (``runtime.watchers``): it keeps each forwarded ``opened``'s watch token,
+  answers ``watch``/``unwatch`` itself and hands each chunk, as received, to its watchers' feeds in the shell (a
+  replica sends every chunk once). Sessions ending here end their watchers too.
 - **Containment and bounds.** A bad request gets an error and changes nothing; an unexpected error costs the
-  request it concerns. Sessions and pending opens are bounded by the replicas' capacities (placement refuses
-  beyond), remembered client identities by ``runtime.clients.MAX_PEERS``, replicas by ``router.max_replicas``,
-  reject counters by ``MAX_REASONS``; a registered replica down for ``router.forget_after_s`` is forgotten.
+  request it concerns. Sessions and pending opens are bounded by the replicas' capacities, client identities by
+  ``runtime.clients.MAX_PEERS``, replicas by ``router.max_replicas``, reject counters by ``MAX_REASONS``.
 """
 
 from __future__ import annotations
