@@ -19,8 +19,8 @@ from ipc.chunk_wire import chunk_parts
 from ipc.client_lines import ClientLines, Lost
 from ipc.transport import send_or_why, send_to
 from ranks import probe_server, prometheus
-from ranks.coordinator_inputs import WORKER_MESSAGE_BYTES, await_hellos, drain_clients, drain_workers
-from ranks.coordinator_setup import build_core, write_port_file
+from ranks.coordinator_inputs import await_hellos, await_shutdown_done, drain_clients, drain_workers
+from ranks.coordinator_setup import build_core, probe_snapshot, write_port_file
 from ranks.memory import cache_bytes
 from ranks.offloop import OffLoop
 from ranks.processes import DeathHold, RankWatch
@@ -29,7 +29,6 @@ from runtime import core_types as ct
 from runtime.config import Config
 from runtime.core import CoordinatorCore
 from runtime.placement import placement_of
-from runtime.probes import rank0_snapshot
 from runtime.sizes import served_sizes
 from runtime.warm_start import WarmStart
 from runtime.watchers import Feeds
@@ -84,7 +83,7 @@ class Coordinator:
         return code
 
     def _serve(self, port: int) -> int:
-        if not self._await_workers():
+        if not await_hellos(self.workers, set(self.where.all), self.timeouts.startup_s, self._hello):
             return ct.EXIT_FAILED
         c = self.config
         self.core = build_core(c, self.ctx.backend.geometry, self.ctx.groups.device.type, self.exporter, self.rooms,
@@ -129,9 +128,6 @@ class Coordinator:
         self.drain_asked = True
         return f"draining (server.drain_s {self.server.drain_s:.0f} s; a second signal stops at once)"
 
-    def _await_workers(self) -> bool:
-        return await_hellos(self.workers, set(self.where.all), self.timeouts.startup_s, self._hello)
-
     def _hello(self, hello: protocol.Hello) -> None:
         self.watch.add(hello.rank, hello.pid, hello.host)
         self.rooms[hello.rank] = hello.room
@@ -142,12 +138,8 @@ class Coordinator:
         """What the probe server answers from until the next call: built here, on the loop, from the loop's state."""
         if self.probes is None:
             return
-        core, world = self.core, self.config.layout.world_size
-        self.probes.publish(rank0_snapshot(
-            world_size=world, ranks_in=len(self.rooms), warm=self.warm_start.warm, serving=core is not None,
-            draining=self.draining or (core is not None and core.draining.active), stopping=self.stopping,
-            rooms=None if core is None else {r: core.admitting.memory.stats(r) for r in range(world)},
-            open_sessions=0 if core is None else len(core.sessions), restored=0 if core is None else core.restored))
+        self.probes.publish(probe_snapshot(self.core, self.config.layout.world_size, len(self.rooms),
+                                           self.warm_start.warm, self.draining, self.stopping))
 
     # ---------------------------------------------------------------------------------------------- inputs
 
@@ -251,15 +243,7 @@ class Coordinator:
         waiting = {i for i in self.where.all if send_to(self.workers, i, protocol.Shutdown())}
         lost = sorted({int(i.decode().split(":")[0]) for i in set(self.where.all) - waiting})
         code = self._carry_out(self.core.step([ct.ShutdownRequested(tuple(lost))], time.monotonic()))
-        deadline = time.monotonic() + SHUTDOWN_WAIT_S
-        while waiting and time.monotonic() < deadline:
-            if self.workers.poll(50):
-                identity, data = self.workers.recv_multipart()
-                message = protocol.decode(data, "worker", max_bytes=WORKER_MESSAGE_BYTES)
-                if isinstance(message, protocol.ShutdownDone):
-                    waiting.discard(identity)
-        if waiting:
-            log.warning("workers %s did not acknowledge shutdown", sorted(i.decode() for i in waiting))
+        await_shutdown_done(self.workers, waiting, SHUTDOWN_WAIT_S)
         self.offloop.shutdown()
         return ct.EXIT_OK if code is None else code
 

@@ -65,3 +65,16 @@ def drain_clients(clients: zmq.Socket, max_bytes: int) -> Iterator[ct.Event]:
             yield ct.ClientSent(identity, protocol.decode(frames[0], "client", max_bytes=max_bytes))
         except protocol.ProtocolViolation as error:
             yield ct.ClientUnreadable(identity, str(error), error.req, error.answer_v)
+
+
+def await_shutdown_done(workers: zmq.Socket, waiting: set[bytes], wait_s: float) -> None:
+    """Wait (at most ``wait_s``) for each worker in ``waiting`` to acknowledge the shutdown; name the silent ones."""
+    deadline = time.monotonic() + wait_s
+    while waiting and time.monotonic() < deadline:
+        if workers.poll(50):
+            identity, data = workers.recv_multipart()
+            message = protocol.decode(data, "worker", max_bytes=WORKER_MESSAGE_BYTES)
+            if isinstance(message, protocol.ShutdownDone):
+                waiting.discard(identity)
+    if waiting:
+        log.warning("workers %s did not acknowledge shutdown", sorted(i.decode() for i in waiting))

@@ -182,6 +182,9 @@ def test_router_is_ready_with_a_replica_up_and_exports_its_series(job: Job, tmp_
         wait_for("the router ready", lambda: get(f"{url}/ready")[0] == 200, 30)
         assert get(f"{url}/health") == (200, {"alive": True, "role": "router"})
         stream_one(router.endpoint)
+        # the probe server answers from the snapshot the router's loop last published: wait for the third chunk
+        wait_for("three chunks counted", lambda: value(
+            metrics(url), "worldstream_router_chunks_forwarded_total") >= 3, 30)
         families = metrics(url)
     assert set(families) >= ROUTER_SERIES, ROUTER_SERIES - set(families)
     assert value(families, "worldstream_router_replicas_up") == 1
