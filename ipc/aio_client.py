@@ -144,9 +144,9 @@ class AsyncClient(ClientSettings):
     async def stats(self) -> ServerStats:
         return (await self._request(self._core.requests.stats())).stats
 
-    async def drain(self) -> protocol.Draining:
+    async def drain(self, operator_token: str) -> protocol.Draining:
         """Drain the server; see ``Client.drain``."""
-        return await self._request(self._core.requests.drain())
+        return await self._request(self._core.requests.drain(operator_token))
 
     async def watch(self, session: str, token: str, timeout_s: float | None = None) -> AsyncWatch:
         """Watch another client's session read-only; see ``Client.watch`` (``async for`` the returned watch)."""

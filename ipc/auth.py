@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import logging
 import os
 from pathlib import Path
 
 from msgspec import UnsetType
+
+log = logging.getLogger(__name__)
 
 TOKEN_ENV = "WORLDSTREAM_TOKEN"  # the SDK's and ctl's default: the token itself
 TOKEN_FILE_ENV = "WORLDSTREAM_TOKEN_FILE"  # ... or a file holding it
@@ -32,6 +36,8 @@ def read_token(file: str = "", env: str = "", what: str = "token") -> str | None
     if file:
         try:
             token = Path(file).read_text().strip()
+            if Path(file).stat().st_mode & 0o077:  # a secret others on the host can read is no secret
+                log.warning("%s: %s is readable by others than its owner: chmod 600 it", what, file)
         except OSError as error:
             raise TokenError(f"{what}: cannot read {file}: {error.strerror}") from None
         source = file
@@ -73,7 +79,12 @@ def accepts(expected: str | None, given: str | UnsetType) -> bool:
 def is_loopback(host: str) -> bool:
     """Whether only this host reaches a server bound to ``host`` (an address or a name, no port)."""
     host = host.strip("[]")
-    return host in ("localhost", "::1") or host.startswith("127.")
+    if host == "localhost":
+        return True
+    try:  # an address; any other name (``127.example.net`` too) may resolve beyond this host
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def bind_problem(host: str, key: str, named: bool, insecure: bool, insecure_key: str) -> str | None:

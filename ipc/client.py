@@ -225,10 +225,11 @@ class Client(ClientSettings):
         """The ``draining`` notice the session got (its snapshot and chunk), or None."""
         return self._core.session(session).draining
 
-    def drain(self) -> protocol.Draining:
-        """An operator's: drain the server as a SIGTERM does (docs/operations.md, "Drain"); its reply says how many
-        sessions it hands off and the seconds left before it stops."""
-        return self._wait(self._ask(self._core.requests.drain()), self.timeout_s)
+    def drain(self, operator_token: str) -> protocol.Draining:
+        """An operator's: drain the server as a SIGTERM does (docs/operations.md, "Drain"), with the server's
+        operator token (``server.operator_token_file``; without it ``unauthorized``); its reply says how many sessions
+        it hands off and the seconds left before it stops."""
+        return self._wait(self._ask(self._core.requests.drain(operator_token)), self.timeout_s)
 
     def watch(self, session: str, token: str, timeout_s: float | None = None) -> Watch:
         """Watch another client's session read-only with the token its owner shared (``SessionInfo.watch_token``):

@@ -490,7 +490,8 @@ class ClientSettings:
         # what a server or router beyond loopback requires (``auth.client_token``: the argument, the file, else
         # $WORLDSTREAM_TOKEN or $WORLDSTREAM_TOKEN_FILE); None: the client sends none
         self.token = auth.client_token(token, token_file)
-        self.identity = identity or f"{name}-{uuid.uuid4().hex[:10]}".encode()
+        # random and long: a server hands an identity's connection to whoever connects with it (to resume at once)
+        self.identity = identity or f"{name}-{uuid.uuid4().hex}".encode()
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.server_silent_s = server_silent_s  # no reply this long (heartbeats included): ``ServerGone``

@@ -161,8 +161,8 @@ class Requests:
     def stats(self) -> protocol.Stats:
         return protocol.Stats(req=next(self._ids))
 
-    def drain(self) -> protocol.Drain:
-        return protocol.Drain(req=next(self._ids))
+    def drain(self, operator_token: str) -> protocol.Drain:
+        return protocol.Drain(req=next(self._ids), operator=operator_token)
 
     def watch(self, session: str, token: str) -> protocol.Watch:
         return protocol.Watch(req=next(self._ids), session=session, token=token)

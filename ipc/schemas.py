@@ -157,6 +157,7 @@ class Drain(_Request, tag="drain"):
     0); answered by a ``draining`` reply with the counts. A second ``drain`` is answered the same (changing nothing)."""
 
     req: int
+    operator: AuthToken = UNSET  # the server's operator token (``server.operator_token_file``): else refused
 
 
 class Heartbeat(_Request, tag="heartbeat"):

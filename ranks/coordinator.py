@@ -122,7 +122,7 @@ class Coordinator:
     def signalled(self) -> str:
         """A stop signal (from a handler): the first drains when there is a drain time and the loop serves; a second
         (or one before the loop serves) stops at once. What it does, for the log."""
-        if self.drain_asked or self.server.drain_s <= 0 or self.core is None:
+        if self.drain_asked or self.server.drain_s <= 0 or self.core is None or self.core.draining.active:
             self.stopping = True
             return "stopping"
         self.drain_asked = True

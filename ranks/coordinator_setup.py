@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from models import memory
-from runtime.config import Config, client_token
+from runtime.config import Config, client_token, operator_token
 from runtime.core import CoordinatorCore
 from runtime.memory_admission import Cost, gib
 from runtime.probes import rank0_snapshot
@@ -34,7 +34,7 @@ def build_core(c: Config, geometry: Any, device: str, exporter: Any, rooms: dict
                                                    SaveRate(c.snapshots.saves_per_minute, c.snapshots.save_burst)),
                            model=model_identity(c.model.kind, c.model.preset, c.model.checkpoint_dir,
                                                 c.model.weights_seed),
-                           auth_token=client_token(c.server))
+                           auth_token=client_token(c.server), operator_token=operator_token(c.server))
     log.info("warm-up: %s", warm_start.describe())
     core.admitting.memory.unservable_sizes.update(warm_start.failures())  # a rank out of memory at a size
     for reason in core.admitting.memory.unservable(served_sizes(c.stream)):

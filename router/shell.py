@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -309,7 +310,10 @@ class RouterShell:
     def _connect(self, output: rt.Connect) -> None:
         self._disconnect(output.replica)
         sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"router-{self.me}-{output.generation}:{output.replica}".encode()[:255])
+        # a secret part: a replica's port hands an identity over to whoever connects with it (ROUTER_HANDOVER), and
+        # the router's id and a replica's name are no secrets (heartbeat acks, stats)
+        link = f"router-{self.me}-{secrets.token_hex(16)}-{output.generation}:{output.replica}"
+        sock.setsockopt(zmq.IDENTITY, link.encode()[:255])
         sock.setsockopt(zmq.LINGER, 0)  # what an old connection still queued is dropped with it
         sock.setsockopt(zmq.SNDHWM, self.hwm_out)  # client messages, each within router.max_message_bytes
         sock.setsockopt(zmq.RCVHWM, self.hwm_in)  # chunks, each within router.max_chunk_mb (+ its facts)

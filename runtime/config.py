@@ -97,6 +97,10 @@ class ServerConfig(_Section):
     # on the first stop signal (or a ``drain`` request) this long is given to save every session and hand it off
     # before the server stops; 0: stop at once. Keep it under the signal's lead (Slurm ``--signal=B:TERM@60``: 50)
     drain_s: float = 50.0
+    # a file holding the operator token a ``drain`` request must carry (its ``operator`` field); with none (nor
+    # operator_token_env) the protocol's drain is refused and only a stop signal drains
+    operator_token_file: str = ""
+    operator_token_env: str = ""  # an environment variable holding the operator token (used when the file is "")
 
 
 class StreamConfig(_Section):
@@ -490,6 +494,7 @@ def load(name: str | Path, overrides: Sequence[str] = ()) -> Config:
         token = read_token(replica.token_file, f"{where}: replica.token_file")
         config = msgspec.structs.replace(config, replica=msgspec.structs.replace(replica, token=token))
     client_token(config.server, where)  # a token named but unreadable stops the start here, with exit 2
+    operator_token(config.server, where)
     return validate(config, where)
 
 
@@ -497,6 +502,15 @@ def client_token(server: ServerConfig, where: str = "config") -> str | None:
     """The token every client request must carry (``server.auth_token_file`` or ``_env``); None: none required."""
     try:
         return auth.read_token(server.auth_token_file, server.auth_token_env, f"{where}: server client token")
+    except auth.TokenError as error:
+        raise ConfigError(str(error)) from None
+
+
+def operator_token(server: ServerConfig, where: str = "config") -> str | None:
+    """The token a ``drain`` request must carry (``server.operator_token_file`` or ``_env``); None: none drains."""
+    try:
+        return auth.read_token(server.operator_token_file, server.operator_token_env,
+                               f"{where}: server operator token")
     except auth.TokenError as error:
         raise ConfigError(str(error)) from None
 

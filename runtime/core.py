@@ -9,9 +9,10 @@ The core keeps routing (client message type -> handler or part) and each session
 dispatch -> join -> emit -> close, and the stats. What else a session has lives in its parts (``runtime.parts``),
 each owning its per-session state and answering with outputs, never calling back: admission
 (``runtime.admission``: length, prompt, session limit, frame size, memory, real time, the steps each chunk runs),
-saves and restores' reads (``runtime.saving``), rank health (``runtime.rank_health``: pings, beats, clock, memory,
-the rank and stage deadlines), watchers (``runtime.watchers``) and metrics (``runtime.metrics``). A close, and a
-drop of a session that cannot close, is one loop over the parts.
+saves and restores' reads (``runtime.saving``), the drain (``runtime.drain``), clients (``runtime.clients``),
+watchers (``runtime.watchers``) and metrics (``runtime.metrics``); rank health (``runtime.rank_health``: pings,
+beats, clock, memory, deadlines) is job-wide. A close, and a drop of a session that cannot close, is one loop over
+the parts.
 
 - **Opening.** ``open`` is admitted, its image decoded off the loop, and sessions are created in request order once
   their images are there; a restore reads its manifest off the loop and is admitted by the same ``admit``.
@@ -125,7 +126,7 @@ class CoordinatorCore:
                  rooms: dict[int, int] | None = None, session_cost: Cost | None = None,
                  warm_start: WarmStart | None = None, capacity: CapacityConfig | None = None,
                  snapshots: SnapshotStore | None = None, model: str = "",
-                 auth_token: str | None = None) -> None:  # fmt: skip
+                 auth_token: str | None = None, operator_token: str | None = None) -> None:  # fmt: skip
         self.layout, self.server, self.stream, self.timeouts, self.metrics_config = (layout, server, stream,
                                                                                       timeouts, metrics)
         self.geometry = geometry  # the backend's, at stream.height x stream.width
@@ -157,7 +158,7 @@ class CoordinatorCore:
         # saved sessions (``runtime.snapshots``): the folder, what a snapshot must match here, the saves in flight
         self.saving = Saves(snapshots or SnapshotStore("out/snapshots"), Identity.of(model, layout.name, self.where),
                             self.where, server, timeouts.stage_s)
-        self.draining = Drain(server.drain_s)  # a stop signal or ``drain``: every session saved and handed off
+        self.draining = Drain(server.drain_s, operator_token)  # a stop signal or ``drain``: hand every session off
         # in the order a close answers: a save in flight before the client's closed, the watchers' end after it
         self.parts: tuple[Part, ...] = (self.metrics, self.saving, self.admitting, self.draining, self.clients,
                                         self.watchers)
@@ -181,7 +182,7 @@ class CoordinatorCore:
                 self.watchers.watching(who, m, self.sessions.get(m.session), self.stream.fps, now)),
             protocol.Unwatch: lambda who, m, now: self._out.append(self.watchers.unwatched(who, m.session)),
             protocol.Drain: lambda who, m, now: self._out.append(  # as a stop signal; answered with the counts
-                ToClient(who, self.draining.start(self.sessions, now, m.req))),
+                ToClient(who, self.draining.asked(m, self.sessions, now))),
         }
 
     # ---------------------------------------------------------------------------------------------- step
@@ -278,7 +279,7 @@ class CoordinatorCore:
                     try:
                         self._save(self.sessions[sid], None, protocol.Save(req=req, session=sid), now)
                     except ClientError as error:
-                        self.draining.refused(sid, error, now)
+                        self._answer(self.draining.refused(sid, error, now), now)
                 case CloseSession(session=sid, reason=reason):
                     if sid in self.sessions and _live(self.scheduler, sid):  # (else closing already)
                         self._run(self.scheduler.close(sid, reason, now), now)
@@ -337,6 +338,8 @@ class CoordinatorCore:
         assert result is not None
         if result.image is None:
             raise ClientError(ErrorCode.BAD_IMAGE, result.error)
+        if self.draining.active:  # asked before the drain began, its image decoded since
+            raise self.draining.refusal()
         geometry = self.geometry.with_size(*self.admitting.frame_size(result.image.height, result.image.width))
         sid = self.admitting.admit(len(self.sessions), geometry, message.steps,
                                    message.min_steps, message.num_chunks, self.new_id)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -33,6 +34,7 @@ import zmq
 from ipc import auth, protocol, tolerant
 
 OK, NO, UNREACHABLE, REFUSED = 0, 1, 2, 3  # the exit codes (the module docstring); 2 is argparse's usage error too
+OPERATOR_FILE_ENV = "WORLDSTREAM_OPERATOR_TOKEN_FILE"  # drain's default: a file holding the operator token
 REQ = 1  # the one request id a command uses (its reply is matched by it)
 MAX_REPLY_BYTES = 1 << 26  # a stats reply lists every replica's view; far below this
 
@@ -84,9 +86,13 @@ def stats(args: argparse.Namespace) -> int:
 
 
 def drain(args: argparse.Namespace) -> int:
-    """The protocol's ``drain``: the server stops admitting, saves every session and hands it off, then exits 0
-    (``server.drain_s``); prints the sessions it hands off and the seconds before it stops. A router refuses (3)."""
-    reply = ask(args, protocol.Drain(req=REQ))
+    """The protocol's ``drain``, with the server's operator token (``server.operator_token_file``): the server stops
+    admitting, saves every session and hands it off, then exits 0 (``server.drain_s``); prints the sessions it hands
+    off and the seconds before it stops. A router, or a server without that token, refuses (3)."""
+    token = auth.read_token(args.operator_token_file or os.environ.get(OPERATOR_FILE_ENV, ""), what="operator token")
+    if token is None:
+        raise Failed(UNREACHABLE, f"drain needs the operator token: --operator-token-file or ${OPERATOR_FILE_ENV}")
+    reply = ask(args, protocol.Drain(req=REQ, operator=token))
     print(json.dumps({"sessions": reply.sessions, "left_s": reply.left_s}))
     return OK
 
@@ -143,6 +149,10 @@ def parser() -> argparse.ArgumentParser:
             sub.add_argument("--probe", required=True,
                              help="the probe server: host:port or a URL (metrics.prometheus_host/_port on rank 0, "
                                   "router.metrics_host/_port on the router)")
+        if name == "drain":
+            sub.add_argument("--operator-token-file", default=None,
+                             help=f"a file holding the server's operator token (default: the file ${OPERATOR_FILE_ENV} "
+                                  "names)")
         sub.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (%(default)s)")
     return top
 

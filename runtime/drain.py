@@ -21,13 +21,16 @@ import itertools
 import logging
 from collections.abc import Iterable, Mapping
 
-from ipc import protocol
+from ipc import auth, protocol
+from ipc.error_codes import ErrorCode
 from runtime.core_types import ClientError, DrainEnded
-from runtime.parts import Answer, CloseSession, Part, SaveSession, ToOwner
+from runtime.parts import Answer, CloseSession, Hold, Part, SaveSession, ToOwner
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 0.05  # a session that cannot be saved yet is asked again this much later (a loop turn or so)
+FAILED_RETRY_S = 1.0  # a drain save that failed (a disk error) is tried again this much later ...
+SAVE_TRIES = 2  # ... this many times in all; then the session streams on here until the drain's end
 FIRST_REQ = -(2**40)  # the drain's saves' request ids: far below a router's own (negative, counting down from -1)
 RETRY_AFTER_S = 1.0  # hint to an open refused while draining (a router tries another replica at once)
 # what a save refusal means for the drain: try again later, or leave the session to run out (nothing left to save)
@@ -37,14 +40,16 @@ AGAIN = frozenset({"not_ready", "busy", "save_failed"})
 class Drain(Part):
     """See the module docstring. ``active`` once started; ``left`` the sessions it waits for."""
 
-    def __init__(self, drain_s: float) -> None:
+    def __init__(self, drain_s: float, operator_token: str | None = None) -> None:
         self.drain_s = drain_s
+        self.operator_token = operator_token  # what a ``drain`` request must carry; None: only a stop signal drains
         self.deadline: float | None = None
         self.began = 0  # sessions open when it started
         self.left: set[str] = set()  # sessions not closed yet
         self.due: dict[str, float] = {}  # sessions to save, by when the next attempt may go
         self.saving: dict[str, int] = {}  # sessions whose drain save is in flight, by its request id
         self.saved: dict[str, protocol.Saved] = {}  # saved: told once every chunk below the boundary left rank 0
+        self.failures: dict[str, int] = {}  # drain saves that failed, by session
         self.handed = 0  # sessions told where to go on
         self.ended = False
         self.reqs = itertools.count(FIRST_REQ, -1)
@@ -64,6 +69,13 @@ class Drain(Part):
         self.due = dict.fromkeys(self.left, now)
         log.warning("draining: %d sessions to hand off within %.1f s; no new session", self.began, self.drain_s)
         return self.reply(req, now)
+
+    def asked(self, message: protocol.Drain, sessions: Iterable[str], now: float) -> protocol.Draining:
+        """An operator's ``drain``: started (or answered, when already draining) only with the operator token;
+        any other client is refused ``unauthorized`` and nothing changes."""
+        if self.operator_token is None or not auth.accepts(self.operator_token, message.operator):
+            raise ClientError(ErrorCode.UNAUTHORIZED, auth.REFUSAL_MESSAGE)
+        return self.start(sessions, now, message.req)
 
     def reply(self, req: int | None, now: float) -> protocol.Draining:
         return protocol.Draining(req=req, sessions=self.began, left_s=max(0.0, (self.deadline or now) - now))
@@ -85,6 +97,7 @@ class Drain(Part):
         self.due.pop(sid, None)
         self.saving.pop(sid, None)
         self.saved.pop(sid, None)
+        self.failures.pop(sid, None)
         return []
 
     # ---- the saves' answers
@@ -98,17 +111,24 @@ class Drain(Part):
         del self.saving[sid]
         if isinstance(message, protocol.Saved):
             self.saved[sid] = message
-        else:
-            self.refused(sid, ClientError(message.code, message.message), now)
-        return []
+            return []
+        return self.refused(sid, ClientError(message.code, message.message), now)
 
-    def refused(self, sid: str, error: ClientError, now: float) -> None:
-        """The save could not start (or failed): asked again later, or the session runs out here."""
+    def refused(self, sid: str, error: ClientError, now: float) -> list[Answer]:
+        """The save could not start (or failed): asked again later, or the session runs out here. A failed save
+        (its tasks went out: the session's next chunk is held) is tried ``SAVE_TRIES`` times in all; after the last,
+        the hold ends and the session streams on here until the drain's end."""
         self.saving.pop(sid, None)
-        if error.code in AGAIN:
+        if error.code == "save_failed":
+            self.failures[sid] = self.failures.get(sid, 0) + 1
+            if self.failures[sid] < SAVE_TRIES:
+                self.due[sid] = now + FAILED_RETRY_S
+                return []
+        elif error.code in AGAIN:
             self.due[sid] = now + RETRY_S
-        else:
-            log.info("session %s is not saved for the drain (%s: %s); it runs out here", sid, error.code, error)
+            return []
+        log.info("session %s is not saved for the drain (%s: %s); it runs out here", sid, error.code, error)
+        return [Hold(sid, False)]
 
     # ---- timers
 

@@ -1,11 +1,11 @@
 """A session on rank 0 as a bag of parts (STYLE.md 16): the lifecycle points every part answers.
 
 The coordinator core (``runtime.core``) keeps routing and the session's own path (open -> scheduler -> dispatch ->
-join -> emit -> close). A feature that keeps per-session state (saves, admission, rank health, watchers, metrics)
-is a part: it owns that state, is sans-io, and answers at fixed points with what the core must do, as data. It never
-calls back into the core; what only the core may do (hold a session's boundary chunk in the scheduler, reach the
-session's current client, save or close a session) it asks for with ``Hold``, ``ToOwner``, ``SaveSession`` and
-``CloseSession``.
+join -> emit -> close). A feature that keeps per-session state (metrics, saves, admission, the drain, clients,
+watchers) is a part: it owns that state, is sans-io, and answers at fixed points with what the core must do, as
+data. It never calls back into the core; what only the core may do (hold a session's boundary chunk in the
+scheduler, reach the session's current client, save or close a session) it asks for with ``Hold``, ``ToOwner``,
+``SaveSession`` and ``CloseSession``.
 
 The points, in a session's order:
 

@@ -10,7 +10,7 @@ Rules:
   loop serves (the core exists and the client port answers) and it is neither draining nor stopping. A server
   that could not warm a size stays not ready: its ``/ready`` body names why.
 - **The router is ready** when at least one replica is up and it is not stopping.
-- ``draining`` is a fact of the snapshot today always false: the drain (issue 32, point 1) sets it.
+- ``draining`` is true from the drain's start (a first stop signal or an operator's ``drain``, ``runtime.drain``).
 """
 
 from __future__ import annotations

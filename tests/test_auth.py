@@ -99,6 +99,26 @@ def test_a_client_port_beyond_loopback_needs_a_token_or_an_explicit_insecure(tmp
     router_config.load(router, ["--router.insecure=true"])
 
 
+def test_only_addresses_of_this_host_count_as_loopback_not_names_that_look_like_one() -> None:
+    assert all(auth.is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost"))
+    assert not any(auth.is_loopback(h) for h in ("0.0.0.0", "10.0.0.7", "127.example.net", "127.0.0.1.nip.io", "::",
+                                                 "node7", ""))
+    with pytest.raises(config_mod.ConfigError, match="beyond loopback"):
+        config_mod.load("cpu-mini", ["--server.host=127.example.net"])
+
+
+def test_a_token_file_others_can_read_is_used_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    token = tmp_path / "token"
+    token.write_text(SERVER_TOKEN)
+    token.chmod(0o600)
+    with caplog.at_level("WARNING", logger="ipc.auth"):
+        assert auth.read_token(str(token)) == SERVER_TOKEN
+        assert not caplog.records
+        token.chmod(0o644)
+        assert auth.read_token(str(token)) == SERVER_TOKEN
+    assert any("readable by others" in r.getMessage() and str(token) in r.getMessage() for r in caplog.records)
+
+
 def test_a_server_bound_beyond_loopback_without_a_token_exits_2_naming_the_keys() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--config", "cpu-mini", "--server.host=0.0.0.0",
                            "--check"], capture_output=True, text=True, cwd=ROOT, timeout=120,

@@ -23,6 +23,7 @@ from tests.shared import FAST, free_port
 pytestmark = pytest.mark.multiprocess
 
 TOKEN = "ctl-test-token-0123456789abcdef"
+OPERATOR = "ctl-operator-token-0123456789"
 IMAGE = (ROOT / "assets" / "start.png").read_bytes()
 
 
@@ -33,6 +34,7 @@ class Fleet:
     router: LocalRouter
     router_probes: str
     token_file: Path
+    operator_file: Path
 
 
 def run_ctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -45,12 +47,17 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     token_file = tmp_path_factory.mktemp("ctl") / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
+    operator_file = token_file.with_name("operator")
+    operator_file.write_text(OPERATOR)
+    operator_file.chmod(0o600)
     server_port, router_port = free_port(), free_port()
     server = LocalServer("cpu-mini", [*FAST, f"--metrics.prometheus_port={server_port}",
-                                      f"--server.auth_token_file={token_file}"])
+                                      f"--server.auth_token_file={token_file}",
+                                      f"--server.operator_token_file={operator_file}"])
     router = LocalRouter([], [f"--router.metrics_port={router_port}"], register_port=free_port())
     with server, router:
-        yield Fleet(server, f"127.0.0.1:{server_port}", router, f"http://127.0.0.1:{router_port}", token_file)
+        yield Fleet(server, f"127.0.0.1:{server_port}", router, f"http://127.0.0.1:{router_port}", token_file,
+                    operator_file)
 
 
 def test_stats_prints_the_servers_stats_as_json_presenting_the_token_from_a_file_or_the_environment(
@@ -90,6 +97,7 @@ def test_health_and_ready_of_a_warm_server_exit_0_with_the_probes_json(fleet: Fl
     deadline = time.monotonic() + 60  # the probe's snapshot is published by rank 0's loop once warm
     while (ready := run_ctl("ready", "--probe", fleet.server_probes)).returncode != ctl.OK:
         assert time.monotonic() < deadline, ready.stdout + ready.stderr
+        time.sleep(0.5)  # the next look: a process per look would slow the warm-up it waits for
     assert json.loads(ready.stdout)["ready"] is True
 
 
@@ -101,9 +109,22 @@ def test_a_router_without_a_replica_is_healthy_but_not_ready_exit_1(fleet: Fleet
 
 
 def test_drain_against_a_router_is_refused_exit_3(fleet: Fleet) -> None:
-    done = run_ctl("drain", "--endpoint", fleet.router.endpoint)
+    done = run_ctl("drain", "--endpoint", fleet.router.endpoint, "--operator-token-file", str(fleet.operator_file))
     assert done.returncode == ctl.REFUSED, done.stdout + done.stderr
     assert json.loads(done.stderr.splitlines()[0])["code"] == "bad_request"
+
+
+def test_drain_without_the_operator_token_is_refused_and_the_server_serves_on(fleet: Fleet, tmp_path: Path) -> None:
+    client = ["--token-file", str(fleet.token_file)]
+    done = run_ctl("drain", "--endpoint", fleet.server.endpoint, *client)  # no operator token at all
+    assert done.returncode == ctl.UNREACHABLE and "operator token" in done.stderr
+    wrong = tmp_path / "wrong"
+    wrong.write_text(TOKEN)  # the client token is not the operator's
+    wrong.chmod(0o600)
+    done = run_ctl("drain", "--endpoint", fleet.server.endpoint, *client, "--operator-token-file", str(wrong))
+    assert done.returncode == ctl.REFUSED, done.stdout + done.stderr
+    assert json.loads(done.stderr.splitlines()[0])["code"] == "unauthorized"
+    assert run_ctl("ready", "--probe", fleet.server_probes).returncode == ctl.OK  # not draining
 
 
 def test_drain_hands_off_the_servers_session_and_the_server_exits_0(fleet: Fleet) -> None:
@@ -112,7 +133,8 @@ def test_drain_hands_off_the_servers_session_and_the_server_exits_0(fleet: Fleet
         info = client.open(IMAGE, num_chunks=None, live=True)
         client.control_state(info.id, input_state(["w"], revision=1))
         client.next_chunk(info.id, timeout_s=60)
-        done = run_ctl("drain", "--endpoint", fleet.server.endpoint, "--token-file", str(fleet.token_file))
+        done = run_ctl("drain", "--endpoint", fleet.server.endpoint, "--token-file", str(fleet.token_file),
+                       env={"WORLDSTREAM_OPERATOR_TOKEN_FILE": str(fleet.operator_file)})
         assert done.returncode == ctl.OK, done.stderr
         assert json.loads(done.stdout)["sessions"] == 1
         with pytest.raises(SessionDraining) as told:

@@ -108,6 +108,8 @@ def test_sigterm_moves_every_session_of_a_replica_to_the_other_under_its_own_id(
             assert moved.chunk >= BEFORE, moved.chunk  # saved at its next boundary, not an older snapshot
             assert last + 1 - moved.chunk == 0, "the drain holds the boundary chunk: none is streamed twice"
             assert replica_of(client, sid) == "b"
+        assert a.wait(DRAIN_S) == 0, a.log()  # every session handed off: a is done, before b streams them on
+        assert time.monotonic() - began < DRAIN_S
         for sid, (_, moved) in moves.items():  # each goes on on b from where it was saved, under its own id
             indices = []
             for index in range(moved.chunk, CHUNKS):
@@ -115,8 +117,6 @@ def test_sigterm_moves_every_session_of_a_replica_to_the_other_under_its_own_id(
                 indices.append(client.next_chunk(sid, timeout_s=60).index)
             assert indices == list(range(moved.chunk, CHUNKS))
             client.wait_closed(sid, timeout_s=60)
-        assert a.wait(DRAIN_S) == 0, a.log()
-        assert time.monotonic() - began < DRAIN_S
         assert "drain over: every session handed off (3 of 3)" in a.log()
         assert client.stats().router.migrations == 3
 

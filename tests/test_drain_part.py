@@ -8,12 +8,14 @@ from types import SimpleNamespace
 from ipc import protocol
 from ranks.coordinator import Coordinator
 from runtime.config import ServerConfig
-from runtime.core_types import ClientError, DecodeImage, DrainEnded, Tick, WorkerSent
-from runtime.drain import RETRY_S, Drain
-from runtime.parts import CloseSession, SaveSession, ToOwner
+from runtime.core_types import ClientError, DecodeImage, DrainEnded, ImageDecoded, Tick, WorkerSent
+from runtime.drain import FAILED_RETRY_S, RETRY_S, Drain
+from runtime.parts import CloseSession, Hold, SaveSession, ToOwner
 from runtime.snapshots import MANIFEST
-from tests.test_core import A, B, control
+from tests.test_core import A, B, control, image
 from tests.test_snapshots import PARTS, save_job, written
+
+OPERATOR = "operator-token-0123456789"
 
 
 def saved(sid: str, req: int, chunk: int, snapshot: str = "snap") -> protocol.Saved:
@@ -64,7 +66,12 @@ def test_a_session_not_ready_or_busy_is_asked_again_later_one_at_its_end_runs_ou
     assert set(again) == {"opening"} and again["opening"] != reqs["opening"]
     failed = protocol.Error(req=again["opening"], session="opening", code="save_failed", message="disk full")
     assert drain.takes("opening", failed) and drain.answered("opening", failed, 1.0) == []
-    assert set(asked(drain.tick(1.0 + RETRY_S, {}))) == {"opening"}  # a failed save is tried again too
+    assert asked(drain.tick(1.0 + RETRY_S, {})) == {}  # a failed save (a disk error) is not hammered ...
+    retry = asked(drain.tick(1.0 + FAILED_RETRY_S, {}))["opening"]  # ... but tried again a while later
+    failed_again = protocol.Error(req=retry, session="opening", code="save_failed", message="disk full")
+    # the last try failed: its hold ends, the session streams on here until the drain's end, never asked again
+    assert drain.answered("opening", failed_again, 3.0) == [Hold("opening", False)]
+    assert asked(drain.tick(10.0, {})) == {}
 
 
 def test_the_drain_time_running_out_ends_it_with_sessions_still_open() -> None:
@@ -97,7 +104,8 @@ def test_an_open_is_refused_busy_naming_the_drain() -> None:
 
 def test_the_core_drains_a_session_holds_its_boundary_hands_it_off_and_ends(tmp_path: Path) -> None:
     job, sid = save_job(tmp_path)  # chunks 0 and 1 streamed; chunk 2 is the next boundary
-    (reply,) = job.to(B, protocol.Draining, job.send(B, protocol.Drain(req=5)))
+    job.core.draining.operator_token = OPERATOR
+    (reply,) = job.to(B, protocol.Draining, job.send(B, protocol.Drain(req=5, operator=OPERATOR)))
     assert (reply.req, reply.sessions, reply.left_s) == (5, 1, 50.0)
     out = job.send(B, protocol.Open(req=6, image=b"png", num_chunks=4))
     (busy,) = job.to(B, protocol.Error, out)
@@ -126,11 +134,39 @@ def test_the_core_drains_a_session_holds_its_boundary_hands_it_off_and_ends(tmp_
 
 def test_the_first_stop_signal_drains_a_second_stops_at_once_as_does_one_without_a_drain_time_or_a_loop() -> None:
     def shell(drain_s: float, core: object = "serving") -> SimpleNamespace:  # what ``signalled`` reads and sets
+        if core == "serving":
+            core = SimpleNamespace(draining=SimpleNamespace(active=False))
         return SimpleNamespace(drain_asked=False, stopping=False, server=ServerConfig(drain_s=drain_s), core=core)
 
     rank0 = shell(50.0)
     assert Coordinator.signalled(rank0).startswith("draining")  # type: ignore[arg-type]
     assert rank0.drain_asked and not rank0.stopping
     assert Coordinator.signalled(rank0) == "stopping" and rank0.stopping  # type: ignore[arg-type]
-    for stops in (shell(0.0), shell(50.0, core=None)):  # no drain time; still warming up (no loop to drain)
+    draining = shell(50.0, core=SimpleNamespace(draining=SimpleNamespace(active=True)))  # an operator's drain
+    for stops in (shell(0.0), shell(50.0, core=None), draining):  # no drain time; still warming up; draining
         assert Coordinator.signalled(stops) == "stopping" and stops.stopping  # type: ignore[arg-type]
+
+
+def test_an_open_asked_before_the_drain_whose_image_decodes_after_is_refused_busy(tmp_path: Path) -> None:
+    job, _ = save_job(tmp_path)
+    (decode,) = [o for o in job.send(B, protocol.Open(req=6, image=b"png", num_chunks=4)) if isinstance(o, DecodeImage)]
+    job.core.draining.operator_token = OPERATOR
+    job.send(A, protocol.Drain(req=7, operator=OPERATOR))
+    before = set(job.core.sessions)
+    (busy,) = job.to(B, protocol.Error, job.step(ImageDecoded(decode.ticket, image())))
+    assert busy.req == 6 and busy.code == "busy" and "draining" in busy.message
+    assert set(job.core.sessions) == before, "no session is created on a draining server"
+
+
+def test_a_drain_request_without_the_operator_token_is_refused_unauthorized_and_changes_nothing(
+        tmp_path: Path) -> None:
+    job, sid = save_job(tmp_path)
+    for token in (None, OPERATOR):  # a server with no operator token drains on a stop signal only
+        job.core.draining.operator_token = token
+        for operator in ({}, {"operator": "wrong"}, {"operator": OPERATOR[:-1]}, {"operator": OPERATOR + "x"}):
+            if token is None and operator:
+                operator = {"operator": OPERATOR}
+            (refused,) = job.to(B, protocol.Error, job.send(B, protocol.Drain(req=9, **operator)))
+            assert (refused.req, refused.code, refused.message) == (9, "unauthorized", "unauthorized")
+            assert not job.core.draining.active and not job.to(A, protocol.Draining, job.step(Tick()))
+    assert sid in job.core.sessions
