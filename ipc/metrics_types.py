@@ -304,6 +304,7 @@ class ServerStats(_Metric, kw_only=True):
     open_sessions: Count
     # a server's own (``runtime.core``)
     watchers: int | UnsetType = UNSET  # spectators of every session now
+    draining: bool | UnsetType = UNSET  # True while the server drains (it takes no new session); absent otherwise
     watch_dropped: int | UnsetType = UNSET  # chunks dropped for slow watchers so far (never the players')
     ranks: dict[str, RankStats] | UnsetType = UNSET
     clock_offsets: dict[str, ClockOffset] | UnsetType = UNSET

@@ -691,5 +691,6 @@ class CoordinatorCore:
             watch_dropped=self.watch_dropped, ranks=ranks, clock_offsets=self.health.clock.offsets(),
             layout=self.layout.name, schedule=self.scheduler.mode.value, warm=self.warm_start.warm,
             warm_up=self.warm_start.stages(), sizes=[tuple(size) for size in self.sizes],
-            capacity=self.admitting.capacity.stats(visible), snapshots=self.saving.folder.stats(self.saving.store))
+            capacity=self.admitting.capacity.stats(visible), snapshots=self.saving.folder.stats(self.saving.store),
+            draining=True if self.draining.active else msgspec.UNSET)
 

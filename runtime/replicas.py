@@ -222,6 +222,7 @@ class Replica:
         self._sample = (now, stats.chunks_emitted, stats.uptime_s)
         self.external = max(0, stats.open_sessions - len(stats.per_session))
         self.stats, self.shown, self.stats_at, self.refused_until = stats, shown, now, 0.0
+        self.draining = self.draining or stats.draining is True  # a draining replica takes nothing more
         self.fresh = True
         return not restarted
 

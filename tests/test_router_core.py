@@ -229,6 +229,18 @@ def test_a_replica_answering_busy_gets_the_open_placed_on_another(fleet: Fleet) 
     assert fleet.to(A, p.Opened)[-1].req == 3
 
 
+def test_a_replica_whose_stats_say_it_drains_gets_no_open_even_when_it_has_no_session_to_hand_off() -> None:
+    fleet = Fleet({"a": 4, "b": 4})
+    fleet.up("a", "b")
+    fleet.answer_stats("a", stats_of(draining=True))  # drained by an operator: nothing to hand off, no notice
+    for req in range(3, 7):
+        fleet.client(A, p.Open(req=req, image=b"png"))
+        assert fleet.sent_open().replica == "b"
+    fleet.answer_stats("a", stats_of())  # a later reply without it changes nothing on this connection
+    fleet.client(A, p.Open(req=7, image=b"png"))
+    assert fleet.sent_open().replica == "b"
+
+
 def test_an_open_no_replica_can_take_gets_busy_after_each_refused(fleet: Fleet) -> None:
     fleet.client(A, p.Open(req=3, image=b"png"))
     first = fleet.sent_open()
