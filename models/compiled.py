@@ -182,8 +182,8 @@ class CudaGraphPasses:
         self.failure: BaseException | None = None
 
     def steady(self, cache: KVCache) -> bool:
-        """The window is full and every new chunk evicts: from here on only the slot index moves."""
-        return self.failure is None and cache.evict and cache.filled == cache.slots
+        """The cache is steady (``KVCache.steady``) and no capture failed."""
+        return self.failure is None and cache.steady
 
     def __call__(self, model: WanModelFast, x: torch.Tensor, y: torch.Tensor, t: float, e: torch.Tensor,
                  mods: torch.Tensor, rope: torch.Tensor, text: TextCache, cam: ChunkCamera,

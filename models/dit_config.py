@@ -11,6 +11,30 @@ VAE_SPATIAL_STRIDE = 8  # pixels per latent pixel along each axis
 
 
 @dataclass(frozen=True)
+class KVPolicy:
+    """What a session's KV window does when a new chunk does not fit, as far as the config checks and the session
+    length need it (torch-free); the cache (``models.kv_cache.KVCache``) asks it the same questions."""
+
+    name: str
+    evicts: bool  # the oldest non-sink frames leave for a new chunk; False: nothing leaves, the window caps a session
+
+    def check(self, window: int, sink: int, chunk: int) -> None:
+        """The window/sink rule, the one place it is checked (``AssertionError`` like DiTConfig's other checks)."""
+        assert 0 <= sink < window, "sink must be smaller than the window"
+        assert chunk <= window - sink, "a chunk must fit the window beside the sink"
+
+    def max_chunks(self, window: int, chunk: int) -> int | None:
+        """Chunks a session can run: unbounded when frames leave, what the window holds when none does."""
+        return None if self.evicts else window // chunk
+
+
+# The selectable policies by name (``DiTConfig.kv_policy``): ``rolling`` evicts the oldest non-sink frames (the
+# sink frames stay forever); ``full`` is the official v1 cache, where nothing leaves and the window caps the session.
+KV_POLICIES: dict[str, KVPolicy] = {policy.name: policy for policy in (KVPolicy("rolling", evicts=True),
+                                                                       KVPolicy("full", evicts=False))}  # fmt: skip
+
+
+@dataclass(frozen=True)
 class DiTConfig:
     """Sizes of the DiT and the streaming settings it runs with (``ModelArgs`` of gpt-fast)."""
 
@@ -33,7 +57,7 @@ class DiTConfig:
     timestep_indices: tuple[int, ...] = (0, 179, 358, 679)  # schedule indices of the denoising steps
     attention: str = "auto"  # "auto" | "sdpa" | "sage"
     rope_positions: int = 1024  # time positions of the reference RoPE table (see models/rope.py)
-    kv_eviction: bool = True  # False: the official v1 "full" cache: nothing leaves, the window caps the session
+    kv_policy: str = "rolling"  # a name of KV_POLICIES: what the window does when a new chunk does not fit
     compile: str = "off"  # "off" | "blocks" | "graphs" (models/compiled.py)
     fused_qkv: bool = False  # self-attention q, k, v as one [d, 3d] GEMM (SelfAttention.set_fused_qkv)
     overlap_all_to_all: bool = False  # Ulysses exchanges in head groups, overlapped with attention (attend_overlapped)
@@ -42,14 +66,40 @@ class DiTConfig:
         assert self.dim % self.num_heads == 0, f"dim {self.dim} not divisible by num_heads {self.num_heads}"
         assert self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for RoPE"
         assert tuple(self.patch_size) == (1, 2, 2), "only the released 1x2x2 patch is supported"
-        assert 0 <= self.kv_sink < self.kv_window, "sink must be smaller than the window"
-        assert self.chunk_size <= self.kv_window - self.kv_sink, "a chunk must fit the window beside the sink"
+        assert self.kv_policy in KV_POLICIES, f"kv_policy is one of {sorted(KV_POLICIES)}, not {self.kv_policy!r}"
+        self.policy.check(self.kv_window, self.kv_sink, self.chunk_size)
         assert self.compile in ("off", "blocks", "graphs"), f"compile is off, blocks or graphs, not {self.compile!r}"
 
     @property
+    def policy(self) -> KVPolicy:
+        return KV_POLICIES[self.kv_policy]
+
+    @property
     def max_chunks(self) -> int | None:
-        """Chunks a session can run: unbounded with a rolling window, what the window holds without eviction."""
-        return None if self.kv_eviction else self.kv_window // self.chunk_size
+        """Chunks a session can run (the policy decides)."""
+        return self.policy.max_chunks(self.kv_window, self.chunk_size)
+
+    def with_kv_window(self, kv_window: int | str, kv_sink: int, full_frames: int, **settings: object) -> DiTConfig:
+        """This config with the window, sink and policy the ``[model]`` keys select, and the other ``settings``
+        (the chunk size among them), checked once: ``kv_window`` "full" (the whole clip of ``full_frames`` latent
+        frames stays, no sink), a number of latent frames or "preset" (both rolling); ``kv_sink`` -1: this config's
+        sink. ``ValueError`` names the keys when the result breaks a rule."""
+        policy, window, sink = "rolling", self.kv_window, self.kv_sink
+        if kv_window == "full":
+            if kv_sink != -1:
+                raise ValueError("model.kv_window = 'full' keeps every frame and has no sink; drop kv_sink")
+            policy, window, sink = "full", full_frames, 0
+        elif isinstance(kv_window, int):
+            window = kv_window
+        if policy == "rolling" and kv_sink >= 0:
+            sink = kv_sink
+        try:
+            return replace(self, kv_window=window, kv_sink=sink, kv_policy=policy, **settings)  # type: ignore[arg-type]
+        except AssertionError as error:
+            chunk = settings.get("chunk_size", self.chunk_size)
+            keys = "model.kv_full_frames" if kv_window == "full" else "model.kv_sink"
+            raise ValueError(f"a KV window of {window} latent frames with {sink} sink frames cannot hold a chunk of "
+                             f"{chunk} beside the sink (model.kv_window, {keys}): {error}") from None
 
     @property
     def head_dim(self) -> int:

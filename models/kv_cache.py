@@ -28,15 +28,19 @@ from dataclasses import dataclass
 
 import torch
 
+from models.dit_config import KV_POLICIES, DiTConfig, KVPolicy
+
 
 class KVCache:
-    """Rolling self-attention cache of one session: per layer keys/values ``[heads, S, hd]`` and one ring."""
+    """Self-attention cache of one session: per layer keys/values ``[heads, S, hd]`` and one ring; its ``policy``
+    (``DiTConfig.kv_policy``) decides whether a chunk that does not fit evicts the oldest non-sink tokens."""
 
     def __init__(self, layers: int, slots: int, sink_tokens: int, heads: int, head_dim: int,
-                 device: torch.device | str, dtype: torch.dtype, evict: bool = True) -> None:  # fmt: skip
+                 device: torch.device | str, dtype: torch.dtype,
+                 policy: KVPolicy = KV_POLICIES["rolling"]) -> None:  # fmt: skip
         assert 0 <= sink_tokens < slots, f"sink {sink_tokens} must be smaller than the window {slots}"
         self.slots, self.sink = slots, sink_tokens
-        self.evict = evict  # False: the official v1 "full" cache, where nothing may ever leave
+        self.policy = policy
         self.k = [torch.zeros(heads, slots, head_dim, device=device, dtype=dtype) for _ in range(layers)]
         self.v = [torch.zeros(heads, slots, head_dim, device=device, dtype=dtype) for _ in range(layers)]
         self.global_end = 0  # absolute end of the tokens written so far
@@ -56,6 +60,12 @@ class KVCache:
         """The reference's local end counter: how many slots hold valid tokens."""
         return self.filled
 
+    @property
+    def steady(self) -> bool:
+        """The window is full and every new chunk evicts: from here on only the slot index moves (what compiled
+        CUDA graphs need, ``models.compiled``)."""
+        return self.policy.evicts and self.filled == self.slots
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
@@ -73,8 +83,9 @@ class KVCache:
             f"a chunk starting at token {current_start} does not continue the cache (which ends at {self.global_end})")
         runs: list[tuple[int, int, int]] = []
         take = min(self.slots - self.filled, n)  # free slots first (while the window fills) ...
-        if take < n and not self.evict:
-            raise ValueError(f"the full KV cache holds {self.slots} tokens; tokens {current_start}..{end} do not fit")
+        if take < n and not self.policy.evicts:
+            raise ValueError(f"the {self.policy.name} KV cache holds {self.slots} tokens; "
+                             f"tokens {current_start}..{end} do not fit")
         if take:
             runs.append((self.filled, 0, take))
         ring, done = self.slots - self.sink, take
@@ -149,21 +160,12 @@ class TextCache:
     v: list[torch.Tensor]
 
 
-def new_kv_cache(
-    layers: int,
-    kv_window: int,
-    kv_sink: int,
-    tokens_per_frame: int,
-    heads: int,
-    head_dim: int,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    evict: bool = True,
-) -> KVCache:
-    """The rolling cache of a session (``heads`` is the rank's local head count)."""
-    assert kv_window > 0, "the streaming cache needs a finite window (in latent frames)"
-    return KVCache(layers, kv_window * tokens_per_frame, kv_sink * tokens_per_frame, heads, head_dim, device,
-                   dtype, evict)  # fmt: skip
+def new_kv_cache(cfg: DiTConfig, tokens_per_frame: int, heads: int, device: torch.device | str,
+                 dtype: torch.dtype) -> KVCache:  # fmt: skip
+    """The cache of a session as ``cfg`` sets it (layers, window, sink, policy); ``heads`` is the rank's local head
+    count."""
+    return KVCache(cfg.num_layers, cfg.kv_window * tokens_per_frame, cfg.kv_sink * tokens_per_frame, heads,
+                   cfg.head_dim, device, dtype, cfg.policy)  # fmt: skip
 
 
 def kv_cache_bytes(layers: int, kv_window: int, tokens_per_frame: int, heads: int, head_dim: int,

@@ -13,7 +13,7 @@ The stages (``models.lingbot``) and the memory model (``models.memory``) both re
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,21 +65,10 @@ def dit_config(model: Any, stream: Any) -> DiTConfig:
 
 
 def _recipe(model: Any, stream: Any) -> DiTConfig:
-    base = DiTConfig.from_name(preset(model.preset).dit)
-    window, sink, eviction = base.kv_window, base.kv_sink, True
-    if model.kv_window == "full":  # the official v1: the whole clip stays, nothing is evicted, no sink
-        window, sink, eviction = model.kv_full_frames, 0, False
-    elif isinstance(model.kv_window, int):
-        window = model.kv_window
-    if eviction and model.kv_sink >= 0:
-        sink = model.kv_sink
-    try:
-        return replace(base, chunk_size=stream.chunk_latent_frames, attention=model.attention, compile=model.compile,
-                       kv_window=window, kv_sink=sink, kv_eviction=eviction, fused_qkv=model.fused_qkv,
-                       overlap_all_to_all=model.overlap_all_to_all)  # fmt: skip
-    except AssertionError as error:
-        raise ValueError(f"model.kv_window = {window}, kv_sink = {sink} with chunks of {stream.chunk_latent_frames} "
-                         f"latent frames: {error}") from None
+    return DiTConfig.from_name(preset(model.preset).dit).with_kv_window(
+        model.kv_window, model.kv_sink, model.kv_full_frames, chunk_size=stream.chunk_latent_frames,
+        attention=model.attention, compile=model.compile, fused_qkv=model.fused_qkv,
+        overlap_all_to_all=model.overlap_all_to_all)  # fmt: skip
 
 
 def checkpoint_names(model: Any) -> CheckpointNames:

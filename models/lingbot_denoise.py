@@ -162,7 +162,7 @@ class LingbotDenoiseStage:
         log.info("DiT %d layers x %d heads (dim %d), %s on %s: chunks of %d latent frames, timesteps %s, KV window %d "
                  "latent frames %s, attention %s (SDPA kernel %s), compile %s", cfg.num_layers, cfg.num_heads, cfg.dim,
                  dtype, self.device, cfg.chunk_size, [s.timestep for s in self.steps], cfg.kv_window,
-                 f"with {cfg.kv_sink} sink" if cfg.kv_eviction else "(full: no eviction)", self.attention,
+                 f"({cfg.kv_policy}, {cfg.kv_sink} sink)", self.attention,
                  self.sdpa_backend if self.sdpa_backend != "sdpa" else "in PyTorch's order", self.compile)  # fmt: skip
 
     def attention_shapes(self) -> AttentionShapes:
@@ -206,8 +206,7 @@ class LingbotDenoiseStage:
         geometry = self.geometry.with_size(spec.height, spec.width) if spec.height else self.geometry
         _, _, h, w = geometry.latent_shape
         heads = self.model.sp.local_heads(self.cfg.num_heads)
-        cache = new_kv_cache(self.cfg.num_layers, self.cfg.kv_window, self.cfg.kv_sink, (h // 2) * (w // 2),
-                             heads, self.cfg.head_dim, self.device, self.dtype, evict=self.cfg.kv_eviction)
+        cache = new_kv_cache(self.cfg, (h // 2) * (w // 2), heads, self.device, self.dtype)
         self.sessions[spec.session] = _Session(
             geometry=geometry,
             noise=NoiseSource(spec.seed, self.device),
@@ -260,7 +259,7 @@ class LingbotDenoiseStage:
             raise ValueError(f"session {session!r} expects chunk {st.next_index}, got {index}")
         cap = self.cfg.max_chunks
         if cap is not None and index >= cap:
-            raise ValueError(f"chunk {index} is past what the full KV cache holds ({cap} chunks: "
+            raise ValueError(f"chunk {index} is past what the {self.cfg.kv_policy} KV cache holds ({cap} chunks: "
                              f"{self.cfg.kv_window} latent frames); use a rolling model.kv_window for longer")
         # A chunk's passes cannot fail on one rank alone (the others would wait in its all-to-all): an OOM is raised
         # here instead, where the group agrees on it and only the session fails.

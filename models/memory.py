@@ -261,9 +261,7 @@ def _dit_session(s: Setting, height: int, width: int) -> dict[str, int]:
     cfg = model.cfg
     _, _, h, w = g.latent_shape
     with _meta():
-        cache = new_kv_cache(cfg.num_layers, cfg.kv_window, cfg.kv_sink, (h // 2) * (w // 2),
-                             model.sp.local_heads(cfg.num_heads), cfg.head_dim, "meta", s.dit_dtype,
-                             evict=cfg.kv_eviction)
+        cache = new_kv_cache(cfg, (h // 2) * (w // 2), model.sp.local_heads(cfg.num_heads), "meta", s.dit_dtype)
         text = model.text_cache(torch.empty(g.context_shape))
     return {"kv_cache": cache.nbytes(), "text_cache": nbytes([text.k, text.v]),
             "dit_inputs": _wire(g.context_shape) + PREFETCH * _wire(g.condition_shape)}
@@ -289,8 +287,7 @@ def _full_window(model: Any, cfg: Any, dtype: torch.dtype, h: int, w: int) -> tu
     from models.kv_cache import new_kv_cache
 
     cs, fs = cfg.chunk_size, (h // 2) * (w // 2)
-    cache = new_kv_cache(cfg.num_layers, cfg.kv_window, cfg.kv_sink, fs, model.sp.local_heads(cfg.num_heads),
-                         cfg.head_dim, "meta", dtype, evict=cfg.kv_eviction)
+    cache = new_kv_cache(cfg, fs, model.sp.local_heads(cfg.num_heads), "meta", dtype)
     text = model.text_cache(torch.empty(cfg.text_len, cfg.text_dim))
     chunk = max(0, cfg.kv_window // cs - 1)  # the window is full once this chunk is placed
     for k in range(chunk):

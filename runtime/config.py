@@ -433,20 +433,13 @@ def _validate_model(config: Config, where: str) -> None:
     if chunk is not None and config.stream.chunk_latent_frames != chunk:
         raise ConfigError(f"{where}: model.preset = {model.preset!r} runs chunks of {chunk} latent frames; set "
                           f"stream.chunk_latent_frames = {chunk} (got {config.stream.chunk_latent_frames})")
-    cs = config.stream.chunk_latent_frames
     if model.kv_sink < -1:
         raise ConfigError(f"{where}: model.kv_sink must be -1 (the preset's) or a number of latent frames")
-    if model.kv_window == "full":
-        if model.kv_sink != -1:
-            raise ConfigError(f"{where}: model.kv_window = 'full' keeps every frame and has no sink; drop kv_sink")
-        if model.kv_full_frames < cs:
-            raise ConfigError(f"{where}: model.kv_full_frames must hold at least one chunk ({cs} latent frames)")
-        return
-    window = model.kv_window if isinstance(model.kv_window, int) else PRESET_DIT[model.preset].kv_window
-    sink = model.kv_sink if model.kv_sink >= 0 else PRESET_DIT[model.preset].kv_sink
-    if not 0 <= sink < window or cs > window - sink:
-        raise ConfigError(f"{where}: a KV window of {window} latent frames with {sink} sink frames cannot hold a "
-                          f"chunk of {cs} beside the sink (model.kv_window, model.kv_sink)")
+    try:  # the window/sink rule is the model's (models.dit_config, torch-free): checked there, once
+        PRESET_DIT[model.preset].with_kv_window(model.kv_window, model.kv_sink, model.kv_full_frames,
+                                                chunk_size=config.stream.chunk_latent_frames)  # fmt: skip
+    except ValueError as error:
+        raise ConfigError(f"{where}: {error}") from None
 
 
 def model_heads(model: ModelConfig) -> int | None:

@@ -43,8 +43,7 @@ def measure(preset: str, lat_h: int, lat_w: int, chunks: int, group: dist.Proces
     model = apply_sequence_parallel(WanModelFast(cfg).eval(), group)
     fs = (lat_h // 2) * (lat_w // 2)
     heads = model.sp.local_heads(cfg.num_heads)
-    cache = new_kv_cache(cfg.num_layers, cfg.kv_window, cfg.kv_sink, fs, heads, cfg.head_dim, "cpu",
-                           torch.float32)  # fmt: skip
+    cache = new_kv_cache(cfg, fs, heads, "cpu", torch.float32)
     steps = FlowMatchSchedule.build(cfg.shift).steps(cfg.timestep_indices)
     g = torch.Generator().manual_seed(1)
     cs = cfg.chunk_size

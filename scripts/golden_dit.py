@@ -54,7 +54,7 @@ def load_model(fixture_dir: Path, compile: str = "off") -> WanModelFast:
     streaming = DiTConfig(
         kv_window=stream["kv_cache_size_tokens"] // fs,
         kv_sink=0 if whole_clip else stream.get("sink_size", constructor["sink_size"]),
-        kv_eviction=not whole_clip,
+        kv_policy="full" if whole_clip else "rolling",
         chunk_size=stream["chunk_size"],
         shift=stream["shift"],
         num_train_timesteps=stream["num_train_timesteps"],
@@ -128,9 +128,7 @@ def checks(fixture_dir: Path, compile: str = "off") -> Iterator[Check]:
     context, y_all = inputs["dit_context"], inputs["dit_y"]
 
     def fresh_cache():  # type: ignore[no-untyped-def]
-        return new_kv_cache(
-            cfg.num_layers, cfg.kv_window, cfg.kv_sink, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32
-        )
+        return new_kv_cache(cfg, fs, cfg.num_heads, "cpu", torch.float32)
 
     with torch.no_grad():
         text = model.text_cache(context)

@@ -48,8 +48,7 @@ def checks(fixture_dir: Path, compile: str = "off") -> Iterator[Check]:
     model = load_model(fixture_dir, compile)
     cfg = model.cfg
     steps = FlowMatchSchedule.build(cfg.shift, cfg.num_train_timesteps).steps(cfg.timestep_indices)
-    cache = new_kv_cache(cfg.num_layers, cfg.kv_window, cfg.kv_sink, stream["tokens_per_latent_frame"],
-                           cfg.num_heads, cfg.head_dim, "cpu", torch.float32)
+    cache = new_kv_cache(cfg, stream["tokens_per_latent_frame"], cfg.num_heads, "cpu", torch.float32)
     noise = FixtureNoise(inputs, cs)
     decode = LingbotDecodeStage(vae)
     decode.open(SessionSpec(session="e2e", seed=0, prompt=""))

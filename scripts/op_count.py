@@ -96,8 +96,7 @@ def block_ops(preset: str = "tiny", dtype: torch.dtype = torch.bfloat16, chunk: 
     model = WanModelFast(cfg).to(dtype).eval()
     lat_h, lat_w, cs = 8, 12, cfg.chunk_size
     fs = (lat_h // 2) * (lat_w // 2)
-    cache = new_kv_cache(cfg.num_layers, cfg.kv_window, cfg.kv_sink, fs, cfg.num_heads, cfg.head_dim, "cpu",
-                         dtype)  # fmt: skip
+    cache = new_kv_cache(cfg, fs, cfg.num_heads, "cpu", dtype)
     logs: list[OpLog] = []
     modes: list[tuple[OpLog, FusedOps]] = []
 

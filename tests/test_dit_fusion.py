@@ -73,8 +73,7 @@ def test_the_compiled_block_writes_the_ring_in_place_in_the_kernel_that_norms_an
     assert compile_dit(model, "blocks", "cpu", strict=True) == "blocks"
     lat_h, lat_w, cs = 8, 12, cfg.chunk_size
     fs = (lat_h // 2) * (lat_w // 2)
-    caches = [new_kv_cache(cfg.num_layers, cfg.kv_window, cfg.kv_sink, fs, cfg.num_heads, cfg.head_dim, "cpu",
-                           torch.bfloat16) for _ in range(2)]  # fmt: skip
+    caches = [new_kv_cache(cfg, fs, cfg.num_heads, "cpu", torch.bfloat16) for _ in range(2)]
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, cs, lat_h, lat_w, generator=g), torch.randn(20, cs, lat_h, lat_w, generator=g)
     control, context = torch.randn(1, 384, cs, lat_h, lat_w, generator=g), torch.randn(4, cfg.text_dim, generator=g)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def test_cached_chunk_by_chunk_path_equals_one_block_causal_full_sequence_forwar
     context = torch.randn(7, cfg.text_dim, generator=g)
     with torch.no_grad():
         text = model.text_cache(context)
-        caches = new_kv_cache(cfg.num_layers, 12, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32)
+        caches = new_kv_cache(replace(cfg, kv_window=12, kv_sink=2), fs, cfg.num_heads, "cpu", torch.float32)
         outs = []
         for k in range(3):
             sl = slice(k * cs, (k + 1) * cs)
@@ -76,7 +77,7 @@ def test_timestep_embedding_is_computed_once_per_distinct_t_and_not_per_token() 
     with torch.no_grad():
         text = model.text_cache(torch.zeros(3, cfg.text_dim))
         cam = model.camera_modulation(torch.zeros(1, 384, 3, H, W))
-        caches = new_kv_cache(cfg.num_layers, 8, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32)
+        caches = new_kv_cache(replace(cfg, kv_window=8, kv_sink=2), fs, cfg.num_heads, "cpu", torch.float32)
         for t in (999.0, 978.0, 999.0, 0.0, 0.0):
             model(torch.zeros(16, 3, H, W), torch.zeros(20, 3, H, W), t, 0, text, cam, caches)
             seen.append((t, id(model._time_memo[t][0])))
@@ -144,7 +145,7 @@ def test_the_streaming_dit_runs_on_the_fused_attention_kernels_only() -> None:
     cfg = model.cfg
     g = torch.Generator().manual_seed(5)
     with torch.no_grad(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        cache = new_kv_cache(cfg.num_layers, 8, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", torch.float32)
+        cache = new_kv_cache(replace(cfg, kv_window=8, kv_sink=2), fs, cfg.num_heads, "cpu", torch.float32)
         text = model.text_cache(torch.randn(4, cfg.text_dim, generator=g))  # cross-attention keys
         for k in range(4):  # past the window: eviction included
             cam = model.camera_modulation(torch.randn(1, 384, 3, H, W, generator=g))
@@ -216,7 +217,7 @@ def test_bfloat16_weights_run_the_stream_close_to_the_float32_path() -> None:
     outs = []
     with torch.no_grad():
         for model, dtype in ((ref, torch.float32), (low, torch.bfloat16)):
-            caches = new_kv_cache(cfg.num_layers, 8, 2, fs, cfg.num_heads, cfg.head_dim, "cpu", dtype)
+            caches = new_kv_cache(replace(cfg, kv_window=8, kv_sink=2), fs, cfg.num_heads, "cpu", dtype)
             text, cam = model.text_cache(ctx), model.camera_modulation(control)
             outs.append([model(x, y, t, 0, text, cam, caches) for t in (999.0, 825.0, 0.0)])
     for a, b in zip(*outs):

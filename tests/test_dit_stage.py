@@ -88,7 +88,7 @@ def test_out_of_order_chunks_and_unknown_sessions_are_errors_and_release_is_idem
 
 
 def test_a_full_cache_runs_the_chunks_it_holds_and_refuses_the_next_one_clearly() -> None:
-    cfg = DiTConfig.from_name("tiny", attention="sdpa", kv_window=6, kv_sink=0, kv_eviction=False)
+    cfg = DiTConfig.from_name("tiny", attention="sdpa", kv_window=6, kv_sink=0, kv_policy="full")
     assert cfg.max_chunks == 2
     stage = LingbotDenoiseStage(cfg, GEOMETRY, init_seed=5)
     stage.open(SessionSpec(session="s", seed=0, prompt=""), torch.zeros(16, 32))

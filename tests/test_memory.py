@@ -123,3 +123,29 @@ def test_a_chunk_without_its_working_memory_is_an_out_of_memory_error_before_it_
     assert isinstance(error, torch.OutOfMemoryError)
     assert str(error) == "chunk 4 of s needs 2.00 GiB of working memory and 1.00 GiB are free on cuda:0"
     memory.ensure_headroom(torch.device("cpu"), 1 << 60, "anything")  # the CPU has no such check
+
+
+@pytest.mark.parametrize("kv_window, policy", [("full", "full"), ("preset", "rolling"), ("9", "rolling")])
+def test_the_kv_policy_travels_in_the_dit_config_so_the_stage_and_the_memory_model_build_the_same_cache(
+        kv_window: str, policy: str) -> None:  # fmt: skip
+    cfg = _config(*ONE_RANK, f"--model.kv_window={kv_window}", "--model.kv_full_frames=6")
+    dit = lingbot_config.dit_config(cfg.model, cfg.stream)
+    assert dit.kv_policy == policy
+    denoise = lingbot.build_denoise(cfg.model, cfg.stream, cfg.controls, torch.device("cpu"), None)
+    denoise.open(SessionSpec("s", 1, "", None, 64, 96), torch.zeros(dit.text_len, dit.text_dim))
+    held = denoise.sessions["s"].cache
+    s = memory.setting(cfg, "cpu")
+    model = memory._dit(s)
+    counted, _, _ = memory._full_window(model, model.cfg, s.dit_dtype, 64 // 8, 96 // 8)
+    assert (held.policy, held.slots, held.sink, len(held.k)) == (counted.policy, counted.slots, counted.sink,
+                                                                 len(counted.k))  # fmt: skip
+    assert held.policy.name == policy and held.slots == dit.kv_window * 4 * 6
+    chunk = dit.chunk_size * 4 * 6  # the cache does what its policy says once the window is full
+    for k in range(held.slots // chunk):
+        held.begin(k * chunk, chunk)
+    if policy == "full":
+        with pytest.raises(ValueError, match="the full KV cache holds"):
+            held.begin(held.global_end, chunk)
+    else:
+        held.begin(held.global_end, chunk)
+        assert held.evicted > 0 and held.steady

@@ -134,8 +134,7 @@ def test_the_fused_projection_reproduces_the_golden_dit_call(fixture: Path | Non
         model.set_qkv_exchange(fused, overlap_all_to_all=False)
         cfg = model.cfg
         step = FlowMatchSchedule.build(cfg.shift, cfg.num_train_timesteps).steps(cfg.timestep_indices)[0]
-        cache = new_kv_cache(cfg.num_layers, cfg.kv_window, cfg.kv_sink, fs, cfg.num_heads, cfg.head_dim,
-                             "cpu", torch.float32)  # fmt: skip
+        cache = new_kv_cache(cfg, fs, cfg.num_heads, "cpu", torch.float32)
         with torch.no_grad():
             text, cam = model.text_cache(inputs["dit_context"]), model.camera_modulation(inputs["control_c0"])
             outputs.append(model(inputs["noise_init"][:, :cs], inputs["dit_y"][:, :cs], float(step.timestep), 0, text,
