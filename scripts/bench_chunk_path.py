@@ -73,7 +73,9 @@ def facts_of(index: int, frames: int) -> protocol.ChunkFacts:
 def rank0(router: zmq.Socket) -> Coordinator:
     """The coordinator's shell with only what ``_emit`` touches: the frames mailbox, the client lines, the feeds."""
     coordinator = Coordinator.__new__(Coordinator)
-    coordinator.ctx = SimpleNamespace(frames=tp.Mailbox())
+    box = tp.Mailbox()  # the frames' mailbox, under its name in the tree measured (``inbox[Edge.FRAMES]`` or older)
+    inbox = {protocol.Edge.FRAMES: box} if hasattr(protocol, "Edge") else {}
+    coordinator.ctx = SimpleNamespace(frames=box, inbox=inbox)
     coordinator.lines = ClientLines(lambda who, data: send_or_why(router, who, data, copy=False))
     coordinator.feeds = Feeds()
     coordinator.carried = []
@@ -109,7 +111,7 @@ def measure(height: int, width: int, frames: int, chunks: int) -> dict[str, Any]
     for index in range(chunks):
         tensor = torch.randint(0, 256, (frames, height, width, 3), dtype=torch.uint8, generator=generator)
         digest = hashlib.sha256(tensor.numpy().tobytes()).hexdigest()
-        coordinator.ctx.frames.put((SESSION, index), tensor)
+        coordinator.ctx.frames.put((SESSION, index), tensor)  # the same mailbox as inbox[Edge.FRAMES]
         del tensor  # rank 0 holds the frames through the mailbox only, as in the server
         began, began_cpu = time.perf_counter(), time.thread_time()
         coordinator._emit(ct.EmitChunk(SESSION, facts_of(index, frames), to=identity), set())

@@ -107,8 +107,8 @@ def bare_forwarder(port: int, replica: str) -> None:
                     owner[back] = identity.bytes
                     poller.register(back, zmq.POLLIN)
                 back.send(frame, copy=False)
-            else:
-                front.send_multipart([owner[sock], sock.recv(copy=False)], copy=False)
+            else:  # every part as it came (a chunk is its map and its frames part)
+                front.send_multipart([owner[sock], *sock.recv_multipart(copy=False)], copy=False)
 
 
 def play_paced(client: Client, image: bytes, trace: dict[str, Any], pace_s: float) -> Played:

@@ -371,7 +371,7 @@ def test_a_stopped_replica_task_hands_its_sessions_to_the_other_and_ends_complet
     tasks = {f"replica-{array}-{i}": f"{array}_{i}" for i in (0, 1)}
     wait_for(lambda: all(router.states().get(name) == "up" for name in tasks), START_S, "both replicas up",
              lambda: "\n".join(cluster.log(task) for task in tasks.values()))
-    with Client(router.endpoint, timeout_s=60) as client:
+    with Client(router.endpoint, timeout_s=60, token=router.client_token) as client:
         sessions = [client.open(IMAGE, num_chunks=6).id for _ in range(3)]
         for sid in sessions:
             client.control(sid, 0, keys="w")

@@ -28,6 +28,7 @@ ERROR_CODES: dict[ErrorCode, str] = {
     ErrorCode.BUSY: "no room for another session now; retry_after_s says when to try again",
     # the gateway's connection to the server
     ErrorCode.SERVER_UNREACHABLE: "the worldstream server does not answer",
+    ErrorCode.UNAUTHORIZED: "the server refused the gateway's client token",
     ErrorCode.SERVER_GONE: "the server stopped answering or restarted",
     ErrorCode.OUTBOX_FULL: "the server is not taking input now; the next input goes again",
     ErrorCode.BAD_REPLY: "the server answered something the gateway cannot read",
@@ -49,6 +50,7 @@ ERROR_CODES: dict[ErrorCode, str] = {
     ErrorCode.INTERNAL: "the server failed on this request",
     ErrorCode.RANK_FAILED: "a rank of the server failed: the job is ending",
     ErrorCode.SHUTDOWN: "the server is shutting down",
+    ErrorCode.DRAINING: "the server is stopping: this session was saved and ends here; open it again to go on",
 }
 
 
