@@ -12,6 +12,7 @@ arguments go to the server's config.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--denoise-s", type=float, default=0.7, help="synthetic DiT seconds per chunk")
     parser.add_argument("--fast", action="store_true", help="keep the config's stage costs")
     args, overrides = parser.parse_known_args(argv)
+    # Ctrl-C (and a plain kill) stops both, also when started where SIGINT is ignored (a background job of a script)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     pace = [] if args.fast else [f"--synthetic.denoise_s={args.denoise_s}"]
     (ROOT / "out").mkdir(exist_ok=True)
     print(f"starting the {args.config} server (7 ranks; about 15 s on two cores)…", flush=True)

@@ -126,8 +126,8 @@ def test_a_released_layout_streams_through_the_split7_config_path(releases: dict
     timesteps = [s.timestep for s in FlowMatchSchedule.build(10.0).steps(indices)]
     if version == "v2":
         assert timesteps == [999, 967, 908, 768]
-    assert log.count(f"chunks of {cs} latent frames, timesteps {timesteps}, KV window 18 latent frames with 6 sink") \
-        == 5, log[-3000:]
+    assert log.count(f"chunks of {cs} latent frames, timesteps {timesteps}, KV window 18 latent frames (rolling, 6 "
+                     "sink)") == 5, log[-3000:]
     # the weights are the released DiT folder's (not an expert's): the same stream in one process from that folder
     dit_dir = releases["v1"] / "lingbot_world_fast" if version == "v1" else releases["v2"] / "transformers"
     reference = _one_process(overrides, dit_dir, seed=3)
