@@ -48,15 +48,8 @@ Per session (``s``), with ``d`` the next chunk whose denoise has not started:
 - Boundedness: per-chunk records exist only while the chunk is in flight (at most PREFETCH_DEPTH + edges); closed
   sessions are forgotten, only poisoned ids remain as tombstones.
 
-DiT idle causes (``DitIdle``): while the DiT runs nothing, the cause is re-evaluated after every event from the
-sessions that still have a chunk to denoise, each blocked by its first missing dependency (held by a save -> "save";
-control[d] not accepted -> "control"; condition[d] not encoded -> "condition"; latent edge full -> "edge"). Across
-sessions the most internal blocker wins: "save" over "edge" over "condition" over "control"; with no such session
-the cause is "no_session". Each segment also lists every waiting session with its own blocker (``blocked``), so a
-session's metrics count only the idle time it waited through, with its own cause. An idle interval is split at the
-events where its cause or a session's blocker changes; each segment is emitted as soon as it ends (at the change, or
-just before the action that makes the DiT busy again: any DiT task, cache init and release included). Zero-length
-segments are not emitted. Time starts with the first event: the DiT is idle from then until its first task.
+DiT idle causes (``DitIdle``): ``runtime.dit_idle`` tracks the segments; ``_denoise_blocker`` names each
+session's blocker.
 """
 
 from __future__ import annotations
@@ -68,6 +61,7 @@ from enum import Enum
 from typing import Final
 
 from ipc.metrics_types import IdleCause
+from runtime.dit_idle import IdleSegments
 from runtime.ordering import InOrder, OrderingError, Verdict
 from runtime.scheduler_types import (
     INIT_ORDER,
@@ -260,8 +254,7 @@ class Scheduler:
         self._seq = 0
         self._roles: dict[Stage, RoleTask | None] = {stage: None for stage in Stage}
         self._last_served: dict[Stage, int] = {stage: -1 for stage in Stage}  # round-robin pointer (a seq)
-        self._idle_since: float | None = None  # start of the current DiT idle segment
-        self._idle_cause: tuple[IdleCause, tuple[tuple[str, IdleCause], ...]] | None = None  # (cause, blockers)
+        self._idle = IdleSegments()  # the DiT's current idle segment (``runtime.dit_idle``)
 
     # ---- queries ----
 
@@ -600,7 +593,7 @@ class Scheduler:
 
     def _start(self, s: _Session, stage: Stage, task: RoleTask, now: float, out: list[Action]) -> None:
         if stage is Stage.DENOISE:
-            self._end_idle(now, out)
+            self._idle.end(now, out)
         self._roles[stage] = task
         if task.kind is TaskKind.INIT:
             s.inited.append(stage)
@@ -665,36 +658,12 @@ class Scheduler:
 
     def _finish_event(self, out: list[Action], now: float) -> list[Action]:
         """Track the DiT idle segment after an event (the DiT's state and the blockers may have changed)."""
-        if self._roles[Stage.DENOISE] is not None:
-            return out
-        cause = self._current_idle_cause()
-        if self._idle_since is None:
-            self._idle_since, self._idle_cause = now, cause
-        elif cause != self._idle_cause:
-            if now > self._idle_since and self._idle_cause is not None:
-                out.append(DitIdle(self._idle_since, now, *self._idle_cause))
-                self._idle_since = now
-            self._idle_cause = cause
+        if self._roles[Stage.DENOISE] is None:
+            blocked = tuple((s.id, cause) for s in self._sessions.values()
+                            if s.state is SessionState.READY and s.in_range(s.next_denoise)
+                            and (cause := self._denoise_blocker(s)) is not None)
+            self._idle.observe(blocked, now, out)
         return out
-
-    def _end_idle(self, now: float, out: list[Action]) -> None:
-        if self._idle_since is not None and self._idle_cause is not None and now > self._idle_since:
-            out.append(DitIdle(self._idle_since, now, *self._idle_cause))
-        self._idle_since, self._idle_cause = None, None
-
-    def _current_idle_cause(self) -> tuple[IdleCause, tuple[tuple[str, IdleCause], ...]]:
-        """The overall cause and each waiting session's own blocker (a segment ends when either changes)."""
-        blocked = tuple(
-            (s.id, cause)
-            for s in self._sessions.values()
-            if s.state is SessionState.READY and s.in_range(s.next_denoise)
-            and (cause := self._denoise_blocker(s)) is not None
-        )
-        causes = {cause for _, cause in blocked}
-        for cause in (IdleCause.SAVE, IdleCause.EDGE, IdleCause.CONDITION, IdleCause.CONTROL):
-            if cause in causes:
-                return cause, blocked
-        return IdleCause.NO_SESSION, blocked
 
 
 @dataclass(frozen=True)
