@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import queue
@@ -58,7 +57,8 @@ BEFORE = HERE / "docs" / "bench_chunk_path_before.json"  # this script's numbers
 STAGES = ("rank0_loop_s", "rank0_loop_cpu_s", "sdk_s", "sdk_decode_s", "sdk_decode_cpu_s", "gateway_s",
           "gateway_cpu_s")
 SESSION = "bench"
-PARTS = importlib.util.find_spec("ipc.chunk_wire") is not None  # protocol 4: a chunk's frames are a part of their own
+# protocol 4: a chunk's frames are a part of their own (asked of the tree measured, not of whatever is installed)
+PARTS = (Path(protocol.__file__).parent / "chunk_wire.py").is_file()
 
 
 def facts_of(index: int, frames: int) -> protocol.ChunkFacts:
