@@ -7,6 +7,7 @@ Torch-free: the SDK and the operator command use it as the server does.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -73,7 +74,13 @@ def accepts(expected: str | None, given: str | UnsetType) -> bool:
         return True
     if not isinstance(given, str):
         given = ""
-    return hmac.compare_digest(hashlib.sha256(expected.encode()).digest(), hashlib.sha256(given.encode()).digest())
+    return hmac.compare_digest(_digest(expected), hashlib.sha256(given.encode()).digest())
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(token: str) -> bytes:
+    """A configured token's digest, made once (a server or router holds one or two), not on every request."""
+    return hashlib.sha256(token.encode()).digest()
 
 
 def is_loopback(host: str) -> bool:

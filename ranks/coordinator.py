@@ -51,7 +51,6 @@ class Coordinator:
         self.core: CoordinatorCore | None = None
         self.stopping = False  # set by a signal handler (the second) or the drain's end
         self.drain_asked = False  # set by a signal handler (the first): the core drains (``runtime.drain``)
-        self.draining = False  # the core was told: /ready answers 503 from then on
         self.fatal: str | None = None  # set from another thread of this rank that cannot go on
         self.offloop = OffLoop()  # image decodes, manifest reads and writes, listings, file removal
         self.carried: list[ct.Event] = []  # learnt while carrying out outputs: events of the next turn
@@ -104,10 +103,9 @@ class Coordinator:
                     if code is not None:
                         return code
                 return self._shutdown()
-            if self.drain_asked and not self.draining:
-                self.draining = True
-                self._publish()
+            if self.drain_asked and not self.core.draining.active:
                 code = self._carry_out(self.core.step([ct.DrainRequested()], time.monotonic()))
+                self._publish()  # not ready from now on
                 if code is not None:
                     return code
             ready = dict(poller.poll(POLL_MS))
@@ -139,7 +137,7 @@ class Coordinator:
         if self.probes is None:
             return
         self.probes.publish(probe_snapshot(self.core, self.config.layout.world_size, len(self.rooms),
-                                           self.warm_start.warm, self.draining, self.stopping))
+                                           self.warm_start.warm, self.stopping))
 
     # ---------------------------------------------------------------------------------------------- inputs
 

@@ -67,11 +67,11 @@ def write_port_file(port: int) -> None:
         os.replace(f"{port_file}.tmp", port_file)
 
 
-def probe_snapshot(core: CoordinatorCore | None, world: int, ranks_in: int, warm: bool, draining: bool,
+def probe_snapshot(core: CoordinatorCore | None, world: int, ranks_in: int, warm: bool,
                    stopping: bool) -> Any:  # fmt: skip
     """What rank 0's probe server answers from (``runtime.probes``), from the loop's state and its core's."""
     return rank0_snapshot(
         world_size=world, ranks_in=ranks_in, warm=warm, serving=core is not None,
-        draining=draining or (core is not None and core.draining.active), stopping=stopping,
+        draining=core is not None and core.draining.active, stopping=stopping,
         rooms=None if core is None else {r: core.admitting.memory.stats(r) for r in range(world)},
         open_sessions=0 if core is None else len(core.sessions), restored=0 if core is None else core.restored)

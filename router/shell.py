@@ -265,9 +265,10 @@ class RouterShell:
     def _to_watcher(self, identity: bytes, item: Any) -> str | None:
         """A non-blocking send to a watcher: None when queued, else "gone" or "full" (the feed keeps it)."""
         try:
-            self.clients.send_multipart([identity, *_parts(item)], flags=zmq.NOBLOCK, copy=False)
+            parts = _parts(item)
+            self.clients.send_multipart([identity, *parts], flags=zmq.NOBLOCK, copy=False)
             if isinstance(item, tuple | zmq.Frame):
-                self.forwarded_bytes += sum(len(part) for part in _parts(item))
+                self.forwarded_bytes += sum(len(part) for part in parts)
             return None
         except zmq.ZMQError as error:
             why = {zmq.EHOSTUNREACH: "gone", zmq.EAGAIN: "full"}.get(error.errno)
@@ -282,7 +283,7 @@ class RouterShell:
             log.exception("could not encode a %s for a client", type(output.message).__name__)
             payload = protocol.encode(protocol.Error(code="internal",
                                                      message=f"internal error: {type(error).__name__}"))
-        chunk = isinstance(output.message, bytes | zmq.Frame | tuple) and _is_chunk(payload)  # the router makes none
+        chunk = isinstance(output.message, tuple)  # a replica's chunk, as received (its parts); the router makes none
         self._lost(self.lines.send(output.identity, payload, output.session, chunk))
         read_at = self.read_at.pop(id(payload), None)  # handed on (sent, or waiting in the client's line)
         if read_at is not None:
@@ -355,15 +356,6 @@ class RouterShell:
         self.clients.close()
         if self.registry is not None:
             self.registry.close()
-
-
-def _is_chunk(payload: Any) -> bool:
-    """A payload forwarded as received is a chunk (only an unread stream drops a client, ``ipc.client_lines``)."""
-    first = _parts(payload)[0]
-    try:
-        return relay.peek(first.buffer if isinstance(first, zmq.Frame) else first).type == "chunk"
-    except protocol.ProtocolViolation:
-        return False
 
 
 def _payload(message: Any) -> Any:

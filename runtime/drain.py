@@ -34,7 +34,7 @@ SAVE_TRIES = 2  # ... this many times in all; then the session streams on here u
 FIRST_REQ = -(2**40)  # the drain's saves' request ids: far below a router's own (negative, counting down from -1)
 RETRY_AFTER_S = 1.0  # hint to an open refused while draining (a router tries another replica at once)
 # what a save refusal means for the drain: try again later, or leave the session to run out (nothing left to save)
-AGAIN = frozenset({"not_ready", "busy", "save_failed"})
+AGAIN = frozenset({ErrorCode.NOT_READY, ErrorCode.BUSY, ErrorCode.SAVE_FAILED})
 
 
 class Drain(Part):
@@ -81,7 +81,7 @@ class Drain(Part):
         return protocol.Draining(req=req, sessions=self.began, left_s=max(0.0, (self.deadline or now) - now))
 
     def refusal(self) -> ClientError:
-        return ClientError("busy", "the server is draining (it stops soon): open the session on another server",
+        return ClientError(ErrorCode.BUSY, "the server is draining (it stops soon): open the session on another server",
                            retry_after_s=RETRY_AFTER_S)
 
     # ---- lifecycle
@@ -119,7 +119,7 @@ class Drain(Part):
         (its tasks went out: the session's next chunk is held) is tried ``SAVE_TRIES`` times in all; after the last,
         the hold ends and the session streams on here until the drain's end."""
         self.saving.pop(sid, None)
-        if error.code == "save_failed":
+        if error.code == ErrorCode.SAVE_FAILED:
             self.failures[sid] = self.failures.get(sid, 0) + 1
             if self.failures[sid] < SAVE_TRIES:
                 self.due[sid] = now + FAILED_RETRY_S

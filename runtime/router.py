@@ -224,7 +224,7 @@ class RouterCore:
             case protocol.Stats():
                 self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(who, now))))
             case protocol.Drain():
-                raise ClientError("bad_request", "a router does not drain: drain each replica (its sessions move)")
+                raise ClientError(ErrorCode.BAD_REQUEST, "a router does not drain: drain each replica")
             case protocol.Heartbeat():
                 self._emit(self.clients.heartbeat(who, message, now))
             case protocol.Watch():

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from aiohttp import web
 from msgspec import UNSET
 
 from ipc.aio_client import AsyncClient
+from ipc.auth import is_loopback
 from ipc.client import ServerError
 from web.bridge import Bridge, BridgeSettings, SessionSlots
 
@@ -56,15 +56,6 @@ class GatewaySettings:
     allow_hosts: frozenset[str] = field(default_factory=frozenset)  # extra Host names (beyond loopback)
     allow_origins: frozenset[str] = field(default_factory=frozenset)  # extra WebSocket origins, "scheme://host:port"
     health_timeout_s: float = 2.0  # /healthz waits this long for its server's stats before saying it is down
-
-
-def is_loopback(host: str) -> bool:
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def host_name(netloc: str) -> str:
