@@ -491,31 +491,29 @@ def load(name: str | Path, overrides: Sequence[str] = ()) -> Config:
     return validate(config, where)
 
 
-def client_token(server: ServerConfig, where: str = "config") -> str | None:
-    """The token every client request must carry (``server.auth_token_file`` or ``_env``); None: none required."""
+def token_of(file: str, env: str, what: str) -> str | None:
+    """``ipc.auth.read_token`` for a config: a token named but unreadable, empty or too long is a ``ConfigError``
+    naming it (exit 2); None when neither a file nor a variable is named."""
     try:
-        return auth.read_token(server.auth_token_file, server.auth_token_env, f"{where}: server client token")
+        return auth.read_token(file, env, what)
     except auth.TokenError as error:
         raise ConfigError(str(error)) from None
+
+
+def client_token(server: ServerConfig, where: str = "config") -> str | None:
+    """The token every client request must carry (``server.auth_token_file`` or ``_env``); None: none required."""
+    return token_of(server.auth_token_file, server.auth_token_env, f"{where}: server client token")
 
 
 def operator_token(server: ServerConfig, where: str = "config") -> str | None:
     """The token a ``drain`` request must carry (``server.operator_token_file`` or ``_env``); None: none drains."""
-    try:
-        return auth.read_token(server.operator_token_file, server.operator_token_env,
-                               f"{where}: server operator token")
-    except auth.TokenError as error:
-        raise ConfigError(str(error)) from None
+    return token_of(server.operator_token_file, server.operator_token_env, f"{where}: server operator token")
 
 
 def read_token(path: str, what: str) -> str:
-    """A secret from a file (a token kept out of argv); a missing or empty file is a config error naming it."""
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as error:
-        raise ConfigError(f"{what}: cannot read {path}: {error.strerror}") from None
-    if not token:
-        raise ConfigError(f"{what}: {path} is empty")
+    """A secret from a file (a token kept out of argv): ``token_of`` with a file that must be named."""
+    token = token_of(path, "", what)
+    assert token is not None, "read_token needs a path"
     return token
 
 

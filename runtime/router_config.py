@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 
 from ipc import auth
-from runtime.config import CONFIG_DIR, ConfigError, read_token, read_tree, resolve_path
+from runtime.config import CONFIG_DIR, ConfigError, read_token, read_tree, resolve_path, token_of
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 MAX_NAME_CHARS = 128
@@ -198,9 +198,5 @@ def load(name: str | Path, overrides: Sequence[str] = ()) -> RouterConfig:
 
 def tokens(section: RouterSection, where: str = "config") -> tuple[str | None, str | None]:
     """The token the router's clients must present, and the one it presents to its replicas (None: none)."""
-    try:
-        return (auth.read_token(section.auth_token_file, section.auth_token_env, f"{where}: router client token"),
-                auth.read_token(section.replica_token_file, section.replica_token_env,
-                                f"{where}: router replica token"))
-    except auth.TokenError as error:
-        raise ConfigError(str(error)) from None
+    return (token_of(section.auth_token_file, section.auth_token_env, f"{where}: router client token"),
+            token_of(section.replica_token_file, section.replica_token_env, f"{where}: router replica token"))
