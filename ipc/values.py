@@ -158,7 +158,7 @@ class InputState(_Value, kw_only=True):
 
 def clamp_turn(degrees: float) -> float:
     """A turn held to ±``MAX_MOUSE_DEGREES`` (more in one chunk is clamped, never an error on the model's path)."""
-    return max(-MAX_MOUSE_DEGREES, min(MAX_MOUSE_DEGREES, degrees))
+    return max(-MAX_MOUSE_DEGREES, min(MAX_MOUSE_DEGREES, degrees)) if math.isfinite(degrees) else 0.0
 
 
 class InputStateError(ValueError):

@@ -238,3 +238,13 @@ def unauthorized(token: str | None, event: ClientSent | ClientUnreadable) -> tup
     else:
         req = event.req
     return event.identity, ClientError(ErrorCode.UNAUTHORIZED, auth.REFUSAL_MESSAGE), req
+
+
+def checked_input(state: protocol.ControlState) -> protocol.ControlState:
+    """A live input state as every trust boundary checks it (``protocol.check_input_state``): refused with its
+    reason (``malformed``, ``unknown_keys``) before anything folds it into what it holds."""
+    try:
+        protocol.check_input_state(state)
+    except protocol.InputStateError as error:
+        raise ClientError(error.reason, str(error)) from None
+    return state

@@ -27,15 +27,14 @@ Rules that live here and nowhere else:
   for ``router.client_timeout_s`` are closed on their replicas (the router keeps its replica connections alive with
   its own heartbeats, so this rule must live here; their client counts as gone: the replica's ``closed`` names the
   router's close, not the client's). A client that is gone has its chunks dropped until it resumes; one that stops
-  reading has its session closed, never buffered. A message meeting a full replica link gets what a
-  server would answer: a ``control`` ``control_backpressure``; a ``close`` nothing (the router sends it again until
-  the replica's ``closed`` comes); a ``control_state`` nothing (folded with later ones, sent when the link drains).
+  reading has its session closed, never buffered. A message meeting a full replica link gets what a server would
+  answer: a ``control`` ``control_backpressure``; a ``close`` nothing (sent again until the replica's ``closed``
+  comes); a ``control_state`` nothing (checked, folded with later ones, sent when the link drains).
 - **Spectators** are the router's own (``runtime.watchers``): it keeps each forwarded ``opened``'s watch token,
   answers ``watch``/``unwatch`` itself and hands each chunk, as received, to its watchers' feeds in the shell (a
   replica sends every chunk once). Sessions ending here end their watchers too.
-- **Containment and bounds.** A bad request gets an error and changes nothing; an unexpected error costs the
-  request it concerns. Sessions and pending opens are bounded by the replicas' capacities, client identities by
-  ``runtime.clients.MAX_PEERS``, replicas by ``router.max_replicas``, reject counters by ``MAX_REASONS``.
+- **Containment and bounds.** A bad request gets an error and changes nothing. Sessions and pending opens are bounded
+  by the replicas' capacities, identities by ``MAX_PEERS``, replicas by ``max_replicas``, rejects by ``MAX_REASONS``.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ from ipc import protocol
 from ipc.error_codes import ErrorCode
 from ipc.metrics_types import Distribution, PartialSummary, RouterCounters, ServerStats, SessionCounts
 from runtime.chunk_claims import migration_problem, open_problem
-from runtime.clients import Clients, unauthorized
+from runtime.clients import Clients, checked_input, unauthorized
 from runtime.core_types import EXIT_OK, ClientError
 from runtime.replicas import (
     Replica,
@@ -190,10 +189,11 @@ class RouterCore:
     def _request(self, who: bytes, message: protocol.ClientMessage, raw: Payload, now: float) -> None:
         req = getattr(message, "req", None)
         if isinstance(req, int) and req < 0:  # the router's own requests to replicas (saves, prompts) are negative
-            raise ClientError(ErrorCode.BAD_REQUEST,
-                              f"request ids must be >= 0, got {req}: negative ones are the router's")
+            raise ClientError(ErrorCode.BAD_REQUEST, f"request ids must be >= 0, got {req}: negative are the router's")
         if not isinstance(message, protocol.Watch | protocol.Unwatch | protocol.Heartbeat):
             self.watchers.refuse(who, getattr(message, "session", None), type(message).__struct_config__.tag)
+        if isinstance(message, protocol.ControlState):  # as a server checks it: never folded in unchecked
+            checked_input(message)
         match message:
             case protocol.Open():
                 self._open(who, message, now)

@@ -186,6 +186,7 @@ class Saves(Part):
         """The manifest is written (the save exists from here on), or it could not be."""
         save = self.writing.pop(event.snapshot)
         if event.error:
+            self.last.discard(save.session)  # a later save of the session (its client's) lets its hold go again
             error = protocol.Error(req=save.req, session=save.session, code=ErrorCode.SAVE_FAILED,
                                    message=clip(f"the manifest could not be written: {event.error}"))
             return [DropSnapshotFiles(save.id),  # its ranks' files, never restorable without it: never kept
@@ -206,6 +207,7 @@ class Saves(Part):
         if not save.fail(error):
             return []
         self.pending.pop(save.session, None)
+        self.last.discard(save.session)  # a later save of the session (its client's) lets its hold go again
         # what its ranks wrote is never restorable, never kept: deleted once no writer writes there any more
         out: list[Answer] = [DropSnapshotFiles(snapshot) for snapshot in
                              self.late_writes.failed(save.id, save.session, save.outstanding(), now)]

@@ -170,3 +170,14 @@ def test_a_drain_request_without_the_operator_token_is_refused_unauthorized_and_
             assert (refused.req, refused.code, refused.message) == (9, "unauthorized", "unauthorized")
             assert not job.core.draining.active and not job.to(A, protocol.Draining, job.step(Tick()))
     assert sid in job.core.sessions
+
+
+def test_after_a_failed_drain_save_a_later_save_of_the_session_lets_its_hold_go(tmp_path: Path) -> None:
+    job, sid = save_job(tmp_path)
+    saves, session, scheduler = job.core.saving, job.core.sessions[sid], job.core.scheduler
+    state, chunk = scheduler.session_state(sid), scheduler.next_denoise_index(sid)
+    saves.save(session, A, protocol.Save(req=-1, session=sid), state, chunk, None, 4, 0.0, last=True)
+    assert Hold(sid, False) not in saves.advance(sid, session, True, 0.0)  # the drain's: its boundary stays held
+    saves.failed(saves.pending[sid], "disk full", 0.5)
+    saves.save(session, A, protocol.Save(req=5, session=sid), state, chunk, None, 4, 1.0)  # its client's own
+    assert Hold(sid, False) in saves.advance(sid, session, True, 1.0), "a client's save never freezes the stream"

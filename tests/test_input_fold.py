@@ -7,6 +7,7 @@ from __future__ import annotations
 from functools import reduce
 
 from ipc import protocol as p
+from ipc.values import clamp_turn
 from runtime.control_service import LiveControls
 from runtime.router_types import ReplicaRefused, ToReplica
 from tests.test_router_core import A, Fleet
@@ -64,3 +65,23 @@ def test_the_router_and_rank_0_fold_a_sequence_of_live_inputs_to_the_same_chunk_
     assert through_router.cut(0, 0) == direct.cut(0, 0) == p.ChunkControl(
         keys=frozenset("djk"), mouse=(LIMIT - 100.0 + 5.0, -20.0), revision=4)
     assert routed == reduce(lambda a, b: a.fold(b), sequence)  # the router folds by the rule, not a copy of it
+
+
+def test_the_router_refuses_live_input_a_server_would_refuse_before_folding_it_in() -> None:
+    """Input that waits for a full link is folded on the router: it is checked first, as a server checks it, so a
+    non-finite or out-of-range turn or an unknown key is refused there and never spoils what is folded."""
+    f = Fleet({"a": 2})
+    f.up("a")
+    sid, _ = f.open(A)
+    for out in f.client(A, state(1, "w", (10.0, 0.0), session=sid)):
+        if isinstance(out, ToReplica) and out.origin is not None and out.origin.kind == "control_state":
+            f.step(ReplicaRefused("a", f.generation["a"], out.origin))  # the link is full: it waits, folded
+    held = f.core.sessions[sid].state
+    assert held is not None and held.revision == 1
+    bad = [state(2, "w", (float("nan"), 0.0), session=sid), state(3, "w", (float("inf"), 0.0), session=sid),
+           state(4, "w", (LIMIT + 1.0, 0.0), session=sid), state(5, "w", taps="?", session=sid)]
+    for message in bad:
+        f.client(A, message)
+    assert [e.code for e in f.errors(A)][-4:] == ["malformed", "malformed", "malformed", "unknown_keys"]
+    assert f.core.sessions[sid].state == held  # nothing of them was folded in
+    assert clamp_turn(float("nan")) == clamp_turn(float("-inf")) == 0.0  # and the fold's own clamp is total
