@@ -71,6 +71,9 @@ def compile_dit(model: WanModelFast, mode: str, device: torch.device | str = "cp
         log.warning("compile = 'graphs' captures single-rank passes only (this DiT is sharded over %d ranks): running "
                     "as 'blocks'", model.sp.size)  # fmt: skip
         mode = "blocks"
+    if model.sp.size > 1 and any(block.self_attn.overlap for block in model.blocks):
+        log.warning("model.overlap_all_to_all applies to eager blocks only: compiled, each layer exchanges q/k/v and "
+                    "its output once (compile = %r)", mode)
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     model.block_runner = CompiledBlocks(sharded=model.sp.size > 1, backend=backend, strict=strict)

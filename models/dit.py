@@ -115,6 +115,11 @@ class SelfAttention(nn.Module):
             self.fused_qkv = None
             return
         linears = (self.q, self.k, self.v)
+        if self.fused_qkv is not None and all(  # fused already (a load copied into the views): nothing to redo
+                lin.weight.data_ptr() == self.fused_qkv[0][i * lin.out_features].data_ptr()
+                and lin.bias.data_ptr() == self.fused_qkv[1][i * lin.out_features:].data_ptr()
+                for i, lin in enumerate(linears)):
+            return
         with torch.no_grad():
             weight, bias = torch.cat([lin.weight for lin in linears]), torch.cat([lin.bias for lin in linears])
         for i, lin in enumerate(linears):

@@ -41,11 +41,13 @@ class InFlight:
 
 
 def head_groups(local_heads: int) -> list[slice]:
-    """The local heads in equal groups for the overlapped exchange: as few groups as give an overlap (the smallest
-    divisor above 1: split7's 8 heads -> 2 groups of 4), since every group is one more collective and kernel call."""
-    count = next((d for d in range(2, local_heads + 1) if local_heads % d == 0), 1)
-    size = local_heads // count
-    return [slice(g * size, (g + 1) * size) for g in range(count)]
+    """The local heads in two groups for the overlapped exchange (the first the larger for an odd count: split7's 8
+    heads -> 4 + 4, aggregated8's 5 -> 3 + 2): two already hide one group's exchange behind the other's attention,
+    and every group more is one more pair of collectives and an attention call with fewer query tiles."""
+    if local_heads < 2:
+        return [slice(0, local_heads)]
+    half = (local_heads + 1) // 2
+    return [slice(0, half), slice(half, local_heads)]
 
 
 class Ulysses:

@@ -35,9 +35,9 @@ class LoggedStandIn(StandInUlysses):
         return super()._start(send)
 
 
-def test_head_groups_are_the_fewest_equal_groups_of_more_than_one() -> None:
+def test_head_groups_are_two_the_larger_first() -> None:
     assert head_groups(8) == [slice(0, 4), slice(4, 8)]  # split7: 40 heads over 5 DiT ranks
-    assert head_groups(5) == [slice(i, i + 1) for i in range(5)]  # aggregated8: 40 over 8
+    assert head_groups(5) == [slice(0, 3), slice(3, 5)]  # aggregated8: 40 over 8 (not 5 single-head calls)
     assert head_groups(1) == [slice(0, 1)]  # one head: nothing to overlap
 
 
@@ -56,6 +56,18 @@ def test_overlapped_exchange_starts_the_next_group_before_attending_and_gives_th
     sp = StandInUlysses(5)
     want = sp.heads_to_seq(attend(*sp.qkv_to_heads(q, k, v, n), slice(0, 4)))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_overlapped_exchange_of_unequal_groups_gives_the_one_exchange_result() -> None:
+    n_local, heads, hd, n = 12, 25, 4, 57  # 5 local heads on 5 ranks: groups of 3 and 2
+    q, k, v = (torch.randn(n_local, heads, hd) for _ in range(3))
+
+    def attend(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, group: slice) -> torch.Tensor:
+        return qh * 2 + kh * vh
+
+    sp = StandInUlysses(5)
+    want = sp.heads_to_seq(attend(*sp.qkv_to_heads(q, k, v, n), slice(0, 5)))
+    torch.testing.assert_close(sp.attend_overlapped(q, k, v, n, attend), want, rtol=0, atol=0)
 
 
 def _fused_copy(model: torch.nn.Module) -> None:
@@ -163,3 +175,14 @@ def test_the_denoise_stage_runs_the_settings_it_is_given_also_on_a_model_built_w
     stage = LingbotDenoiseStage(replace(TINY, fused_qkv=True, overlap_all_to_all=True), GEOMETRY, weights=shared)
     attn = stage.model.blocks[0].self_attn
     assert attn.fused_qkv is not None and attn.overlap and stage.model.cfg.fused_qkv
+
+
+def test_fusing_a_fused_projection_again_copies_nothing() -> None:
+    """Stage start and a plain load ask for the fusion again: the views stay, no [d, 3d] copy is made (a compiled,
+    shared model keeps its weights' identities)."""
+    block = random_dit(TINY, seed=2).blocks[0].self_attn
+    block.set_fused_qkv(True)
+    fused = block.fused_qkv
+    block.set_fused_qkv(True)
+    block.load_state_dict({name: t.clone() for name, t in block.state_dict().items()})
+    assert block.fused_qkv is fused and block.q.weight.data_ptr() == fused[0].data_ptr()
