@@ -35,6 +35,7 @@ class ChunkHead(protocol.Head, frozen=True):
 
 
 _chunk_head = msgspec.msgpack.Decoder(ChunkHead)
+MAX_SIDE = 1 << 16  # a chunk's frames, rows, columns: far above any served geometry; 0 (an empty chunk) is none
 _EMPTY = msgspec.msgpack.encode(b"")
 
 
@@ -53,7 +54,10 @@ def frames_of(message: protocol.Chunk, parts: Sequence[Any]) -> np.ndarray:
     first): a view on the received frames part, or on the map's own bytes from a server before version 4."""
     check_parts(message.frames_part, message.shape, parts)
     data = message.frames if message.frames_part == 0 else parts[FRAMES_PART]
-    frames = np.frombuffer(data, dtype=np.uint8).reshape(message.shape)
+    try:  # a server before version 4: its map's bytes, checked against the shape here
+        frames = np.frombuffer(data, dtype=np.uint8).reshape(message.shape)
+    except (TypeError, ValueError) as error:
+        raise protocol.ProtocolViolation(f"a chunk's frames do not match its shape {message.shape}: {error}") from None
     frames.flags.writeable = False  # as they always read (from bytes): a reader never writes into the message
     return frames
 
@@ -65,11 +69,13 @@ def check_parts(frames_part: int, shape: tuple[int, int, int, int] | None, parts
     if len(parts) != want:
         where = "inside its map" if frames_part == 0 else f"in ZeroMQ part {frames_part}"
         raise protocol.ProtocolViolation(f"a chunk with its frames {where} is {want} ZeroMQ frames, got {len(parts)}")
-    if frames_part == 0 or shape is None:
+    if frames_part == 0:
         return
+    if shape is None:
+        raise protocol.ProtocolViolation("a chunk with its frames in a ZeroMQ part of their own has no shape")
     n, height, width, channels = shape
     size = memoryview(parts[FRAMES_PART]).nbytes
-    if min(shape) < 0 or channels != 3 or n * height * width * channels != size:
+    if not all(0 < side <= MAX_SIDE for side in shape) or channels != 3 or n * height * width * channels != size:
         raise protocol.ProtocolViolation(f"a chunk's frames part of {size} bytes does not match its shape {shape}")
 
 

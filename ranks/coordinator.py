@@ -104,7 +104,8 @@ class Coordinator:
                         return code
                 return self._shutdown()
             if self.drain_asked and not self.core.draining.active:
-                code = self._carry_out(self.core.step([ct.DrainRequested()], time.monotonic()))
+                dead = self._dead_ranks()  # the signal may be torchrun's word of a dead rank: then no drain
+                code = self._carry_out(self.core.step(dead or [ct.DrainRequested()], time.monotonic()))
                 self._publish()  # not ready from now on
                 if code is not None:
                     return code

@@ -379,6 +379,9 @@ def validate(config: Config, where: str) -> Config:
         raise ConfigError(f"{where}: stream.chunk_latent_frames must be >= 1")
     if config.server.max_waiting < 1:
         raise ConfigError(f"{where}: server.max_waiting must be >= 1, got {config.server.max_waiting}")
+    if not (math.isfinite(config.server.drain_s) and 0 <= config.server.drain_s <= MAX_DRAIN_S):
+        raise ConfigError(f"{where}: server.drain_s must be a finite number in [0, {MAX_DRAIN_S:g}] (0: stop at "
+                          f"once), got {config.server.drain_s}")
     if config.server.max_watchers < 0 or config.server.watch_queue < 1:
         raise ConfigError(f"{where}: server.max_watchers must be >= 0 and server.watch_queue >= 1, got "
                           f"{config.server.max_watchers} and {config.server.watch_queue}")
@@ -414,6 +417,8 @@ def validate(config: Config, where: str) -> Config:
                           f"snapshots.save_burst >= 1, got {snap.saves_per_minute}, {snap.save_burst}")
     return config
 
+
+MAX_DRAIN_S = 86_400.0  # a day: a drain longer than any job's stop signal lead is a typo
 
 BUILTIN_BACKENDS = frozenset({"synthetic", "lingbot-fast"})
 

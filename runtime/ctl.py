@@ -47,7 +47,7 @@ class Failed(Exception):
         self.code = code
 
 
-def ask(args: argparse.Namespace, request: Any) -> Any:
+def ask(args: argparse.Namespace, request: Any, answer: type) -> Any:
     """Send ``request`` (carrying the client token, when there is one) to ``args.endpoint`` and return the reply of
     its request id. An ``error`` reply is ``Failed(REFUSED)``; no reply within ``args.timeout``,
     ``Failed(UNREACHABLE)``."""
@@ -68,6 +68,9 @@ def ask(args: argparse.Namespace, request: Any) -> Any:
             if isinstance(reply, protocol.Error):
                 print(json.dumps(protocol.to_builtins(reply)), file=sys.stderr)
                 raise Failed(REFUSED, f"{args.endpoint} refused {request.__struct_config__.tag}: {reply.code}")
+            if not isinstance(reply, answer):  # another kind of reply under our request id: no answer to act on
+                raise Failed(UNREACHABLE, f"{args.endpoint} answered {request.__struct_config__.tag} with a "
+                                          f"{type(reply).__struct_config__.tag}")
             return reply
     except protocol.ProtocolViolation as error:
         raise Failed(UNREACHABLE, f"{args.endpoint} answered what this side cannot read: {error}") from None
@@ -80,7 +83,7 @@ def ask(args: argparse.Namespace, request: Any) -> Any:
 
 def stats(args: argparse.Namespace) -> int:
     """The protocol's ``stats``: the server's (or router's) counters, sessions and ranks, as JSON on stdout."""
-    reply = ask(args, protocol.Stats(req=REQ))
+    reply = ask(args, protocol.Stats(req=REQ), protocol.StatsReply)
     print(json.dumps(protocol.to_builtins(reply.stats), indent=2))
     return OK
 
@@ -92,7 +95,7 @@ def drain(args: argparse.Namespace) -> int:
     token = auth.read_token(args.operator_token_file or os.environ.get(OPERATOR_FILE_ENV, ""), what="operator token")
     if token is None:
         raise Failed(UNREACHABLE, f"drain needs the operator token: --operator-token-file or ${OPERATOR_FILE_ENV}")
-    reply = ask(args, protocol.Drain(req=REQ, operator=token))
+    reply = ask(args, protocol.Drain(req=REQ, operator=token), protocol.Draining)
     print(json.dumps({"sessions": reply.sessions, "left_s": reply.left_s}))
     return OK
 

@@ -89,10 +89,10 @@ def v4(session: str, index: int = 0, n: int = 2) -> list[bytes]:
     return [head, bytes(body)]
 
 
-def map_only(session: str, frames_part: int, frames_inside: bytes = b"") -> bytes:
-    """A chunk map as a broken or hostile server may write it (``frames_part`` unchecked)."""
+def map_only(session: str, frames_part: int, frames_inside: bytes = b"", **fields: object) -> bytes:
+    """A chunk map as a broken or hostile server may write it (``frames_part`` and ``fields`` unchecked)."""
     raw = msgspec.msgpack.decode(v4(session)[0])
-    return msgspec.msgpack.encode({**raw, "frames_part": frames_part, "frames": frames_inside})
+    return msgspec.msgpack.encode({**raw, "frames_part": frames_part, "frames": frames_inside, **fields})
 
 
 MALFORMED: dict[str, tuple[list[bytes], str]] = {
@@ -107,6 +107,8 @@ MALFORMED: dict[str, tuple[list[bytes], str]] = {
     "inline frames and a part besides": ([protocol.encode(protocol.Chunk(session="bad", frames=bytes(480),
                                                                          shape=(2, 8, 10, 3), facts=facts())),
                                           b"extra"], "a chunk with its frames inside its map is 1 ZeroMQ frames"),
+    "a zero side and a huge one with an empty frames part": ([map_only("bad", 1, shape=[0, 2**63 - 1, 1, 3]), b""],
+                                                             "frames part of 0 bytes does not match its shape"),
     "a reply in two parts": ([protocol.encode(protocol.Accepted(req=3, session="bad", index=0)), b"x"],
                              "a accepted message is one ZeroMQ frame, got 2"),
 }
@@ -132,6 +134,12 @@ def test_the_router_refuses_to_forward_a_chunk_whose_parts_are_not_what_its_map_
         chunk_wire.peek_chunk(parts)
     head = chunk_wire.peek_chunk(v4("good"))
     assert (head.session, head.shape, head.frames_part) == ("good", (2, 8, 10, 3), 1)
+
+
+def test_the_router_refuses_a_frames_part_whose_map_has_no_shape() -> None:
+    """The router reads a chunk's head only (the SDK's schema refuses such a map too): none goes on unmeasured."""
+    with pytest.raises(protocol.ProtocolViolation, match="has no shape"):
+        chunk_wire.peek_chunk([map_only("bad", 1, shape=None), v4("bad")[1]])
 
 
 def test_a_migrated_chunk_is_renamed_in_its_map_alone_and_its_frames_part_goes_on_as_it_is() -> None:

@@ -105,3 +105,11 @@ def test_the_camera_intrinsics_are_a_setting_checked_at_load() -> None:
         config.load("cpu-tiny", ["--controls.intrinsics=[0.0, 500.0, 416, 240]"])
     with pytest.raises(config.ConfigError, match=r"controls\.intrinsics: the principal point"):
         config.load("cpu-tiny", ["--controls.intrinsics=[500.0, 500.0, 416, 481]"])
+
+
+def test_a_drain_time_that_is_not_a_finite_duration_is_a_config_error() -> None:
+    for bad in ("nan", "inf", "-5"):  # nan: a drain that never ends; a negative one: nothing handed off
+        with pytest.raises(config.ConfigError, match=r"server\.drain_s must be a finite number"):
+            config.load("cpu-mini", [f"--server.drain_s={bad}"])
+    for good in ("0", "50"):
+        assert config.load("cpu-mini", [f"--server.drain_s={good}"]).server.drain_s == float(good)

@@ -7,13 +7,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import zmq
 
+from ipc import protocol
 from ipc.client import Client, SessionDraining, input_state
 from runtime import ctl
 from scripts.local_router import LocalRouter
@@ -142,3 +145,30 @@ def test_drain_hands_off_the_servers_session_and_the_server_exits_0(fleet: Fleet
                 client.next_chunk(info.id, timeout_s=60)
         assert told.value.snapshot and told.value.session == info.id
     assert fleet.server.wait(60) == 0, fleet.server.log()
+
+
+def test_a_reply_of_another_kind_under_the_commands_request_id_exits_2_naming_it(tmp_path: Path) -> None:
+    """A peer that answers ``drain`` with something else (a buggy or foreign server) is no answer: exit 2, no crash."""
+    operator = tmp_path / "operator"
+    operator.write_text(OPERATOR)
+    operator.chmod(0o600)
+    context = zmq.Context.instance()
+    server = context.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer_wrongly() -> None:
+        if server.poll(60_000):
+            who, data = server.recv_multipart()
+            asked = protocol.decode(data, "client", max_bytes=1 << 20)
+            server.send_multipart([who, protocol.encode(protocol.Accepted(req=asked.req, session="s", index=0))])
+
+    thread = threading.Thread(target=answer_wrongly, daemon=True)
+    thread.start()
+    try:
+        code = ctl.main(["drain", "--endpoint", f"tcp://127.0.0.1:{port}", "--operator-token-file", str(operator),
+                         "--timeout", "60"])
+    finally:
+        thread.join(timeout=60)
+        server.close()
+    assert code == ctl.UNREACHABLE
