@@ -45,6 +45,15 @@ def run_ctl(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", **(env or {})})
 
 
+def until_ready(fleet: Fleet) -> subprocess.CompletedProcess[str]:
+    """``ctl ready`` until it exits 0: the probe's snapshot is published by rank 0's loop once every rank is warm."""
+    deadline = time.monotonic() + 60
+    while (ready := run_ctl("ready", "--probe", fleet.server_probes)).returncode != ctl.OK:
+        assert time.monotonic() < deadline, ready.stdout + ready.stderr
+        time.sleep(0.5)  # the next look: a process per look would slow the warm-up it waits for
+    return ready
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     token_file = tmp_path_factory.mktemp("ctl") / "token"
@@ -97,10 +106,7 @@ def test_health_and_ready_of_a_warm_server_exit_0_with_the_probes_json(fleet: Fl
     health = run_ctl("health", "--probe", fleet.server_probes)
     assert health.returncode == ctl.OK, health.stderr
     assert json.loads(health.stdout) == {"alive": True, "role": "rank0"}
-    deadline = time.monotonic() + 60  # the probe's snapshot is published by rank 0's loop once warm
-    while (ready := run_ctl("ready", "--probe", fleet.server_probes)).returncode != ctl.OK:
-        assert time.monotonic() < deadline, ready.stdout + ready.stderr
-        time.sleep(0.5)  # the next look: a process per look would slow the warm-up it waits for
+    ready = until_ready(fleet)
     assert json.loads(ready.stdout)["ready"] is True
 
 
@@ -127,7 +133,8 @@ def test_drain_without_the_operator_token_is_refused_and_the_server_serves_on(fl
     done = run_ctl("drain", "--endpoint", fleet.server.endpoint, *client, "--operator-token-file", str(wrong))
     assert done.returncode == ctl.REFUSED, done.stdout + done.stderr
     assert json.loads(done.stderr.splitlines()[0])["code"] == "unauthorized"
-    assert run_ctl("ready", "--probe", fleet.server_probes).returncode == ctl.OK  # not draining
+    until_ready(fleet)  # warm (whichever test ran first) and not draining
+    assert json.loads(run_ctl("ready", "--probe", fleet.server_probes).stdout)["draining"] is False
 
 
 def test_drain_hands_off_the_servers_session_and_the_server_exits_0(fleet: Fleet) -> None:

@@ -125,7 +125,10 @@ def test_without_a_router_the_client_restores_the_drained_session_elsewhere_bit_
     b = fleet.servers["b"]
     if b.process is None:
         b.start()
-    a = fleet.servers["a"] = fleet.server("a").start()  # a fresh a (the previous one drained)
+    drained = fleet.servers["a"]
+    if drained.process is not None and drained.process.poll() is None:  # the first test stopped short of its exit
+        drained.stop()
+    a = fleet.servers["a"] = fleet.server("a").start()  # a fresh a on the same port
     with Client(b.endpoint, timeout_s=60) as there:
         reference = there.open(IMAGE, prompt="a quiet harbour", seed=7, num_chunks=CHUNKS)
         expected = [frames(there, reference.id, i) for i in range(CHUNKS)]
