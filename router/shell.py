@@ -297,7 +297,8 @@ class RouterShell:
         try:
             if link is None or link.generation != output.generation:
                 raise zmq.Again()
-            payload = relay.upstream(output.message, self.replica_token, self.rewrite, self.section.max_message_bytes)
+            payload = output.raw if output.raw is not None and not self.rewrite else relay.upstream(
+                output.message, self.replica_token, self.rewrite, self.section.max_message_bytes)
             link.sock.send(payload, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:  # no connection yet (ZMQ_IMMEDIATE), or its queue is full
             if output.origin is not None:

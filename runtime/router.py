@@ -217,10 +217,11 @@ class RouterCore:
                 replica = self.replicas[session.replica]
                 kind = type(message).__struct_config__.tag
                 state = message if isinstance(message, protocol.ControlState) else None
-                upstream = raw if session.rid == session.id else msgspec.structs.replace(message, session=session.rid)
+                upstream = message if session.rid == session.id else \
+                    msgspec.structs.replace(message, session=session.rid)
                 self.migration.forwarding(session, message, str(kind))
-                self._emit(ToReplica(replica.name, replica.generation, upstream,
-                                     SessionOrigin(who, message.req, session.id, str(kind), state)))
+                self._emit(ToReplica(replica.name, replica.generation, upstream, SessionOrigin(
+                    who, message.req, session.id, str(kind), state), raw if upstream is message else None))
             case protocol.Stats():
                 self._emit(ToClient(who, protocol.StatsReply(req=message.req, stats=self.stats(who, now))))
             case protocol.Drain():
@@ -564,8 +565,7 @@ class RouterCore:
         self._emit(ReplicaDown(replica.name, reason, lost))
 
     def _end_sessions(self, replica: Replica, reason: str, code: str, now: float) -> int:
-        """Each session on the replica with a snapshot moves to another (``_migrate``); each other one ends: its
-        client gets ``code`` naming the replica, then ``closed``."""
+        """A session with a snapshot moves to another replica (``_migrate``); another gets ``code``, then ``closed``."""
         text = f"replica {replica.name} ({replica.endpoint}) {reason}; its sessions are lost: open a new one"
         ending = [self.sessions[sid] for sid in sorted(replica.sessions)]
         lost = [s for s in ending if not self._migrate(s, replica, reason, now)]

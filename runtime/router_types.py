@@ -121,6 +121,7 @@ class ToReplica:
     generation: int  # the connection it was meant for: none other may carry it
     message: protocol.ClientMessage | Payload
     origin: Origin | None = None  # who is told when it cannot be queued (None: nobody, a deadline covers it)
+    raw: Payload | None = None  # ``message`` exactly as its client sent it: sent as it is while no token is in use
 
 
 @dataclass(frozen=True)

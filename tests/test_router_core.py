@@ -274,7 +274,8 @@ def test_chunks_and_replies_of_a_session_reach_its_client_as_the_same_payload(fl
     control = p.Control(req=7, session=sid, index=0)
     raw = p.encode(control)
     out = fleet.step(ClientSent(A, control, raw))
-    assert len(out) == 1 and out[0].replica == name and out[0].message is raw  # the client's own bytes
+    assert len(out) == 1 and out[0].replica == name and out[0].message == control
+    assert out[0].raw is raw  # the client's own bytes, sent as they are while no token is in use
     fleet.replica(name, p.Accepted(req=7, session=sid, index=0))
     fleet.replica(name, p.Closed(session=sid, reason="complete", summary=SessionSummary(chunks=1)))
     assert fleet.to(A, p.Accepted)[-1].req == 7 and fleet.to(A, p.Closed)[-1].summary == SessionSummary(chunks=1)

@@ -271,7 +271,8 @@ def test_a_close_meeting_a_full_replica_link_is_taken_over_and_sent_again_never_
     assert not f.errors(A)  # a server never answers a close with busy
     f.step(Tick(), dt=0.1)
     closes = [o for o in f.to_replica("a") if isinstance(o.message, p.Close)]
-    assert [c.message.session for c in closes] == [sid]  # the router sends it again by itself
+    assert [c.message.session for c in closes] == [sid, sid]  # the client's (refused), then the router's again
+    assert closes[0].raw is not None and closes[1].raw is None  # the second is the router's own
     f.replica("a", p.Closed(session=sid, reason="client"))
     assert f.to(A, p.Closed)[-1].reason == "client" and sid not in f.core.sessions
 
