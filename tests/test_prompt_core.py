@@ -183,7 +183,8 @@ def test_the_router_forwards_set_prompt_to_the_sessions_replica_and_relays_its_a
     message = p.SetPrompt(req=7, session=sid, prompt="snow")
     raw = p.encode(message)
     out = fleet.step(ClientSent(A, message, raw))
-    assert len(out) == 1 and isinstance(out[0], ToReplica) and out[0].replica == name and out[0].message is raw
+    assert len(out) == 1 and isinstance(out[0], ToReplica) and out[0].replica == name
+    assert out[0].message == message and out[0].raw is raw  # typed for the shell, its bytes passed on as they came
     fleet.replica(name, p.PromptScheduled(req=7, session=sid, revision=1, chunk=3))
     (reply,) = fleet.to(A, p.PromptScheduled)
     assert (reply.req, reply.revision, reply.chunk) == (7, 1, 3)
