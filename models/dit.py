@@ -29,6 +29,7 @@ Sequence parallelism is applied from outside with ``apply_sequence_parallel(mode
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Protocol
@@ -47,16 +48,26 @@ from models.ulysses import Ulysses
 
 def float_param(module: nn.Module, name: str) -> torch.Tensor:
     """``module.<name>`` in float32, cast once per load instead of once per call: a bf16 model's norm gains and biases
-    are kept as float32 copies (derived, outside the state dict), remade only when the weight is replaced or written
-    (its address or version changes). A compiled block casts inline: the cast of a [d] vector fuses into its user."""
+    are kept as float32 copies (derived, outside the state dict), remade when the weight is replaced (another tensor,
+    even one the allocator put at the old address) or written through autograd's view of it (its version changes).
+    ``load_state_dict`` forgets every copy (``forget_float_params``); a writer that bypasses the version counter
+    (``.data``, inference tensors) calls it too. A compiled block casts inline: the cast of a [d] vector fuses into
+    its user."""
     weight: torch.Tensor = getattr(module, name)
     if weight.dtype == torch.float32 or torch.compiler.is_compiling():
         return weight.float()
-    key = (weight.data_ptr(), weight.device, -1 if weight.is_inference() else weight._version)
-    memo: dict[str, tuple[tuple, torch.Tensor]] = module.__dict__.setdefault("_float_params", {})
-    if name not in memo or memo[name][0] != key:
-        memo[name] = (key, weight.detach().float())
-    return memo[name][1]
+    version = -1 if weight.is_inference() else weight._version
+    memo: dict[str, tuple[weakref.ref, int, torch.Tensor]] = module.__dict__.setdefault("_float_params", {})
+    held = memo.get(name)
+    if held is None or held[0]() is not weight or held[1] != version:
+        held = memo[name] = (weakref.ref(weight), version, weight.detach().float())
+    return held[2]
+
+
+def forget_float_params(model: nn.Module) -> None:
+    """Drop the float32 copies ``float_param`` keeps anywhere in ``model``: the next call casts the weights anew."""
+    for module in model.modules():
+        module.__dict__.pop("_float_params", None)
 
 
 class RMSNorm(nn.Module):
@@ -340,8 +351,13 @@ class WanModelFast(nn.Module):
         # passes (None: none).
         self.block_runner: BlockRunner | None = None
         self.graphs: PassGraphs | None = None
-        self.register_load_state_dict_pre_hook(lambda *args, **kwargs: self._time_memo.clear())
+        self.register_load_state_dict_pre_hook(lambda *args, **kwargs: self._forget_derived())
         self.set_attention(select_attention(cfg.attention))
+
+    def _forget_derived(self) -> None:
+        """What was computed from the weights (time embeddings, float32 gains) is stale once new weights load."""
+        self._time_memo.clear()
+        forget_float_params(self)
 
     def set_qkv_exchange(self, fused_qkv: bool, overlap_all_to_all: bool) -> None:
         """The q/k/v projection and the Ulysses exchange as ``DiTConfig`` names them, on every block: a model built

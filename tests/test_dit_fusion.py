@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import torch
+from torch import nn
 from torch._inductor.utils import run_and_get_code
 
 from models.compiled import compile_dit
@@ -53,6 +54,31 @@ def test_norm_gains_are_cast_once_and_follow_a_new_load() -> None:
     assert again is not first and bool((again == 0.5).all())
     fp32 = WanModelFast(DiTConfig.from_name("tiny")).blocks[0].norm3
     assert float_param(fp32, "bias") is fp32.bias  # float32 weights are used as they are
+
+
+def test_a_replaced_norm_gain_is_cast_anew_even_at_the_old_weights_address() -> None:
+    """``load_state_dict(assign=True)`` puts new tensors in; the allocator may hand the new one the old one's address
+    and it starts at version 0 like the old one did, so only the tensor's identity tells them apart."""
+    norm = WanModelFast(DiTConfig.from_name("tiny")).to(torch.bfloat16).blocks[0].self_attn.norm_q
+    first = float_param(norm, "weight").clone()
+    storage = norm.weight.detach()
+    norm.weight = nn.Parameter(storage.view_as(storage), requires_grad=False)  # another tensor at the same address
+    norm.weight.data.fill_(0.25)  # ``.data`` writes bypass the version counter: only the identity changed
+    assert norm.weight.data_ptr() == storage.data_ptr()
+    assert bool((float_param(norm, "weight") == 0.25).all()) and not bool((first == 0.25).all())
+
+
+def test_loading_a_state_dict_forgets_every_cast_even_into_inference_tensors() -> None:
+    """Weights made under ``inference_mode`` have no version counter: a load copied into them in place is seen only
+    because ``load_state_dict`` forgets the casts."""
+    with torch.inference_mode():
+        model = WanModelFast(DiTConfig.from_name("tiny")).to(torch.bfloat16)
+        norm = model.blocks[0].self_attn.norm_k
+        float_param(norm, "weight")
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        state["blocks.0.self_attn.norm_k.weight"].fill_(0.5)
+        model.load_state_dict(state)
+        assert bool((float_param(norm, "weight") == 0.5).all())
 
 
 def _call_code(code: str) -> str:
