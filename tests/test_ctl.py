@@ -4,6 +4,7 @@ ready): each subcommand's output and exit code (0 ok, 1 not ready, 2 usage or no
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -17,7 +18,8 @@ import pytest
 import zmq
 
 from ipc import protocol
-from ipc.client import Client, SessionDraining, input_state
+from ipc.aio_client import AsyncClient
+from ipc.client import BadRequest, Client, ServerError, SessionDraining, input_state
 from runtime import ctl
 from scripts.local_router import LocalRouter
 from scripts.local_server import ROOT, LocalServer
@@ -134,6 +136,23 @@ def test_drain_without_the_operator_token_is_refused_and_the_server_serves_on(fl
     assert done.returncode == ctl.REFUSED, done.stdout + done.stderr
     assert json.loads(done.stderr.splitlines()[0])["code"] == "unauthorized"
     until_ready(fleet)  # warm (whichever test ran first) and not draining
+    assert json.loads(run_ctl("ready", "--probe", fleet.server_probes).stdout)["draining"] is False
+
+
+def test_the_sdks_drain_with_a_wrong_operator_token_or_at_a_router_raises_and_nothing_drains(fleet: Fleet) -> None:
+    with Client(fleet.server.endpoint, token_file=str(fleet.token_file), timeout_s=60) as client:
+        with pytest.raises(ServerError) as refused:
+            client.drain(TOKEN)  # the client token is not the operator's
+        assert refused.value.code == "unauthorized"
+
+    async def at_the_router() -> str:
+        async with AsyncClient(fleet.router.endpoint, token_file=str(fleet.token_file), timeout_s=60) as client:
+            with pytest.raises(BadRequest) as refused:
+                await client.drain(OPERATOR)  # a router is drained by its replicas' signals, not by a client
+            return refused.value.code
+
+    assert asyncio.run(at_the_router()) == "bad_request"
+    until_ready(fleet)
     assert json.loads(run_ctl("ready", "--probe", fleet.server_probes).stdout)["draining"] is False
 
 
