@@ -36,3 +36,19 @@ def wait_until(page: Any, predicate: str, timeout_s: float = 10.0, poll_s: float
         if time.monotonic() > deadline:
             raise TimeoutError(f"not true within {timeout_s} s: {predicate}")
         time.sleep(poll_s)
+
+
+def watched_page(browser: Any, errors: list[str]) -> Any:
+    """A new page whose uncaught script errors are appended to ``errors`` (a test asserts there are none)."""
+    page = browser.new_page()
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    return page
+
+
+def start_playing(page: Any, url: str, image: str | Path, timeout_s: float = 30.0) -> None:
+    """Open the play page at ``url``, start a session from ``image`` and return once its first frame is drawn."""
+    page.goto(url)
+    wait_until(page, "() => window.worldstream.connected && !document.getElementById('start').disabled")
+    page.set_input_files("#image", str(image))
+    page.click("#start")
+    wait_until(page, "() => window.worldstream.painted > 0", timeout_s=timeout_s)

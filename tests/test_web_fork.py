@@ -1,21 +1,24 @@
 """Save and fork through the web gateway: ``python -m web`` in front of a 7-rank CPU server (synthetic stages) whose
 snapshot folder is a temporary directory. Over real WebSockets (``web.tab``) one tab saves its session and a second
 tab forks from the snapshot and gets chunks from the snapshot's chunk on; then the same in Chromium: the play page's
-Save button, its fork link opening a new tab, and frames drawn there."""
+Save button, its fork link opening a new tab, and frames drawn there. Last, the server is stopped under a playing
+page (SIGTERM, no router): the page is told its world was saved, and its fork link resumes it on the server that
+comes back on the same port and snapshot folder."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from scripts.browser import launch, wait_until
+from scripts.browser import launch, start_playing, wait_until, watched_page
 from scripts.local_gateway import LocalGateway
 from scripts.local_server import ROOT, LocalServer
-from tests.shared import FAST
+from tests.shared import FAST, free_port
 from tests.test_web import playwright_or_skip
 from web.tab import connect
 
@@ -24,11 +27,24 @@ pytestmark = pytest.mark.multiprocess
 CHUNKS = 12
 
 
+def tiny_server(folder: Path, port: int) -> LocalServer:
+    return LocalServer("cpu-tiny", [*FAST, f"--snapshots.dir={folder}", f"--server.port={port}"])
+
+
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
-    folder = tmp_path_factory.mktemp("snapshots")
-    with LocalServer("cpu-tiny", [*FAST, f"--snapshots.dir={folder}"]) as server, \
-            LocalGateway(server.endpoint) as running:
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("snapshots")
+
+
+@pytest.fixture(scope="module")
+def server(folder: Path) -> Iterator[LocalServer]:
+    with tiny_server(folder, free_port()) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def gateway(server: LocalServer) -> Iterator[LocalGateway]:
+    with LocalGateway(server.endpoint) as running:
         yield running
 
 
@@ -74,8 +90,8 @@ def test_the_play_pages_save_button_and_fork_link_open_a_restored_session_in_chr
     sync_playwright = playwright_or_skip()
     with sync_playwright() as playwright:
         browser = launch(playwright, tmp_path / "profile")
-        player, errors = browser.new_page(), []
-        player.on("pageerror", lambda error: errors.append(str(error)))
+        errors: list[str] = []
+        player = watched_page(browser, errors)
         player.goto(gateway.url)
         wait_until(player, "() => window.worldstream.connected && !document.getElementById('start').disabled")
         assert player.is_disabled("#save") and not player.is_visible("#fork")  # no session: nothing to save
@@ -89,8 +105,7 @@ def test_the_play_pages_save_button_and_fork_link_open_a_restored_session_in_chr
         assert link and f"fork={saved['snapshot']}" in link and player.is_visible("#fork")
         wait_until(player, "() => document.getElementById('h-snapshot').textContent !== '–'")
         hud = player.inner_text("#h-snapshot")
-        forked = browser.new_page()
-        forked.on("pageerror", lambda error: errors.append(str(error)))
+        forked = watched_page(browser, errors)
         forked.goto(link)
         wait_until(forked, "() => window.worldstream.painted > 3", timeout_s=30)
         fork = forked.evaluate("() => ({opened: window.worldstream.opened, first: window.worldstream.chunks[0].index,"
@@ -106,3 +121,38 @@ def test_the_play_pages_save_button_and_fork_link_open_a_restored_session_in_chr
     assert fork["first"] == saved["chunk"] and fork["painted"] >= saved["chunk"]
     assert fork["session"] != saved["session"]
     assert forked_hud == f"forked from {saved['snapshot']} at chunk {saved['chunk']}", forked_hud
+
+
+def test_a_page_whose_server_stops_is_told_its_world_was_saved_and_its_fork_link_resumes_it_on_the_next_server(
+        server: LocalServer, gateway: LocalGateway, folder: Path, tmp_path: Path) -> None:
+    # last in the module: it ends the shared server
+    sync_playwright = playwright_or_skip()
+    with sync_playwright() as playwright:
+        browser = launch(playwright, tmp_path / "profile")
+        errors: list[str] = []
+        player = watched_page(browser, errors)
+        start_playing(player, gateway.url, ROOT / "assets" / "start.png")
+        assert server.process is not None and not player.is_visible("#fork")
+        server.process.send_signal(signal.SIGTERM)
+        wait_until(player, "() => window.worldstream.drained && window.worldstream.closed", timeout_s=60)
+        drained = player.evaluate("() => ({notice: window.worldstream.drained, closed: window.worldstream.closed, "
+                                  "painted: window.worldstream.chunks.map((c) => c.index)})")
+        link = player.get_attribute("#fork", "href")
+        hint = player.inner_text("#hint")
+        assert player.is_visible("#fork")
+        assert server.wait(60) == 0, server.log()
+        with tiny_server(folder, int(server.endpoint.rsplit(":", 1)[1])):  # back, on the same port and folder
+            resumed = watched_page(browser, errors)
+            resumed.goto(link)
+            wait_until(resumed, "() => window.worldstream.painted > 0", timeout_s=60)
+            opened = resumed.evaluate("() => window.worldstream.opened")
+            resumed.click("#stop")
+            wait_until(resumed, "() => !window.worldstream.session", timeout_s=30)
+        browser.close()
+    assert not errors
+    notice = drained["notice"]
+    assert notice["session"] == drained["closed"]["session"] and len(notice["snapshot"]) == 22, notice
+    assert drained["closed"]["reason"] == "drained" and "saved the world" in hint, (drained, hint)
+    assert link and f"fork={notice['snapshot']}" in link
+    assert max(drained["painted"]) == notice["chunk"] - 1  # every chunk below the snapshot's came, none past it
+    assert opened["restored"] == notice["snapshot"] and opened["first_chunk"] == notice["chunk"], opened

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from scripts.browser import launch, wait_until
+from scripts.browser import launch, start_playing, wait_until, watched_page
 from scripts.local_gateway import LocalGateway
 from scripts.local_server import ROOT, LocalServer
 from tests.test_web import playwright_or_skip
@@ -53,17 +53,12 @@ def test_the_play_pages_share_link_opens_a_watch_page_in_chromium(shared_server:
     sync_playwright = playwright_or_skip()
     with LocalGateway(shared_server.endpoint) as gateway, sync_playwright() as playwright:
         browser = launch(playwright, tmp_path / "profile")
-        player, errors = browser.new_page(), []
-        player.on("pageerror", lambda error: errors.append(str(error)))
-        player.goto(gateway.url)
-        wait_until(player, "() => window.worldstream.connected && !document.getElementById('start').disabled")
-        player.set_input_files("#image", str(ROOT / "assets" / "start.png"))
-        player.click("#start")
-        wait_until(player, "() => window.worldstream.painted > 0", timeout_s=30)
+        errors: list[str] = []
+        player = watched_page(browser, errors)
+        start_playing(player, gateway.url, ROOT / "assets" / "start.png")
         link = player.get_attribute("#share", "href")
         assert link and "watch=" in link and player.is_visible("#share")
-        viewer = browser.new_page()
-        viewer.on("pageerror", lambda error: errors.append(str(error)))
+        viewer = watched_page(browser, errors)
         viewer.goto(link)
         wait_until(viewer, "() => window.worldstream.watching && window.worldstream.painted > 3", timeout_s=30)
         viewer.keyboard.down("w")  # a watcher steers nothing: no input leaves the page

@@ -34,6 +34,7 @@ from ipc.client import (
     ChunkResult,
     ServerError,
     SessionClosed,
+    SessionDraining,
     SessionInfo,
     SessionMigrated,
     UnknownSession,
@@ -352,6 +353,9 @@ class Bridge:
                 self.playout.rewind()
                 self.send(pm.Migrated(session=info.id, chunk=moved.chunk, replica=moved.replica))
                 continue
+            except SessionDraining as drained:  # the server stops (no router in front): the snapshot is the way back
+                self.send(pm.Draining(session=info.id, snapshot=drained.snapshot, chunk=drained.chunk))
+                continue  # its `closed` (drained) follows
             except ServerError:
                 continue  # the session's failure or the server's end: the error pump reports it, `closed` follows
             self.timeline.append((chunk.session, chunk.facts))

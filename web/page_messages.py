@@ -136,6 +136,15 @@ class Migrated(_Out, tag="migrated"):
     replica: str
 
 
+class Draining(_Out, tag="draining"):
+    """The server stops: the session was saved as ``snapshot`` at ``chunk`` and closes next (reason ``drained``);
+    the page's fork link opens it again where a server serves."""
+
+    session: str
+    snapshot: str
+    chunk: int
+
+
 class Closed(_Out, tag="closed"):
     session: str
     reason: str | None
@@ -154,7 +163,7 @@ class Trace(_Out, tag="trace"):
     trace: dict[str, Any]
 
 
-PageMessage = Hello | Error | Opened | Watching | Chunk | Prompt | Saved | Migrated | Closed | Stats | Trace
+PageMessage = Hello | Error | Opened | Watching | Chunk | Prompt | Saved | Migrated | Draining | Closed | Stats | Trace
 
 
 def _builtin(value: Any) -> Any:

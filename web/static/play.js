@@ -90,6 +90,7 @@ function onText(message) {
     case "saved": onSaved(message); break;
     case "error": onError(message); break;
     case "migrated": showBanner(`the session moved to replica ${message.replica}: it resumes from chunk ${message.chunk}`); break;
+    case "draining": onDraining(message); break;
   }
   updateButtons();
   renderHud();
@@ -143,13 +144,26 @@ function onPrompt(message) {
   showBanner(`New prompt (revision ${message.revision}) from chunk ${message.chunk}.`, true);
 }
 
-function onSaved(message) {
-  state.saves.push(message); // the newest is what the fork link opens
-  if (state.saves.length > 100) state.saves.shift();
-  const link = new URLSearchParams({ fork: message.snapshot });
+function showForkLink(snapshot) {
+  const link = new URLSearchParams({ fork: snapshot });
   if (token) link.set("token", token);
   $("fork").href = `${location.origin}${location.pathname}?${link}`;
   $("fork").hidden = false; // a snapshot outlives its session: the link stays once the session ends
+}
+
+function onDraining(message) {
+  // The server stops and no router moves the session: it was saved, and the fork link opens it again once a
+  // server serves this gateway (the same snapshot folder).
+  state.drained = message;
+  showForkLink(message.snapshot);
+  showBanner(`The server is stopping. Your world was saved at chunk ${message.chunk}: ` +
+    "Fork from the last save resumes it once the server is back.");
+}
+
+function onSaved(message) {
+  state.saves.push(message); // the newest is what the fork link opens
+  if (state.saves.length > 100) state.saves.shift();
+  showForkLink(message.snapshot);
   showBanner(`Saved at chunk ${message.chunk} (${(message.bytes / 2 ** 20).toFixed(1)} MiB, the stream paused ` +
     `${Math.round(message.pause_s * 1000)} ms). Fork opens a new tab from there.`, true);
 }
@@ -187,7 +201,9 @@ function onClosed(message) {
   renderSummary(message);
   const why = { complete: "the session reached its length", client: "stopped", disconnect: "the client went silent",
                 failed: "a stage failed", shutdown: "the server shut down",
-                unwatched: "you stopped watching" }[message.reason] || message.reason;
+                unwatched: "you stopped watching",
+                drained: "the server stopped; it saved the world first (Fork from the last save resumes it)" }[
+    message.reason] || message.reason;
   $("hint").textContent = `Session ended: ${why}. Its trace can still be downloaded.`;
 }
 
