@@ -14,7 +14,7 @@ import zmq
 from ipc import protocol as p
 from ipc.client import Client, ClientCore, ServerError, UnknownSession
 from ipc.client_bounds import MAX_ERROR_CHARS, MAX_STRAY_SESSIONS
-from tests.test_router_core import chunk, opened
+from tests.router_fleet import chunk, opened
 
 TEN_MB = 10 * 2**20
 

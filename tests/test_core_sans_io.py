@@ -1,6 +1,6 @@
 """The coordinator core reads no clock and touches no file (issue 29): a whole session's life (open, chunks, a save,
 a restore, stats, close) with the clock and the file system made to raise while the core steps. The test's shell
-(``tests.test_core.Job``) still reads and writes the folder, between the core's steps, as ``ranks.coordinator``."""
+(``tests.core_job.Job``) still reads and writes the folder, between the core's steps, as ``ranks.coordinator``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 from ipc import protocol as p
 from runtime.core_types import Tick
 from runtime.snapshots import Budget, SnapshotStore
-from tests.test_core import A, B, Job
+from tests.core_job import A, B, Job
 from tests.test_snapshot_prompts import finish_save, run_chunk
 
 FORBIDDEN: list[tuple[Any, str]] = [

@@ -12,7 +12,7 @@ from runtime.core_types import ClientError, DecodeImage, DrainEnded, ImageDecode
 from runtime.drain import FAILED_RETRY_S, RETRY_S, Drain
 from runtime.parts import CloseSession, Hold, SaveSession, ToOwner
 from runtime.snapshots import MANIFEST
-from tests.test_core import A, B, control, image
+from tests.core_job import A, B, control, image
 from tests.test_snapshots import PARTS, save_job, written
 
 OPERATOR = "operator-token-0123456789"
@@ -99,7 +99,7 @@ def test_an_open_is_refused_busy_naming_the_drain() -> None:
     assert refusal.code == "busy" and "draining" in str(refusal) and refusal.retry_after_s
 
 
-# ---- the part in the coordinator core, played event by event (``tests.test_core.Job``, no process)
+# ---- the part in the coordinator core, played event by event (``tests.core_job.Job``, no process)
 
 
 def test_the_core_drains_a_session_holds_its_boundary_hands_it_off_and_ends(tmp_path: Path) -> None:

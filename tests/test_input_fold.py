@@ -10,7 +10,7 @@ from ipc import protocol as p
 from ipc.values import clamp_turn
 from runtime.control_service import LiveControls
 from runtime.router_types import ReplicaRefused, ToReplica
-from tests.test_router_core import A, Fleet
+from tests.router_fleet import A, Fleet
 
 LIMIT = p.MAX_MOUSE_DEGREES
 

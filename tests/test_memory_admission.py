@@ -9,7 +9,7 @@ from ipc import protocol as p
 from runtime.core_types import DecodeImage, ImageDecoded, Output, WorkerSent
 from runtime.images import DecodedImage
 from runtime.memory_admission import MemoryAdmission
-from tests.test_core import A, B, Job, control, image
+from tests.core_job import A, B, Job, control, image
 
 ROOMS = {0: 1000, 1: 1000, 2: 100, 3: 100, 4: 100, 5: 100, 6: 100}
 

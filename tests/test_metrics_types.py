@@ -13,7 +13,7 @@ from ipc import tolerant
 from ipc.metrics_types import PartialSummary, ServerStats, SessionSummary
 from ranks.prometheus import Exporter
 from runtime.core_types import ClientSent
-from tests.test_core import A, B, Job, control
+from tests.core_job import A, B, Job, control
 
 _raw = msgspec.msgpack.Decoder()
 

@@ -15,7 +15,7 @@ from ipc import protocol as p
 from ipc import tolerant
 from ipc.client import ClientCore, ServerError
 from ipc.newer_peer import PeerReader
-from tests.test_router_core import chunk
+from tests.router_fleet import chunk
 
 SID = "0000000000aa"
 

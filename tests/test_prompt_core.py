@@ -1,5 +1,5 @@
 """A new prompt mid-stream (``set_prompt``) in the coordinator core, without processes: which chunk first uses the
-new text, supersession, bad requests. The harness is ``tests.test_core``'s 7-rank job."""
+new text, supersession, bad requests. The harness is ``tests.core_job``'s 7-rank job."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from ipc import protocol as p
 from runtime.core_types import ToWorker
 from runtime.prompts import MAX_PENDING
 from runtime.router_types import ClientSent, ReplicaRefused, SessionOrigin, ToReplica
-from tests.test_core import A, B, Job, control, errors
-from tests.test_router_core import Fleet
+from tests.core_job import A, B, Job, control, errors
+from tests.router_fleet import Fleet
 
 
 def set_prompt(job: Job, sid: str, prompt: str, who: bytes = A) -> int:

@@ -8,7 +8,7 @@ import msgspec
 
 from ipc import protocol as p
 from runtime.chunk_claims import MAX_AHEAD
-from tests.test_router_core import A, opened
+from tests.router_fleet import A, opened
 from tests.test_router_migration import SNAP1, SNAP2, chunks, fleet, restore, saved, saves, snapshotted
 
 SNAP3 = "u" * 22

@@ -1,7 +1,7 @@
 """The router core at its edges, without processes (issue 21): exact load while opens cross stats replies, a
 replica's identity (its server id) deciding restarts instead of registrations and timing, the router refusing
 itself as a replica, hostile stats read as typed values, and session messages that meet a full replica link.
-Each test plays clients and replicas by feeding events to ``RouterCore`` (the ``Fleet`` of test_router_core)."""
+Each test plays clients and replicas by feeding events to ``RouterCore`` (the ``Fleet`` of ``tests.router_fleet``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from runtime.router_types import (
     ToRegistrant,
     ToReplica,
 )
-from tests.test_router_core import DEAD_S, ROUTER_ID, A, B, Fleet, opened, stats_of
+from tests.router_fleet import DEAD_S, ROUTER_ID, A, B, Fleet, opened, stats_of
 
 
 def ack(server: str, req: int = 0) -> p.HeartbeatAck:

@@ -11,7 +11,7 @@ from typing import Any
 from ipc import protocol as p
 from runtime.replicas import ReplicaStatsReply, State
 from runtime.router_types import RegisterSent, Tick, ToRegistrant, ToReplica
-from tests.test_router_core import DEAD_S, ROUTER_ID, A, B, Fleet, stats_of
+from tests.router_fleet import DEAD_S, ROUTER_ID, A, B, Fleet, stats_of
 
 STATS_S = 1.0  # the Fleet's stats interval
 

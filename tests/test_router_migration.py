@@ -28,7 +28,7 @@ from runtime.router_types import (
     ToReplica,
     ToWatchers,
 )
-from tests.test_router_core import A, Fleet, chunk, opened, stats_of
+from tests.router_fleet import A, Fleet, chunk, opened, stats_of
 
 SNAP1, SNAP2 = "s" * 22, "t" * 22
 MOVED = "0000000000ff"  # the restored session's id on its new replica

@@ -1,7 +1,7 @@
 """A session's end is one loop over its parts (``runtime.parts``): after a close and after a drop (a session that
 could not even close cleanly) no part of the coordinator core holds anything of the session, and every part the
 core has is in that loop; every client message type has its route. Pure: the core played by
-``tests.test_core.Job``."""
+``tests.core_job.Job``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ipc import protocol as p
 from runtime.core import CoordinatorCore
 from runtime.core_types import DropTensors, EndWatch
 from runtime.parts import Part
-from tests.test_core import A, B, Job, control
+from tests.core_job import A, B, Job, control
 
 W = b"watcher"
 

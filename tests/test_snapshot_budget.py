@@ -1,6 +1,6 @@
 """The snapshot folder's retention budget (``[snapshots] max_gb``, ``max_count``) without processes: the pure choice
 (``runtime.snapshots.over_budget``), the store's listing of what counts, and the coordinator core deleting the
-oldest complete snapshots after a save (``tests/test_core.Job``), what it keeps, what stats show."""
+oldest complete snapshots after a save (``tests.core_job.Job``), what it keeps, what stats show."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from runtime.config import load as load_config
 from runtime.core_types import DropSnapshotFiles, Tick, WorkerSent
 from runtime.replicas import read_stats
 from runtime.snapshots import MANIFEST, Budget, SnapshotStore, Stored, new_snapshot_id, over_budget
-from tests.test_core import A, Job, control
+from tests.core_job import A, Job, control
 from tests.test_snapshots import PARTS, write_snapshot, written
 
 SAVED_BYTES = 7 * 100  # what ``written`` puts on disk for one save: 100 bytes per stage worker

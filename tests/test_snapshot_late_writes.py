@@ -16,7 +16,7 @@ from ipc.protocol import Stage
 from runtime.core_types import DropSnapshotFiles, WorkerSent
 from runtime.late_writes import LateWrites
 from runtime.snapshots import file_name, new_snapshot_id
-from tests.test_core import A, Job, control
+from tests.core_job import A, Job, control
 from tests.test_snapshots import PARTS, save_job, written
 
 

@@ -1,6 +1,6 @@
 """Snapshots and prompt changes (and steps) together in the coordinator core, without processes: a save keeps the
 text its boundary chunk uses, a restore continues that revision and the saved steps setting, and a prompt encoded
-while a save captures starts after the boundary. Harness: ``tests.test_core``'s 7-rank job."""
+while a save captures starts after the boundary. Harness: ``tests.core_job``'s 7-rank job."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from ipc import protocol as p
 from runtime.core_types import WorkerSent
 from runtime.snapshots import Manifest, SnapshotStore
-from tests.test_core import A, Job, control
+from tests.core_job import A, Job, control
 from tests.test_prompt_core import denoised_revisions, emitted_revisions, run_chunk, scheduled, set_prompt
 from tests.test_snapshots import PARTS, written
 

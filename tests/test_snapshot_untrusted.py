@@ -41,7 +41,7 @@ from runtime.snapshots import (
     read_manifest,
     write_manifest,
 )
-from tests.test_core import A, Job
+from tests.core_job import A, Job
 from tests.test_snapshot_budget import running, save
 from tests.test_snapshots import PARTS, save_job, write_snapshot, written
 

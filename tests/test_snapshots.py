@@ -1,5 +1,5 @@
 """Snapshots without processes: ids, the manifest and its validation, the save state machine, the scheduler's
-hold and start, and the coordinator core's save and restore played event by event (``tests/test_core.Job``)."""
+hold and start, and the coordinator core's save and restore played event by event (``tests.core_job.Job``)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from runtime.snapshots import (
     new_snapshot_id,
     refusal,
 )
-from tests.test_core import A, B, Job, control
+from tests.core_job import A, B, Job, control
 
 # model "": the core's default (the tests' Job names no model)
 IDENTITY = Identity(model="", layout="cpu-tiny", world_size=7, condition=0, decode=1,
@@ -409,7 +409,7 @@ def test_synthetic_stages_restored_from_their_state_produce_the_same_next_chunks
 
 
 def test_the_router_passes_a_save_to_the_sessions_replica_and_its_saved_back_to_the_owner_only() -> None:
-    from tests.test_router_core import Fleet
+    from tests.router_fleet import Fleet
 
     fleet = Fleet()
     fleet.up("a", "b")

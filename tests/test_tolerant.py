@@ -11,8 +11,8 @@ from ipc import tolerant
 from ipc.client import Client
 from scripts.local_router import LocalRouter
 from tests.fake_replica import FakeReplica
+from tests.router_fleet import chunk
 from tests.test_router import wait_for
-from tests.test_router_core import chunk
 
 NEWER = {"hint": "from a newer version", "budget": {"ms": 3}}
 

@@ -1,6 +1,6 @@
 """Spectators without processes: the watcher bookkeeping (``runtime.watchers.Watchers``), each watcher's outbox
 (``Feeds``) with a send that fails the way a ROUTER socket does, and the coordinator core's rules for watchers
-(played by ``tests.test_core.Job``)."""
+(played by ``tests.core_job.Job``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ipc import protocol as p
 from runtime.client_types import ClientError, ClientSent, ClientUnreachable, EndWatch, Tick
 from runtime.core_types import EmitChunk
 from runtime.watchers import Feeds, Watchers
-from tests.test_core import A, B, Job, control
+from tests.core_job import A, B, Job, control
 
 W1, W2, W3 = b"watcher-1", b"watcher-2", b"watcher-3"
 
