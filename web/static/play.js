@@ -16,6 +16,7 @@ const state = {
   painted: 0, paintLog: [], orderErrors: 0, droppedPage: 0, droppedGateway: { superseded: 0, late: 0 },
   i2p: [], c2o: [], gatewayI2p: [], paintTimes: [], chunkTimes: [], bytes: 0, bytesLog: [],
   errors: [], stats: null, lastApplied: -1,
+  drained: null,       // the server's `draining` notice: the session was saved as it stopped
 };
 window.worldstream = state; // (and `window.worldstream.input`, below)
 
@@ -101,7 +102,7 @@ function onOpened(message) {
     session: message.session, opened: message, closed: null, busyTries: 0, chunks: [], chunkByIndex: new Map(),
     painted: 0, paintLog: [], orderErrors: 0, droppedPage: 0, i2p: [], c2o: [], gatewayI2p: [], paintTimes: [],
     chunkTimes: [], bytes: 0, bytesLog: [], lastApplied: -1, stats: null, prompts: [], watching: !!message.watching,
-    missed: 0, saves: [],
+    missed: 0, saves: [], drained: null,
   });
   forkOf = null; // the fork link's session is open: Start opens new ones from an image
   $("fork").hidden = true; // until this session is saved
