@@ -29,7 +29,6 @@ Sequence parallelism is applied from outside with ``apply_sequence_parallel(mode
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Protocol
@@ -56,11 +55,13 @@ def float_param(module: nn.Module, name: str) -> torch.Tensor:
     weight: torch.Tensor = getattr(module, name)
     if weight.dtype == torch.float32 or torch.compiler.is_compiling():
         return weight.float()
-    version = -1 if weight.is_inference() else weight._version
-    memo: dict[str, tuple[weakref.ref, int, torch.Tensor]] = module.__dict__.setdefault("_float_params", {})
+    # ``module.to()`` swaps a parameter's storage in place (same tensor, same version): its address, device and
+    # dtype tell. The weight is held (a norm gain or the head: small) so that ``is`` never meets a reused id.
+    key = (weight.data_ptr(), weight.device, weight.dtype, -1 if weight.is_inference() else weight._version)
+    memo: dict[str, tuple[torch.Tensor, tuple, torch.Tensor]] = module.__dict__.setdefault("_float_params", {})
     held = memo.get(name)
-    if held is None or held[0]() is not weight or held[1] != version:
-        held = memo[name] = (weakref.ref(weight), version, weight.detach().float())
+    if held is None or held[0] is not weight or held[1] != key:
+        held = memo[name] = (weight, key, weight.detach().float())
     return held[2]
 
 

@@ -129,7 +129,7 @@ def load_state_dict_strict(
             assert tensors is not None
             for name, value in tensors.items():
                 _copy(params[name], value, name)
-    model._time_memo.clear()
+    model._forget_derived()
     return model
 
 
@@ -168,7 +168,7 @@ def random_dit(cfg: DiTConfig, device: torch.device | str = "cpu", dtype: torch.
 
     model = random_module(lambda: WanModelFast(cfg), device, dtype or default_dtype(device), seed, std_of)
     assert isinstance(model, WanModelFast)
-    model._time_memo.clear()
+    model._forget_derived()
     return model
 
 

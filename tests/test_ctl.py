@@ -140,18 +140,29 @@ def test_drain_without_the_operator_token_is_refused_and_the_server_serves_on(fl
 
 
 def test_the_sdks_drain_with_a_wrong_operator_token_or_at_a_router_raises_and_nothing_drains(fleet: Fleet) -> None:
-    with Client(fleet.server.endpoint, token_file=str(fleet.token_file), timeout_s=60) as client:
-        with pytest.raises(ServerError) as refused:
-            client.drain(TOKEN)  # the client token is not the operator's
-        assert refused.value.code == "unauthorized"
+    """Both SDKs, both refusals: ``unauthorized`` with the client token in place of the operator's at a server, and
+    ``bad_request`` at a router (it is drained by its replicas' signals, not by a client)."""
+    server, router = fleet.server.endpoint, fleet.router.endpoint
+    refusals = {}
+    with Client(server, token_file=str(fleet.token_file), timeout_s=60) as client, \
+            Client(router, token_file=str(fleet.token_file), timeout_s=60) as routed:
+        for name, endpoint, token in (("server", client, TOKEN), ("router", routed, OPERATOR)):
+            with pytest.raises(ServerError) as refused:
+                endpoint.drain(token)
+            refusals[f"sync {name}"] = refused.value
 
-    async def at_the_router() -> str:
-        async with AsyncClient(fleet.router.endpoint, token_file=str(fleet.token_file), timeout_s=60) as client:
-            with pytest.raises(BadRequest) as refused:
-                await client.drain(OPERATOR)  # a router is drained by its replicas' signals, not by a client
-            return refused.value.code
+    async def both() -> None:
+        for name, endpoint, token in (("server", server, TOKEN), ("router", router, OPERATOR)):
+            async with AsyncClient(endpoint, token_file=str(fleet.token_file), timeout_s=60) as client:
+                with pytest.raises(ServerError) as refused:
+                    await client.drain(token)
+                refusals[f"async {name}"] = refused.value
 
-    assert asyncio.run(at_the_router()) == "bad_request"
+    asyncio.run(both())
+    codes = {name: error.code for name, error in refusals.items()}
+    assert codes == {"sync server": "unauthorized", "sync router": "bad_request", "async server": "unauthorized",
+                     "async router": "bad_request"}, codes
+    assert isinstance(refusals["sync router"], BadRequest) and isinstance(refusals["async router"], BadRequest)
     until_ready(fleet)
     assert json.loads(run_ctl("ready", "--probe", fleet.server_probes).stdout)["draining"] is False
 

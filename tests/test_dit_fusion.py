@@ -68,6 +68,16 @@ def test_a_replaced_norm_gain_is_cast_anew_even_at_the_old_weights_address() -> 
     assert bool((float_param(norm, "weight") == 0.25).all()) and not bool((first == 0.25).all())
 
 
+def test_a_model_moved_or_cast_after_a_cast_gets_its_gains_cast_from_the_moved_weights() -> None:
+    """``module.to()`` swaps each parameter's storage in place: the same tensor, the same version."""
+    model = WanModelFast(DiTConfig.from_name("tiny")).to(torch.bfloat16)
+    norm = model.blocks[0].self_attn.norm_q
+    first = float_param(norm, "weight")
+    model.to(torch.float16)
+    again = float_param(norm, "weight")
+    assert again is not first and torch.equal(again, norm.weight.float())
+
+
 def test_loading_a_state_dict_forgets_every_cast_even_into_inference_tensors() -> None:
     """Weights made under ``inference_mode`` have no version counter: a load copied into them in place is seen only
     because ``load_state_dict`` forgets the casts."""

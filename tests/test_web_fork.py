@@ -136,9 +136,12 @@ def test_a_page_whose_server_stops_is_told_its_world_was_saved_and_its_fork_link
         server.process.send_signal(signal.SIGTERM)
         wait_until(player, "() => window.worldstream.drained && window.worldstream.closed", timeout_s=60)
         drained = player.evaluate("() => ({notice: window.worldstream.drained, closed: window.worldstream.closed, "
-                                  "painted: window.worldstream.chunks.map((c) => c.index)})")
+                                  "arrived: window.worldstream.chunks.map((c) => c.index)})")
         link = player.get_attribute("#fork", "href")
         hint = player.inner_text("#hint")
+        ended = "() => window.worldstream.errors.some((e) => ['shutdown', 'server_gone'].includes(e.code))"
+        wait_until(player, ended, timeout_s=60)
+        banner = player.inner_text("#banner-text")  # the server's end, heard after the notice, does not replace it
         assert player.is_visible("#fork")
         assert server.wait(60) == 0, server.log()
         with tiny_server(folder, int(server.endpoint.rsplit(":", 1)[1])):  # back, on the same port and folder
@@ -153,6 +156,7 @@ def test_a_page_whose_server_stops_is_told_its_world_was_saved_and_its_fork_link
     notice = drained["notice"]
     assert notice["session"] == drained["closed"]["session"] and len(notice["snapshot"]) == 22, notice
     assert drained["closed"]["reason"] == "drained" and "saved the world" in hint, (drained, hint)
+    assert f"saved at chunk {notice['chunk']}" in banner, banner
     assert link and f"fork={notice['snapshot']}" in link
-    assert max(drained["painted"]) == notice["chunk"] - 1  # every chunk below the snapshot's came, none past it
+    assert max(drained["arrived"]) == notice["chunk"] - 1  # every chunk below the snapshot's came, none past it
     assert opened["restored"] == notice["snapshot"] and opened["first_chunk"] == notice["chunk"], opened

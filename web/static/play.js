@@ -203,7 +203,8 @@ function onClosed(message) {
   const why = { complete: "the session reached its length", client: "stopped", disconnect: "the client went silent",
                 failed: "a stage failed", shutdown: "the server shut down",
                 unwatched: "you stopped watching",
-                drained: "the server stopped; it saved the world first (Fork from the last save resumes it)" }[
+                drained: state.drained ? "the server stopped; it saved the world first (Fork from the last save " +
+                  "resumes it)" : "the server stopped; it saved the world first, and its player can resume it" }[
     message.reason] || message.reason;
   $("hint").textContent = `Session ended: ${why}. Its trace can still be downloaded.`;
 }
@@ -228,6 +229,8 @@ function onError(error) {
     state.busyTries++;
     return retryLater(error, error.retry_after_s);
   }
+  // the server's end after a drain is expected: the banner keeps saying the world was saved and how to resume it
+  if (state.drained && !state.session && (error.code === "shutdown" || error.code === "server_gone")) return;
   const meaning = state.hello && state.hello.errors[error.code]; // the gateway's words for a code without ours
   const text = (ERRORS[error.code] || ((e) => `${meaning || e.code}: ${e.message}`))(error);
   showBanner(text);
