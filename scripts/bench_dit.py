@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from models.kv_cache import new_kv_cache
 from models.lingbot_denoise import NoiseSource, denoise_chunk
 from models.schedule import FlowMatchSchedule
 from scripts.bench_json import out_path, parse_args, write_json
+from scripts.ports import free_port
 
 # (preset, latent height, latent width): the tiny fixture grid and a small 64x96-pixel stream.
 CASES = [("tiny", 4, 6), ("small", 8, 12)]
@@ -98,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     sp1 = {f"{p}_{h}x{w}": measure(p, h, w, args.chunks, None) for p, h, w in cases}
     with tempfile.TemporaryDirectory() as tmp:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_worker, args=(port, args.chunks, tmp, cases), nprocs=SP_RANKS, join=True)
+        mp.spawn(_worker, args=(free_port(), args.chunks, tmp, cases), nprocs=SP_RANKS, join=True)
         sp5 = json.loads((Path(tmp) / "sp.json").read_text())
     flops = {f"{p}_{h}x{w}": chunk_flops(DiTConfig.from_name(p), h, w) for p, h, w in cases}
     for name, (lh, lw) in {

@@ -31,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import Client, SessionMigrated
 from scripts.bench_json import out_path, parse_args, write_json
-from scripts.local_router import LocalRouter, free_port, replica_of, wait_for
+from scripts.local_router import LocalRouter, replica_of, wait_for
 from scripts.local_server import ROOT, LocalServer
+from scripts.ports import free_port
 
 IMAGE = (ROOT / "assets" / "start.png").read_bytes()
 COSTS = ["--synthetic.encode_s=0.025", "--synthetic.denoise_s=0.06", "--synthetic.decode_s=0.03"]

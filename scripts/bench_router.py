@@ -39,7 +39,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import sys
 import threading
 import time
@@ -59,15 +58,10 @@ from scripts.bench_json import out_path, parse_args, write_json
 from scripts.client import Played, load_trace, play
 from scripts.local_router import LocalRouter, Streamer
 from scripts.local_server import ROOT, LocalServer
+from scripts.ports import free_port
 
 WARMUP = 2
 IDLE_S = 5.0  # the router's idle CPU is measured this long (``--idle-s``)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import threading
 import time
 import traceback
@@ -22,12 +21,7 @@ from models.dit_config import DiTConfig
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.stages import SessionSpec
 from scripts.gpu_base import LAYOUTS, Sizes, chunk_times, geometry_of, timed
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from scripts.ports import free_port
 
 
 def multi_gpu_stage(cfg: DiTConfig, sizes: Sizes, device: torch.device, dtype: torch.dtype,
@@ -132,7 +126,7 @@ def multi_gpu_world(sizes: Sizes, world: int, backend: str = "nccl") -> dict[str
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_multi_gpu_worker, args=(world, _free_port(), sizes.tiny, tmp, backend), nprocs=world, join=True)
+        mp.spawn(_multi_gpu_worker, args=(world, free_port(), sizes.tiny, tmp, backend), nprocs=world, join=True)
         return json.loads((Path(tmp) / "multi.json").read_text())
 
 

@@ -12,7 +12,6 @@ failover test and benchmark kill replicas under it).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -23,12 +22,6 @@ from typing import Any
 
 from ipc.client import Client, ServerError
 from scripts.local_server import LocalProcess
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float) -> float:

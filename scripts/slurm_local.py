@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from scripts.ports import free_port
+
 DAEMONS = {"munged": "/usr/sbin/munged", "slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd"}
 CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "sinfo")
 NODE_CPUS = 1024  # claimed, not real: every recipe's --cpus-per-task fits, for several jobs at once
@@ -41,12 +43,6 @@ def missing() -> list[str]:
     if os.geteuid() != 0:
         lacks.append("root (slurmd starts jobs as their user and needs root)")
     return lacks
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def slurm_conf(folder: Path, node: str, ctld_port: int, slurmd_port: int) -> str:

@@ -12,12 +12,12 @@ from collections.abc import Iterator
 import pytest
 
 from scripts.local_server import LocalServer
-from tests.shared import SHARED_FLAGS
+from tests.shared import shared_flags
 
 
 @pytest.fixture(scope="session")
 def shared_server() -> Iterator[LocalServer]:
-    with LocalServer("cpu-tiny", SHARED_FLAGS) as server:
+    with LocalServer("cpu-tiny", shared_flags()) as server:
         yield server
     assert server.process is not None
     code = server.process.returncode

@@ -3,31 +3,35 @@ test reads a server's messages on a bare socket (``read_server``)."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from ipc import chunk_wire, protocol
+from scripts.ports import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-PROMETHEUS_PORT = free_port()
 CLIENT_TIMEOUT_S = 2.0
 MAX_SESSIONS = 4
 MAX_CHUNKS = 500
 MAX_IMAGE_PIXELS = 65536
 FAST = ["--synthetic.encode_s=0.01", "--synthetic.denoise_s=0.03", "--synthetic.decode_s=0.015"]
-SHARED_FLAGS = [*FAST, "--model.kind=tests.faulty_backend:build", f"--metrics.prometheus_port={PROMETHEUS_PORT}",
-                f"--server.client_timeout_s={CLIENT_TIMEOUT_S}", f"--server.max_sessions={MAX_SESSIONS}",
+SHARED_FLAGS = [*FAST, "--model.kind=tests.faulty_backend:build", f"--server.client_timeout_s={CLIENT_TIMEOUT_S}",
+                f"--server.max_sessions={MAX_SESSIONS}",
                 f"--server.max_chunks={MAX_CHUNKS}", f"--server.max_image_pixels={MAX_IMAGE_PIXELS}",
                 "--server.send_hwm=4"]  # fmt: skip
+
+
+def shared_flags() -> list[str]:
+    """The shared server's flags, with a Prometheus port drawn when it starts (a port drawn earlier may be taken
+    by then)."""
+    return [*SHARED_FLAGS, f"--metrics.prometheus_port={free_port()}"]
+
+
+def prometheus_port(server: Any) -> int:
+    """The Prometheus port a ``LocalServer`` was started with (its ``--metrics.prometheus_port`` flag)."""
+    flag = "--metrics.prometheus_port="
+    return int(next(arg for arg in reversed(server.overrides) if arg.startswith(flag))[len(flag):])
 
 
 def read_server(sock: zmq.Socket, decode: Callable[..., Any] = protocol.decode) -> Any:

@@ -7,7 +7,6 @@ and through a router, before the change.
 from __future__ import annotations
 
 import hashlib
-import socket
 import time
 from collections.abc import Iterator
 
@@ -19,6 +18,7 @@ from ipc import protocol
 from ipc.client import Client
 from scripts.local_router import LocalRouter
 from scripts.local_server import ROOT, LocalServer
+from scripts.ports import free_port
 from tests.fake_replica import FakeReplica
 from tests.fake_replica import chunk_parts as fake_chunk_parts
 
@@ -32,12 +32,6 @@ DIGESTS = ["8f924e69d0d599c5527fc89088d1e2c40e801da69133ae3283c889fa74ba46e9",
            "63b20c2f48c52ab4ab96bbc3227807eb02b754b847ce047810bccb4eef40109a",
            "11ebcd885a9870a364fc7be32b1727fe42457749f96d6111dfb6386aac0c8f2d",
            "3708992a9b469fe3a7486d461b7724d0eb0dfb2139145bdc7ef75c11213d3d9f"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for_up(router: LocalRouter, timeout_s: float = 60) -> None:

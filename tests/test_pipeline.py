@@ -25,7 +25,7 @@ from ipc.client import Client, ServerError
 from models.camera import intrinsics_at
 from models.controls import OFFICIAL_INTRINSICS
 from scripts.local_server import ROOT, LocalServer
-from tests.shared import FAST, PROMETHEUS_PORT, read_server
+from tests.shared import FAST, prometheus_port, read_server
 from tests.test_synthetic import horizontal_shift
 
 pytestmark = pytest.mark.multiprocess
@@ -199,20 +199,20 @@ def test_a_session_summary_is_complete_and_its_trace_puts_every_span_inside_its_
         assert span["ts"] + span["dur"] <= window["ts"] + window["dur"] + slack_us, span
 
 
-def prometheus() -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{PROMETHEUS_PORT}/metrics", timeout=10).read().decode()
+def prometheus(server: LocalServer) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{prometheus_port(server)}/metrics", timeout=10).read().decode()
     return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
             if line and not line.startswith("#")}
 
 
 def test_prometheus_endpoint_serves_counters_and_latency_histograms(server: LocalServer) -> None:
-    before = prometheus()
+    before = prometheus(server)
     with Client(server.endpoint) as client:
         stream(client, "w", chunks=2)
         client.send_raw(b"not msgpack")
         error = client.error(timeout_s=10)
     assert error is not None and error.code == "bad_message"
-    values = prometheus()
+    values = prometheus(server)
     reject = 'worldstream_rejects_total{reason="bad_message"}'
     assert values["worldstream_chunks_emitted_total"] >= before.get("worldstream_chunks_emitted_total", 0) + 2
     assert values["worldstream_control_to_output_seconds_count"] == values["worldstream_chunks_emitted_total"]

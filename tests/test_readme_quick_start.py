@@ -9,7 +9,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ipc.client import Client
+from scripts.ports import free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,12 +45,6 @@ ROUTER = commands(section_blocks("Many replicas behind a router")[0])
 PLAY = commands(section_blocks("Play in a browser")[0])
 SDK = section_blocks("The client SDK in ten lines", "python")[0]
 RUN_AS_WRITTEN = frozenset(CPU_SERVER_AND_CLIENT + ROUTER + PLAY)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def localised(command: str, ports: dict[int, int]) -> list[str]:

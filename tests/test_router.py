@@ -23,8 +23,9 @@ import zmq
 from ipc import protocol
 from ipc.client import Busy, Client, ServerError, ServerGone
 from ipc.metrics_types import SessionSummary
-from scripts.local_router import LocalRouter, Streamer, free_port, replica_of, wait_for
+from scripts.local_router import LocalRouter, Streamer, replica_of, wait_for
 from scripts.local_server import ROOT, LocalServer
+from scripts.ports import free_port
 from tests.shared import read_server
 
 pytestmark = pytest.mark.multiprocess

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from models.dit_config import DiTConfig
 from models.lingbot_denoise import LingbotDenoiseStage
 from models.stages import SessionSpec, StreamGeometry
 from models.ulysses import Ulysses
+from scripts.ports import free_port
 
 RANKS = 5
 CHUNKS = 4  # window 8 frames, sink 2, chunk 3: chunks 2 and 3 evict
@@ -66,15 +66,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiprocess
 def test_five_gloo_ranks_produce_the_one_process_stream_including_padded_shards(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=RANKS, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=RANKS, join=True)
     reference = run_stream(None)
     x = torch.arange(7 * 5 * 2, dtype=torch.float32).view(7, 5, 2)
     for rank in range(RANKS):

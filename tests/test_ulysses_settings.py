@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from models.dit import DiTConfig
-from tests.test_ulysses import RANKS, _free_port, run_stream
+from scripts.ports import free_port
+from tests.test_ulysses import RANKS, run_stream
 
 # name: (fused_qkv, overlap_all_to_all)
 SETTINGS = {"default": (False, False), "fused": (True, False), "overlap": (False, True), "both": (True, True)}
@@ -44,7 +45,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.multiprocess
 def test_each_setting_on_five_gloo_ranks_matches_the_unsharded_model_within_the_golden_bound(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=RANKS, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=RANKS, join=True)
     reference = stream(None)
     bound = golden_bound(reference)
     for rank in range(RANKS):
