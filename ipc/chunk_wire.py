@@ -69,7 +69,9 @@ def check_parts(frames_part: int, shape: tuple[int, int, int, int] | None, parts
     if len(parts) != want:
         where = "inside its map" if frames_part == 0 else f"in ZeroMQ part {frames_part}"
         raise protocol.ProtocolViolation(f"a chunk with its frames {where} is {want} ZeroMQ frames, got {len(parts)}")
-    if frames_part == 0:
+    if frames_part == 0:  # frames inside the map (before version 4): their length is checked against the shape later
+        if shape is not None and (shape[3] != 3 or not all(0 <= side <= MAX_SIDE for side in shape)):  # no -1 there
+            raise protocol.ProtocolViolation(f"a chunk's shape {shape} is no [n, height, width, 3] of frames")
         return
     if shape is None:
         raise protocol.ProtocolViolation("a chunk with its frames in a ZeroMQ part of their own has no shape")

@@ -95,6 +95,13 @@ def map_only(session: str, frames_part: int, frames_inside: bytes = b"", **field
     return msgspec.msgpack.encode({**raw, "frames_part": frames_part, "frames": frames_inside, **fields})
 
 
+def inline_map(**fields: object) -> bytes:
+    """A chunk of a server before version 4 (its 480 bytes of frames inside its map), ``fields`` unchecked."""
+    raw = msgspec.msgpack.decode(protocol.encode(protocol.Chunk(session="bad", frames=bytes(480), shape=(2, 8, 10, 3),
+                                                                facts=facts(), v=3)))
+    return msgspec.msgpack.encode({**raw, **fields})
+
+
 MALFORMED: dict[str, tuple[list[bytes], str]] = {
     "the frames part missing": ([v4("bad")[0]], "a chunk with its frames in ZeroMQ part 1 is 2 ZeroMQ frames, got 1"),
     "a part too many": ([*v4("bad"), b"more"], "is 2 ZeroMQ frames, got 3"),
@@ -109,6 +116,12 @@ MALFORMED: dict[str, tuple[list[bytes], str]] = {
                                           b"extra"], "a chunk with its frames inside its map is 1 ZeroMQ frames"),
     "a zero side and a huge one with an empty frames part": ([map_only("bad", 1, shape=[0, 2**63 - 1, 1, 3]), b""],
                                                              "frames part of 0 bytes does not match its shape"),
+    "inline frames under a shape with a side to be worked out": (
+        [inline_map(shape=[-1, 8, 10, 3])],
+        "shape (-1, 8, 10, 3)"),  # numpy's reshape would work the -1 out: refused by the SDK and the router
+    "inline frames of four channels": (
+        [inline_map(shape=[2, 6, 10, 4])],
+        "shape (2, 6, 10, 4)"),
     "a reply in two parts": ([protocol.encode(protocol.Accepted(req=3, session="bad", index=0)), b"x"],
                              "a accepted message is one ZeroMQ frame, got 2"),
 }
