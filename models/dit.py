@@ -360,6 +360,11 @@ class WanModelFast(nn.Module):
         self._time_memo.clear()
         forget_float_params(self)
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
+        super()._apply(fn, recurse)  # a move or cast: no float32 gain of the old weights stays on their device
+        forget_float_params(self)
+        return self
+
     def set_qkv_exchange(self, fused_qkv: bool, overlap_all_to_all: bool) -> None:
         """The q/k/v projection and the Ulysses exchange as ``DiTConfig`` names them, on every block: a model built
         for another stage (benchmarks share one) then runs this stage's settings."""

@@ -74,6 +74,7 @@ def test_a_model_moved_or_cast_after_a_cast_gets_its_gains_cast_from_the_moved_w
     norm = model.blocks[0].self_attn.norm_q
     first = float_param(norm, "weight")
     model.to(torch.float16)
+    assert "_float_params" not in norm.__dict__  # dropped by the move: no copy is kept on the old device
     again = float_param(norm, "weight")
     assert again is not first and torch.equal(again, norm.weight.float())
 
