@@ -45,7 +45,7 @@ def watched_page(browser: Any, errors: list[str]) -> Any:
     return page
 
 
-def start_playing(page: Any, url: str, image: str | Path, timeout_s: float = 30.0) -> None:
+def start_playing(page: Any, url: str, image: str | Path, timeout_s: float = 60.0) -> None:
     """Open the play page at ``url``, start a session from ``image`` and return once its first frame is drawn."""
     page.goto(url)
     wait_until(page, "() => window.worldstream.connected && !document.getElementById('start').disabled")
